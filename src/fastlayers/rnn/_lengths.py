@@ -1,0 +1,77 @@
+"""Length handling: from a lengths vector to the time segments and row indices of the fused path.
+
+Legend: T time (padded), B batch, N = sum(lengths) valid steps.
+
+Sequences are sorted by length (longest first, stable). At time t the active sequences are then
+a prefix of the sorted batch of size ``batch_sizes[t] = #{b : len_b > t}`` (the same numbers a
+PackedSequence carries). Consecutive steps with the same active count form one *segment*; each
+segment is run by one call of a fused recurrent kernel on a contiguous (T_s, n_s, F) block.
+
+The valid rows of a padded batch, taken in segment order, are the "packed" rows. For the reverse
+direction each sequence is read back to front from its own last step, so its packed rows point at
+time ``len_b - 1 - t`` instead of ``t``; running the forward recurrence over those rows *is* the
+length-aware reverse direction (flax's ``flip_sequences`` idea, done as one gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LengthPlan:
+    """Everything the fused varlen path needs, computed once per forward call.
+
+    Attributes:
+        sorted_indices: (B,) int64, batch order longest-first (stable).
+        unsorted_indices: (B,) int64, inverse permutation of ``sorted_indices``.
+        segments: tuple of (steps, active) per segment, in time order; ``active`` decreases.
+        forward_rows: (N,) int64, flat row index (into the padded input viewed as (T*B, F) or
+            (B*T, F) when batch_first) of each packed row, forward direction.
+        reverse_rows: (N,) int64, the same for the reverse direction.
+        num_rows: T * B, rows of the padded tensor.
+    """
+
+    sorted_indices: Tensor
+    unsorted_indices: Tensor
+    segments: tuple[tuple[int, int], ...]
+    forward_rows: Tensor
+    reverse_rows: Tensor
+    num_rows: int
+
+
+def make_plan(lengths: Tensor, max_len: int, batch_first: bool, device: torch.device) -> LengthPlan:
+    """Build the plan for a validated CPU int64 ``lengths`` of shape (B,) and padded length T."""
+    batch = lengths.numel()
+    sorted_lengths, sorted_indices = torch.sort(lengths, descending=True, stable=True)
+    unsorted_indices = torch.empty_like(sorted_indices)
+    unsorted_indices[sorted_indices] = torch.arange(batch)
+    longest = int(sorted_lengths[0])
+    steps = torch.arange(longest)
+    # batch_sizes[t] = number of sequences still running at step t
+    batch_sizes = (lengths.unsqueeze(0) > steps.unsqueeze(1)).sum(1)
+    change = torch.nonzero(batch_sizes[1:] != batch_sizes[:-1]).flatten() + 1
+    bounds = [0, *change.tolist(), longest]
+    active = batch_sizes[torch.tensor(bounds[:-1], dtype=torch.int64)].tolist()
+    segments = tuple((b - a, n) for a, b, n in zip(bounds[:-1], bounds[1:], active))
+
+    time = torch.repeat_interleave(steps, batch_sizes)  # (N,) step of each packed row
+    offsets = torch.cumsum(batch_sizes, 0) - batch_sizes
+    slot = torch.arange(time.numel()) - offsets[time]  # position within the sorted batch
+    seq = sorted_indices[slot]  # original batch index
+    rev_time = lengths[seq] - 1 - time
+    if batch_first:
+        fwd, rev = seq * max_len + time, seq * max_len + rev_time
+    else:
+        fwd, rev = time * batch + seq, rev_time * batch + seq
+    return LengthPlan(
+        sorted_indices=sorted_indices.to(device),
+        unsorted_indices=unsorted_indices.to(device),
+        segments=segments,
+        forward_rows=fwd.to(device),
+        reverse_rows=rev.to(device),
+        num_rows=max_len * batch,
+    )
