@@ -1,0 +1,89 @@
+"""Bad input gets a clear error naming the argument, with expected vs got."""
+
+import pytest
+import torch
+
+import fastlayers
+
+
+@pytest.fixture
+def lstm():
+    return fastlayers.LSTM(4, 5, num_layers=2, bidirectional=True)
+
+
+def test_wrong_rank(lstm):
+    with pytest.raises(ValueError, match=r"input: expected a 2-D or 3-D tensor .* got 4-D"):
+        lstm(torch.randn(2, 3, 4, 4))
+
+
+def test_feature_size_mismatch(lstm):
+    with pytest.raises(ValueError, match=r"input: expected feature size input_size = 4 .* got 7"):
+        lstm(torch.randn(6, 3, 7))
+
+
+def test_integer_input(lstm):
+    with pytest.raises(TypeError, match=r"input: expected a floating-point tensor, got dtype torch.int64"):
+        lstm(torch.ones(6, 3, 4, dtype=torch.int64))
+
+
+def test_input_dtype_vs_parameters(lstm):
+    with pytest.raises(TypeError, match=r"input: expected dtype torch.float32 .* got torch.float64"):
+        lstm(torch.randn(6, 3, 4, dtype=torch.float64))
+
+
+def test_non_tensor_input(lstm):
+    with pytest.raises(TypeError, match=r"input: expected a torch.Tensor, got list"):
+        lstm([[1.0, 2.0]])
+
+
+def test_float_lengths(lstm):
+    with pytest.raises(TypeError, match=r"lengths: expected an integer tensor, got dtype torch.float32"):
+        lstm(torch.randn(6, 3, 4), lengths=torch.tensor([6.0, 2.0, 3.0]))
+    with pytest.raises(TypeError, match=r"lengths: expected a sequence of ints, got an element of type float"):
+        lstm(torch.randn(6, 3, 4), lengths=[6, 2.0, 3])
+
+
+def test_lengths_wrong_size(lstm):
+    with pytest.raises(ValueError, match=r"lengths: expected 3 lengths .* got 2"):
+        lstm(torch.randn(6, 3, 4), lengths=[6, 2])
+    with pytest.raises(ValueError, match=r"lengths: expected a 1-D tensor of shape \(3,\), got shape \(3, 1\)"):
+        lstm(torch.randn(6, 3, 4), lengths=torch.tensor([[6], [2], [3]]))
+
+
+@pytest.mark.parametrize("bad,msg", [(0, r"must be >= 1, got 0"), (-2, r"must be >= 1, got -2"),
+                                     (7, r"must be <= T = 6 .* got 7")])
+def test_lengths_out_of_range(lstm, bad, msg):
+    with pytest.raises(ValueError, match="lengths: every length " + msg):
+        lstm(torch.randn(6, 3, 4), lengths=[6, bad, 3])
+
+
+def test_lengths_with_packed_sequence(lstm):
+    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(6, 3, 4), [6, 5, 2])
+    with pytest.raises(ValueError, match=r"lengths: expected None for PackedSequence input"):
+        lstm(packed, lengths=[6, 5, 2])
+
+
+def test_hx_wrong_shape(lstm):
+    x = torch.randn(6, 3, 4)
+    with pytest.raises(ValueError, match=r"hx\[0\] \(h_0\): expected shape \(4, 3, 5\) .* got \(2, 3, 5\)"):
+        lstm(x, (torch.zeros(2, 3, 5), torch.zeros(4, 3, 5)), lengths=[6, 5, 2])
+    with pytest.raises(ValueError, match=r"hx\[1\] \(c_0\): expected shape \(4, 3, 5\) .* got \(4, 3, 6\)"):
+        lstm(x, (torch.zeros(4, 3, 5), torch.zeros(4, 3, 6)))
+    with pytest.raises(TypeError, match=r"hx: expected a tuple \(h_0, c_0\) of two tensors, got Tensor"):
+        lstm(x, torch.zeros(4, 3, 5))
+    gru = fastlayers.GRU(4, 5)
+    with pytest.raises(ValueError, match=r"hx: expected shape \(1, 3, 5\) .* got \(1, 2, 5\)"):
+        gru(x, torch.zeros(1, 2, 5), lengths=[6, 5, 2])
+
+
+def test_hx_wrong_dtype(lstm):
+    x = torch.randn(6, 3, 4)
+    with pytest.raises(TypeError, match=r"hx\[0\] \(h_0\): expected dtype torch.float32 .* got torch.float64"):
+        lstm(x, (torch.zeros(4, 3, 5, dtype=torch.float64), torch.zeros(4, 3, 5)), lengths=[6, 5, 2])
+
+
+def test_bad_lengths_type(lstm):
+    with pytest.raises(TypeError, match=r"lengths: expected a 1-D integer tensor or a sequence of ints, got str"):
+        lstm(torch.randn(6, 3, 4), lengths="6,5,2")
+    with pytest.raises(TypeError, match=r"lengths: expected an integer tensor, got dtype torch.bool"):
+        lstm(torch.randn(6, 3, 4), lengths=torch.tensor([True, True, True]))
