@@ -1,0 +1,372 @@
+"""Verified comparison: prove candidates compute the same function and gradients, then time them.
+
+For every candidate: forward and forward+backward wall time (median and spread over interleaved
+repeats after warm-up; CUDA synchronised), backward/forward ratio, peak memory of one
+forward+backward call, and the max relative error of the output and of every gradient against a
+reference (default: the first candidate evaluated in float64). Flags: ``value mismatch``,
+``gradient mismatch: <name>``, ``missing gradient: <name>``, ``cliff``.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+Inputs = Mapping[str, Tensor]
+Candidate = Callable[..., Any]
+
+
+@dataclass
+class CandidateResult:
+    """Measurements of one candidate. Times in seconds, memory in bytes, errors relative."""
+
+    name: str
+    forward_s: list[float] = field(default_factory=list)
+    forward_backward_s: list[float] = field(default_factory=list)
+    peak_memory_bytes: int | None = None
+    output_error: float | None = None
+    grad_errors: dict[str, float] = field(default_factory=dict)
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def forward_median(self) -> float:
+        return statistics.median(self.forward_s) if self.forward_s else float("nan")
+
+    @property
+    def forward_backward_median(self) -> float:
+        return statistics.median(self.forward_backward_s) if self.forward_backward_s else float("nan")
+
+    @property
+    def backward_ratio(self) -> float:
+        """(forward+backward) / forward, medians."""
+        return self.forward_backward_median / self.forward_median
+
+    @staticmethod
+    def spread(times: list[float]) -> float:
+        """(max - min) / median of the repeats, a unit-free spread."""
+        return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else 0.0
+
+
+@dataclass
+class Report:
+    """A plain record of one comparison: environment, settings and per-candidate results."""
+
+    workload: str
+    dtype: str
+    device: str
+    threads: int
+    torch_version: str
+    cpu: str
+    repeats: int
+    warmup: int
+    reference: str
+    cliff_threshold: float
+    results: list[CandidateResult]
+    notes: list[str] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> CandidateResult:
+        for r in self.results:
+            if r.name == name:
+                return r
+        raise KeyError(f"candidate: expected one of {[r.name for r in self.results]}, got {name!r}")
+
+    def ratio(self, name: str, anchor: str, which: str = "forward_backward") -> float:
+        """Median time of ``name`` over that of ``anchor`` (``which``: forward or forward_backward)."""
+        return getattr(self[name], f"{which}_median") / getattr(self[anchor], f"{which}_median")
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(asdict(self), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Report":
+        data = json.loads(text)
+        data["results"] = [CandidateResult(**r) for r in data["results"]]
+        return cls(**data)
+
+    def table(self, anchor: str | None = None):
+        """A rich Table; ratios are against ``anchor`` (default: the first candidate)."""
+        from rich.table import Table
+
+        anchor = anchor or self.results[0].name
+        base = self[anchor]
+        t = Table(title=f"{self.workload}: {self.dtype} on {self.device}, {self.threads} threads, "
+                        f"torch {self.torch_version}; median of {self.repeats} after {self.warmup} warm-up")
+        for col in ("candidate", "fwd ms", "fwd+bwd ms", "spread", "x anchor fwd", "x anchor f+b", "bwd/fwd",
+                    "peak MB", "max rel err", "flags"):
+            t.add_column(col, justify="left" if col in ("candidate", "flags") else "right")
+        for r in self.results:
+            errs = [e for e in [r.output_error, *r.grad_errors.values()] if e is not None]
+            t.add_row(
+                r.name,
+                f"{r.forward_median * 1e3:.1f}",
+                f"{r.forward_backward_median * 1e3:.1f}",
+                f"{CandidateResult.spread(r.forward_backward_s):.0%}",
+                f"{r.forward_median / base.forward_median:.2f}",
+                f"{r.forward_backward_median / base.forward_backward_median:.2f}",
+                f"{r.backward_ratio:.1f}",
+                "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.1f}",
+                f"{max(errs):.1e}" if errs else "-",
+                _summarise_flags(r.flags),
+            )
+        return t
+
+    def render(self, anchor: str | None = None) -> str:
+        """The table as plain text (for logs and BENCHMARKS.md)."""
+        from rich.console import Console
+
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(self.table(anchor))
+        return console.export_text()
+
+
+def _summarise_flags(flags: list[str]) -> str:
+    """One line per flag kind: 'gradient mismatch: input:x (+8 more)'."""
+    kinds: dict[str, list[str]] = {}
+    for flag in flags:
+        kind, _, what = flag.partition(": ")
+        kinds.setdefault(kind, []).append(what)
+    parts = []
+    for kind, whats in kinds.items():
+        named = [w for w in whats if w]
+        if not named:
+            parts.append(kind)
+        else:
+            parts.append(f"{kind}: {named[0]}" + (f" (+{len(named) - 1} more)" if len(named) > 1 else ""))
+    return ", ".join(parts) or "ok"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _outputs(value: Any) -> list[Tensor]:
+    """Flatten a candidate's return value to its floating-point tensors."""
+    if isinstance(value, Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _outputs(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _outputs(v)]
+    if value is None:
+        return []
+    raise TypeError(f"candidate output: expected tensors (or tuples/lists/dicts of them), got {type(value).__name__}")
+
+
+def _differentiables(fn: Candidate, inputs: Inputs) -> dict[str, Tensor]:
+    named = {f"input:{k}": v for k, v in inputs.items() if isinstance(v, Tensor) and v.requires_grad}
+    if isinstance(fn, nn.Module):
+        named.update({f"param:{k}": p for k, p in fn.named_parameters() if p.requires_grad})
+    return named
+
+
+def _clear_grads(tensors: Iterable[Tensor]) -> None:
+    for t in tensors:
+        t.grad = None
+
+
+def _run(fn: Candidate, inputs: Inputs, cotangents: list[Tensor] | None, backward: bool) -> list[Tensor]:
+    outs = _outputs(fn(**inputs))
+    if backward:
+        cots = cotangents if cotangents is not None else [torch.ones_like(o) for o in outs]
+        pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cots) if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+    return outs
+
+
+def _rel_err(got: Tensor, want: Tensor) -> float:
+    if got.shape != want.shape:
+        return float("inf")
+    want = want.detach().double()
+    diff = (got.detach().double() - want).abs().max().item() if want.numel() else 0.0
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def _to_dtype(fn: Candidate, inputs: Inputs, dtype: torch.dtype) -> tuple[Candidate, dict[str, Tensor]]:
+    def cast(t: Tensor) -> Tensor:
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            return t
+        return t.detach().to(dtype).requires_grad_(t.requires_grad)
+
+    fn2 = copy.deepcopy(fn).to(dtype) if isinstance(fn, nn.Module) else fn
+    return fn2, {k: cast(v) for k, v in inputs.items()}
+
+
+def _peak_memory(fn: Candidate, inputs: Inputs, cotangents, device: torch.device) -> int | None:
+    """Peak bytes allocated above the starting level during one forward+backward call."""
+    diffs = _differentiables(fn, inputs).values()
+    _clear_grads(diffs)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        _run(fn, inputs, cotangents, True)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    if device.type != "cpu":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _run(fn, inputs, cotangents, True)
+    current = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        current += event.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak
+
+
+def compare(
+    candidates: Mapping[str, Candidate],
+    make_inputs: Callable[[], Inputs],
+    *,
+    reference: str | Candidate | None = None,
+    reference_dtype: torch.dtype | None = torch.float64,
+    repeats: int = 5,
+    warmup: int = 1,
+    cliff_threshold: float = 5.0,
+    rtol: float | None = None,
+    memory: bool = True,
+    check: bool = True,
+    workload: str = "custom",
+    progress: Callable[[str], None] | None = None,
+    seed: int = 0,
+) -> Report:
+    """Check that candidates agree in value and gradient, then time forward and forward+backward.
+
+    Args:
+        candidates: name -> callable taking the inputs as keyword arguments and returning a tensor
+            or a tuple of tensors. An ``nn.Module`` candidate also has its parameters' gradients
+            compared, by parameter name, so give candidates the same weights.
+        make_inputs: returns name -> tensor; tensors with ``requires_grad`` get their gradients
+            compared. Called once; every candidate sees the same tensors.
+        reference: the oracle: None (the first candidate), a candidate's name, or another
+            callable; evaluated in ``reference_dtype`` (float64; None keeps the inputs' dtype).
+        repeats, warmup: timed runs per candidate (interleaved across candidates) and untimed ones.
+        cliff_threshold: flag ``cliff`` when (forward+backward) / forward exceeds it.
+        rtol: max relative error (max |got - ref| / max |ref|) before a mismatch flag; default
+            1e-3 for float32, 1e-2 for 16-bit floats, 1e-7 for float64.
+        memory: measure peak memory of one forward+backward (CPU: torch profiler allocation
+            events; CUDA: max_memory_allocated).
+        check: compare values and gradients (False: time only).
+        progress: called with a short message before each step (for a progress bar).
+
+    Returns:
+        A :class:`Report`.
+    """
+    if not candidates:
+        raise ValueError("candidates: expected at least one name -> callable, got none")
+    say = progress or (lambda msg: None)
+    torch.manual_seed(seed)
+    inputs = dict(make_inputs())
+    tensors = [v for v in inputs.values() if isinstance(v, Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    floats = [t for t in tensors if t.is_floating_point()]
+    dtype = floats[0].dtype if floats else torch.float32
+    if rtol is None:
+        rtol = {torch.float64: 1e-7, torch.float32: 1e-3}.get(dtype, 1e-2)
+    results = {name: CandidateResult(name) for name in candidates}
+
+    cotangents = None
+    ref_name = reference if isinstance(reference, str) else ("custom" if reference is not None else next(iter(candidates)))
+    if check:
+        say(f"reference {ref_name}")
+        ref_fn = candidates[reference] if isinstance(reference, str) else (reference or next(iter(candidates.values())))
+        if isinstance(reference, str) and reference not in candidates:
+            raise ValueError(f"reference: expected a candidate name {list(candidates)}, got {reference!r}")
+        ref_fn, ref_inputs = _to_dtype(ref_fn, inputs, reference_dtype) if reference_dtype else (ref_fn, inputs)
+        ref_outs = _outputs(ref_fn(**ref_inputs))
+        g = torch.Generator().manual_seed(seed)
+        cotangents = [torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device) for o in ref_outs]
+        ref_diffs = _differentiables(ref_fn, ref_inputs)
+        _clear_grads(ref_diffs.values())
+        pairs = [(o, c) for o, c in zip(ref_outs, cotangents) if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+        ref_grads = {k: v.grad for k, v in ref_diffs.items()}
+        for name, fn in candidates.items():
+            say(f"check {name}")
+            res = results[name]
+            diffs = _differentiables(fn, inputs)
+            _clear_grads(diffs.values())
+            outs = _run(fn, inputs, cotangents, True)
+            if len(outs) != len(ref_outs):
+                res.output_error = float("inf")
+            else:
+                res.output_error = max((_rel_err(o, r) for o, r in zip(outs, ref_outs)), default=0.0)
+            if res.output_error > rtol:
+                res.flags.append("value mismatch")
+            for key, ref_grad in ref_grads.items():
+                got = diffs[key].grad if key in diffs else None
+                ref_nonzero = ref_grad is not None and bool(ref_grad.abs().max() > 0)
+                if ref_nonzero and (got is None or not bool(got.abs().max() > 0)):
+                    res.flags.append(f"missing gradient: {key}")
+                    res.grad_errors[key] = float("inf")
+                elif ref_grad is not None and got is not None:
+                    res.grad_errors[key] = _rel_err(got, ref_grad)
+                    if res.grad_errors[key] > rtol:
+                        res.flags.append(f"gradient mismatch: {key}")
+            _clear_grads(diffs.values())
+        del ref_outs, ref_grads, ref_fn, ref_inputs
+
+    for rep in range(-warmup, repeats):
+        for name, fn in candidates.items():
+            say(f"{'warm-up' if rep < 0 else f'run {rep + 1}/{repeats}'}: {name}")
+            diffs = list(_differentiables(fn, inputs).values())
+            for backward, store in ((False, results[name].forward_s), (True, results[name].forward_backward_s)):
+                _clear_grads(diffs)
+                _sync(device)
+                start = time.perf_counter()
+                outs = _run(fn, inputs, cotangents, backward)
+                _sync(device)
+                elapsed = time.perf_counter() - start
+                del outs
+                if rep >= 0:
+                    store.append(elapsed)
+            _clear_grads(diffs)
+
+    for name, fn in candidates.items():
+        res = results[name]
+        if res.backward_ratio > cliff_threshold:
+            res.flags.append("cliff")
+        if memory:
+            say(f"memory {name}")
+            res.peak_memory_bytes = _peak_memory(fn, inputs, cotangents, device)
+
+    return Report(
+        workload=workload,
+        dtype=str(dtype).replace("torch.", ""),
+        device=str(device),
+        threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        cpu=_cpu_name(),
+        repeats=repeats,
+        warmup=warmup,
+        reference=f"{ref_name} in {str(reference_dtype).replace('torch.', '') if reference_dtype else dtype}",
+        cliff_threshold=cliff_threshold,
+        results=list(results.values()),
+    )

@@ -1,0 +1,1 @@
+"""Runnable demos on real data (``fastlayers demo``)."""
