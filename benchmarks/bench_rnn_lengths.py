@@ -6,6 +6,7 @@ and fastlayers with lengths, interleaved, median after warm-up; values and gradi
 against fastlayers-with-lengths evaluated in float64 (torch packed fp32 is cross-checked by it).
 
     python benchmarks/bench_rnn_lengths.py [--size seed|small] [--repeats 3] [--json out.json]
+    python benchmarks/bench_rnn_lengths.py --configs LSTM:padded,GRU:padded --repeats 9   # drop-in overhead
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def main() -> int:
     reports = []
     for spec in args.configs.split(","):
         mode, layers = spec.split(":")
+        if layers == "padded":  # no-lengths drop-in check only: same kernels, so more repeats are cheap
+            w = blstm(args.size, mode=mode, with_loop=False)
+            names = [f"torch.nn.{mode} padded (ignores lengths)", f"fastlayers.{mode} padded (ignores lengths)"]
+            rep = compare({n: w.candidates[n] for n in names}, w.make_inputs, repeats=args.repeats, warmup=1,
+                          memory=False, workload=w.name + " without lengths")
+            reports.append(rep)
+            print(rep.render())
+            for which in ("forward", "forward_backward"):
+                print(f"{rep.workload} {which}: fastlayers-padded / torch-padded = {rep.ratio(names[1], names[0], which):.3f}x")
+            print(flush=True)
+            continue
         w = blstm(args.size, mode=mode, num_layers=int(layers), with_loop=False)
         rep = compare(w.candidates, w.make_inputs, reference=w.reference, repeats=args.repeats, warmup=1,
                       memory=False, workload=w.name,

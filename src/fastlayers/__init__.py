@@ -1,7 +1,9 @@
 """fastlayers: fast, verified, differentiable layers for PyTorch."""
 
+from .attention import AttentionPooling as AttentionPooling, attention_pool as attention_pool
+from .local import LocallyConnected1d as LocallyConnected1d, LocallyConnected2d as LocallyConnected2d
 from .rnn import GRU as GRU, LSTM as LSTM, RNN as RNN
 
 __version__ = "0.1.0"
 
-__all__ = ["LSTM", "GRU", "RNN", "__version__"]
+__all__ = ["LSTM", "GRU", "RNN", "AttentionPooling", "attention_pool", "LocallyConnected1d", "LocallyConnected2d", "__version__"]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Every benchmark behind BENCHMARKS.md, one after another (never two at once on 2 cores).
+# Usage: bash benchmarks/run_all.sh OUTDIR   (takes about an hour: torch's packed LSTM is the slow part)
+set -euo pipefail
+out=${1:-bench-results}
+mkdir -p "$out"
+py=${PYTHON:-.venv/bin/python}
+fl=${FASTLAYERS:-.venv/bin/fastlayers}
+$py benchmarks/bench_rnn_lengths.py --repeats 3 --json "$out/rnn_lengths.json" > "$out/rnn_lengths.txt"
+$py benchmarks/bench_rnn_lengths.py --configs LSTM:padded,GRU:padded --repeats 9 > "$out/rnn_padded.txt"
+$py benchmarks/bench_local.py --repeats 10 > "$out/local.txt"
+for w in attention local2d fused-rnn; do
+  $fl bench "$w" --size seed --repeats 5 --json "$out/$w.json" --plot "$out/$w.png" > "$out/$w.txt"
+done
+$fl bench blstm --size seed --repeats 3 --json "$out/blstm.json" --plot "$out/blstm.png" > "$out/blstm.txt"

@@ -1,0 +1,110 @@
+"""Locally connected 2-D: the autograd binding of the C kernels and the pure-PyTorch reference twin.
+
+Legend: B batch, C in channels, O out channels, H x W input, KH x KW kernel, OH x OW output.
+Both functions take validated arguments: input (B, C, H, W), weight (O, C, KH, KW, OH, OW),
+bias (O, OH, OW) or None, stride/padding/dilation as (h, w) pairs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import _native
+
+Pair = tuple[int, int]
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def locally_connected2d_reference(input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
+                                  dilation: Pair) -> Tensor:
+    """Plain PyTorch: one strided view of the padded input per kernel offset, contracted over C.
+
+    Used on devices other than CPU (CUDA: cuBLAS/cuDNN through torch ops), where the C kernel is
+    unavailable, and as the test oracle's independent twin. Memory: the output plus one (B, O, OH,
+    OW) product per offset; no unfold copy.
+    """
+    out_h, out_w = weight.shape[-2:]
+    x = F.pad(input, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else input
+    out = None
+    for p in range(weight.size(2)):
+        for q in range(weight.size(3)):
+            h0, w0 = p * dilation[0], q * dilation[1]
+            xs = x[:, :, h0 : h0 + stride[0] * (out_h - 1) + 1 : stride[0], w0 : w0 + stride[1] * (out_w - 1) + 1 : stride[1]]
+            term = torch.einsum("bcij,ocij->boij", xs, weight[:, :, p, q])
+            out = term if out is None else out + term
+    assert out is not None
+    return out + bias if bias is not None else out
+
+
+def _lib():
+    lib = _native.load("local")
+    if lib is not None and not getattr(lib, "_fastlayers_typed", False):
+        ints = [ctypes.c_int64] * 13 + [ctypes.c_int]
+        for suffix in _SUFFIX.values():
+            for name in ("lc2d_forward", "lc2d_backward_input", "lc2d_backward_params"):
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes = [ctypes.c_void_p] * 4 + ints if name != "lc2d_backward_input" else [ctypes.c_void_p] * 3 + ints
+                fn.restype = None
+        lib._fastlayers_typed = True
+    return lib
+
+
+def native_available(input: Tensor) -> bool:
+    """True when the C kernels can run on this tensor (CPU, float32/float64, compiler present)."""
+    return input.device.type == "cpu" and input.dtype in _SUFFIX and _lib() is not None
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class LocallyConnected2dFunction(torch.autograd.Function):
+    """Forward and hand-written backward through the C kernels in ``_native/local.c``.
+
+    Saves the (unpadded) input and the weight; returns None for the geometry arguments.
+    """
+
+    @staticmethod
+    def forward(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
+                dilation: Pair) -> Tensor:
+        x = F.pad(input, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else input
+        x, w = x.contiguous(), weight.contiguous()
+        b = bias.contiguous() if bias is not None else None
+        batch, chans, hp, wp = x.shape
+        out_ch, _, kh, kw, oh, ow = w.shape
+        y = x.new_empty(batch, out_ch, oh, ow)
+        geometry = (batch, chans, hp, wp, out_ch, kh, kw, oh, ow, stride[0], stride[1], dilation[0], dilation[1])
+        getattr(_lib(), f"lc2d_forward_{_SUFFIX[x.dtype]}")(_ptr(x), _ptr(w), _ptr(b), _ptr(y), *geometry,
+                                                           torch.get_num_threads())
+        ctx.save_for_backward(input, weight)
+        ctx.geometry, ctx.padding, ctx.has_bias = geometry, padding, bias is not None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        input, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+        lib, suffix, geometry, padding = _lib(), _SUFFIX[input.dtype], ctx.geometry, ctx.padding
+        dy = grad.contiguous()
+        threads = torch.get_num_threads()
+        dx = dw = db = None
+        if need_x:
+            batch, chans, hp, wp = geometry[:4]
+            dx_pad = dy.new_zeros(batch, chans, hp, wp)
+            getattr(lib, f"lc2d_backward_input_{suffix}")(_ptr(dy), _ptr(weight.contiguous()), _ptr(dx_pad), *geometry,
+                                                         threads)
+            dx = dx_pad[:, :, padding[0] : hp - padding[0], padding[1] : wp - padding[1]] if any(padding) else dx_pad
+        if need_w or need_b:
+            x = F.pad(input, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else input
+            dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else None
+            db = dy.new_empty(weight.size(0), *weight.shape[-2:]) if need_b else None
+            getattr(lib, f"lc2d_backward_params_{suffix}")(_ptr(dy), _ptr(x.contiguous()), _ptr(dw), _ptr(db), *geometry,
+                                                          threads)
+        return dx, dw, db, None, None, None

@@ -1,0 +1,71 @@
+"""Small C kernels compiled on first use with the system C compiler and loaded with ctypes.
+
+The sources live next to this file (``*.c``, plain C99 + OpenMP, no Python or torch headers,
+so a build takes about a second). A build is cached under ``$FASTLAYERS_CACHE`` (default
+``~/.cache/fastlayers``) keyed by the source, the flags, the compiler and the CPU's feature
+flags, so later processes reuse it. Where no compiler works, :func:`load` returns None and the
+callers use their pure-PyTorch path (also the path for non-CPU tensors).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
+_LOCK = threading.Lock()
+_LOADED: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FASTLAYERS_CACHE", Path.home() / ".cache" / "fastlayers"))
+
+
+def _build(name: str) -> ctypes.CDLL | None:
+    if os.environ.get("FASTLAYERS_NO_NATIVE"):
+        return None
+    source = (Path(__file__).with_name(f"{name}.c")).read_text()
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        warnings.warn(f"fastlayers: no C compiler found; {name} uses the slower pure-PyTorch path", stacklevel=3)
+        return None
+    key = hashlib.sha256("\0".join([source, " ".join(_FLAGS), compiler, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+            src.write_text(source)
+            proc = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                warnings.warn(f"fastlayers: building {name} failed, using the pure-PyTorch path:\n{proc.stderr[-2000:]}",
+                              stacklevel=3)
+                return None
+            os.replace(out, target)
+    return ctypes.CDLL(str(target))
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library ``name`` (built on first call, then cached), or None if unavailable."""
+    with _LOCK:
+        if name not in _LOADED:
+            _LOADED[name] = _build(name)
+        return _LOADED[name]

@@ -1,0 +1,159 @@
+"""Masked attention pooling over a padded batch: scores, softmax over valid steps, context vector.
+
+Legend: B batch, T time (padded), Dq query features, Dk key features, Dv value features,
+A attention size (additive score).
+
+Scores (one per step):
+  * ``"dot"``:         e_bt = <q_b, k_bt>                      (Luong et al. 2015, requires Dq == Dk)
+  * ``"scaled_dot"``:  e_bt = <q_b, k_bt> / sqrt(Dk)           (Vaswani et al. 2017)
+  * ``"additive"``:    e_bt = v . tanh(W_q q_b + W_k k_bt + b) (Bahdanau et al. 2015, eq. 6 and App. A.1.2)
+Weights: alpha_b = softmax over t < len_b of e_bt; alpha_bt = 0 exactly for t >= len_b.
+Context: c_b = sum_t alpha_bt v_bt.
+
+Everything runs as batched matmuls on the 3-D tensors (no per-step or per-column slicing), so
+autograd's backward costs a small multiple of the forward (seed 001's per-column-view cliff).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
+
+SCORES = ("dot", "scaled_dot", "additive")
+
+
+def _check(query: Tensor, keys: Tensor, values: Tensor) -> None:
+    for name, t in (("query", query), ("keys", keys), ("values", values)):
+        check_tensor(name, t)
+        check_floating(name, t)
+    check_rank("query", query, (2,), "(B, Dq)")
+    check_rank("keys", keys, (3,), "(B, T, Dk)")
+    check_rank("values", values, (3,), "(B, T, Dv)")
+    check_same_dtype_device("keys", keys, "query", query)
+    check_same_dtype_device("values", values, "query", query)
+    if keys.size(0) != query.size(0):
+        raise ValueError(f"keys: expected batch size {query.size(0)} (that of query), got {keys.size(0)}")
+    if values.shape[:2] != keys.shape[:2]:
+        raise ValueError(f"values: expected (B, T) = {tuple(keys.shape[:2])} (that of keys), got {tuple(values.shape[:2])}")
+    if keys.size(1) < 1:
+        raise ValueError("keys: expected at least one time step, got T = 0")
+
+
+def attention_pool(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor | None = None,
+    lengths: Tensor | list[int] | None = None,
+    *,
+    score: str = "dot",
+    additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention pooling of ``values`` over time, weighted by the scores of ``query`` against ``keys``.
+
+    Args:
+        query: (B, Dq) float tensor.
+        keys: (B, T, Dk), same dtype and device.
+        values: (B, T, Dv); default ``keys``.
+        lengths: optional (B,) integer tensor (any device) or list of ints, 1 <= len_b <= T:
+            steps t >= len_b get weight exactly 0. Default: every step is valid.
+        score: ``"dot"`` (Dq == Dk), ``"scaled_dot"`` (Dq == Dk) or ``"additive"``.
+        additive: for ``score="additive"``: ``(weight_query (A, Dq), weight_key (A, Dk), v (A,),
+            bias (A,) or None)``; :class:`AttentionPooling` owns these.
+
+    Returns:
+        ``(context, weights)``: context (B, Dv), weights (B, T) summing to 1 over valid steps.
+
+    Raises:
+        TypeError: non-tensor or integer inputs, float lengths, mismatched dtypes.
+        ValueError: wrong ranks or sizes, unknown score, lengths out of [1, T] or of the wrong size,
+            missing additive parameters.
+    """
+    values = keys if values is None else values
+    _check(query, keys, values)
+    batch, steps = keys.shape[:2]
+    if score not in SCORES:
+        raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+    if score == "additive":
+        if additive is None:
+            raise ValueError("additive: expected (weight_query, weight_key, v, bias) for score='additive', got None")
+        w_q, w_k, v, bias = additive
+        size = v.size(0)
+        check_shape("additive weight_query", w_q, (size, query.size(1)), "(A, Dq)")
+        check_shape("additive weight_key", w_k, (size, keys.size(2)), "(A, Dk)")
+        hidden = torch.matmul(keys, w_k.T) + (query @ w_q.T).unsqueeze(1)  # (B, T, A)
+        if bias is not None:
+            hidden = hidden + bias
+        scores = torch.matmul(torch.tanh(hidden), v)  # (B, T)
+    else:
+        if query.size(1) != keys.size(2):
+            raise ValueError(
+                f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, got {keys.size(2)}"
+            )
+        scores = torch.bmm(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
+        if score == "scaled_dot":
+            scores = scores / math.sqrt(keys.size(2))
+    if lengths is not None:
+        lens = as_lengths(lengths, batch, steps).to(keys.device)
+        valid = torch.arange(steps, device=keys.device) < lens.unsqueeze(1)
+        scores = scores.masked_fill(~valid, float("-inf"))
+    weights = torch.softmax(scores, dim=1)
+    context = torch.bmm(weights.unsqueeze(1), values).squeeze(1)
+    return context, weights
+
+
+class AttentionPooling(nn.Module):
+    """Module form of :func:`attention_pool`; owns the additive score's parameters.
+
+    Args:
+        query_size: Dq. key_size: Dk (default Dq).
+        score: ``"dot"``, ``"scaled_dot"`` or ``"additive"``.
+        attention_size: A, hidden size of the additive score (default Dk); additive only.
+        bias: additive score has a bias b in tanh(W_q q + W_k k + b).
+
+    Forward: ``(query (B, Dq), keys (B, T, Dk), values (B, T, Dv) = keys, lengths=None)`` ->
+    ``(context (B, Dv), weights (B, T))``. Initialisation of W_q, W_k, v: uniform(+-1/sqrt(fan_in))
+    as nn.Linear.
+    """
+
+    def __init__(self, query_size: int, key_size: int | None = None, score: str = "dot",
+                 attention_size: int | None = None, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+        key_size = query_size if key_size is None else key_size
+        for name, value in (("query_size", query_size), ("key_size", key_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if score != "additive" and query_size != key_size:
+            raise ValueError(f"key_size: expected {query_size} (= query_size) for score={score!r}, got {key_size}")
+        self.query_size, self.key_size, self.score = query_size, key_size, score
+        kw = {"device": device, "dtype": dtype}
+        if score == "additive":
+            size = attention_size or key_size
+            self.weight_query = nn.Parameter(torch.empty(size, query_size, **kw))
+            self.weight_key = nn.Parameter(torch.empty(size, key_size, **kw))
+            self.v = nn.Parameter(torch.empty(size, **kw))
+            self.bias = nn.Parameter(torch.empty(size, **kw)) if bias else None
+            self.reset_parameters()
+        elif attention_size is not None:
+            raise ValueError(f"attention_size: expected None for score={score!r} (additive only), got {attention_size}")
+
+    def reset_parameters(self) -> None:
+        if self.score != "additive":
+            return
+        for p, fan_in in ((self.weight_query, self.query_size), (self.weight_key, self.key_size),
+                          (self.v, self.v.numel()), (self.bias, self.key_size)):
+            if p is not None:
+                nn.init.uniform_(p, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+    def forward(self, query: Tensor, keys: Tensor, values: Tensor | None = None,
+                lengths: Tensor | list[int] | None = None) -> tuple[Tensor, Tensor]:
+        additive = (self.weight_query, self.weight_key, self.v, self.bias) if self.score == "additive" else None
+        return attention_pool(query, keys, values, lengths, score=self.score, additive=additive)
+
+    def extra_repr(self) -> str:
+        return f"query_size={self.query_size}, key_size={self.key_size}, score={self.score!r}"

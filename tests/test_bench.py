@@ -1,0 +1,139 @@
+"""The comparison harness flags planted wrong values, dropped gradients and cliffs; JSON; CLI."""
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from fastlayers.bench import WORKLOADS, Report, compare
+from fastlayers.cli import main
+
+
+def _inputs():
+    return {"x": torch.randn(4, 3, requires_grad=True), "y": torch.randn(4, 3, requires_grad=True)}
+
+
+def good(x, y):
+    return (x * y).tanh()
+
+
+class _DropsGradient(torch.autograd.Function):
+    """x * y whose backward returns None (or zeros) for y: the seed-000 Zygote bug, planted."""
+
+    @staticmethod
+    def forward(ctx, x, y, zeros):
+        ctx.save_for_backward(x, y)
+        ctx.zeros = zeros
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        return grad * y, (torch.zeros_like(y) if ctx.zeros else None), None
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.05)
+        return grad
+
+
+def test_agreeing_candidates_are_not_flagged():
+    rep = compare({"a": good, "b": lambda x, y: torch.tanh(y * x)}, _inputs, repeats=2, memory=False)
+    assert [r.flags for r in rep.results] == [[], []]
+    assert rep["b"].output_error < 1e-6
+    assert set(rep["b"].grad_errors) == {"input:x", "input:y"}
+    assert len(rep["a"].forward_s) == 2 and len(rep["a"].forward_backward_s) == 2
+
+
+def test_flags_wrong_value():
+    rep = compare({"ref": good, "wrong": lambda x, y: good(x, y) + 1e-2}, _inputs, repeats=1, memory=False)
+    assert "value mismatch" in rep["wrong"].flags
+    assert rep["ref"].flags == []
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_flags_dropped_gradient(zeros):
+    cands = {"ref": lambda x, y: (x * y).tanh(), "dropped": lambda x, y: _DropsGradient.apply(x, y, zeros).tanh()}
+    rep = compare(cands, _inputs, repeats=1, memory=False)
+    assert "missing gradient: input:y" in rep["dropped"].flags
+    assert "value mismatch" not in rep["dropped"].flags
+    assert not any("input:x" in f for f in rep["dropped"].flags)
+
+
+def test_flags_gradient_mismatch_of_a_parameter():
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    other = nn.Linear(3, 2)
+    other.load_state_dict(lin.state_dict())
+
+    class Scaled(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, y):
+            out = self.m(x)
+            return out + (0.5 * self.m.bias - 0.5 * self.m.bias.detach())  # same value, wrong bias gradient
+
+    class Plain(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, y):
+            return self.m(x)
+
+    rep = compare({"ref": Plain(lin), "bad": Scaled(other)}, _inputs, repeats=1, memory=False)
+    assert "gradient mismatch: param:m.bias" in rep["bad"].flags
+    assert "value mismatch" not in rep["bad"].flags
+
+
+def test_flags_cliff():
+    rep = compare({"ref": lambda x, y: x * y, "cliff": lambda x, y: _SlowBackward.apply(x) * y}, _inputs,
+                  repeats=2, memory=False, cliff_threshold=5)
+    assert "cliff" in rep["cliff"].flags
+    assert rep["cliff"].backward_ratio > 5
+
+
+def test_json_round_trip_and_memory():
+    rep = compare({"a": good, "b": good}, _inputs, repeats=1, memory=True)
+    again = Report.from_json(rep.to_json())
+    assert again == rep
+    assert all(r.peak_memory_bytes is not None and r.peak_memory_bytes >= 0 for r in rep.results)
+    assert "a" in rep.render()
+
+
+def test_bad_reference_name():
+    with pytest.raises(ValueError, match=r"reference: expected a candidate name \['a'\], got 'nope'"):
+        compare({"a": good}, _inputs, reference="nope", repeats=1)
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_cli_small_runs_every_workload(workload, tmp_path, capsys):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["bench", workload, "--size", "small", "--repeats", "1", "--json", str(out_json),
+                 "--plot", str(out_png)]) == 0
+    data = json.loads(out_json.read_text())
+    assert data["workload"].startswith(workload.split("-")[0])
+    assert len(data["results"]) >= 3
+    for r in data["results"]:
+        assert len(r["forward_s"]) == 1 and r["output_error"] is not None
+        if "ignores lengths" not in r["name"]:
+            assert r["flags"] == [], (r["name"], r["flags"])
+    assert out_png.stat().st_size > 1000
+    assert "candidate" in capsys.readouterr().out
+
+
+def test_cli_list(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in WORKLOADS:
+        assert name in out
