@@ -1,0 +1,59 @@
+"""Cell options of the recurrent engine, validated once (errors name the option, expected vs got)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYER_NORM_MODES = (False, True)
+
+
+@dataclass(frozen=True)
+class CellOptions:
+    """LSTM cell options beyond torch.nn.LSTM. All defaults = plain torch.nn.LSTM math.
+
+    layer_norm: LayerNorm on the input and recurrent pre-activations (gain only) and on the cell
+        state before its tanh (gain and bias), as haste's LayerNormLSTM (Ba et al. 2016).
+    peephole: diagonal peephole weights from the cell state into i, f (c_{t-1}) and o (c_t)
+        (Gers & Schmidhuber 2000; oneDNN's peephole LSTM).
+    cell_clip: clip the cell state to [-cell_clip, cell_clip] after each update (cuDNN/TF).
+    zoneout: (z_h, z_c): each unit keeps its previous value with that probability in training,
+        the expectation in eval (Krueger et al. 2016).
+    recurrent_dropout: one dropout mask per sequence on h_{t-1} before the recurrent matrix,
+        the same at every step (Gal & Ghahramani 2016); identity in eval.
+    """
+
+    layer_norm: bool = False
+    peephole: bool = False
+    cell_clip: float | None = None
+    zoneout: tuple[float, float] = (0.0, 0.0)
+    recurrent_dropout: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        """True when the options change no math (the vendor kernel applies)."""
+        return self == CellOptions()
+
+    @classmethod
+    def make(cls, layer_norm=False, peephole=False, cell_clip=None, zoneout=None, recurrent_dropout=0.0) -> "CellOptions":
+        if not isinstance(layer_norm, bool):
+            raise ValueError(f"layer_norm: expected True or False (haste-style LayerNorm-LSTM), got {layer_norm!r}")
+        if not isinstance(peephole, bool):
+            raise TypeError(f"peephole: expected a bool, got {peephole!r}")
+        if cell_clip is not None:
+            if isinstance(cell_clip, bool) or not isinstance(cell_clip, (int, float)) or not cell_clip > 0:
+                raise ValueError(f"cell_clip: expected None or a number > 0, got {cell_clip!r}")
+            cell_clip = float(cell_clip)
+        if zoneout is None:
+            zoneout = (0.0, 0.0)
+        elif isinstance(zoneout, (int, float)) and not isinstance(zoneout, bool):
+            zoneout = (float(zoneout), float(zoneout))
+        if not isinstance(zoneout, (tuple, list)) or len(zoneout) != 2:
+            raise TypeError(f"zoneout: expected a probability or a pair (z_h, z_c), got {zoneout!r}")
+        for name, z in zip(("zoneout[0] (z_h)", "zoneout[1] (z_c)"), zoneout):
+            if isinstance(z, bool) or not isinstance(z, (int, float)) or not 0 <= z < 1:
+                raise ValueError(f"{name}: expected a probability in [0, 1), got {z!r}")
+        if isinstance(recurrent_dropout, bool) or not isinstance(recurrent_dropout, (int, float)) \
+                or not 0 <= recurrent_dropout < 1:
+            raise ValueError(f"recurrent_dropout: expected a probability in [0, 1), got {recurrent_dropout!r}")
+        return cls(bool(layer_norm), peephole, cell_clip, (float(zoneout[0]), float(zoneout[1])),
+                   float(recurrent_dropout))
