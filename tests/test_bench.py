@@ -46,7 +46,9 @@ class _SlowBackward(torch.autograd.Function):
 
 
 def test_agreeing_candidates_are_not_flagged():
-    rep = compare({"a": good, "b": lambda x, y: torch.tanh(y * x)}, _inputs, repeats=2, memory=False)
+    # cliff_threshold=inf: tiny ops have backward/forward ratios set by overhead, not by the code
+    rep = compare({"a": good, "b": lambda x, y: torch.tanh(y * x)}, _inputs, repeats=2, memory=False,
+                  cliff_threshold=float("inf"))
     assert [r.flags for r in rep.results] == [[], []]
     assert rep["b"].output_error < 1e-6
     assert set(rep["b"].grad_errors) == {"input:x", "input:y"}
@@ -54,7 +56,8 @@ def test_agreeing_candidates_are_not_flagged():
 
 
 def test_flags_wrong_value():
-    rep = compare({"ref": good, "wrong": lambda x, y: good(x, y) + 1e-2}, _inputs, repeats=1, memory=False)
+    rep = compare({"ref": good, "wrong": lambda x, y: good(x, y) + 1e-2}, _inputs, repeats=1, memory=False,
+                  cliff_threshold=float("inf"))
     assert "value mismatch" in rep["wrong"].flags
     assert rep["ref"].flags == []
 
@@ -126,10 +129,13 @@ def test_cli_small_runs_every_workload(workload, tmp_path, capsys):
     assert len(data["results"]) >= 3
     for r in data["results"]:
         assert len(r["forward_s"]) == 1 and r["output_error"] is not None
-        if "ignores lengths" not in r["name"]:
-            assert r["flags"] == [], (r["name"], r["flags"])
+        correctness = [f for f in r["flags"] if f != "cliff"]  # cliff depends on timing: not asserted
+        if "ignores lengths" in r["name"]:
+            assert "value mismatch" in correctness, r  # padded without lengths computes another function
+        else:
+            assert correctness == [], (r["name"], r["flags"])
     assert out_png.stat().st_size > 1000
-    assert "candidate" in capsys.readouterr().out
+    assert "reference:" in capsys.readouterr().out
 
 
 def test_cli_list(capsys):

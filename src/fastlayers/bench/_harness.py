@@ -281,6 +281,8 @@ def compare(
     if not candidates:
         raise ValueError("candidates: expected at least one name -> callable, got none")
     say = progress or (lambda msg: None)
+    if isinstance(reference, str) and reference not in candidates:
+        raise ValueError(f"reference: expected a candidate name {list(candidates)}, got {reference!r}")
     torch.manual_seed(seed)
     inputs = dict(make_inputs())
     tensors = [v for v in inputs.values() if isinstance(v, Tensor)]
@@ -296,8 +298,6 @@ def compare(
     if check:
         say(f"reference {ref_name}")
         ref_fn = candidates[reference] if isinstance(reference, str) else (reference or next(iter(candidates.values())))
-        if isinstance(reference, str) and reference not in candidates:
-            raise ValueError(f"reference: expected a candidate name {list(candidates)}, got {reference!r}")
         ref_fn, ref_inputs = _to_dtype(ref_fn, inputs, reference_dtype) if reference_dtype else (ref_fn, inputs)
         ref_outs = _outputs(ref_fn(**ref_inputs))
         g = torch.Generator().manual_seed(seed)

@@ -24,7 +24,8 @@ def _ln(v: Tensor, gain: Tensor, bias: Tensor | None = None) -> Tensor:
     return out + bias if bias is not None else out
 
 
-def _cell(x_t, h, c, p, opt: CellOptions):
+def lstm_cell_step(x_t, h, c, p, opt: CellOptions):
+    """One LSTM step with options (before zoneout): returns (h_new, c_new), each (B, H)."""
     hidden = h.size(-1)
     xw = x_t @ p["weight_ih"].T
     hw = h @ p["weight_hh"].T
@@ -73,7 +74,7 @@ def lstm_reference(input, hx, layers, lengths, options: CellOptions, *, dropout=
             for t in (range(steps) if d == 0 else range(steps - 1, -1, -1)):
                 alive = (t < lengths).unsqueeze(1)
                 h_in = h * rmask if rmask is not None else h
-                h1, c1 = _cell(x[t], h_in, c, p, options)
+                h1, c1 = lstm_cell_step(x[t], h_in, c, p, options)
                 if training:
                     kc = m["zoneout_c"][d, t] if "zoneout_c" in m else torch.bernoulli(torch.full_like(c, z_c))
                     kh = m["zoneout_h"][d, t] if "zoneout_h" in m else torch.bernoulli(torch.full_like(h, z_h))

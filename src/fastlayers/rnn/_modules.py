@@ -15,6 +15,9 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
+from ._engine import engine_available, lstm_engine
+from ._engine_reference import lstm_cell_step, lstm_reference
+from ._options import CellOptions
 from ._reference import reference_varlen_rnn
 from ._varlen import varlen_rnn
 
@@ -79,46 +82,57 @@ class _LengthsMixin:
             out.append(state if batched else state.unsqueeze(1))
         return tuple(out)
 
+    def _options_plain(self) -> bool:
+        return True
+
     def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:  # noqa: D102
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError("lengths: expected None for PackedSequence input (it carries its own lengths)")
+            if not self._options_plain():
+                raise ValueError("input: PackedSequence input is not supported with cell options; pass the padded "
+                                 "batch and lengths=")
             return super().forward(input, hx)  # type: ignore[misc]
         input = self._check_input(input)
         states = self._check_hx(hx, input)
-        if lengths is None:
+        if lengths is None and self._options_plain():
             return super().forward(input, hx)  # type: ignore[misc]
         batched = input.dim() == 3
         x = input if batched else input.unsqueeze(1 if not self.batch_first else 0)
         time_dim = 1 if self.batch_first else 0
         steps, batch = x.size(time_dim), x.size(1 - time_dim)
-        lengths = as_lengths(lengths, batch, steps)
+        if lengths is not None:
+            lengths = as_lengths(lengths, batch, steps)
         if states is None:
             layers = self.num_layers * (2 if self.bidirectional else 1)
             states = tuple(x.new_zeros(layers, batch, size) for size in self._state_sizes())
-        if batch and bool((lengths == steps).all()):
-            # no padding anywhere: the padded fused call is exactly the packed semantics
-            output, final = super().forward(x, states if self.mode == "LSTM" else states[0])  # type: ignore[misc]
-            final = final if self.mode == "LSTM" else (final,)
-        else:
-            impl = varlen_rnn if x.device.type == "cpu" else reference_varlen_rnn
-            output, final = impl(
-                x,
-                states,
-                self._flat_weights,
-                lengths,
-                mode=self.mode,
-                has_biases=self.bias,
-                num_layers=self.num_layers,
-                bidirectional=self.bidirectional,
-                batch_first=self.batch_first,
-                dropout=self.dropout,
-                training=self.training,
-            )
+        output, final = self._run(x, states, lengths)
         if not batched:
             output = output.squeeze(time_dim ^ 1)
             final = tuple(s.squeeze(1) for s in final)
         return output, (final if self.mode == "LSTM" else final[0])
+
+    def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Padded batch (batched, layout per batch_first) + validated lengths -> output, final states."""
+        time_dim = 1 if self.batch_first else 0
+        if x.size(1 - time_dim) and bool((lengths == x.size(time_dim)).all()):
+            # no padding anywhere: the padded fused call is exactly the packed semantics
+            output, final = super().forward(x, states if self.mode == "LSTM" else states[0])  # type: ignore[misc]
+            return output, (final if self.mode == "LSTM" else (final,))
+        impl = varlen_rnn if x.device.type == "cpu" else reference_varlen_rnn
+        return impl(
+            x,
+            states,
+            self._flat_weights,
+            lengths,
+            mode=self.mode,
+            has_biases=self.bias,
+            num_layers=self.num_layers,
+            bidirectional=self.bidirectional,
+            batch_first=self.batch_first,
+            dropout=self.dropout,
+            training=self.training,
+        )
 
 
 _COMMON_DOC = """
@@ -154,17 +168,159 @@ _COMMON_DOC = """
 """
 
 
+_OPTIONS_DOC = """
+    Cell options (keyword-only; all off = torch.nn.LSTM math on torch's kernels; any on = the
+    fastlayers engine, see :mod:`fastlayers.rnn._engine`), per layer and direction, gates i, f, g, o:
+
+    * ``layer_norm=True`` (Ba et al. 2016, as haste's LayerNormLSTM):
+      ``pre = LN(W_ih x_t; gamma_ih) + LN(W_hh h_{t-1}; gamma_hh) + b_ih + b_hh``,
+      ``h_t = o_t * tanh(LN(c_t; gamma_c, beta_c))`` with ``LN(v; g, b) = g * (v - mean(v)) /
+      sqrt(var(v) + 1e-5) + b`` over the 4H pre-activations (H for the cell). Parameters
+      ``ln_ih_weight_l{k}`` (4H), ``ln_hh_weight_l{k}`` (4H), ``ln_cell_weight_l{k}`` (H),
+      ``ln_cell_bias_l{k}`` (H) (``_reverse`` suffix for the reverse direction), initialised 1 / 0.
+    * ``peephole=True`` (Gers & Schmidhuber 2000, diagonal, as oneDNN):
+      ``i = sig(pre_i + w_ci * c_{t-1})``, ``f = sig(pre_f + w_cf * c_{t-1})``,
+      ``o = sig(pre_o + w_co * c_t)``; parameter ``weight_peephole_l{k}`` (3H: w_ci, w_cf, w_co).
+    * ``cell_clip=c``: ``c_t = clamp(f*c_{t-1} + i*g, -c, c)`` (cuDNN's cell clip).
+    * ``zoneout=(z_h, z_c)`` or one probability (Krueger et al. 2016): in training each unit of
+      h and c keeps its previous value with probability z (fresh masks every step); in eval the
+      expectation ``z*prev + (1-z)*new``.
+    * ``recurrent_dropout=p`` (Gal & Ghahramani 2016): in training one Bernoulli(1-p)/(1-p) mask
+      per sequence and layer/direction multiplies h_{t-1} before W_hh, the same at every step.
+
+    Not yet with ``proj_size > 0`` or PackedSequence input (ValueError). Bad option values raise
+    ValueError/TypeError naming the option. ``cell(layer, direction)`` returns a step-wise cell
+    sharing the weights (eval semantics) for decoding one step at a time.
+"""
+
+
 class LSTM(_LengthsMixin, nn.LSTM):
     __doc__ = (
         "Long short-term memory (Hochreiter & Schmidhuber 1997) as :class:`torch.nn.LSTM`, plus "
-        "per-sequence lengths.\n"
+        "per-sequence lengths and cell options.\n"
         + _COMMON_DOC.format(
             name="LSTM",
             hx_doc=" ``(h_0, c_0)``, (L*D, B, H_out) and (L*D, B, H) (unbatched: no B dimension)",
             ret_doc="(h_n, c_n)",
             final_doc="h_n (L*D, B, H_out) and c_n (L*D, B, H), dtype of input.",
         )
+        + _OPTIONS_DOC
     )
+
+    def __init__(self, *args: Any, layer_norm: bool = False, peephole: bool = False, cell_clip: float | None = None,
+                 zoneout: float | tuple[float, float] | None = None, recurrent_dropout: float = 0.0,
+                 **kwargs: Any) -> None:
+        options = CellOptions.make(layer_norm, peephole, cell_clip, zoneout, recurrent_dropout)
+        super().__init__(*args, **kwargs)
+        self.options = options
+        if options.plain:
+            return
+        if self.proj_size > 0:
+            raise ValueError(f"proj_size: cell options are not supported with projections yet; expected proj_size=0, "
+                             f"got {self.proj_size}")
+        factory = {"device": self.weight_ih_l0.device, "dtype": self.weight_ih_l0.dtype}
+        for name in self._option_parameter_names():
+            size = 3 * self.hidden_size if name.startswith("weight_peephole") else (
+                4 * self.hidden_size if name.startswith(("ln_ih", "ln_hh")) else self.hidden_size)
+            self.register_parameter(name, nn.Parameter(torch.empty(size, **factory)))
+        self._reset_option_parameters()
+
+    def _option_parameter_names(self) -> list[str]:
+        names = []
+        for layer in range(self.num_layers):
+            for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]:
+                if self.options.layer_norm:
+                    names += [f"ln_ih_weight_l{layer}{sfx}", f"ln_hh_weight_l{layer}{sfx}",
+                              f"ln_cell_weight_l{layer}{sfx}", f"ln_cell_bias_l{layer}{sfx}"]
+                if self.options.peephole:
+                    names.append(f"weight_peephole_l{layer}{sfx}")
+        return names
+
+    def _reset_option_parameters(self) -> None:
+        with torch.no_grad():
+            for name in self._option_parameter_names():
+                p = getattr(self, name)
+                if "_weight_l" in name and name.startswith("ln_"):
+                    p.fill_(1.0)
+                elif name.startswith("ln_cell_bias"):
+                    p.zero_()
+                # peephole weights keep RNNBase's uniform(-1/sqrt(H), 1/sqrt(H))
+
+    def reset_parameters(self) -> None:  # noqa: D102
+        super().reset_parameters()
+        if getattr(self, "options", None) is not None and not self.options.plain:
+            self._reset_option_parameters()
+
+    def _options_plain(self) -> bool:
+        return self.options.plain
+
+    def _layer_parameters(self) -> list[list[dict[str, Tensor]]]:
+        keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if self.bias else [])
+        if self.options.layer_norm:
+            keys += ["ln_ih_weight", "ln_hh_weight", "ln_cell_weight", "ln_cell_bias"]
+        if self.options.peephole:
+            keys.append("weight_peephole")
+        return [[{k: getattr(self, f"{k}_l{layer}{sfx}") for k in keys}
+                 for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]] for layer in range(self.num_layers)]
+
+    def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None):
+        if self.options.plain:
+            return super()._run(x, states, lengths)
+        impl = lstm_engine if engine_available(x) else lstm_reference
+        xt = x.transpose(0, 1) if self.batch_first else x
+        out, final = impl(xt, (states[0], states[1]), self._layer_parameters(), lengths, self.options,
+                          dropout=self.dropout, training=self.training)
+        return (out.transpose(0, 1) if self.batch_first else out), final
+
+    def cell(self, layer: int = 0, direction: int = 0) -> "LSTMCellView":
+        """A step-wise cell sharing this layer's weights: ``cell(x_t (B, F), (h, c)) -> (h, c)``."""
+        dirs = 2 if self.bidirectional else 1
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < num_layers = {self.num_layers}, got {layer}")
+        if not 0 <= direction < dirs:
+            raise ValueError(f"direction: expected 0 <= direction < {dirs}, got {direction}")
+        return LSTMCellView(self, layer, direction)
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        if not self.options.plain:
+            opts = {k: v for k, v in vars(self.options).items() if v != getattr(CellOptions(), k)}
+            extra += ", " + ", ".join(f"{k}={v!r}" for k, v in opts.items())
+        return extra
+
+
+class LSTMCellView(nn.Module):
+    """One layer/direction of a :class:`LSTM` as a step-wise cell (shares the parameters).
+
+    ``forward(input (B, F_l) or (F_l,), hx=None) -> (h, c)`` each (B, H) (or (H,)); eval
+    semantics for zoneout (expectation) and no recurrent dropout.
+    """
+
+    def __init__(self, lstm: "LSTM", layer: int, direction: int) -> None:
+        super().__init__()
+        self._lstm = [lstm]  # not a submodule: the parameters belong to the layer
+        self.layer, self.direction = layer, direction
+
+    def forward(self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        lstm = self._lstm[0]
+        params = lstm._layer_parameters()[self.layer][self.direction]
+        check_tensor("input", input)
+        check_floating("input", input)
+        width = params["weight_ih"].size(1)
+        if input.size(-1) != width or input.dim() not in (1, 2):
+            raise ValueError(f"input: expected shape (B, {width}) or ({width},), got {tuple(input.shape)}")
+        batched = input.dim() == 2
+        x = input if batched else input.unsqueeze(0)
+        if hx is None:
+            h0 = c0 = x.new_zeros(x.size(0), lstm.hidden_size)
+        else:
+            h0, c0 = (s if batched else s.unsqueeze(0) for s in hx)
+        for name, s in (("hx[0] (h)", h0), ("hx[1] (c)", c0)):
+            check_shape(name, s, (x.size(0), lstm.hidden_size), "(B, H)")
+        h1, c1 = lstm_cell_step(x, h0, c0, params, lstm.options)
+        z_h, z_c = lstm.options.zoneout
+        h, c = z_h * h0 + (1 - z_h) * h1, z_c * c0 + (1 - z_c) * c1
+        return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
 
 
 class GRU(_LengthsMixin, nn.GRU):

@@ -1,0 +1,98 @@
+"""Issue: the recurrent engine at vendor speed. Seed shape (512 -> 256x2, T=800, B=32), fp32, one process.
+
+Candidates (bidirectional, 1 layer): torch.nn.LSTM padded (vendor kernel, the anchor); the engine
+with all options off; the engine with layer_norm=True; the same LayerNorm-LSTM as a per-step loop
+through autograd (the users' way, ``lstm_reference``); the engine with layer_norm=True and
+lengths uniform in [400, 800]. Timing run interleaved (check=False, since the candidates compute
+different functions); then each pair that must agree is checked with the harness (repeats=1).
+
+    python benchmarks/bench_engine.py [--repeats 5] [--size seed|small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch import nn
+
+import fastlayers
+from fastlayers.bench import compare
+from fastlayers.rnn._engine import lstm_engine
+from fastlayers.rnn._engine_reference import lstm_reference
+from fastlayers.rnn._options import CellOptions
+
+
+class Engine(nn.Module):
+    def __init__(self, lstm: fastlayers.LSTM, impl, options: CellOptions, use_lengths: bool) -> None:
+        super().__init__()
+        self.rnn, self.impl, self.options, self.use_lengths = lstm, impl, options, use_lengths
+
+    def forward(self, x, lengths):
+        b = x.size(1)
+        zeros = x.new_zeros(2, b, self.rnn.hidden_size)
+        return self.impl(x, (zeros, zeros), self.rnn._layer_parameters(), lengths if self.use_lengths else None,
+                         self.options, training=True)[0]
+
+
+class Vendor(nn.Module):
+    def __init__(self, lstm: nn.LSTM) -> None:
+        super().__init__()
+        self.rnn = lstm
+
+    def forward(self, x, lengths):
+        return self.rnn(x)[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--size", default="seed", choices=["seed", "small"])
+    args = p.parse_args()
+    d, h, t, b = (512, 256, 800, 32) if args.size == "seed" else (16, 8, 20, 4)
+    say = lambda m: print("  ..", m, file=sys.stderr, flush=True)  # noqa: E731
+    torch.manual_seed(0)
+    vendor = nn.LSTM(d, h, bidirectional=True)
+    plain = fastlayers.LSTM(d, h, bidirectional=True)
+    plain.load_state_dict(vendor.state_dict())
+    ln = fastlayers.LSTM(d, h, bidirectional=True, layer_norm=True)
+    ln.load_state_dict(vendor.state_dict(), strict=False)
+
+    def make_inputs():
+        g = torch.Generator().manual_seed(0)
+        return {"x": torch.rand(t, b, d, generator=g).requires_grad_(True),
+                "lengths": torch.randint(t // 2, t + 1, (b,), generator=g)}
+
+    off, lnopt = CellOptions(), ln.options
+    candidates = {
+        "torch.nn.LSTM padded (vendor)": Vendor(vendor),
+        "engine, options off": Engine(plain, lstm_engine, off, False),
+        "engine, layer_norm": Engine(ln, lstm_engine, lnopt, False),
+        "LayerNorm-LSTM per-step autograd loop": Engine(ln, lstm_reference, lnopt, False),
+        "engine, layer_norm + lengths": Engine(ln, lstm_engine, lnopt, True),
+    }
+    rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=True,
+                  workload=f"engine (BLSTM {d} -> {h}x2, T={t}, B={b})", progress=say)
+    print(rep.render("torch.nn.LSTM padded (vendor)"))
+    anchor = "torch.nn.LSTM padded (vendor)"
+    for name in list(candidates)[1:]:
+        print(f"{name}: fwd+bwd {rep.ratio(name, anchor):.2f}x vendor, fwd {rep.ratio(name, anchor, 'forward'):.2f}x; "
+              f"peak {rep[name].peak_memory_bytes / 2**20:.0f} MiB vs vendor {rep[anchor].peak_memory_bytes / 2**20:.0f} MiB")
+    print(f"per-step loop / engine layer_norm (fwd+bwd): "
+          f"{rep.ratio('LayerNorm-LSTM per-step autograd loop', 'engine, layer_norm'):.1f}x")
+    # correctness at this shape: pairs that compute the same function
+    for pair in (("torch.nn.LSTM padded (vendor)", "engine, options off"),
+                 ("LayerNorm-LSTM per-step autograd loop", "engine, layer_norm")):
+        chk = compare({k: candidates[k] for k in pair}, make_inputs, repeats=1, warmup=0, memory=False,
+                      workload="check " + " vs ".join(pair), progress=say)
+        errs = {r.name: (r.output_error, max(r.grad_errors.values())) for r in chk.results}
+        print(f"check vs {pair[0]} in float64: " + "; ".join(
+            f"{n}: max rel err output {e[0]:.1e}, gradients {e[1]:.1e}, flags {chk[n].flags or 'none'}"
+            for n, e in errs.items()))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rep.cpu}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
