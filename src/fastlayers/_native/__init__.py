@@ -19,7 +19,7 @@ import threading
 import warnings
 from pathlib import Path
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu99"]
 _LOCK = threading.Lock()
 _LOADED: dict[str, ctypes.CDLL | None] = {}
 

@@ -15,36 +15,84 @@
 #include <stdint.h>
 #include <string.h>
 
+/* one 32-byte vector of T (GCC/Clang vector extension: AVX on x86-64, NEON pairs on ARM) */
+typedef float V_f32 __attribute__((vector_size(32)));
+typedef double V_f64 __attribute__((vector_size(32)));
+#define VL_f32 8
+#define VL_f64 4
+#define BB 4 /* sequences per sweep in the parameter-gradient kernel */
+
 #define DEFINE_KERNELS(T, SUFFIX)                                                                    \
-void lc2d_forward_##SUFFIX(const T* x, const T* w, const T* bias, T* y, int64_t B, int64_t C,     \
+/* One task per block of output rows: the filters of the block (O*C*KH*KW*rows rows of OW values, \
+ * sized to stay in L2) are reused by the whole batch, and each input plane is read in contiguous   \
+ * runs of `rows` rows, so x is read once and y written once. */                                    \
+void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* restrict bias,       \
+                           T* restrict y, int64_t B, int64_t C,                                    \
                            int64_t Hp, int64_t Wp, int64_t O, int64_t KH, int64_t KW, int64_t OH,  \
                            int64_t OW, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int nthreads) \
 {                                                                                                  \
+    const int64_t K = C * KH * KW;                                                                 \
+    int64_t rows = (int64_t)(96 * 1024) / (int64_t)(sizeof(T) * O * C * KH * KW * OW);            \
+    if (rows < 1) rows = 1;                                                                        \
+    if (rows * nthreads > OH) rows = (OH + nthreads - 1) / nthreads;                               \
+    const int64_t blocks = (OH + rows - 1) / rows;                                                 \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
-    for (int64_t task = 0; task < B * OH; task++) {                                                \
-        const int64_t b = task / OH, i = task % OH;                                                \
-        for (int64_t o = 0; o < O; o++) {                                                          \
-            T* yr = y + ((b * O + o) * OH + i) * OW;                                               \
-            if (bias) memcpy(yr, bias + (o * OH + i) * OW, sizeof(T) * OW);                        \
-            else memset(yr, 0, sizeof(T) * OW);                                                    \
-            for (int64_t c = 0; c < C; c++)                                                        \
-                for (int64_t p = 0; p < KH; p++) {                                                 \
-                    const T* xrow = x + ((b * C + c) * Hp + i * sh + p * dh) * Wp;                 \
-                    for (int64_t q = 0; q < KW; q++) {                                             \
-                        const T* wr = w + ((((o * C + c) * KH + p) * KW + q) * OH + i) * OW;       \
-                        const T* xr = xrow + q * dw;                                               \
-                        if (sw == 1)                                                               \
-                            for (int64_t j = 0; j < OW; j++) yr[j] += wr[j] * xr[j];               \
-                        else                                                                       \
-                            for (int64_t j = 0; j < OW; j++) yr[j] += wr[j] * xr[j * sw];          \
+    for (int64_t blk = 0; blk < blocks; blk++) {                                                   \
+        const int64_t i0 = blk * rows, i1 = i0 + rows < OH ? i0 + rows : OH;                       \
+        for (int64_t b = 0; b < B; b++)                                                            \
+        for (int64_t o = 0; o < O; o++)                                                            \
+        for (int64_t i = i0; i < i1; i++) {                                                        \
+            T* restrict yr = y + ((b * O + o) * OH + i) * OW;                                      \
+            const T* restrict brow = bias ? bias + (o * OH + i) * OW : 0;                          \
+            int64_t j = 0;                                                                         \
+            if (sw == 1) {                                                                         \
+                /* row pointers of the K = C*KH*KW (filter, input) pairs of this output row */      \
+                const T* wp[K]; const T* xq[K];                                                    \
+                int64_t k = 0;                                                                     \
+                for (int64_t c = 0; c < C; c++)                                                    \
+                    for (int64_t p = 0; p < KH; p++)                                               \
+                        for (int64_t q = 0; q < KW; q++, k++) {                                    \
+                            wp[k] = w + ((((o * C + c) * KH + p) * KW + q) * OH + i) * OW;         \
+                            xq[k] = x + ((b * C + c) * Hp + i * sh + p * dh) * Wp + q * dw;        \
+                        }                                                                          \
+                for (; j + 4 * VL_##SUFFIX <= OW; j += 4 * VL_##SUFFIX) {                          \
+                    V_##SUFFIX a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                             \
+                    if (brow) {                                                                    \
+                        memcpy(&a0, brow + j, sizeof a0);                                          \
+                        memcpy(&a1, brow + j + VL_##SUFFIX, sizeof a1);                            \
+                        memcpy(&a2, brow + j + 2 * VL_##SUFFIX, sizeof a2);                        \
+                        memcpy(&a3, brow + j + 3 * VL_##SUFFIX, sizeof a3);                        \
                     }                                                                              \
+                    for (int64_t k2 = 0; k2 < K; k2++) {                                           \
+                        const T* wr = wp[k2] + j; const T* xr = xq[k2] + j;                        \
+                        V_##SUFFIX w0, w1, w2, w3, x0, x1, x2, x3;                                 \
+                        memcpy(&w0, wr, sizeof w0); memcpy(&x0, xr, sizeof x0);                    \
+                        memcpy(&w1, wr + VL_##SUFFIX, sizeof w1); memcpy(&x1, xr + VL_##SUFFIX, sizeof x1); \
+                        memcpy(&w2, wr + 2 * VL_##SUFFIX, sizeof w2); memcpy(&x2, xr + 2 * VL_##SUFFIX, sizeof x2); \
+                        memcpy(&w3, wr + 3 * VL_##SUFFIX, sizeof w3); memcpy(&x3, xr + 3 * VL_##SUFFIX, sizeof x3); \
+                        a0 += w0 * x0; a1 += w1 * x1; a2 += w2 * x2; a3 += w3 * x3;                 \
+                    }                                                                              \
+                    memcpy(yr + j, &a0, sizeof a0);                                                \
+                    memcpy(yr + j + VL_##SUFFIX, &a1, sizeof a1);                                  \
+                    memcpy(yr + j + 2 * VL_##SUFFIX, &a2, sizeof a2);                              \
+                    memcpy(yr + j + 3 * VL_##SUFFIX, &a3, sizeof a3);                              \
                 }                                                                                  \
+            }                                                                                      \
+            for (; j < OW; j++) {                                                                  \
+                T acc = brow ? brow[j] : 0;                                                        \
+                for (int64_t c = 0; c < C; c++)                                                    \
+                    for (int64_t p = 0; p < KH; p++)                                               \
+                        for (int64_t q = 0; q < KW; q++)                                           \
+                            acc += w[((((o * C + c) * KH + p) * KW + q) * OH + i) * OW + j]        \
+                                 * x[((b * C + c) * Hp + i * sh + p * dh) * Wp + q * dw + j * sw]; \
+                yr[j] = acc;                                                                       \
+            }                                                                                      \
         }                                                                                          \
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
 /* dx[b,c,i*sh+p*dh,j*sw+q*dw] += sum_o dy[b,o,i,j] * w[o,c,p,q,i,j]; dx: [B, C, Hp, Wp], zeroed */ \
-void lc2d_backward_input_##SUFFIX(const T* dy, const T* w, T* dx, int64_t B, int64_t C,           \
+void lc2d_backward_input_##SUFFIX(const T* restrict dy, const T* restrict w, T* restrict dx, int64_t B, int64_t C,           \
                                   int64_t Hp, int64_t Wp, int64_t O, int64_t KH, int64_t KW,       \
                                   int64_t OH, int64_t OW, int64_t sh, int64_t sw, int64_t dh,      \
                                   int64_t dw, int nthreads)                                        \
@@ -71,41 +119,68 @@ void lc2d_backward_input_##SUFFIX(const T* dy, const T* w, T* dx, int64_t B, int
 }                                                                                                  \
                                                                                                    \
 /* dw[o,c,p,q,i,j] = sum_b dy[b,o,i,j] * x[b,c,i*sh+p*dh,j*sw+q*dw]; db[o,i,j] = sum_b dy[b,o,i,j] \
- * (either may be NULL); both fully written here. */                                               \
-void lc2d_backward_params_##SUFFIX(const T* dy, const T* x, T* dw_, T* db, int64_t B, int64_t C, \
+ * (either may be NULL); both fully written here. Blocks of output rows as in the forward: the     \
+ * gradient rows of a block stay in L2 while the batch streams through. */                         \
+void lc2d_backward_params_##SUFFIX(const T* restrict dy, const T* restrict x, T* restrict dw_,     \
+                                   T* restrict db, int64_t B, int64_t C,                           \
                                    int64_t Hp, int64_t Wp, int64_t O, int64_t KH, int64_t KW,      \
                                    int64_t OH, int64_t OW, int64_t sh, int64_t sw, int64_t dh,     \
                                    int64_t dw, int nthreads)                                       \
 {                                                                                                  \
+    int64_t rows = (int64_t)(96 * 1024) / (int64_t)(sizeof(T) * O * (C * KH * KW + 1) * OW);      \
+    if (rows < 1) rows = 1;                                                                        \
+    if (rows * nthreads > OH) rows = (OH + nthreads - 1) / nthreads;                               \
+    const int64_t blocks = (OH + rows - 1) / rows;                                                 \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
-    for (int64_t i = 0; i < OH; i++) {                                                             \
-        for (int64_t o = 0; o < O; o++) {                                                          \
-            if (db) memset(db + (o * OH + i) * OW, 0, sizeof(T) * OW);                             \
-            if (dw_)                                                                               \
-                for (int64_t k = 0; k < C * KH * KW; k++)                                          \
-                    memset(dw_ + ((o * C * KH * KW + k) * OH + i) * OW, 0, sizeof(T) * OW);        \
-        }                                                                                          \
-        for (int64_t b = 0; b < B; b++)                                                            \
-            for (int64_t o = 0; o < O; o++) {                                                      \
-                const T* dyr = dy + ((b * O + o) * OH + i) * OW;                                   \
-                if (db) {                                                                          \
-                    T* dbr = db + (o * OH + i) * OW;                                               \
-                    for (int64_t j = 0; j < OW; j++) dbr[j] += dyr[j];                             \
-                }                                                                                  \
-                if (!dw_) continue;                                                                \
-                for (int64_t c = 0; c < C; c++)                                                    \
-                    for (int64_t p = 0; p < KH; p++) {                                             \
-                        const T* xrow = x + ((b * C + c) * Hp + i * sh + p * dh) * Wp;             \
-                        for (int64_t q = 0; q < KW; q++) {                                         \
-                            T* dwr = dw_ + ((((o * C + c) * KH + p) * KW + q) * OH + i) * OW;      \
-                            const T* xr = xrow + q * dw;                                           \
-                            if (sw == 1)                                                           \
-                                for (int64_t j = 0; j < OW; j++) dwr[j] += dyr[j] * xr[j];         \
-                            else                                                                   \
-                                for (int64_t j = 0; j < OW; j++) dwr[j] += dyr[j] * xr[j * sw];    \
+    for (int64_t blk = 0; blk < blocks; blk++) {                                                   \
+        const int64_t i0 = blk * rows, i1 = i0 + rows < OH ? i0 + rows : OH;                       \
+        for (int64_t b0 = 0; b0 < B; b0 += BB) /* BB sequences per sweep: few pages at a time */  \
+        for (int64_t o = 0; o < O; o++)                                                            \
+            for (int64_t i = i0; i < i1; i++)                                                      \
+                for (int64_t k = -1; k < C * KH * KW; k++) { /* k = -1: the bias */                \
+                    if (k < 0 ? !db : !dw_) continue;                                              \
+                    const int64_t c = k < 0 ? 0 : k / (KH * KW), p = k < 0 ? 0 : (k / KW) % KH,    \
+                                  q = k < 0 ? 0 : k % KW;                                          \
+                    T* restrict out = k < 0 ? db + (o * OH + i) * OW                               \
+                                            : dw_ + ((o * C * KH * KW + k) * OH + i) * OW;         \
+                    const int64_t dys = O * OH * OW, xs = C * Hp * Wp;                             \
+                    const int64_t b1 = b0 + BB < B ? b0 + BB : B;                                  \
+                    const T* dy0 = dy + b0 * dys + (o * OH + i) * OW;                              \
+                    const T* x0 = x + b0 * xs + (c * Hp + i * sh + p * dh) * Wp + q * dw;          \
+                    int64_t j = 0;                                                                 \
+                    if (sw == 1)                                                                   \
+                        for (; j + 4 * VL_##SUFFIX <= OW; j += 4 * VL_##SUFFIX) {                  \
+                            V_##SUFFIX a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                     \
+                            if (b0) {                                                              \
+                                memcpy(&a0, out + j, sizeof a0);                                   \
+                                memcpy(&a1, out + j + VL_##SUFFIX, sizeof a1);                     \
+                                memcpy(&a2, out + j + 2 * VL_##SUFFIX, sizeof a2);                 \
+                                memcpy(&a3, out + j + 3 * VL_##SUFFIX, sizeof a3);                 \
+                            }                                                                      \
+                            const T* dyr = dy0 + j; const T* xr = x0 + j;                          \
+                            for (int64_t b = b0; b < b1; b++, dyr += dys, xr += xs) {              \
+                                V_##SUFFIX d0, d1, d2, d3, x0v, x1v, x2v, x3v;                     \
+                                memcpy(&d0, dyr, sizeof d0); memcpy(&d1, dyr + VL_##SUFFIX, sizeof d1); \
+                                memcpy(&d2, dyr + 2 * VL_##SUFFIX, sizeof d2);                     \
+                                memcpy(&d3, dyr + 3 * VL_##SUFFIX, sizeof d3);                     \
+                                if (k < 0) { a0 += d0; a1 += d1; a2 += d2; a3 += d3; continue; }   \
+                                memcpy(&x0v, xr, sizeof x0v); memcpy(&x1v, xr + VL_##SUFFIX, sizeof x1v); \
+                                memcpy(&x2v, xr + 2 * VL_##SUFFIX, sizeof x2v);                    \
+                                memcpy(&x3v, xr + 3 * VL_##SUFFIX, sizeof x3v);                    \
+                                a0 += d0 * x0v; a1 += d1 * x1v; a2 += d2 * x2v; a3 += d3 * x3v;     \
+                            }                                                                      \
+                            memcpy(out + j, &a0, sizeof a0);                                       \
+                            memcpy(out + j + VL_##SUFFIX, &a1, sizeof a1);                         \
+                            memcpy(out + j + 2 * VL_##SUFFIX, &a2, sizeof a2);                     \
+                            memcpy(out + j + 3 * VL_##SUFFIX, &a3, sizeof a3);                     \
                         }                                                                          \
+                    for (; j < OW; j++) {                                                          \
+                        T acc = b0 ? out[j] : 0;                                                   \
+                        for (int64_t b = 0; b < b1 - b0; b++)                                      \
+                            acc += dy0[b * dys + j] * (k < 0 ? (T)1 : x0[b * xs + j * sw]);        \
+                        out[j] = acc;                                                              \
                     }                                                                              \
-            }                                                                                      \
+                }                                                                                  \
     }                                                                                              \
 }
 
