@@ -127,7 +127,7 @@ def test_module_dispatch_and_padding_zero():
     assert out.shape == (3, 6, 8) and h.shape == (2, 3, 4)
     assert out[1, 2:].abs().max() == 0 and out[2, 4:].abs().max() == 0
     assert type(out.grad_fn).__name__ != "CudnnRnnBackward0"
-    out2, _ = m(x)  # no lengths: all steps valid
+    out2, _ = m.eval()(x)  # no lengths: all steps valid (eval: no zoneout mask can keep a zero state)
     assert out2.abs().min() > 0
     assert "layer_norm=True" in repr(m) and "zoneout=(0.1, 0.1)" in repr(m)
     names = {n for n, _ in m.named_parameters()}

@@ -1,9 +1,12 @@
 /* Fused pointwise LSTM step (forward and backward) for the recurrent engine.
  *
- * Legend: D directions, B batch (rows of one direction, sorted longest first), n active rows
- * (the prefix b < n of every direction runs this step; the others are frozen and not touched),
- * H hidden size, G = 4H gate pre-activations in torch's order i, f, g, o.
- * Per-step tensors are contiguous [D, B, X]; row (d, b) starts at (d*B + b)*X.
+ * Legend: D directions, T steps, B batch (sorted longest first), n active rows (the prefix b < n of
+ * every direction runs this step; rows b >= n are frozen), H hidden size, G = 4H pre-activations
+ * in torch's gate order i, f, g, o.
+ * Step buffers are slices of [D, T, B, X] tensors: the caller passes the address of (d=0, t, b=0)
+ * and the row stride between directions `ds` (= T*B); row (d, b) of the step is at (d*ds + b)*X.
+ * The recurrent product r of the step is a contiguous [D, n, G] tensor. State h, c and the
+ * recurrent-dropout mask are [D, B, X]. Per-row LayerNorm statistics are [D, T, B].
  *
  * Forward, one row (Ba et al. 2016 layer norm as in haste's LayerNormLSTM; Gers & Schmidhuber
  * 2000 diagonal peepholes; Krueger et al. 2016 zoneout):
@@ -15,17 +18,40 @@
  *   n   = LNc(c1) = gc * (c1 - mean) * rstd + bc           (if gc != NULL, else n = c1)
  *   th = tanh(n);  h1 = o*th
  *   c = zc*c0 + (1-zc)*c1;  h = zh*h0 + (1-zh)*h1        (zoneout; zc/zh masks or constants)
- *   y = h
- * Writes c, h into the state (in place), y, and what the backward needs:
- *   gates [D,B,G] = (i, f, g, o); c1 [D,B,H]; th [D,B,H];
- *   rhat [D,B,G], rrstd [D,B] (LNh); chat [D,B,H], crstd [D,B] (LNc).
+ *   y = h;  hd_next = h * rmask (the next step's recurrent input)
+ * Saved for the backward: gates (i, f, g, o), c1, th, c0 (chist), rhat/rrstd, chat/crstd.
+ * Rows b >= n of y, gates, c1, chist, rhat, chat and hd_next are written as 0, so that the large
+ * reductions after the loop can run over whole tensors.
+ *
+ * float uses a vectorisable exp (Cody-Waite reduction + degree-6 polynomial, rel. error ~2e-7);
+ * double uses libm.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+static inline float fexp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float t = x * 1.44269504088896341f;
+    const float nf = (float)(int32_t)(t + (t >= 0 ? 0.5f : -0.5f));
+    const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)nf + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+static inline float ftanh_f32(float x) { return 2.0f / (1.0f + fexp_f32(-2.0f * x)) - 1.0f; }
+
 #define DEFINE_LSTM(T, SUFFIX, EXP, TANH, SQRT)                                                        \
 static inline T sig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                                      \
+                                                                                                     \
 static void layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_out) {               \
     T mean = 0, var = 0;                                                                             \
     for (int64_t k = 0; k < len; k++) mean += v[k];                                                  \
@@ -36,7 +62,8 @@ static void layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_
     *rstd_out = rstd;                                                                                \
 }                                                                                                    \
                                                                                                      \
-/* LayerNorm backward for one row: dv = rstd * (dhat - mean(dhat) - hat * mean(dhat * hat)) */       \
+/* LayerNorm backward for one row: dv = rstd * (dhat - mean(dhat) - hat * mean(dhat * hat));         \
+ * dv may alias dhat. */                                                                             \
 static void layer_norm_backward_##SUFFIX(const T* dhat, const T* hat, T rstd, int64_t len, T* dv) {  \
     T m1 = 0, m2 = 0;                                                                                \
     for (int64_t k = 0; k < len; k++) { m1 += dhat[k]; m2 += dhat[k] * hat[k]; }                     \
@@ -45,23 +72,32 @@ static void layer_norm_backward_##SUFFIX(const T* dhat, const T* hat, T rstd, in
 }                                                                                                    \
                                                                                                      \
 void lstm_step_forward_##SUFFIX(                                                                     \
-    int64_t D, int64_t B, int64_t n, int64_t H,                                                      \
-    const T* xp, const T* r, int64_t rB, T* c, T* h, T* y,                                           \
+    int64_t D, int64_t B, int64_t n, int64_t H, int64_t ds,                                          \
+    const T* xp, const T* r, T* c, T* h, const T* rmask,                                             \
+    T* y, T* gates, T* c1_out, T* th_out, T* chist, T* hd_next,                                      \
+    T* rhat, T* rrstd, T* chat, T* crstd,                                                            \
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
-    const T* zc, const T* zh, T zc_const, T zh_const,                                                \
-    T* gates, T* c1_out, T* th_out, T* rhat, T* rrstd, T* chat, T* crstd, int nthreads)             \
+    const T* zc, const T* zh, T zc_const, T zh_const, int nthreads)                                  \
 {                                                                                                    \
     const int64_t G = 4 * H;                                                                         \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * n; task++) {                                                   \
-        const int64_t d = task / n, row = d * B + task % n;                                          \
+    for (int64_t task = 0; task < D * B; task++) {                                                   \
+        const int64_t d = task / B, b = task % B, row = d * ds + b, srow = d * B + b;               \
+        if (b >= n) { /* frozen row: zero what the post-loop reductions read */                      \
+            memset(y + row * H, 0, sizeof(T) * H); memset(gates + row * G, 0, sizeof(T) * G);        \
+            memset(c1_out + row * H, 0, sizeof(T) * H); memset(chist + row * H, 0, sizeof(T) * H);   \
+            if (rhat) memset(rhat + row * G, 0, sizeof(T) * G);                                      \
+            if (chat) memset(chat + row * H, 0, sizeof(T) * H);                                      \
+            if (hd_next) memset(hd_next + row * H, 0, sizeof(T) * H);                                \
+            continue;                                                                                \
+        }                                                                                            \
         const T* xr = xp + row * G;                                                                  \
-        const T* rr = r + (d * rB + task % n) * G;                                                   \
+        const T* rr = r + (d * n + b) * G;                                                           \
         T* gr = gates + row * G;                                                                     \
-        T* cr = c + row * H; T* hr = h + row * H; T* yr = y + row * H;                               \
-        T* c1r = c1_out + row * H; T* thr = th_out + row * H;                                        \
+        T* cr = c + srow * H; T* hr = h + srow * H; T* yr = y + row * H;                             \
+        T* c1r = c1_out + row * H; T* thr = th_out + row * H; T* c0r = chist + row * H;              \
         const T* pi = peep ? peep + d * 3 * H : 0;                                                   \
-        /* pre-activations into gates[] */                                                           \
+        memcpy(c0r, cr, sizeof(T) * H);                                                              \
         if (gh) {                                                                                    \
             T* rh = rhat + row * G;                                                                  \
             layer_norm_##SUFFIX(rr, G, eps, rh, rrstd + row);                                        \
@@ -70,90 +106,92 @@ void lstm_step_forward_##SUFFIX(                                                
         } else {                                                                                     \
             for (int64_t k = 0; k < G; k++) gr[k] = xr[k] + rr[k];                                   \
         }                                                                                            \
+        if (pi) for (int64_t k = 0; k < H; k++) { gr[k] += pi[k] * c0r[k]; gr[H + k] += pi[H + k] * c0r[k]; } \
         for (int64_t k = 0; k < H; k++) {                                                            \
-            const T c0 = cr[k];                                                                      \
-            T pi_ = gr[k], pf_ = gr[H + k];                                                          \
-            if (pi) { pi_ += pi[k] * c0; pf_ += pi[H + k] * c0; }                                    \
-            const T ig = sig_##SUFFIX(pi_), fg = sig_##SUFFIX(pf_), gg = TANH(gr[2 * H + k]);                          \
-            T c1 = fg * c0 + ig * gg;                                                                \
-            if (clip > 0) c1 = c1 > clip ? clip : (c1 < -clip ? -clip : c1);                         \
-            T po_ = gr[3 * H + k];                                                                   \
-            if (pi) po_ += pi[2 * H + k] * c1;                                                       \
-            gr[k] = ig; gr[H + k] = fg; gr[2 * H + k] = gg; gr[3 * H + k] = sig_##SUFFIX(po_);                \
-            c1r[k] = c1;                                                                             \
+            const T ig = sig_##SUFFIX(gr[k]), fg = sig_##SUFFIX(gr[H + k]), gg = TANH(gr[2 * H + k]); \
+            T v = fg * c0r[k] + ig * gg;                                                             \
+            if (clip > 0) v = v > clip ? clip : (v < -clip ? -clip : v);                             \
+            gr[k] = ig; gr[H + k] = fg; gr[2 * H + k] = gg; c1r[k] = v;                              \
         }                                                                                            \
-        const T* nsrc = c1r;                                                                         \
+        if (pi) for (int64_t k = 0; k < H; k++) gr[3 * H + k] += pi[2 * H + k] * c1r[k];             \
+        for (int64_t k = 0; k < H; k++) gr[3 * H + k] = sig_##SUFFIX(gr[3 * H + k]);                 \
         if (gc) {                                                                                    \
             T* ch = chat + row * H;                                                                  \
             layer_norm_##SUFFIX(c1r, H, eps, ch, crstd + row);                                       \
             const T* gcd = gc + d * H; const T* bcd = bc + d * H;                                    \
-            for (int64_t k = 0; k < H; k++) thr[k] = gcd[k] * ch[k] + bcd[k];                        \
-            nsrc = thr;                                                                              \
+            for (int64_t k = 0; k < H; k++) thr[k] = TANH(gcd[k] * ch[k] + bcd[k]);                  \
+        } else {                                                                                     \
+            for (int64_t k = 0; k < H; k++) thr[k] = TANH(c1r[k]);                                   \
         }                                                                                            \
+        const T* zcr = zc ? zc + row * H : 0; const T* zhr = zh ? zh + row * H : 0;                  \
         for (int64_t k = 0; k < H; k++) {                                                            \
-            const T th = TANH(nsrc[k]);                                                              \
-            const T h1 = gr[3 * H + k] * th;                                                         \
-            const T zck = zc ? zc[row * H + k] : zc_const, zhk = zh ? zh[row * H + k] : zh_const;    \
-            thr[k] = th;                                                                             \
-            cr[k] = zck * cr[k] + (1 - zck) * c1r[k];                                                \
+            const T zck = zcr ? zcr[k] : zc_const, zhk = zhr ? zhr[k] : zh_const;                    \
+            const T h1 = gr[3 * H + k] * thr[k];                                                     \
+            cr[k] = zck * c0r[k] + (1 - zck) * c1r[k];                                               \
             hr[k] = zhk * hr[k] + (1 - zhk) * h1;                                                    \
             yr[k] = hr[k];                                                                           \
+        }                                                                                            \
+        if (hd_next) {                                                                               \
+            T* hn = hd_next + row * H;                                                               \
+            if (rmask) { const T* m = rmask + srow * H; for (int64_t k = 0; k < H; k++) hn[k] = hr[k] * m[k]; } \
+            else memcpy(hn, hr, sizeof(T) * H);                                                      \
         }                                                                                            \
     }                                                                                                \
 }                                                                                                    \
                                                                                                      \
-/* Backward of one step for the active rows. In: dy (grad of y), dh/dc (grad of the state after    \
- * this step; overwritten in place with the grad of the state before it, except the recurrent GEMM \
- * part, which the caller adds), c0 (state before the step). Out: dpre [D,B,G] (= grad of xp),      \
- * dr [D,B,G] (grad of r; may alias dpre when gh == NULL), dn [D,B,H] (grad of LNc's output, for   \
- * gc/bc; may be NULL when gc == NULL). */                                                          \
+/* Backward of one step. In: dy (grad of y), dh/dc (grad of the state after this step, [D,B,H];     \
+ * overwritten in place with the grad of the state before it, except the recurrent GEMM part,       \
+ * which the caller adds). Out: dpre (= grad of xp), dr (grad of r; may alias dpre when gh == NULL),\
+ * both zero on rows b >= n; dn_scratch [D,B,H] (work space for LNc). Parameter gradients are       \
+ * accumulated (+=) over the active rows into acc_gh [D,G], acc_gc/acc_bc [D,H], acc_peep [D,3H]. */ \
 void lstm_step_backward_##SUFFIX(                                                                    \
-    int64_t D, int64_t B, int64_t n, int64_t H,                                                      \
-    const T* dy, T* dh, T* dc, const T* c0,                                                          \
-    const T* gates, const T* c1_in, const T* th_in, const T* rhat, const T* rrstd,                   \
-    const T* chat, const T* crstd,                                                                   \
+    int64_t D, int64_t B, int64_t n, int64_t H, int64_t ds,                                          \
+    const T* dy, T* dh, T* dc,                                                                       \
+    const T* chist, const T* gates, const T* c1_in, const T* th_in,                                  \
+    const T* rhat, const T* rrstd, const T* chat, const T* crstd,                                    \
     const T* gh, const T* gc, const T* peep, T clip,                                                 \
     const T* zc, const T* zh, T zc_const, T zh_const,                                                \
-    T* dpre, T* dr, T* dn_out, int nthreads)                                                         \
+    T* dpre, T* dr, T* dn_scratch, T* acc_gh, T* acc_gc, T* acc_bc, T* acc_peep, int nthreads)       \
 {                                                                                                    \
     const int64_t G = 4 * H;                                                                         \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * n; task++) {                                                   \
-        const int64_t d = task / n, row = d * B + task % n;                                          \
-        const T* gr = gates + row * G;                                                               \
-        const T* c1r = c1_in + row * H; const T* thr = th_in + row * H; const T* c0r = c0 + row * H; \
-        T* dhr = dh + row * H; T* dcr = dc + row * H; const T* dyr = dy + row * H;                   \
+    for (int64_t task = 0; task < D * B; task++) {                                                   \
+        const int64_t d = task / B, b = task % B, row = d * ds + b, srow = d * B + b;               \
         T* dp = dpre + row * G;                                                                      \
+        if (b >= n) {                                                                                \
+            memset(dp, 0, sizeof(T) * G);                                                            \
+            if (dr != dpre) memset(dr + row * G, 0, sizeof(T) * G);                                  \
+            continue;                                                                                \
+        }                                                                                            \
+        const T* gr = gates + row * G;                                                               \
+        const T* c1r = c1_in + row * H; const T* thr = th_in + row * H; const T* c0r = chist + row * H; \
+        T* dhr = dh + srow * H; T* dcr = dc + srow * H; const T* dyr = dy + row * H;                 \
         const T* pi = peep ? peep + d * 3 * H : 0;                                                   \
-        T* dn = dn_out ? dn_out + row * H : 0;                                                       \
-        /* pass 1: through h1 = o * tanh(n); dn into dp[2H..3H) scratch if no buffer */              \
-        T* dnr = dn ? dn : dp + 2 * H; /* scratch: overwritten below */                             \
-        for (int64_t k = 0; k < H; k++) {                                                            \
-            const T zhk = zh ? zh[row * H + k] : zh_const;                                           \
+        T* dn = dn_scratch + srow * H;                                                               \
+        const T* zcr = zc ? zc + row * H : 0; const T* zhr = zh ? zh + row * H : 0;                  \
+        for (int64_t k = 0; k < H; k++) { /* through h = zh*h0 + (1-zh)*o*tanh(n) */                 \
+            const T zhk = zhr ? zhr[k] : zh_const;                                                   \
             const T dhout = dyr[k] + dhr[k];                                                         \
             const T dh1 = (1 - zhk) * dhout;                                                         \
             const T o = gr[3 * H + k], th = thr[k];                                                  \
-            dp[3 * H + k] = dh1 * th * o * (1 - o);   /* d pre_o */                                  \
-            dnr[k] = dh1 * o * (1 - th * th);                                                        \
-            dhr[k] = zhk * dhout;                     /* zoneout part of dh0 */                      \
+            dp[3 * H + k] = dh1 * th * o * (1 - o);                                                  \
+            dn[k] = dh1 * o * (1 - th * th);                                                         \
+            dhr[k] = zhk * dhout;                                                                    \
         }                                                                                            \
-        /* through LNc: dc1 = LN backward of gc * dn; use dp[H..2H) as scratch for dhat */           \
-        T* dc1 = dp + 0; /* scratch: dp[0..H) holds dc1 until the gates pass */                      \
+        T* dc1 = dp; /* dp[0..H) holds d c1 until the gate pass */                                   \
         if (gc) {                                                                                    \
-            const T* gcd = gc + d * H; const T* ch = chat + row * H;                                 \
-            T* dhat = dp + H;                                                                        \
-            for (int64_t k = 0; k < H; k++) dhat[k] = dnr[k] * gcd[k];                               \
-            layer_norm_backward_##SUFFIX(dhat, ch, crstd[row], H, dc1);                              \
+            const T* gcd = gc + d * H; T* dhat = dp + H;                                             \
+            for (int64_t k = 0; k < H; k++) dhat[k] = dn[k] * gcd[k];                                \
+            layer_norm_backward_##SUFFIX(dhat, chat + row * H, crstd[row], H, dc1);                  \
         } else {                                                                                     \
-            for (int64_t k = 0; k < H; k++) dc1[k] = dnr[k];                                         \
+            memcpy(dc1, dn, sizeof(T) * H);                                                          \
         }                                                                                            \
         for (int64_t k = 0; k < H; k++) {                                                            \
-            const T zck = zc ? zc[row * H + k] : zc_const;                                           \
-            const T i = gr[k], f = gr[H + k], g = gr[2 * H + k];                                     \
-            const T c0k = c0r[k];                                                                    \
+            const T zck = zcr ? zcr[k] : zc_const;                                                   \
+            const T i = gr[k], f = gr[H + k], g = gr[2 * H + k], c0k = c0r[k];                       \
             T dc1k = dc1[k] + (1 - zck) * dcr[k];                                                    \
             if (pi) dc1k += dp[3 * H + k] * pi[2 * H + k];                                           \
-            if (clip > 0) { const T cr = f * c0k + i * g; if (cr > clip || cr < -clip) dc1k = 0; }   \
+            if (clip > 0) { const T v = f * c0k + i * g; if (v > clip || v < -clip) dc1k = 0; }      \
             const T di = dc1k * g * i * (1 - i);                                                     \
             const T df = dc1k * c0k * f * (1 - f);                                                   \
             const T dg = dc1k * i * (1 - g * g);                                                     \
@@ -163,15 +201,37 @@ void lstm_step_backward_##SUFFIX(                                               
             dp[k] = di; dp[H + k] = df; dp[2 * H + k] = dg;                                          \
         }                                                                                            \
         if (gh) {                                                                                    \
-            const T* ghd = gh + d * G; const T* rh = rhat + row * G;                                 \
-            T* drr = dr + row * G;                                                                   \
+            const T* ghd = gh + d * G; T* drr = dr + row * G;                                        \
             for (int64_t k = 0; k < G; k++) drr[k] = dp[k] * ghd[k];                                 \
-            layer_norm_backward_##SUFFIX(drr, rh, rrstd[row], G, drr);                               \
+            layer_norm_backward_##SUFFIX(drr, rhat + row * G, rrstd[row], G, drr);                   \
         } else if (dr != dpre) {                                                                     \
             memcpy(dr + row * G, dp, sizeof(T) * G);                                                 \
         }                                                                                            \
     }                                                                                                \
+    if (!(acc_gh || acc_gc || acc_peep)) return;                                                     \
+    /* parameter-gradient sums over the active rows; each thread owns a block of columns */          \
+    const int64_t ncols = G, chunk = 64, nchunks = (ncols + chunk - 1) / chunk;                      \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
+    for (int64_t task = 0; task < D * nchunks; task++) {                                             \
+        const int64_t d = task / nchunks, k0 = (task % nchunks) * chunk;                             \
+        const int64_t k1 = k0 + chunk < ncols ? k0 + chunk : ncols;                                  \
+        for (int64_t b = 0; b < n; b++) {                                                            \
+            const int64_t row = d * ds + b, srow = d * B + b;                                        \
+            const T* dp = dpre + row * G;                                                            \
+            if (acc_gh) { const T* rh = rhat + row * G; T* a = acc_gh + d * G;                       \
+                for (int64_t k = k0; k < k1; k++) a[k] += dp[k] * rh[k]; }                           \
+            const int64_t h0 = k0 < H ? k0 : H, h1 = k1 < H ? k1 : H; /* H-sized sums on k < H */    \
+            if (acc_gc && h0 < h1) { const T* ch = chat + row * H; const T* dn = dn_scratch + srow * H; \
+                T* ag = acc_gc + d * H; T* ab = acc_bc + d * H;                                      \
+                for (int64_t k = h0; k < h1; k++) { ag[k] += dn[k] * ch[k]; ab[k] += dn[k]; } }      \
+            if (acc_peep && h0 < h1) { const T* c0r = chist + row * H; const T* c1r = c1_in + row * H; \
+                T* ap = acc_peep + d * 3 * H;                                                        \
+                for (int64_t k = h0; k < h1; k++) {                                                  \
+                    ap[k] += dp[k] * c0r[k]; ap[H + k] += dp[H + k] * c0r[k];                        \
+                    ap[2 * H + k] += dp[3 * H + k] * c1r[k]; } }                                     \
+        }                                                                                            \
+    }                                                                                                \
 }
 
-DEFINE_LSTM(float, f32, expf, tanhf, sqrtf)
+DEFINE_LSTM(float, f32, fexp_f32, ftanh_f32, sqrtf)
 DEFINE_LSTM(double, f64, exp, tanh, sqrt)

@@ -33,13 +33,13 @@ P = ctypes.c_void_p
 def _lib():
     lib = _native.load("lstm")
     if lib is not None and not getattr(lib, "_fastlayers_typed", False):
+        i64 = ctypes.c_int64
         for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
             f = getattr(lib, f"lstm_step_forward_{suffix}")
-            i64 = ctypes.c_int64
-            f.argtypes = [i64] * 4 + [P, P, i64, P, P, P] + [P] * 4 + [real, real] + [P, P, real, real] + [P] * 7 + [ctypes.c_int]
+            f.argtypes = [i64] * 5 + [P] * 5 + [P] * 6 + [P] * 4 + [P] * 4 + [real, real] + [P, P, real, real] + [ctypes.c_int]
             f.restype = None
             b = getattr(lib, f"lstm_step_backward_{suffix}")
-            b.argtypes = [i64] * 4 + [P] * 4 + [P] * 7 + [P, P, P, real] + [P, P, real, real] + [P] * 3 + [ctypes.c_int]
+            b.argtypes = [i64] * 5 + [P] * 3 + [P] * 4 + [P] * 4 + [P, P, P, real] + [P, P, real, real] + [P] * 7 + [ctypes.c_int]
             b.restype = None
         lib._fastlayers_typed = True
     return lib
@@ -54,43 +54,47 @@ def _p(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class LSTMRecurrence(torch.autograd.Function):
-    """The time loop of one layer, all directions. Inputs (time already local per direction):
+def _step(buf: Tensor | None, t: int) -> int | None:
+    """Address of (d=0, t, b=0) of a [D, T, B, ...] buffer."""
+    return None if buf is None else buf[0, t].data_ptr()
 
-    xp (T, D, B, G) input pre-activations incl. bias; h0, c0 (D, B, H); w_hh (D, G, H);
+
+class LSTMRecurrence(torch.autograd.Function):
+    """The time loop of one layer, all directions (time already local per direction).
+
+    Inputs: xp (D, T, B, G) input pre-activations incl. bias; h0, c0 (D, B, H); w_hh (D, G, H);
     gh (D, G) | None recurrent LayerNorm gain; gc, bc (D, H) | None cell LayerNorm gain, bias;
     peep (D, 3H) | None; rmask (D, B, H) | None recurrent-dropout mask (scaled);
-    zc, zh (T, D, B, H) | None zoneout keep-masks; active: tuple of T active-prefix sizes;
+    zc, zh (D, T, B, H) | None zoneout keep-masks; active: tuple of T active-prefix sizes;
     consts: (cell_clip or 0, z_c, z_h) (the z are used where the masks are None).
-    Returns y (T, D, B, H) (zero for inactive rows), h_n, c_n (D, B, H).
+    Returns y (D, T, B, H) (zero on inactive rows), h_n, c_n (D, B, H).
     """
 
     @staticmethod
     def forward(ctx, xp, h0, c0, w_hh, gh, gc, bc, peep, rmask, zc, zh, active, consts):
-        steps, dirs, batch, gsize = xp.shape
+        dirs, steps, batch, gsize = xp.shape
         hidden = gsize // 4
         clip, zc_const, zh_const = consts
         fwd = getattr(_lib(), f"lstm_step_forward_{_SUFFIX[xp.dtype]}")
         threads = torch.get_num_threads()
+        xp = xp.contiguous()
         h, c = h0.contiguous().clone(), c0.contiguous().clone()
-        z = lambda *s: xp.new_zeros(*s)  # noqa: E731  (inactive rows must read as 0 after the loop)
-        y, gates, c1, th = z(steps, dirs, batch, hidden), z(steps, dirs, batch, gsize), z(steps, dirs, batch, hidden), \
-            xp.new_empty(steps, dirs, batch, hidden)
-        chist, hd = z(steps, dirs, batch, hidden), z(steps, dirs, batch, hidden)
-        rhat = z(steps, dirs, batch, gsize) if gh is not None else None
-        rrstd = xp.new_empty(steps, dirs, batch) if gh is not None else None
-        chat = z(steps, dirs, batch, hidden) if gc is not None else None
-        crstd = xp.new_empty(steps, dirs, batch) if gc is not None else None
+        e = lambda *s: xp.new_empty(dirs, steps, batch, *s)  # noqa: E731  (every row is written by the kernel)
+        y, gates, c1, th, chist, hd = e(hidden), e(gsize), e(hidden), e(hidden), e(hidden), e(hidden)
+        rhat, rrstd = (e(gsize), e()) if gh is not None else (None, None)
+        chat, crstd = (e(hidden), e()) if gc is not None else (None, None)
+        rmask = rmask.contiguous() if rmask is not None else None
+        zc = zc.contiguous() if zc is not None else None
+        zh = zh.contiguous() if zh is not None else None
+        hd[:, 0] = h * rmask if rmask is not None else h
         w_t = w_hh.transpose(1, 2)
-        at = lambda buf, t: None if buf is None else _p(buf[t])  # noqa: E731
+        ds = steps * batch
         for t, n in enumerate(active):
-            chist[t, :, :n] = c[:, :n]
-            hin = h[:, :n] if rmask is None else h[:, :n] * rmask[:, :n]
-            hd[t, :, :n] = hin
-            r = torch.bmm(hin, w_t)  # (D, n, G) contiguous
-            fwd(dirs, batch, n, hidden, _p(xp[t]), _p(r), n, _p(c), _p(h), _p(y[t]), _p(gh), _p(gc), _p(bc), _p(peep),
-                clip, EPS, at(zc, t), at(zh, t), zc_const, zh_const, _p(gates[t]), _p(c1[t]), _p(th[t]), at(rhat, t),
-                at(rrstd, t), at(chat, t), at(crstd, t), threads)
+            r = torch.bmm(hd[:, t, :n], w_t)  # (D, n, G) contiguous
+            fwd(dirs, batch, n, hidden, ds, _step(xp, t), _p(r), _p(c), _p(h), _p(rmask), _step(y, t), _step(gates, t),
+                _step(c1, t), _step(th, t), _step(chist, t), _step(hd, t + 1) if t + 1 < steps else None,
+                _step(rhat, t), _step(rrstd, t), _step(chat, t), _step(crstd, t), _p(gh), _p(gc), _p(bc), _p(peep),
+                clip, EPS, _step(zc, t), _step(zh, t), zc_const, zh_const, threads)
         ctx.save_for_backward(w_hh, gh, gc, peep, rmask, zc, zh, gates, c1, th, chist, hd, rhat, rrstd, chat, crstd)
         ctx.active, ctx.consts = active, consts
         return y, h, c
@@ -99,38 +103,38 @@ class LSTMRecurrence(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy, dh_n, dc_n):
         w_hh, gh, gc, peep, rmask, zc, zh, gates, c1, th, chist, hd, rhat, rrstd, chat, crstd = ctx.saved_tensors
-        steps, dirs, batch, gsize = gates.shape
+        dirs, steps, batch, gsize = gates.shape
         hidden = gsize // 4
         clip, zc_const, zh_const = ctx.consts
         bwd = getattr(_lib(), f"lstm_step_backward_{_SUFFIX[gates.dtype]}")
         threads = torch.get_num_threads()
-        dy = dy.contiguous() if dy is not None else gates.new_zeros(steps, dirs, batch, hidden)
+        need = ctx.needs_input_grad
+        dy = dy.contiguous() if dy is not None else gates.new_zeros(dirs, steps, batch, hidden)
         dh = dh_n.contiguous().clone() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
         dc = dc_n.contiguous().clone() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
-        dpre = gates.new_zeros(steps, dirs, batch, gsize)
-        dr = dpre if gh is None else gates.new_zeros(steps, dirs, batch, gsize)
-        dn = gates.new_zeros(steps, dirs, batch, hidden) if gc is not None else None
-        at = lambda buf, t: None if buf is None else _p(buf[t])  # noqa: E731
+        dpre = gates.new_empty(dirs, steps, batch, gsize)
+        dr = dpre if gh is None else gates.new_empty(dirs, steps, batch, gsize)
+        dn = gates.new_empty(dirs, batch, hidden)
+        acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[4] else None
+        acc_gc = gates.new_zeros(dirs, hidden) if gc is not None and (need[5] or need[6]) else None
+        acc_bc = gates.new_zeros(dirs, hidden) if acc_gc is not None else None
+        acc_peep = gates.new_zeros(dirs, 3 * hidden) if peep is not None and need[7] else None
+        ds = steps * batch
         for t in range(steps - 1, -1, -1):
             n = ctx.active[t]
-            bwd(dirs, batch, n, hidden, _p(dy[t]), _p(dh), _p(dc), _p(chist[t]), _p(gates[t]), _p(c1[t]), _p(th[t]),
-                at(rhat, t), at(rrstd, t), at(chat, t), at(crstd, t), _p(gh), _p(gc), _p(peep), clip, at(zc, t),
-                at(zh, t), zc_const, zh_const, _p(dpre[t]), _p(dr[t]), at(dn, t), threads)
-            g = torch.bmm(dr[t, :, :n], w_hh)  # (D, n, H)
+            bwd(dirs, batch, n, hidden, ds, _step(dy, t), _p(dh), _p(dc), _step(chist, t), _step(gates, t),
+                _step(c1, t), _step(th, t), _step(rhat, t), _step(rrstd, t), _step(chat, t), _step(crstd, t), _p(gh),
+                _p(gc), _p(peep), clip, _step(zc, t), _step(zh, t), zc_const, zh_const, _step(dpre, t), _step(dr, t),
+                _p(dn), _p(acc_gh), _p(acc_gc), _p(acc_bc), _p(acc_peep), threads)
+            g = torch.bmm(dr[:, t, :n], w_hh)  # (D, n, H)
             if rmask is not None:
                 g.mul_(rmask[:, :n])
             dh[:, :n] += g
-        need = ctx.needs_input_grad
-        d_w_hh = torch.einsum("tdbg,tdbh->dgh", dr, hd) if need[3] else None
-        d_gh = (dpre * rhat).sum((0, 2)) if gh is not None and need[4] else None
-        d_gc = (dn * chat).sum((0, 2)) if gc is not None and need[5] else None
-        d_bc = dn.sum((0, 2)) if gc is not None and need[6] else None
-        d_peep = None
-        if peep is not None and need[7]:
-            d_peep = torch.cat([(dpre[..., :hidden] * chist).sum((0, 2)), (dpre[..., hidden : 2 * hidden] * chist).sum((0, 2)),
-                                (dpre[..., 3 * hidden :] * c1).sum((0, 2))], dim=1)
-        return (dpre if need[0] else None, dh if need[1] else None, dc if need[2] else None, d_w_hh, d_gh, d_gc, d_bc,
-                d_peep, None, None, None, None, None)
+        d_w_hh = None
+        if need[3]:  # one GEMM over all steps: dW_hh[d] = dr[d]^T hd[d]
+            d_w_hh = torch.bmm(dr.view(dirs, steps * batch, gsize).transpose(1, 2), hd.view(dirs, steps * batch, hidden))
+        return (dpre if need[0] else None, dh if need[1] else None, dc if need[2] else None, d_w_hh, acc_gh,
+                acc_gc if need[5] else None, acc_bc if need[6] else None, acc_peep, None, None, None, None, None)
 
 
 def reverse_rows(lengths: Tensor, steps: int, batch: int) -> Tensor:
@@ -187,21 +191,23 @@ def lstm_engine(
     clip = options.cell_clip or 0.0
     z_h, z_c = options.zoneout
     h_n, c_n = [], []
+    flip = lambda t: t.reshape(run * batch, -1).index_select(0, rev).view(run, batch, -1)  # noqa: E731
     for li, dir_params in enumerate(layers):
-        # one GEMM for all steps and directions
-        w_ih = torch.cat([p["weight_ih"] for p in dir_params])
-        pre = torch.matmul(x, w_ih.T).view(run, batch, dirs, 4 * hidden)
+        stack = lambda name, use=True: torch.stack([p[name] for p in dir_params]) if use else None  # noqa: E731
+        # input projection of all steps and directions: one batched GEMM, (D, T*B, F) x (D, F, G)
+        xs = x.reshape(1, run * batch, -1) if dirs == 1 else torch.stack([x, flip(x)]).view(2, run * batch, -1)
+        w_ih_t = stack("weight_ih").transpose(1, 2)
+        bias = (stack("bias_ih") + stack("bias_hh")).unsqueeze(1) if "bias_ih" in dir_params[0] else None
         if options.layer_norm:
-            pre = F.layer_norm(pre, (4 * hidden,), eps=EPS) * torch.stack([p["ln_ih_weight"] for p in dir_params])
-        if "bias_ih" in dir_params[0]:
-            pre = pre + torch.stack([p["bias_ih"] + p["bias_hh"] for p in dir_params])
-        xps = []
-        for d in range(dirs):
-            part = pre[:, :, d]
-            if d == 1:
-                part = part.reshape(run * batch, -1).index_select(0, rev).view(run, batch, -1)
-            xps.append(part)
-        xp = torch.stack(xps, dim=1).contiguous()  # (T, D, B, G)
+            pre = torch.bmm(xs, w_ih_t)
+            pre = F.layer_norm(pre, (4 * hidden,), eps=EPS) * stack("ln_ih_weight").unsqueeze(1)
+            if bias is not None:
+                pre = pre + bias
+        elif bias is not None:
+            pre = torch.baddbmm(bias, xs, w_ih_t)
+        else:
+            pre = torch.bmm(xs, w_ih_t)
+        xp = pre.view(dirs, run, batch, 4 * hidden)
         m = (masks[li] if masks is not None else None) or {}
         rmask = m.get("recurrent")
         if rmask is None and training and options.recurrent_dropout > 0:
@@ -213,27 +219,18 @@ def lstm_engine(
         for key, prob in (("zoneout_c", z_c), ("zoneout_h", z_h)):
             zm = m.get(key)
             if zm is None and training and prob > 0:
-                zm = torch.bernoulli(torch.full((run, dirs, batch, hidden), prob, dtype=x.dtype, device=dev))
-            elif zm is not None:  # (D, T, B, H) original order -> local time, sorted batch
+                zm = torch.bernoulli(torch.full((dirs, run, batch, hidden), prob, dtype=x.dtype, device=dev))
+            elif zm is not None:  # (D, T, B, H) in original time and batch order -> local time, sorted batch
                 zm = zm[:, :run].index_select(2, order_d)
-                parts = [zm[0]] + ([zm[1].reshape(run * batch, hidden).index_select(0, rev).view(run, batch, hidden)]
-                                   if dirs == 2 else [])
-                zm = torch.stack(parts, dim=1).contiguous()
+                zm = torch.stack([zm[0]] + ([flip(zm[1])] if dirs == 2 else []))
             zmasks.append(zm)
         consts = (clip, 0.0 if training else z_c, 0.0 if training else z_h)
         k = slice(li * dirs, (li + 1) * dirs)
-        stack = lambda name, use=True: torch.stack([p[name] for p in dir_params]) if use else None  # noqa: E731
         ln, peep = options.layer_norm, options.peephole
         y, hl, cl = LSTMRecurrence.apply(
             xp, h0[k], c0[k], stack("weight_hh"), stack("ln_hh_weight", ln), stack("ln_cell_weight", ln),
             stack("ln_cell_bias", ln), stack("weight_peephole", peep), rmask, zmasks[0], zmasks[1], active, consts)
-        outs = []
-        for d in range(dirs):
-            part = y[:, d]
-            if d == 1:
-                part = part.reshape(run * batch, hidden).index_select(0, rev).view(run, batch, hidden)
-            outs.append(part)
-        x = torch.cat(outs, dim=2) if dirs == 2 else outs[0]
+        x = y[0] if dirs == 1 else torch.cat([y[0], flip(y[1])], dim=2)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
         h_n.append(hl)
