@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    console = Console()
+    console = Console() if Console().is_terminal else Console(width=200)  # files and pipes: no truncation
     if args.list or not args.workload:
         for name, make in sorted(WORKLOADS.items()):
             console.print(f"{name:10s} {(make.__doc__ or '').strip().splitlines()[0]}")

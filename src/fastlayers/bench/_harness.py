@@ -120,6 +120,26 @@ class Report:
             )
         return t
 
+    def markdown(self, anchor: str | None = None) -> str:
+        """The table as GitHub markdown (times in ms, ratios against ``anchor``)."""
+        anchor = anchor or self.results[0].name
+        base = self[anchor]
+        rows = [f"{self.workload}: {self.dtype} on {self.device} ({self.cpu}), {self.threads} threads, torch "
+                f"{self.torch_version}; median of {self.repeats} after {self.warmup} warm-up; errors vs {self.reference}",
+                "",
+                "| candidate | fwd ms | fwd+bwd ms | spread | fwd x anchor | fwd+bwd x anchor | bwd/fwd | peak MiB "
+                "| max rel err | flags |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in self.results:
+            errs = [e for e in [r.output_error, *r.grad_errors.values()] if e is not None]
+            rows.append(
+                f"| {r.name} | {r.forward_median * 1e3:.1f} | {r.forward_backward_median * 1e3:.1f} | "
+                f"{CandidateResult.spread(r.forward_backward_s):.0%} | {r.forward_median / base.forward_median:.2f} | "
+                f"{r.forward_backward_median / base.forward_backward_median:.2f} | {r.backward_ratio:.1f} | "
+                f"{'-' if r.peak_memory_bytes is None else f'{r.peak_memory_bytes / 2**20:.1f}'} | "
+                f"{f'{max(errs):.1e}' if errs else '-'} | {_summarise_flags(r.flags)} |")
+        return "\n".join(rows)
+
     def render(self, anchor: str | None = None) -> str:
         """The table as plain text (for logs and BENCHMARKS.md)."""
         from rich.console import Console
@@ -266,7 +286,8 @@ def compare(
             compared. Called once; every candidate sees the same tensors.
         reference: the oracle: None (the first candidate), a candidate's name, or another
             callable; evaluated in ``reference_dtype`` (float64; None keeps the inputs' dtype).
-        repeats, warmup: timed runs per candidate (interleaved across candidates) and untimed ones.
+        repeats, warmup: timed runs per candidate (interleaved across candidates, the order rotated
+            every run) and untimed ones.
         cliff_threshold: flag ``cliff`` when (forward+backward) / forward exceeds it.
         rtol: max relative error (max |got - ref| / max |ref|) before a mismatch flag; default
             1e-3 for float32, 1e-2 for 16-bit floats, 1e-7 for float64.
@@ -333,8 +354,11 @@ def compare(
             _clear_grads(diffs.values())
         del ref_outs, ref_grads, ref_fn, ref_inputs
 
+    names = list(candidates)
     for rep in range(-warmup, repeats):
-        for name, fn in candidates.items():
+        shift = rep % len(names)  # rotate the order every run: no candidate always follows the same one
+        for name in names[shift:] + names[:shift]:
+            fn = candidates[name]
             say(f"{'warm-up' if rep < 0 else f'run {rep + 1}/{repeats}'}: {name}")
             diffs = list(_differentiables(fn, inputs).values())
             for backward, store in ((False, results[name].forward_s), (True, results[name].forward_backward_s)):

@@ -132,8 +132,10 @@ class _AttentionCandidate(nn.Module):
             y1 = ys_list[0]
             if self.how == "diagmatmul":
                 z = torch.stack([torch.diagonal(y1 @ y.T) for y in ys_list])
-            elif self.how == "colwise":  # per-column views, as the seed
-                z = torch.stack([torch.stack([y1[i].dot(y[i]) for i in range(batch)]) for y in ys_list])
+            elif self.how == "colwise":  # per-column views, as the seed: one view per batch column
+                cols1 = [y1[i] for i in range(batch)]
+                z = torch.stack([torch.stack(torch._foreach_mul(cols1, [y[i] for i in range(batch)])).sum(1)
+                                 for y in ys_list])
             else:  # "usedot": one batched dot per step
                 z = torch.stack([(y1 * y).sum(1) for y in ys_list])
         alpha = torch.softmax(z, dim=0)
