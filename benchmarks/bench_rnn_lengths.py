@@ -12,6 +12,7 @@ against fastlayers-with-lengths evaluated in float64 (torch packed fp32 is cross
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 
@@ -34,12 +35,16 @@ def main() -> int:
         if layers == "padded":  # no-lengths drop-in check only: same kernels, so more repeats are cheap
             w = blstm(args.size, mode=mode, with_loop=False)
             names = [f"torch.nn.{mode} padded (ignores lengths)", f"fastlayers.{mode} padded (ignores lengths)"]
-            rep = compare({n: w.candidates[n] for n in names}, w.make_inputs, repeats=args.repeats, warmup=1,
-                          memory=False, workload=w.name + " without lengths")
+            cands = {n: w.candidates[n] for n in names}
+            control = f"torch.nn.{mode} padded, second copy (A/A control)"
+            cands[control] = copy.deepcopy(w.candidates[names[0]])  # same code twice: the noise floor
+            rep = compare(cands, w.make_inputs, repeats=args.repeats, warmup=1, memory=False,
+                          workload=w.name + " without lengths")
             reports.append(rep)
             print(rep.render())
             for which in ("forward", "forward_backward"):
-                print(f"{rep.workload} {which}: fastlayers-padded / torch-padded = {rep.ratio(names[1], names[0], which):.3f}x")
+                print(f"{rep.workload} {which}: fastlayers-padded / torch-padded = {rep.ratio(names[1], names[0], which):.3f}x"
+                      f" (A/A control: torch copy / torch = {rep.ratio(control, names[0], which):.3f}x)")
             print(flush=True)
             continue
         w = blstm(args.size, mode=mode, num_layers=int(layers), with_loop=False)

@@ -78,6 +78,7 @@ class LocallyConnected2dFunction(torch.autograd.Function):
         batch, chans, hp, wp = x.shape
         out_ch, _, kh, kw, oh, ow = w.shape
         y = x.new_empty(batch, out_ch, oh, ow)
+        _native.advise_huge_pages(y)
         geometry = (batch, chans, hp, wp, out_ch, kh, kw, oh, ow, stride[0], stride[1], dilation[0], dilation[1])
         getattr(_lib(), f"lc2d_forward_{_SUFFIX[x.dtype]}")(_ptr(x), _ptr(w), _ptr(b), _ptr(y), *geometry,
                                                            torch.get_num_threads())
