@@ -24,16 +24,18 @@
  * reductions after the loop can run over whole tensors.
  *
  * float uses a vectorisable exp (Cody-Waite reduction + degree-6 polynomial, rel. error ~2e-7);
- * double uses libm.
+ * double uses libm. Built with -fno-trapping-math -fno-signed-zeros -ffinite-math-only (see
+ * __init__.py) so that the clamps and selects vectorise; inputs are assumed finite.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 static inline float fexp_f32(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
     const float t = x * 1.44269504088896341f;
-    const float nf = (float)(int32_t)(t + (t >= 0 ? 0.5f : -0.5f));
+    const float nf = (float)(int32_t)(t + copysignf(0.5f, t));
     const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -43,9 +45,9 @@ static inline float fexp_f32(float x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     const int32_t bits = ((int32_t)nf + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    union { int32_t i; float f; } u;
+    u.i = bits;
+    return p * u.f;
 }
 static inline float ftanh_f32(float x) { return 2.0f / (1.0f + fexp_f32(-2.0f * x)) - 1.0f; }
 
@@ -91,12 +93,13 @@ void lstm_step_forward_##SUFFIX(                                                
             if (hd_next) memset(hd_next + row * H, 0, sizeof(T) * H);                                \
             continue;                                                                                \
         }                                                                                            \
-        const T* xr = xp + row * G;                                                                  \
-        const T* rr = r + (d * n + b) * G;                                                           \
-        T* gr = gates + row * G;                                                                     \
-        T* cr = c + srow * H; T* hr = h + srow * H; T* yr = y + row * H;                             \
-        T* c1r = c1_out + row * H; T* thr = th_out + row * H; T* c0r = chist + row * H;              \
-        const T* pi = peep ? peep + d * 3 * H : 0;                                                   \
+        const T* restrict xr = xp + row * G;                                                         \
+        const T* restrict rr = r + (d * n + b) * G;                                                  \
+        T* restrict gr = gates + row * G;                                                            \
+        T* restrict cr = c + srow * H; T* restrict hr = h + srow * H; T* restrict yr = y + row * H;  \
+        T* restrict c1r = c1_out + row * H; T* restrict thr = th_out + row * H;                      \
+        T* restrict c0r = chist + row * H;                                                           \
+        const T* restrict pi = peep ? peep + d * 3 * H : 0;                                          \
         memcpy(c0r, cr, sizeof(T) * H);                                                              \
         if (gh) {                                                                                    \
             T* rh = rhat + row * G;                                                                  \
@@ -107,12 +110,10 @@ void lstm_step_forward_##SUFFIX(                                                
             for (int64_t k = 0; k < G; k++) gr[k] = xr[k] + rr[k];                                   \
         }                                                                                            \
         if (pi) for (int64_t k = 0; k < H; k++) { gr[k] += pi[k] * c0r[k]; gr[H + k] += pi[H + k] * c0r[k]; } \
-        for (int64_t k = 0; k < H; k++) {                                                            \
-            const T ig = sig_##SUFFIX(gr[k]), fg = sig_##SUFFIX(gr[H + k]), gg = TANH(gr[2 * H + k]); \
-            T v = fg * c0r[k] + ig * gg;                                                             \
-            if (clip > 0) v = v > clip ? clip : (v < -clip ? -clip : v);                             \
-            gr[k] = ig; gr[H + k] = fg; gr[2 * H + k] = gg; c1r[k] = v;                              \
-        }                                                                                            \
+        for (int64_t k = 0; k < 3 * H; k++) gr[k] = k < 2 * H ? sig_##SUFFIX(gr[k]) : TANH(gr[k]); \
+        for (int64_t k = 0; k < H; k++) c1r[k] = gr[H + k] * c0r[k] + gr[k] * gr[2 * H + k];        \
+        if (clip > 0)                                                                                \
+            for (int64_t k = 0; k < H; k++) c1r[k] = c1r[k] > clip ? clip : (c1r[k] < -clip ? -clip : c1r[k]); \
         if (pi) for (int64_t k = 0; k < H; k++) gr[3 * H + k] += pi[2 * H + k] * c1r[k];             \
         for (int64_t k = 0; k < H; k++) gr[3 * H + k] = sig_##SUFFIX(gr[3 * H + k]);                 \
         if (gc) {                                                                                    \

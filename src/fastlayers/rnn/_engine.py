@@ -54,9 +54,12 @@ def _p(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _step(buf: Tensor | None, t: int) -> int | None:
-    """Address of (d=0, t, b=0) of a [D, T, B, ...] buffer."""
-    return None if buf is None else buf[0, t].data_ptr()
+def _steps(buf: Tensor | None, steps: int) -> list[int | None]:
+    """Addresses of (d=0, t, b=0) of a contiguous [D, T, B, ...] buffer for every t (computed once)."""
+    if buf is None:
+        return [None] * (steps + 1)
+    stride = buf.stride(1) * buf.element_size()
+    return [buf.data_ptr() + t * stride for t in range(steps)] + [None]
 
 
 class LSTMRecurrence(torch.autograd.Function):
@@ -79,7 +82,7 @@ class LSTMRecurrence(torch.autograd.Function):
         threads = torch.get_num_threads()
         xp = xp.contiguous()
         h, c = h0.contiguous().clone(), c0.contiguous().clone()
-        e = lambda *s: xp.new_empty(dirs, steps, batch, *s)  # noqa: E731  (every row is written by the kernel)
+        e = lambda *s: xp.new_empty(dirs, steps, batch, *s)  # noqa: E731  (the kernel writes every row)
         y, gates, c1, th, chist, hd = e(hidden), e(gsize), e(hidden), e(hidden), e(hidden), e(hidden)
         rhat, rrstd = (e(gsize), e()) if gh is not None else (None, None)
         chat, crstd = (e(hidden), e()) if gc is not None else (None, None)
@@ -89,12 +92,15 @@ class LSTMRecurrence(torch.autograd.Function):
         hd[:, 0] = h * rmask if rmask is not None else h
         w_t = w_hh.transpose(1, 2)
         ds = steps * batch
+        P_ = {k: _steps(v, steps) for k, v in dict(xp=xp, y=y, gates=gates, c1=c1, th=th, chist=chist, hd=hd, rhat=rhat,
+                                                    rrstd=rrstd, chat=chat, crstd=crstd, zc=zc, zh=zh).items()}
+        fixed = (_p(gh), _p(gc), _p(bc), _p(peep), clip, EPS)
         for t, n in enumerate(active):
             r = torch.bmm(hd[:, t, :n], w_t)  # (D, n, G) contiguous
-            fwd(dirs, batch, n, hidden, ds, _step(xp, t), _p(r), _p(c), _p(h), _p(rmask), _step(y, t), _step(gates, t),
-                _step(c1, t), _step(th, t), _step(chist, t), _step(hd, t + 1) if t + 1 < steps else None,
-                _step(rhat, t), _step(rrstd, t), _step(chat, t), _step(crstd, t), _p(gh), _p(gc), _p(bc), _p(peep),
-                clip, EPS, _step(zc, t), _step(zh, t), zc_const, zh_const, threads)
+            fwd(dirs, batch, n, hidden, ds, P_["xp"][t], r.data_ptr(), c.data_ptr(), h.data_ptr(), _p(rmask),
+                P_["y"][t], P_["gates"][t], P_["c1"][t], P_["th"][t], P_["chist"][t], P_["hd"][t + 1],
+                P_["rhat"][t], P_["rrstd"][t], P_["chat"][t], P_["crstd"][t], *fixed,
+                P_["zc"][t], P_["zh"][t], zc_const, zh_const, threads)
         ctx.save_for_backward(w_hh, gh, gc, peep, rmask, zc, zh, gates, c1, th, chist, hd, rhat, rrstd, chat, crstd)
         ctx.active, ctx.consts = active, consts
         return y, h, c
@@ -120,12 +126,15 @@ class LSTMRecurrence(torch.autograd.Function):
         acc_bc = gates.new_zeros(dirs, hidden) if acc_gc is not None else None
         acc_peep = gates.new_zeros(dirs, 3 * hidden) if peep is not None and need[7] else None
         ds = steps * batch
+        P_ = {k: _steps(v, steps) for k, v in dict(dy=dy, chist=chist, gates=gates, c1=c1, th=th, rhat=rhat, rrstd=rrstd,
+                                                    chat=chat, crstd=crstd, zc=zc, zh=zh, dpre=dpre, dr=dr).items()}
+        fixed = (_p(dn), _p(acc_gh), _p(acc_gc), _p(acc_bc), _p(acc_peep), threads)
         for t in range(steps - 1, -1, -1):
             n = ctx.active[t]
-            bwd(dirs, batch, n, hidden, ds, _step(dy, t), _p(dh), _p(dc), _step(chist, t), _step(gates, t),
-                _step(c1, t), _step(th, t), _step(rhat, t), _step(rrstd, t), _step(chat, t), _step(crstd, t), _p(gh),
-                _p(gc), _p(peep), clip, _step(zc, t), _step(zh, t), zc_const, zh_const, _step(dpre, t), _step(dr, t),
-                _p(dn), _p(acc_gh), _p(acc_gc), _p(acc_bc), _p(acc_peep), threads)
+            bwd(dirs, batch, n, hidden, ds, P_["dy"][t], dh.data_ptr(), dc.data_ptr(), P_["chist"][t], P_["gates"][t],
+                P_["c1"][t], P_["th"][t], P_["rhat"][t], P_["rrstd"][t], P_["chat"][t], P_["crstd"][t], _p(gh),
+                _p(gc), _p(peep), clip, P_["zc"][t], P_["zh"][t], zc_const, zh_const, P_["dpre"][t], P_["dr"][t],
+                *fixed)
             g = torch.bmm(dr[:, t, :n], w_hh)  # (D, n, H)
             if rmask is not None:
                 g.mul_(rmask[:, :n])
