@@ -1,8 +1,10 @@
 """Issue: masked attention pooling, gradient cost vs forward. Seed-001 shape, fp32, one process.
 
-query (B=128, 32), keys (B, T=256, 32), values (B, T, 100), all requiring grad, lengths uniform in
-[T/2, T]. Candidates: fastlayers.attention_pool with each score, and the same masked pooling
-written with einsum + masked_fill + softmax (anchor). The target is fwd+bwd <= 3x fwd for ours.
+query (B=128, 32), keys (B, T=256, 32), values (B, T, 100), lengths uniform in [T/2, T]. As in
+seed 001, query and keys (the Dense outputs) require grad and the values (the context features
+H, data) do not; a second table has all three requiring grad. Candidates: fastlayers.attention_pool
+with each score, and the same masked pooling written with einsum + masked_fill + softmax
+(anchor). The target is fwd+bwd <= 3x fwd for ours.
 
     python benchmarks/bench_attention.py [--repeats 20]
 """
@@ -31,28 +33,35 @@ def main() -> int:
     args = p.parse_args()
     b, t, d, dv = 128, 256, 32, 100
 
-    def make_inputs():
-        g = torch.Generator().manual_seed(0)
-        return {"query": torch.randn(b, d, generator=g).requires_grad_(True),
-                "keys": torch.randn(b, t, d, generator=g).requires_grad_(True),
-                "values": torch.randn(b, t, dv, generator=g).requires_grad_(True),
-                "lengths": torch.randint(t // 2, t + 1, (b,), generator=g)}
+    def inputs(values_grad):
+        def make_inputs():
+            g = torch.Generator().manual_seed(0)
+            return {"query": torch.randn(b, d, generator=g).requires_grad_(True),
+                    "keys": torch.randn(b, t, d, generator=g).requires_grad_(True),
+                    "values": torch.randn(b, t, dv, generator=g).requires_grad_(values_grad),
+                    "lengths": torch.randint(t // 2, t + 1, (b,), generator=g)}
+        return make_inputs
 
     torch.manual_seed(0)
     additive = AttentionPooling(d, d, score="additive", attention_size=d)
     dot = {"einsum + masked_fill (anchor)": einsum_masked,
            "fastlayers dot": lambda query, keys, values, lengths: attention_pool(query, keys, values, lengths)}
-    rep = compare(dot, make_inputs, repeats=args.repeats, warmup=2, workload=f"attention_pool (B={b}, T={t}, "
-                  f"{d}-d keys, {dv}-d values, lengths)")
+    rep = compare(dot, inputs(False), repeats=args.repeats, warmup=2, workload=f"attention_pool (B={b}, T={t}, "
+                  f"{d}-d keys, {dv}-d values without grad, lengths)")
     print(rep.markdown())
+    print()
+    rep_all = compare(dot, inputs(True), repeats=args.repeats, warmup=2, workload="same, values requiring grad too")
+    print(rep_all.markdown())
     print()
     others = {"fastlayers scaled_dot": lambda query, keys, values, lengths:
               attention_pool(query, keys, values, lengths, score="scaled_dot"),
               "fastlayers additive (module)": lambda query, keys, values, lengths: additive(query, keys, values, lengths)}
-    rep2 = compare(others, make_inputs, repeats=args.repeats, warmup=2, check=False, workload="other scores")
+    rep2 = compare(others, inputs(False), repeats=args.repeats, warmup=2, check=False,
+                   workload="other scores, values without grad")
     print(rep2.markdown())
-    for r in rep.results[1:] + rep2.results:
-        print(f"{r.name}: fwd+bwd / fwd = {r.backward_ratio:.2f}")
+    for label, r in [("values without grad", x) for x in rep.results[1:] + rep2.results] + \
+            [("values with grad", x) for x in rep_all.results[1:]]:
+        print(f"{r.name} ({label}): fwd+bwd / fwd = {r.backward_ratio:.2f}")
     return 0
 
 

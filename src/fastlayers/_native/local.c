@@ -8,9 +8,11 @@
  *   y:    [B, O, OH, OW]
  * y[b,o,i,j] = bias[o,i,j] + sum_{c,p,q} w[o,c,p,q,i,j] * x[b,c,i*sh+p*dh,j*sw+q*dw]
  *
- * Work is split so that no two threads write the same element and every sum runs in a fixed
- * order (results do not depend on the thread count). The innermost loop runs along j, contiguous
- * in w, y and (for sw == 1) x, so the compiler vectorises it.
+ * Work is split by blocks of output rows i, so that no two threads write the same element and
+ * every sum runs in a fixed order (results do not depend on the thread count). For stride 1 along
+ * j, each output row is computed in register tiles of four vectors (32 floats): the forward sums
+ * the C*KH*KW (filter, input) row pairs into the tile and writes y once; the parameter gradient
+ * sums BB sequences at a time into the tile before touching dW. Other strides take scalar loops.
  */
 #include <stdint.h>
 #include <string.h>
@@ -21,6 +23,11 @@ typedef double V_f64 __attribute__((vector_size(32)));
 #define VL_f32 8
 #define VL_f64 4
 #define BB 4 /* sequences per sweep in the parameter-gradient kernel */
+/* four consecutive vectors a0..a3 from / to p (unaligned) */
+#define LOAD4(a0, a1, a2, a3, p, VL) do { memcpy(&a0, (p), sizeof a0); memcpy(&a1, (p) + (VL), sizeof a1); \
+    memcpy(&a2, (p) + 2 * (VL), sizeof a2); memcpy(&a3, (p) + 3 * (VL), sizeof a3); } while (0)
+#define STORE4(p, a0, a1, a2, a3, VL) do { memcpy((p), &a0, sizeof a0); memcpy((p) + (VL), &a1, sizeof a1); \
+    memcpy((p) + 2 * (VL), &a2, sizeof a2); memcpy((p) + 3 * (VL), &a3, sizeof a3); } while (0)
 
 #define DEFINE_KERNELS(T, SUFFIX)                                                                    \
 /* One task per block of output rows: the filters of the block (O*C*KH*KW*rows rows of OW values, \
@@ -57,25 +64,15 @@ void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* re
                         }                                                                          \
                 for (; j + 4 * VL_##SUFFIX <= OW; j += 4 * VL_##SUFFIX) {                          \
                     V_##SUFFIX a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                             \
-                    if (brow) {                                                                    \
-                        memcpy(&a0, brow + j, sizeof a0);                                          \
-                        memcpy(&a1, brow + j + VL_##SUFFIX, sizeof a1);                            \
-                        memcpy(&a2, brow + j + 2 * VL_##SUFFIX, sizeof a2);                        \
-                        memcpy(&a3, brow + j + 3 * VL_##SUFFIX, sizeof a3);                        \
-                    }                                                                              \
+                    if (brow) LOAD4(a0, a1, a2, a3, brow + j, VL_##SUFFIX);                        \
                     for (int64_t k2 = 0; k2 < K; k2++) {                                           \
                         const T* wr = wp[k2] + j; const T* xr = xq[k2] + j;                        \
                         V_##SUFFIX w0, w1, w2, w3, x0, x1, x2, x3;                                 \
-                        memcpy(&w0, wr, sizeof w0); memcpy(&x0, xr, sizeof x0);                    \
-                        memcpy(&w1, wr + VL_##SUFFIX, sizeof w1); memcpy(&x1, xr + VL_##SUFFIX, sizeof x1); \
-                        memcpy(&w2, wr + 2 * VL_##SUFFIX, sizeof w2); memcpy(&x2, xr + 2 * VL_##SUFFIX, sizeof x2); \
-                        memcpy(&w3, wr + 3 * VL_##SUFFIX, sizeof w3); memcpy(&x3, xr + 3 * VL_##SUFFIX, sizeof x3); \
+                        LOAD4(w0, w1, w2, w3, wr, VL_##SUFFIX);                                    \
+                        LOAD4(x0, x1, x2, x3, xr, VL_##SUFFIX);                                    \
                         a0 += w0 * x0; a1 += w1 * x1; a2 += w2 * x2; a3 += w3 * x3;                 \
                     }                                                                              \
-                    memcpy(yr + j, &a0, sizeof a0);                                                \
-                    memcpy(yr + j + VL_##SUFFIX, &a1, sizeof a1);                                  \
-                    memcpy(yr + j + 2 * VL_##SUFFIX, &a2, sizeof a2);                              \
-                    memcpy(yr + j + 3 * VL_##SUFFIX, &a3, sizeof a3);                              \
+                    STORE4(yr + j, a0, a1, a2, a3, VL_##SUFFIX);                                   \
                 }                                                                                  \
             }                                                                                      \
             for (; j < OW; j++) {                                                                  \
@@ -151,28 +148,16 @@ void lc2d_backward_params_##SUFFIX(const T* restrict dy, const T* restrict x, T*
                     if (sw == 1)                                                                   \
                         for (; j + 4 * VL_##SUFFIX <= OW; j += 4 * VL_##SUFFIX) {                  \
                             V_##SUFFIX a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                     \
-                            if (b0) {                                                              \
-                                memcpy(&a0, out + j, sizeof a0);                                   \
-                                memcpy(&a1, out + j + VL_##SUFFIX, sizeof a1);                     \
-                                memcpy(&a2, out + j + 2 * VL_##SUFFIX, sizeof a2);                 \
-                                memcpy(&a3, out + j + 3 * VL_##SUFFIX, sizeof a3);                 \
-                            }                                                                      \
+                            if (b0) LOAD4(a0, a1, a2, a3, out + j, VL_##SUFFIX);                   \
                             const T* dyr = dy0 + j; const T* xr = x0 + j;                          \
                             for (int64_t b = b0; b < b1; b++, dyr += dys, xr += xs) {              \
                                 V_##SUFFIX d0, d1, d2, d3, x0v, x1v, x2v, x3v;                     \
-                                memcpy(&d0, dyr, sizeof d0); memcpy(&d1, dyr + VL_##SUFFIX, sizeof d1); \
-                                memcpy(&d2, dyr + 2 * VL_##SUFFIX, sizeof d2);                     \
-                                memcpy(&d3, dyr + 3 * VL_##SUFFIX, sizeof d3);                     \
+                                LOAD4(d0, d1, d2, d3, dyr, VL_##SUFFIX);                           \
                                 if (k < 0) { a0 += d0; a1 += d1; a2 += d2; a3 += d3; continue; }   \
-                                memcpy(&x0v, xr, sizeof x0v); memcpy(&x1v, xr + VL_##SUFFIX, sizeof x1v); \
-                                memcpy(&x2v, xr + 2 * VL_##SUFFIX, sizeof x2v);                    \
-                                memcpy(&x3v, xr + 3 * VL_##SUFFIX, sizeof x3v);                    \
+                                LOAD4(x0v, x1v, x2v, x3v, xr, VL_##SUFFIX);                        \
                                 a0 += d0 * x0v; a1 += d1 * x1v; a2 += d2 * x2v; a3 += d3 * x3v;     \
                             }                                                                      \
-                            memcpy(out + j, &a0, sizeof a0);                                       \
-                            memcpy(out + j + VL_##SUFFIX, &a1, sizeof a1);                         \
-                            memcpy(out + j + 2 * VL_##SUFFIX, &a2, sizeof a2);                     \
-                            memcpy(out + j + 3 * VL_##SUFFIX, &a3, sizeof a3);                     \
+                            STORE4(out + j, a0, a1, a2, a3, VL_##SUFFIX);                          \
                         }                                                                          \
                     for (; j < OW; j++) {                                                          \
                         T acc = b0 ? out[j] : 0;                                                   \

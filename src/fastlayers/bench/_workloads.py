@@ -50,30 +50,6 @@ class _RNNCandidate(nn.Module):
         return self.rnn(x)[0]  # padded: ignores lengths
 
 
-class _CellLoop(nn.Module):
-    """The seed's formulation: a per-step loop of LSTM cells per direction, lengths by masking."""
-
-    def __init__(self, rnn: nn.LSTM) -> None:
-        super().__init__()
-        self.rnn = rnn
-
-    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
-        steps, batch, _ = x.shape
-        mask = (torch.arange(steps, device=x.device).unsqueeze(1) < lengths.to(x.device)).unsqueeze(-1)
-        outs = []
-        for suffix, order in (("", range(steps)), ("_reverse", reversed(range(steps)))):
-            w = [getattr(self.rnn, f"{n}_l0{suffix}") for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
-            h = x.new_zeros(batch, self.rnn.hidden_size)
-            c = x.new_zeros(batch, self.rnn.hidden_size)
-            ys: list[Tensor | None] = [None] * steps
-            for t in order:
-                h2, c2 = torch.lstm_cell(x[t], (h, c), *w)
-                h, c = torch.where(mask[t], h2, h), torch.where(mask[t], c2, c)
-                ys[t] = h * mask[t]
-            outs.append(torch.stack(ys))  # type: ignore[arg-type]
-        return torch.cat(outs, dim=-1)
-
-
 def blstm(size: str = "seed", dtype: torch.dtype = torch.float32, device: str = "cpu", mode: str = "LSTM",
           num_layers: int = 1, with_loop: bool = True) -> Workload:
     """Seed 000: bidirectional LSTM, D=512 -> H=256 per direction, T=800, B=32, lengths in [T/2, T]."""
@@ -91,7 +67,7 @@ def blstm(size: str = "seed", dtype: torch.dtype = torch.float32, device: str = 
         f"fastlayers.{mode} lengths": _RNNCandidate(ours, "lengths"),
     }
     if with_loop and mode == "LSTM" and num_layers == 1:
-        candidates["LSTMCell loop (seed, masked)"] = _CellLoop(copy.deepcopy(base))
+        candidates["LSTMCell loop (seed, masked)"] = _StepwiseLSTM(copy.deepcopy(base))
 
     def make_inputs() -> dict[str, Tensor]:
         g = torch.Generator().manual_seed(0)
@@ -182,14 +158,18 @@ class _AttentionPoolCandidate(nn.Module):
 
 
 class _StepwiseLSTM(nn.Module):
-    """The step-at-a-time formulation: per layer and direction, one cell call per time step."""
+    """The step-at-a-time formulation of seeds 000/002: per layer and direction one LSTM cell call
+    per time step through autograd; with ``lengths``, padded steps are masked (state frozen, output 0)."""
 
     def __init__(self, rnn: nn.LSTM) -> None:
         super().__init__()
         self.rnn = rnn
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, lengths: Tensor | None = None) -> Tensor:
         steps, batch, _ = x.shape
+        mask = None
+        if lengths is not None:
+            mask = (torch.arange(steps, device=x.device).unsqueeze(1) < lengths.to(x.device)).unsqueeze(-1)
         layer_in = x
         for layer in range(self.rnn.num_layers):
             outs = []
@@ -199,8 +179,13 @@ class _StepwiseLSTM(nn.Module):
                 c = x.new_zeros(batch, self.rnn.hidden_size)
                 ys: list[Tensor | None] = [None] * steps
                 for t in order:
-                    h, c = torch.lstm_cell(layer_in[t], (h, c), *w)
-                    ys[t] = h
+                    h2, c2 = torch.lstm_cell(layer_in[t], (h, c), *w)
+                    if mask is None:
+                        h, c = h2, c2
+                        ys[t] = h
+                    else:
+                        h, c = torch.where(mask[t], h2, h), torch.where(mask[t], c2, c)
+                        ys[t] = h * mask[t]
                 outs.append(torch.stack(ys))  # type: ignore[arg-type]
             layer_in = torch.cat(outs, dim=-1)
         return layer_in
