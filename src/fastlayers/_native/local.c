@@ -29,6 +29,15 @@ typedef double V_f64 __attribute__((vector_size(32)));
 #define STORE4(p, a0, a1, a2, a3, VL) do { memcpy((p), &a0, sizeof a0); memcpy((p) + (VL), &a1, sizeof a1); \
     memcpy((p) + 2 * (VL), &a2, sizeof a2); memcpy((p) + 3 * (VL), &a3, sizeof a3); } while (0)
 
+/* Output rows per block: enough that the block's filter rows (row_bytes each) fill ~96 KiB of L2,
+ * but at least one block per thread. */
+static int64_t rows_per_block(int64_t row_bytes, int64_t OH, int nthreads) {
+    int64_t rows = (int64_t)(96 * 1024) / row_bytes;
+    if (rows < 1) rows = 1;
+    if (rows * nthreads > OH) rows = (OH + nthreads - 1) / nthreads;
+    return rows;
+}
+
 #define DEFINE_KERNELS(T, SUFFIX)                                                                    \
 /* One task per block of output rows: the filters of the block (O*C*KH*KW*rows rows of OW values, \
  * sized to stay in L2) are reused by the whole batch, and each input plane is read in contiguous   \
@@ -39,9 +48,7 @@ void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* re
                            int64_t OW, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int nthreads) \
 {                                                                                                  \
     const int64_t K = C * KH * KW;                                                                 \
-    int64_t rows = (int64_t)(96 * 1024) / (int64_t)(sizeof(T) * O * C * KH * KW * OW);            \
-    if (rows < 1) rows = 1;                                                                        \
-    if (rows * nthreads > OH) rows = (OH + nthreads - 1) / nthreads;                               \
+    const int64_t rows = rows_per_block((int64_t)sizeof(T) * O * K * OW, OH, nthreads);           \
     const int64_t blocks = (OH + rows - 1) / rows;                                                 \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
     for (int64_t blk = 0; blk < blocks; blk++) {                                                   \
@@ -124,9 +131,7 @@ void lc2d_backward_params_##SUFFIX(const T* restrict dy, const T* restrict x, T*
                                    int64_t OH, int64_t OW, int64_t sh, int64_t sw, int64_t dh,     \
                                    int64_t dw, int nthreads)                                       \
 {                                                                                                  \
-    int64_t rows = (int64_t)(96 * 1024) / (int64_t)(sizeof(T) * O * (C * KH * KW + 1) * OW);      \
-    if (rows < 1) rows = 1;                                                                        \
-    if (rows * nthreads > OH) rows = (OH + nthreads - 1) / nthreads;                               \
+    const int64_t rows = rows_per_block((int64_t)sizeof(T) * O * (C * KH * KW + 1) * OW, OH, nthreads); \
     const int64_t blocks = (OH + rows - 1) / rows;                                                 \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
     for (int64_t blk = 0; blk < blocks; blk++) {                                                   \
