@@ -3,7 +3,9 @@
 The classes subclass the torch modules, so constructor arguments, parameter names
 (``weight_ih_l{k}{_reverse}``, ...), ``state_dict`` and the forward contract without lengths
 (padded Tensor, unbatched 2-D, PackedSequence, ``hx``) are torch's own, running torch's kernels.
-``forward(input, hx=None, *, lengths=None)`` adds the lengths path.
+``forward(input, hx=None, *, lengths=None)`` adds the lengths path (:mod:`._varlen`), and
+``LSTM(..., layer_norm=, peephole=, cell_clip=, zoneout=, recurrent_dropout=)`` adds cell options,
+run by the engine (:mod:`._engine`; :mod:`._engine_reference` off CPU).
 """
 
 from __future__ import annotations
