@@ -1,0 +1,41 @@
+"""Without the C kernels (no compiler, or another device) the pure-PyTorch twins give the same results."""
+
+import torch
+
+import fastlayers
+from fastlayers import _native
+from fastlayers.functional import locally_connected2d
+
+
+def _without_native(monkeypatch):
+    monkeypatch.setattr(_native, "_LOADED", {"local": None, "lstm": None})
+
+
+def test_locally_connected_falls_back(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
+    w = torch.randn(2, 3, 3, 3, 6, 5, dtype=torch.float64, requires_grad=True)
+    y_native = locally_connected2d(x, w, None, 1, 1)
+    g_native, = torch.autograd.grad(y_native.sum(), w)
+    _without_native(monkeypatch)
+    y_eager = locally_connected2d(x, w, None, 1, 1)
+    assert "LocallyConnected2dFunction" not in type(y_eager.grad_fn).__name__
+    g_eager, = torch.autograd.grad(y_eager.sum(), w)
+    torch.testing.assert_close(y_eager, y_native)
+    torch.testing.assert_close(g_eager, g_native)
+
+
+def test_lstm_options_fall_back(monkeypatch):
+    torch.manual_seed(0)
+    m = fastlayers.LSTM(3, 4, bidirectional=True, layer_norm=True, peephole=True, dtype=torch.float64).eval()
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+    out_native, _ = m(x, lengths=[5, 3])
+    g_native, = torch.autograd.grad(out_native.sum(), x)
+    _without_native(monkeypatch)
+    out_eager, _ = m(x, lengths=[5, 3])
+    from fastlayers.rnn._engine import engine_available
+
+    assert not engine_available(x)  # so the module ran the per-step reference
+    g_eager, = torch.autograd.grad(out_eager.sum(), x)
+    torch.testing.assert_close(out_eager, out_native)
+    torch.testing.assert_close(g_eager, g_native)
