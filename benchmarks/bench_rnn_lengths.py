@@ -6,7 +6,7 @@ and fastlayers with lengths, interleaved, median after warm-up; values and gradi
 against fastlayers-with-lengths evaluated in float64 (torch packed fp32 is cross-checked by it).
 
     python benchmarks/bench_rnn_lengths.py [--size seed|small] [--repeats 3] [--json out.json]
-    python benchmarks/bench_rnn_lengths.py --configs LSTM:padded,GRU:padded --repeats 9   # drop-in overhead
+    python benchmarks/bench_rnn_lengths.py --configs LSTM:padded,GRU:padded --repeats 11   # drop-in overhead
 """
 
 from __future__ import annotations

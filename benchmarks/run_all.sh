@@ -7,8 +7,11 @@ mkdir -p "$out"
 py=${PYTHON:-.venv/bin/python}
 fl=${FASTLAYERS:-.venv/bin/fastlayers}
 $py benchmarks/bench_rnn_lengths.py --repeats 3 --json "$out/rnn_lengths.json" > "$out/rnn_lengths.txt"
-$py benchmarks/bench_rnn_lengths.py --configs LSTM:padded,GRU:padded --repeats 9 > "$out/rnn_padded.txt"
-$py benchmarks/bench_local.py --repeats 10 > "$out/local.txt"
+$py benchmarks/bench_rnn_lengths.py --configs LSTM:padded,GRU:padded --repeats 11 > "$out/rnn_padded.txt"
+$py benchmarks/bench_engine.py --repeats 5 > "$out/engine.txt"
+$py benchmarks/bench_attention.py --repeats 20 > "$out/attention_pool.txt"
+$py benchmarks/bench_local_kernels.py > "$out/local_kernels.txt"
+$py benchmarks/bench_local.py --repeats 20 > "$out/local.txt"
 for w in attention local2d fused-rnn; do
   $fl bench "$w" --size seed --repeats 5 --json "$out/$w.json" --plot "$out/$w.png" > "$out/$w.txt"
 done
