@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _native
+from ._native import address
 
 Pair = tuple[int, int]
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -59,10 +60,6 @@ def native_available(input: Tensor) -> bool:
     return input.device.type == "cpu" and input.dtype in _SUFFIX and _lib() is not None
 
 
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class LocallyConnected2dFunction(torch.autograd.Function):
     """Forward and hand-written backward through the C kernels in ``_native/local.c``.
 
@@ -80,7 +77,7 @@ class LocallyConnected2dFunction(torch.autograd.Function):
         y = x.new_empty(batch, out_ch, oh, ow)
         _native.advise_huge_pages(y)
         geometry = (batch, chans, hp, wp, out_ch, kh, kw, oh, ow, stride[0], stride[1], dilation[0], dilation[1])
-        getattr(_lib(), f"lc2d_forward_{_SUFFIX[x.dtype]}")(_ptr(x), _ptr(w), _ptr(b), _ptr(y), *geometry,
+        getattr(_lib(), f"lc2d_forward_{_SUFFIX[x.dtype]}")(address(x), address(w), address(b), address(y), *geometry,
                                                            torch.get_num_threads())
         ctx.save_for_backward(input, weight)
         ctx.geometry, ctx.padding, ctx.has_bias = geometry, padding, bias is not None
@@ -99,13 +96,13 @@ class LocallyConnected2dFunction(torch.autograd.Function):
         if need_x:
             batch, chans, hp, wp = geometry[:4]
             dx_pad = dy.new_zeros(batch, chans, hp, wp)
-            getattr(lib, f"lc2d_backward_input_{suffix}")(_ptr(dy), _ptr(weight.contiguous()), _ptr(dx_pad), *geometry,
+            getattr(lib, f"lc2d_backward_input_{suffix}")(address(dy), address(weight.contiguous()), address(dx_pad), *geometry,
                                                          threads)
             dx = dx_pad[:, :, padding[0] : hp - padding[0], padding[1] : wp - padding[1]] if any(padding) else dx_pad
         if need_w or need_b:
             x = F.pad(input, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else input
             dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_w else None
             db = dy.new_empty(weight.size(0), *weight.shape[-2:]) if need_b else None
-            getattr(lib, f"lc2d_backward_params_{suffix}")(_ptr(dy), _ptr(x.contiguous()), _ptr(dw), _ptr(db), *geometry,
+            getattr(lib, f"lc2d_backward_params_{suffix}")(address(dy), address(x.contiguous()), address(dw), address(db), *geometry,
                                                           threads)
         return dx, dw, db, None, None, None

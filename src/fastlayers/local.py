@@ -129,11 +129,13 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         raise ValueError(f"weight: expected a 4-D tensor (C_out, C_in, K, OL), got {weight.dim()}-D "
                          f"with shape {tuple(weight.shape)}")
     (s,), (p,), (d,) = _pair("stride", stride, 1, 1), _pair("padding", padding, 0, 1), _pair("dilation", dilation, 1, 1)
-    w2 = weight.unsqueeze(2).unsqueeze(4)  # (O, C, 1, K, 1, OL)
-    b2 = bias.unsqueeze(1) if isinstance(bias, Tensor) and bias.dim() == 2 else bias
-    if isinstance(bias, Tensor) and bias.dim() != 2:
-        raise ValueError(f"bias: expected shape ({weight.size(0)}, {weight.size(3)}) (C_out, OL), got {tuple(bias.shape)}")
-    y = locally_connected2d(input.unsqueeze(-2), w2, b2, (1, s), (0, p), (1, d))
+    if bias is not None:
+        check_tensor("bias", bias)
+        if bias.dim() != 2:
+            raise ValueError(f"bias: expected shape ({weight.size(0)}, {weight.size(3)}) (C_out, OL), "
+                             f"got {tuple(bias.shape)}")
+        bias = bias.unsqueeze(1)  # (O, 1, OL)
+    y = locally_connected2d(input.unsqueeze(-2), weight.unsqueeze(2).unsqueeze(4), bias, (1, s), (0, p), (1, d))
     return y.squeeze(-2)
 
 

@@ -66,6 +66,11 @@ def _build(name: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(target))
 
 
+def address(tensor) -> int | None:
+    """Data address of a tensor for a ctypes call, None for an absent (optional) argument."""
+    return None if tensor is None else tensor.data_ptr()
+
+
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled library ``name`` (built on first call, then cached), or None if unavailable."""
     with _LOCK:

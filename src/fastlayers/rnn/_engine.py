@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import _native
+from .._native import address
 from ._options import CellOptions
 
 EPS = 1e-5
@@ -48,10 +49,6 @@ def _lib():
 def engine_available(x: Tensor) -> bool:
     """True when the fused C step kernels can run on this tensor (CPU, float32/64, compiler)."""
     return x.device.type == "cpu" and x.dtype in _SUFFIX and _lib() is not None
-
-
-def _p(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _steps(buf: Tensor | None, steps: int) -> list[int | None]:
@@ -94,10 +91,10 @@ class LSTMRecurrence(torch.autograd.Function):
         ds = steps * batch
         P_ = {k: _steps(v, steps) for k, v in dict(xp=xp, y=y, gates=gates, c1=c1, th=th, chist=chist, hd=hd, rhat=rhat,
                                                     rrstd=rrstd, chat=chat, crstd=crstd, zc=zc, zh=zh).items()}
-        fixed = (_p(gh), _p(gc), _p(bc), _p(peep), clip, EPS)
+        fixed = (address(gh), address(gc), address(bc), address(peep), clip, EPS)
         for t, n in enumerate(active):
             r = torch.bmm(hd[:, t, :n], w_t)  # (D, n, G) contiguous
-            fwd(dirs, batch, n, hidden, ds, P_["xp"][t], r.data_ptr(), c.data_ptr(), h.data_ptr(), _p(rmask),
+            fwd(dirs, batch, n, hidden, ds, P_["xp"][t], r.data_ptr(), c.data_ptr(), h.data_ptr(), address(rmask),
                 P_["y"][t], P_["gates"][t], P_["c1"][t], P_["th"][t], P_["chist"][t], P_["hd"][t + 1],
                 P_["rhat"][t], P_["rrstd"][t], P_["chat"][t], P_["crstd"][t], *fixed,
                 P_["zc"][t], P_["zh"][t], zc_const, zh_const, threads)
@@ -128,12 +125,12 @@ class LSTMRecurrence(torch.autograd.Function):
         ds = steps * batch
         P_ = {k: _steps(v, steps) for k, v in dict(dy=dy, chist=chist, gates=gates, c1=c1, th=th, rhat=rhat, rrstd=rrstd,
                                                     chat=chat, crstd=crstd, zc=zc, zh=zh, dpre=dpre, dr=dr).items()}
-        fixed = (_p(dn), _p(acc_gh), _p(acc_gc), _p(acc_bc), _p(acc_peep), threads)
+        fixed = (address(dn), address(acc_gh), address(acc_gc), address(acc_bc), address(acc_peep), threads)
         for t in range(steps - 1, -1, -1):
             n = ctx.active[t]
             bwd(dirs, batch, n, hidden, ds, P_["dy"][t], dh.data_ptr(), dc.data_ptr(), P_["chist"][t], P_["gates"][t],
-                P_["c1"][t], P_["th"][t], P_["rhat"][t], P_["rrstd"][t], P_["chat"][t], P_["crstd"][t], _p(gh),
-                _p(gc), _p(peep), clip, P_["zc"][t], P_["zh"][t], zc_const, zh_const, P_["dpre"][t], P_["dr"][t],
+                P_["c1"][t], P_["th"][t], P_["rhat"][t], P_["rrstd"][t], P_["chat"][t], P_["crstd"][t], address(gh),
+                address(gc), address(peep), clip, P_["zc"][t], P_["zh"][t], zc_const, zh_const, P_["dpre"][t], P_["dr"][t],
                 *fixed)
             g = torch.bmm(dr[:, t, :n], w_hh)  # (D, n, H)
             if rmask is not None:

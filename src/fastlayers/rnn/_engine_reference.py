@@ -65,7 +65,6 @@ def lstm_reference(input, hx, layers, lengths, options: CellOptions, *, dropout=
         for d, p in enumerate(dir_params):
             k = li * dirs + d
             h, c = hx[0][k], hx[1][k]
-            hidden = h.size(-1)
             rmask = m["recurrent"][d] if "recurrent" in m else None
             if rmask is None and training and options.recurrent_dropout > 0:
                 keep = 1 - options.recurrent_dropout
@@ -88,7 +87,6 @@ def lstm_reference(input, hx, layers, lengths, options: CellOptions, *, dropout=
             outs.append(torch.stack(ys))
             h_n.append(h)
             c_n.append(c)
-            del hidden
         x = torch.cat(outs, dim=-1)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
