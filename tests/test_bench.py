@@ -114,6 +114,23 @@ def test_json_round_trip_and_memory():
     assert "a" in rep.render()
 
 
+def _transient(x, y):
+    # a 4 MB temporary that is freed before the call returns: the peak must still see it
+    return x * y * torch.ones(1_000_000, dtype=x.dtype).sum()
+
+
+def test_peak_memory_sees_transients_and_opt_out():
+    def skipped(x, y):
+        return _transient(x, y)
+
+    skipped.bench_memory = False
+    rep = compare({"t": _transient, "skipped": skipped}, _inputs, repeats=1, memory=True,
+                  cliff_threshold=float("inf"))
+    assert rep["t"].peak_memory_bytes >= 4_000_000
+    assert rep["skipped"].peak_memory_bytes is None
+    assert rep["skipped"].flags == [] and rep["skipped"].output_error < 1e-6
+
+
 def test_bad_reference_name():
     with pytest.raises(ValueError, match=r"reference: expected a candidate name \['a'\], got 'nope'"):
         compare({"a": good}, _inputs, reference="nope", repeats=1)

@@ -253,9 +253,16 @@ def _peak_memory(fn: Candidate, inputs: Inputs, cotangents, device: torch.device
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _run(fn, inputs, cotangents, True)
+    # the raw allocation records (name "[memory]", signed nbytes) rather than prof.events(), whose
+    # Python event tree takes minutes for the ~10^6 ops of a per-column-view candidate
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is not None:
+        deltas = sorted((e.start_ns(), e.nbytes()) for e in raw.events() if e.name() == "[memory]")
+    else:  # pragma: no cover - older/newer torch without the raw results
+        deltas = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events())
     current = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        current += event.self_cpu_memory_usage
+    for _, nbytes in deltas:
+        current += nbytes
         peak = max(peak, current)
     return peak
 
@@ -291,8 +298,10 @@ def compare(
         cliff_threshold: flag ``cliff`` when (forward+backward) / forward exceeds it.
         rtol: max relative error (max |got - ref| / max |ref|) before a mismatch flag; default
             1e-3 for float32, 1e-2 for 16-bit floats, 1e-7 for float64.
-        memory: measure peak memory of one forward+backward (CPU: torch profiler allocation
-            events; CUDA: max_memory_allocated).
+        memory: measure peak memory of one forward+backward (CPU: the torch profiler's
+            allocation records in time order; CUDA: max_memory_allocated). A candidate with the
+            attribute ``bench_memory = False`` is left out (reported as "-"): recording every
+            op of a per-view candidate with ~10^6 ops takes tens of GiB on CPU.
         check: compare values and gradients (False: time only).
         progress: called with a short message before each step (for a progress bar).
 
@@ -377,7 +386,7 @@ def compare(
         res = results[name]
         if res.backward_ratio > cliff_threshold:
             res.flags.append("cliff")
-        if memory:
+        if memory and getattr(fn, "bench_memory", True):
             say(f"memory {name}")
             res.peak_memory_bytes = _peak_memory(fn, inputs, cotangents, device)
 

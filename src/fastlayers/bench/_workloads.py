@@ -96,22 +96,27 @@ class _AttentionCandidate(nn.Module):
     def __init__(self, dense: nn.Linear, how: str) -> None:
         super().__init__()
         self.dense, self.how = dense, how
+        # per-column views: ~10^6 ops, too many for the profiler's memory records (see compare)
+        self.bench_memory = not how.startswith("colwise")
 
     def forward(self, xs: Tensor, hs: Tensor) -> tuple[Tensor, Tensor]:
         # xs (T, B, 64), hs (T, B, 100) -> alpha (T, B), context (B, 100)
         steps, batch = xs.shape[:2]
-        if self.how == "batched":
-            ys = self.dense(xs)  # (T, B, 32): one big array
-            z = torch.einsum("bo,tbo->tb", ys[0], ys)
+        if self.how in ("batched", "colwise"):
+            ys = self.dense(xs)  # (T, B, 32): one big array, one Linear call
+            if self.how == "batched":
+                z = torch.einsum("bo,tbo->tb", ys[0], ys)
+            else:  # the seed's colwise: a dot of two column views per (step, column); each view's
+                # backward scatters into a zero-filled array of its parent's size
+                z = torch.stack([torch.stack([ys[0][b].dot(ys[t][b]) for b in range(batch)])
+                                 for t in range(steps)])
         else:
-            ys_list = [self.dense(xs[t]) for t in range(steps)]
+            ys_list = [self.dense(xs[t]) for t in range(steps)]  # the seed's m.(xs): one matrix per step
             y1 = ys_list[0]
             if self.how == "diagmatmul":
                 z = torch.stack([torch.diagonal(y1 @ y.T) for y in ys_list])
-            elif self.how == "colwise":  # per-column views, as the seed: one view per batch column
-                cols1 = [y1[i] for i in range(batch)]
-                z = torch.stack([torch.stack(torch._foreach_mul(cols1, [y[i] for i in range(batch)])).sum(1)
-                                 for y in ys_list])
+            elif self.how == "colwise (per-step list)":  # column views of per-step matrices
+                z = torch.stack([torch.stack([y1[b].dot(y[b]) for b in range(batch)]) for y in ys_list])
             else:  # "usedot": one batched dot per step
                 z = torch.stack([(y1 * y).sum(1) for y in ys_list])
         alpha = torch.softmax(z, dim=0)
@@ -124,7 +129,8 @@ def attention(size: str = "seed", dtype: torch.dtype = torch.float32, device: st
     torch.manual_seed(0)
     dense = nn.Linear(fin, fout, device=device, dtype=dtype)
     candidates: dict[str, Callable[..., Any]] = {
-        how: _AttentionCandidate(copy.deepcopy(dense), how) for how in ("diagmatmul", "colwise", "usedot", "batched")
+        how: _AttentionCandidate(copy.deepcopy(dense), how)
+        for how in ("diagmatmul", "colwise", "colwise (per-step list)", "usedot", "batched")
     }
     try:
         from .. import attention_pool  # available once issue "attention pooling" lands
