@@ -3,7 +3,8 @@
 Candidates (bidirectional, 1 layer): torch.nn.LSTM padded (vendor kernel, the anchor); the engine
 with all options off; the engine with layer_norm=True; the same LayerNorm-LSTM as a per-step loop
 through autograd (the users' way, ``lstm_reference``); the engine with layer_norm=True and
-lengths uniform in [400, 800]. Timing run interleaved (check=False, since the candidates compute
+lengths uniform in [400, 800], and the same with options off next to the foundation's lengths path
+(segments of torch's fused kernel, what fastlayers.LSTM runs for lengths without options). Timing run interleaved (check=False, since the candidates compute
 different functions); then each pair that must agree is checked with the harness (repeats=1).
 
     python benchmarks/bench_engine.py [--repeats 5] [--size seed|small]
@@ -34,6 +35,17 @@ class Engine(nn.Module):
         zeros = x.new_zeros(2, b, self.rnn.hidden_size)
         return self.impl(x, (zeros, zeros), self.rnn._layer_parameters(), lengths if self.use_lengths else None,
                          self.options, training=True)[0]
+
+
+class Segments(nn.Module):
+    """The foundation's lengths path (torch's fused kernel per run of equal active counts)."""
+
+    def __init__(self, lstm: fastlayers.LSTM) -> None:
+        super().__init__()
+        self.rnn = lstm
+
+    def forward(self, x, lengths):
+        return self.rnn(x, lengths=lengths)[0]
 
 
 class Vendor(nn.Module):
@@ -71,6 +83,8 @@ def main() -> int:
         "engine, layer_norm": Engine(ln, lstm_engine, lnopt, False),
         "LayerNorm-LSTM per-step autograd loop": Engine(ln, lstm_reference, lnopt, False),
         "engine, layer_norm + lengths": Engine(ln, lstm_engine, lnopt, True),
+        "engine, options off + lengths": Engine(plain, lstm_engine, off, True),
+        "fastlayers.LSTM lengths (segment path)": Segments(plain),
     }
     rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=True,
                   workload=f"engine (BLSTM {d} -> {h}x2, T={t}, B={b})", progress=say)
@@ -83,7 +97,8 @@ def main() -> int:
           f"{rep.ratio('LayerNorm-LSTM per-step autograd loop', 'engine, layer_norm'):.1f}x")
     # correctness at this shape: pairs that compute the same function
     for pair in (("torch.nn.LSTM padded (vendor)", "engine, options off"),
-                 ("LayerNorm-LSTM per-step autograd loop", "engine, layer_norm")):
+                 ("LayerNorm-LSTM per-step autograd loop", "engine, layer_norm"),
+                 ("fastlayers.LSTM lengths (segment path)", "engine, options off + lengths")):
         chk = compare({k: candidates[k] for k in pair}, make_inputs, repeats=1, warmup=0, memory=False,
                       workload="check " + " vs ".join(pair), progress=say)
         errs = {r.name: (r.output_error, max(r.grad_errors.values())) for r in chk.results}

@@ -18,6 +18,9 @@ OPTION_SETS = {
     "zoneout": dict(zoneout=(0.2, 0.4)),
     "recurrent_dropout": dict(recurrent_dropout=0.3),
     "all": dict(layer_norm=True, peephole=True, cell_clip=0.5, zoneout=(0.1, 0.3), recurrent_dropout=0.2),
+    "proj_clip": dict(proj_size=3, proj_clip=0.2),
+    "all + proj": dict(layer_norm=True, peephole=True, cell_clip=0.5, zoneout=(0.1, 0.3), recurrent_dropout=0.2,
+                       proj_size=3, proj_clip=0.3),
 }
 
 
@@ -33,26 +36,28 @@ def _random_params(module):
 
 def _masks(module, steps, batch, dtype):
     dirs = 2 if module.bidirectional else 1
-    h = module.hidden_size
+    h, p = module.hidden_size, module.proj_size or module.hidden_size
     z_h, z_c = module.options.zoneout
     keep = 1 - module.options.recurrent_dropout
-    return [{"recurrent": torch.bernoulli(torch.full((dirs, batch, h), keep, dtype=dtype)) / keep,
-             "zoneout_h": torch.bernoulli(torch.full((dirs, steps, batch, h), z_h, dtype=dtype)),
+    return [{"recurrent": torch.bernoulli(torch.full((dirs, batch, p), keep, dtype=dtype)) / keep,
+             "zoneout_h": torch.bernoulli(torch.full((dirs, steps, batch, p), z_h, dtype=dtype)),
              "zoneout_c": torch.bernoulli(torch.full((dirs, steps, batch, h), z_c, dtype=dtype))}
             for _ in range(module.num_layers)]
 
 
 def _compare(options, *, num_layers=2, bidirectional=True, lengths=(5, 2, 4, 1), training=False, with_hx=True,
-             input_size=3, hidden_size=4, seed=0):
+             input_size=3, hidden_size=5, seed=0, steps=None):
     """fp64 engine vs fp64 reference on the module's parameters, with identical masks."""
     torch.manual_seed(seed)
     m = fastlayers.LSTM(input_size, hidden_size, num_layers=num_layers, bidirectional=bidirectional,
                         dtype=torch.float64, **options)
     _random_params(m)
-    steps, batch = max(lengths), len(lengths)
+    steps, batch = steps or max(lengths), len(lengths)
     x = torch.randn(steps, batch, input_size, dtype=torch.float64)
-    hx = make_hx(m, batch, dtype=torch.float64) if with_hx else (torch.zeros(num_layers * (1 + bidirectional), batch,
-                                                                            hidden_size, dtype=torch.float64),) * 2
+    layers = num_layers * (1 + bidirectional)
+    hx = make_hx(m, batch, dtype=torch.float64) if with_hx else (
+        torch.zeros(layers, batch, m.proj_size or hidden_size, dtype=torch.float64),
+        torch.zeros(layers, batch, hidden_size, dtype=torch.float64))
     masks = _masks(m, steps, batch, torch.float64) if training else None
     lens = torch.tensor(lengths)
 
@@ -72,11 +77,20 @@ def test_options_match_reference(name, training, bidirectional):
     _compare(OPTION_SETS[name], training=training, bidirectional=bidirectional)
 
 
-def test_engine_with_options_off_equals_torch_lstm_fp32():
+@pytest.mark.parametrize("training", [False, True])
+def test_padding_beyond_the_longest_sequence(training):
+    """T larger than every length: the steps nobody runs are zero in the output, gradients match."""
+    out = _compare(OPTION_SETS["all"], training=training, lengths=(3, 1, 2), steps=6)
+    output = out[0]
+    assert output.shape[0] == 6 and output[3:].abs().max() == 0
+
+
+@pytest.mark.parametrize("proj_size", [0, 4])
+def test_engine_with_options_off_equals_torch_lstm_fp32(proj_size):
     """The engine itself (forced, all options off) == torch.nn.LSTM packed, fp32 1e-5, all grads."""
     torch.manual_seed(0)
-    ref = torch.nn.LSTM(5, 6, num_layers=2, bidirectional=True)
-    m = fastlayers.LSTM(5, 6, num_layers=2, bidirectional=True)
+    ref = torch.nn.LSTM(5, 6, num_layers=2, bidirectional=True, proj_size=proj_size)
+    m = fastlayers.LSTM(5, 6, num_layers=2, bidirectional=True, proj_size=proj_size)
     m.load_state_dict(ref.state_dict())
     lengths = [7, 3, 5, 1, 7]
     x = torch.randn(7, 5, 5)
@@ -87,17 +101,20 @@ def test_engine_with_options_off_equals_torch_lstm_fp32():
     assert_close_all(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["layer_norm", "all"])
+@pytest.mark.parametrize("name", ["layer_norm", "all", "all + proj"])
 def test_gradcheck_module_float64(name):
     torch.manual_seed(0)
-    m = fastlayers.LSTM(2, 3, num_layers=2, bidirectional=True, batch_first=True, dtype=torch.float64,
-                        **{k: v for k, v in OPTION_SETS[name].items() if k != "recurrent_dropout"}).eval()
+    opts = {k: v for k, v in OPTION_SETS[name].items() if k != "recurrent_dropout"}
+    if "proj_size" in opts:
+        opts.update(proj_size=3, proj_clip=0.5)
+    m = fastlayers.LSTM(2, 4 if "proj_size" in opts else 3, num_layers=2, bidirectional=True, batch_first=True,
+                        dtype=torch.float64, **opts).eval()
     _random_params(m)
     names = [n for n, _ in m.named_parameters()]
     params = [p.detach().clone().requires_grad_(True) for p in m.parameters()]
     x = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
     h0 = torch.randn(4, 3, 3, dtype=torch.float64, requires_grad=True)
-    c0 = torch.randn(4, 3, 3, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(4, 3, m.hidden_size, dtype=torch.float64, requires_grad=True)
 
     def f(x, h0, c0, *ps):
         out, (h, c) = torch.func.functional_call(m, dict(zip(names, ps)), (x, (h0, c0)), {"lengths": [4, 1, 3]})
@@ -109,12 +126,16 @@ def test_gradcheck_module_float64(name):
 @given(layer_norm=st.booleans(), peephole=st.booleans(), clip=st.sampled_from([None, 0.2, 1.0]),
        z_h=st.sampled_from([0.0, 0.3]), z_c=st.sampled_from([0.0, 0.5]), rd=st.sampled_from([0.0, 0.4]),
        training=st.booleans(), num_layers=st.integers(1, 2), bidirectional=st.booleans(),
-       lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5), seed=st.integers(0, 1000))
+       lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5), seed=st.integers(0, 1000),
+       proj=st.sampled_from([(0, None), (3, None), (2, 0.3)]))
 def test_hypothesis_option_combinations(layer_norm, peephole, clip, z_h, z_c, rd, training, num_layers, bidirectional,
-                                        lengths, seed):
-    opts = dict(layer_norm=layer_norm, peephole=peephole, cell_clip=clip, zoneout=(z_h, z_c), recurrent_dropout=rd)
+                                        lengths, seed, proj):
+    opts = dict(layer_norm=layer_norm, peephole=peephole, cell_clip=clip, zoneout=(z_h, z_c), recurrent_dropout=rd,
+                proj_clip=proj[1])
     if CellOptions.make(**opts).plain:
         opts["peephole"] = True
+    if proj[0]:
+        opts["proj_size"] = proj[0]
     _compare(opts, num_layers=num_layers, bidirectional=bidirectional, lengths=tuple(lengths), training=training,
              seed=seed)
 
@@ -162,6 +183,20 @@ def test_step_cell_matches_layer():
         m.cell(2)
 
 
+def test_step_cell_matches_layer_with_projection():
+    torch.manual_seed(0)
+    m = fastlayers.LSTM(3, 5, proj_size=2, layer_norm=True, proj_clip=0.1).eval()
+    x = torch.randn(4, 2, 3)
+    out, (h_n, c_n) = m(x)
+    assert out.shape == (4, 2, 2) and h_n.shape == (1, 2, 2) and c_n.shape == (1, 2, 5)
+    assert out.abs().max() <= 0.1 + 1e-7
+    state = None
+    for t in range(4):
+        state = m.cell(0)(x[t], state)
+        torch.testing.assert_close(state[0], out[t], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(state[1], c_n[0], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs,err,msg", [
     (dict(cell_clip=-1.0), ValueError, r"cell_clip: expected None or a number > 0, got -1.0"),
     (dict(cell_clip=0), ValueError, r"cell_clip: expected None or a number > 0, got 0"),
@@ -171,7 +206,8 @@ def test_step_cell_matches_layer():
     (dict(recurrent_dropout=1.5), ValueError, r"recurrent_dropout: expected a probability in \[0, 1\), got 1.5"),
     (dict(layer_norm="rms"), ValueError, r"layer_norm: expected True or False .* got 'rms'"),
     (dict(peephole=1), TypeError, r"peephole: expected a bool, got 1"),
-    (dict(layer_norm=True, proj_size=2), ValueError, r"proj_size: cell options are not supported with projections"),
+    (dict(proj_size=2, proj_clip=-1), ValueError, r"proj_clip: expected None or a number > 0, got -1"),
+    (dict(layer_norm=True, proj_clip=0.5), ValueError, r"proj_clip: clips the projection, so it needs proj_size > 0"),
 ])
 def test_bad_options(kwargs, err, msg):
     with pytest.raises(err, match=msg):

@@ -1,13 +1,14 @@
 /* Fused pointwise LSTM step (forward and backward) for the recurrent engine.
  *
- * Legend: D directions, T steps, B batch (sorted longest first), n active rows (the prefix b < n of
- * every direction runs this step; rows b >= n are frozen), H hidden size, G = 4H pre-activations
- * in torch's gate order i, f, g, o.
- * Step buffers are slices of [D, T, B, X] tensors: the caller passes the address of (d=0, t, b=0)
- * and the row stride between directions `ds` (= T*B); row (d, b) of the step is at (d*ds + b)*X.
- * The recurrent product r of the step is a contiguous [D, n, G] tensor. State h, c and the
- * recurrent-dropout mask are [D, B, X]. Per-row LayerNorm statistics are [D, T, B].
- *
+ * Legend: D directions, B batch (sorted longest first), n active rows (the prefix b < n of every
+ * direction runs this step; the state rows b >= n are frozen and not touched), H hidden size,
+ * G = 4H pre-activations in torch's gate order i, f, g, o.
+ * Step buffers are the packed rows of one step in [D, N, X] tensors (N = total valid rows of a
+ * direction, the rows of step t follow those of step t-1, as in a PackedSequence): the caller
+ * passes the address of (d=0, first row of the step) and the row stride between directions
+ * `ds` (= N); row (d, b) of the step is at (d*ds + b)*X. The recurrent product r of the step is
+ * a contiguous [D, n, G] tensor. State h, c and the recurrent-dropout mask are [D, B, X].
+ * Per-row LayerNorm statistics are [D, N].
  * Forward, one row (Ba et al. 2016 layer norm as in haste's LayerNormLSTM; Gers & Schmidhuber
  * 2000 diagonal peepholes; Krueger et al. 2016 zoneout):
  *   a   = LNh(r)       = gh * (r - mean(r)) * rstd(r)        (if gh != NULL, else a = r)
@@ -20,8 +21,8 @@
  *   c = zc*c0 + (1-zc)*c1;  h = zh*h0 + (1-zh)*h1        (zoneout; zc/zh masks or constants)
  *   y = h;  hd_next = h * rmask (the next step's recurrent input)
  * Saved for the backward: gates (i, f, g, o), c1, th, c0 (chist), rhat/rrstd, chat/crstd.
- * Rows b >= n of y, gates, c1, chist, rhat, chat and hd_next are written as 0, so that the large
- * reductions after the loop can run over whole tensors.
+ * hd_next is the next step's block of the same packed layout, so only its first n_next rows
+ * (the sequences still running at the next step) are written.
  *
  * float uses a vectorisable exp (Cody-Waite reduction + degree-6 polynomial, rel. error ~2e-7);
  * double uses libm. Built with -fno-trapping-math -fno-signed-zeros -ffinite-math-only (see
@@ -74,7 +75,7 @@ static void layer_norm_backward_##SUFFIX(const T* dhat, const T* hat, T rstd, in
 }                                                                                                    \
                                                                                                      \
 void lstm_step_forward_##SUFFIX(                                                                     \
-    int64_t D, int64_t B, int64_t n, int64_t H, int64_t ds,                                          \
+    int64_t D, int64_t B, int64_t n, int64_t n_next, int64_t H, int64_t ds,                          \
     const T* xp, const T* r, T* c, T* h, const T* rmask,                                             \
     T* y, T* gates, T* c1_out, T* th_out, T* chist, T* hd_next,                                      \
     T* rhat, T* rrstd, T* chat, T* crstd,                                                            \
@@ -83,16 +84,8 @@ void lstm_step_forward_##SUFFIX(                                                
 {                                                                                                    \
     const int64_t G = 4 * H;                                                                         \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * B; task++) {                                                   \
-        const int64_t d = task / B, b = task % B, row = d * ds + b, srow = d * B + b;               \
-        if (b >= n) { /* frozen row: zero what the post-loop reductions read */                      \
-            memset(y + row * H, 0, sizeof(T) * H); memset(gates + row * G, 0, sizeof(T) * G);        \
-            memset(c1_out + row * H, 0, sizeof(T) * H); memset(chist + row * H, 0, sizeof(T) * H);   \
-            if (rhat) memset(rhat + row * G, 0, sizeof(T) * G);                                      \
-            if (chat) memset(chat + row * H, 0, sizeof(T) * H);                                      \
-            if (hd_next) memset(hd_next + row * H, 0, sizeof(T) * H);                                \
-            continue;                                                                                \
-        }                                                                                            \
+    for (int64_t task = 0; task < D * n; task++) {                                                   \
+        const int64_t d = task / n, b = task % n, row = d * ds + b, srow = d * B + b;               \
         const T* restrict xr = xp + row * G;                                                         \
         const T* restrict rr = r + (d * n + b) * G;                                                  \
         T* restrict gr = gates + row * G;                                                            \
@@ -132,7 +125,7 @@ void lstm_step_forward_##SUFFIX(                                                
             hr[k] = zhk * hr[k] + (1 - zhk) * h1;                                                    \
             yr[k] = hr[k];                                                                           \
         }                                                                                            \
-        if (hd_next) {                                                                               \
+        if (hd_next && b < n_next) {                                                                 \
             T* hn = hd_next + row * H;                                                               \
             if (rmask) { const T* m = rmask + srow * H; for (int64_t k = 0; k < H; k++) hn[k] = hr[k] * m[k]; } \
             else memcpy(hn, hr, sizeof(T) * H);                                                      \
@@ -143,7 +136,7 @@ void lstm_step_forward_##SUFFIX(                                                
 /* Backward of one step. In: dy (grad of y), dh/dc (grad of the state after this step, [D,B,H];     \
  * overwritten in place with the grad of the state before it, except the recurrent GEMM part,       \
  * which the caller adds). Out: dpre (= grad of xp), dr (grad of r; may alias dpre when gh == NULL),\
- * both zero on rows b >= n; dn_scratch [D,B,H] (work space for LNc). Parameter gradients are       \
+ * on the step's n packed rows; dn_scratch [D,B,H] (work space for LNc). Parameter gradients are       \
  * accumulated (+=) over the active rows into acc_gh [D,G], acc_gc/acc_bc [D,H], acc_peep [D,3H]. */ \
 void lstm_step_backward_##SUFFIX(                                                                    \
     int64_t D, int64_t B, int64_t n, int64_t H, int64_t ds,                                          \
@@ -156,14 +149,9 @@ void lstm_step_backward_##SUFFIX(                                               
 {                                                                                                    \
     const int64_t G = 4 * H;                                                                         \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * B; task++) {                                                   \
-        const int64_t d = task / B, b = task % B, row = d * ds + b, srow = d * B + b;               \
+    for (int64_t task = 0; task < D * n; task++) {                                                   \
+        const int64_t d = task / n, b = task % n, row = d * ds + b, srow = d * B + b;               \
         T* dp = dpre + row * G;                                                                      \
-        if (b >= n) {                                                                                \
-            memset(dp, 0, sizeof(T) * G);                                                            \
-            if (dr != dpre) memset(dr + row * G, 0, sizeof(T) * G);                                  \
-            continue;                                                                                \
-        }                                                                                            \
         const T* gr = gates + row * G;                                                               \
         const T* c1r = c1_in + row * H; const T* thr = th_in + row * H; const T* c0r = chist + row * H; \
         T* dhr = dh + srow * H; T* dcr = dc + srow * H; const T* dyr = dy + row * H;                 \

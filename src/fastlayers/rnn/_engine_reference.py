@@ -25,8 +25,12 @@ def _ln(v: Tensor, gain: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def lstm_cell_step(x_t, h, c, p, opt: CellOptions):
-    """One LSTM step with options (before zoneout): returns (h_new, c_new), each (B, H)."""
-    hidden = h.size(-1)
+    """One LSTM step with options (before zoneout): returns (h_new (B, H_out), c_new (B, H)).
+
+    With a projection (``weight_hr`` (P, H) in p, torch's proj_size): h_new = W_hr (o * tanh(.)),
+    clipped to [-proj_clip, proj_clip] if set; H_out = P.
+    """
+    hidden = c.size(-1)
     xw = x_t @ p["weight_ih"].T
     hw = h @ p["weight_hh"].T
     if opt.layer_norm:
@@ -46,7 +50,12 @@ def lstm_cell_step(x_t, h, c, p, opt: CellOptions):
         po = po + wo * c_new
     o = torch.sigmoid(po)
     n = _ln(c_new, p["ln_cell_weight"], p["ln_cell_bias"]) if opt.layer_norm else c_new
-    return o * torch.tanh(n), c_new
+    h_new = o * torch.tanh(n)
+    if "weight_hr" in p:
+        h_new = h_new @ p["weight_hr"].T
+        if opt.proj_clip:
+            h_new = h_new.clamp(-opt.proj_clip, opt.proj_clip)
+    return h_new, c_new
 
 
 def lstm_reference(input, hx, layers, lengths, options: CellOptions, *, dropout=0.0, training=False, masks=None):

@@ -189,8 +189,11 @@ _OPTIONS_DOC = """
       expectation ``z*prev + (1-z)*new``.
     * ``recurrent_dropout=p`` (Gal & Ghahramani 2016): in training one Bernoulli(1-p)/(1-p) mask
       per sequence and layer/direction multiplies h_{t-1} before W_hh, the same at every step.
+    * ``proj_clip=p`` (with ``proj_size > 0``; TF's LSTMCell proj_clip):
+      ``h_t = clamp(W_hr (o_t * tanh(.)), -p, p)``. With a projection, zoneout and recurrent
+      dropout act on the projected h_t (what recurs), the cell options on the H-sized cell.
 
-    Not yet with ``proj_size > 0`` or PackedSequence input (ValueError). Bad option values raise
+    Not with PackedSequence input (ValueError: pass the padded batch and lengths=). Bad option values raise
     ValueError/TypeError naming the option. ``cell(layer, direction)`` returns a step-wise cell
     sharing the weights (eval semantics) for decoding one step at a time.
 """
@@ -211,15 +214,15 @@ class LSTM(_LengthsMixin, nn.LSTM):
 
     def __init__(self, *args: Any, layer_norm: bool = False, peephole: bool = False, cell_clip: float | None = None,
                  zoneout: float | tuple[float, float] | None = None, recurrent_dropout: float = 0.0,
-                 **kwargs: Any) -> None:
-        options = CellOptions.make(layer_norm, peephole, cell_clip, zoneout, recurrent_dropout)
+                 proj_clip: float | None = None, **kwargs: Any) -> None:
+        options = CellOptions.make(layer_norm, peephole, cell_clip, zoneout, recurrent_dropout, proj_clip)
         super().__init__(*args, **kwargs)
         self.options = options
+        if options.proj_clip is not None and self.proj_size == 0:
+            raise ValueError(f"proj_clip: clips the projection, so it needs proj_size > 0; got proj_clip="
+                             f"{options.proj_clip} with proj_size=0")
         if options.plain:
             return
-        if self.proj_size > 0:
-            raise ValueError(f"proj_size: cell options are not supported with projections yet; expected proj_size=0, "
-                             f"got {self.proj_size}")
         factory = {"device": self.weight_ih_l0.device, "dtype": self.weight_ih_l0.dtype}
         for name in self._option_parameter_names():
             size = 3 * self.hidden_size if name.startswith("weight_peephole") else (
@@ -262,6 +265,8 @@ class LSTM(_LengthsMixin, nn.LSTM):
             keys += ["ln_ih_weight", "ln_hh_weight", "ln_cell_weight", "ln_cell_bias"]
         if self.options.peephole:
             keys.append("weight_peephole")
+        if self.proj_size > 0:
+            keys.append("weight_hr")
         return [[{k: getattr(self, f"{k}_l{layer}{sfx}") for k in keys}
                  for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]] for layer in range(self.num_layers)]
 
@@ -294,8 +299,8 @@ class LSTM(_LengthsMixin, nn.LSTM):
 class LSTMCellView(nn.Module):
     """One layer/direction of a :class:`LSTM` as a step-wise cell (shares the parameters).
 
-    ``forward(input (B, F_l) or (F_l,), hx=None) -> (h, c)`` each (B, H) (or (H,)); eval
-    semantics for zoneout (expectation) and no recurrent dropout.
+    ``forward(input (B, F_l) or (F_l,), hx=None) -> (h (B, H_out), c (B, H))`` (unbatched: no B);
+    eval semantics for zoneout (expectation) and no recurrent dropout.
     """
 
     def __init__(self, lstm: "LSTM", layer: int, direction: int) -> None:
@@ -313,12 +318,14 @@ class LSTMCellView(nn.Module):
             raise ValueError(f"input: expected shape (B, {width}) or ({width},), got {tuple(input.shape)}")
         batched = input.dim() == 2
         x = input if batched else input.unsqueeze(0)
+        out_size = lstm.proj_size or lstm.hidden_size
         if hx is None:
-            h0 = c0 = x.new_zeros(x.size(0), lstm.hidden_size)
+            h0, c0 = x.new_zeros(x.size(0), out_size), x.new_zeros(x.size(0), lstm.hidden_size)
         else:
             h0, c0 = (s if batched else s.unsqueeze(0) for s in hx)
-        for name, s in (("hx[0] (h)", h0), ("hx[1] (c)", c0)):
-            check_shape(name, s, (x.size(0), lstm.hidden_size), "(B, H)")
+        for name, s, size, legend in (("hx[0] (h)", h0, out_size, "(B, H_out)"), ("hx[1] (c)", c0, lstm.hidden_size,
+                                                                                 "(B, H)")):
+            check_shape(name, s, (x.size(0), size), legend)
         h1, c1 = lstm_cell_step(x, h0, c0, params, lstm.options)
         z_h, z_c = lstm.options.zoneout
         h, c = z_h * h0 + (1 - z_h) * h1, z_c * c0 + (1 - z_c) * c1

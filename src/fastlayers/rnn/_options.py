@@ -20,6 +20,8 @@ class CellOptions:
         the expectation in eval (Krueger et al. 2016).
     recurrent_dropout: one dropout mask per sequence on h_{t-1} before the recurrent matrix,
         the same at every step (Gal & Ghahramani 2016); identity in eval.
+    proj_clip: clip the projected output W_hr h to [-proj_clip, proj_clip] (TF's LSTMCell
+        proj_clip; needs proj_size > 0).
     """
 
     layer_norm: bool = False
@@ -27,6 +29,7 @@ class CellOptions:
     cell_clip: float | None = None
     zoneout: tuple[float, float] = (0.0, 0.0)
     recurrent_dropout: float = 0.0
+    proj_clip: float | None = None
 
     @property
     def plain(self) -> bool:
@@ -34,15 +37,13 @@ class CellOptions:
         return self == CellOptions()
 
     @classmethod
-    def make(cls, layer_norm=False, peephole=False, cell_clip=None, zoneout=None, recurrent_dropout=0.0) -> "CellOptions":
+    def make(cls, layer_norm=False, peephole=False, cell_clip=None, zoneout=None, recurrent_dropout=0.0,
+             proj_clip=None) -> "CellOptions":
         if not isinstance(layer_norm, bool):
             raise ValueError(f"layer_norm: expected True or False (haste-style LayerNorm-LSTM), got {layer_norm!r}")
         if not isinstance(peephole, bool):
             raise TypeError(f"peephole: expected a bool, got {peephole!r}")
-        if cell_clip is not None:
-            if isinstance(cell_clip, bool) or not isinstance(cell_clip, (int, float)) or not cell_clip > 0:
-                raise ValueError(f"cell_clip: expected None or a number > 0, got {cell_clip!r}")
-            cell_clip = float(cell_clip)
+        cell_clip, proj_clip = _clip("cell_clip", cell_clip), _clip("proj_clip", proj_clip)
         if zoneout is None:
             zoneout = (0.0, 0.0)
         elif isinstance(zoneout, (int, float)) and not isinstance(zoneout, bool):
@@ -56,4 +57,12 @@ class CellOptions:
                 or not 0 <= recurrent_dropout < 1:
             raise ValueError(f"recurrent_dropout: expected a probability in [0, 1), got {recurrent_dropout!r}")
         return cls(bool(layer_norm), peephole, cell_clip, (float(zoneout[0]), float(zoneout[1])),
-                   float(recurrent_dropout))
+                   float(recurrent_dropout), proj_clip)
+
+
+def _clip(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}: expected None or a number > 0, got {value!r}")
+    return float(value)
