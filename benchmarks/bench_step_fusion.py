@@ -1,8 +1,10 @@
 """Issue: fused recurrent engine — two routes for the fused per-step update, measured side by side.
 
-One LayerNorm-LSTM step at the seed shape (both directions D=2, B=32 active rows, H=256, G=4H):
-the recurrent GEMM (D, B, H) x (D, H, G) plus the pointwise update (recurrent LayerNorm, gates,
-cell, cell LayerNorm, h). Candidates, all with autograd through every input:
+The recurrent part of a LayerNorm-LSTM layer at the seed shape (both directions D=2, B=32, H=256,
+G=4H) over K=100 steps, input pre-activations given: per step the recurrent GEMM
+(D, B, H) x (D, H, G) plus the pointwise update (recurrent LayerNorm, gates, cell, cell
+LayerNorm, h). Candidates differ only in how the per-step update is fused, all with autograd
+through every input:
 
 * eager torch ops (the reference: ~15 small kernels and their autograd nodes per step);
 * ``torch.compile`` of the same function (Inductor generates and compiles fused C++ for the
@@ -10,7 +12,7 @@ cell, cell LayerNorm, h). Candidates, all with autograd through every input:
 * the engine's route: one GEMM + one C kernel (``_native/lstm.c``), hand-written backward
   (:class:`fastlayers.rnn._engine.LSTMRecurrence` on a one-step sequence).
 
-    python benchmarks/bench_step_fusion.py [--repeats 200]
+    python benchmarks/bench_step_fusion.py [--repeats 20] [--steps 100]
 """
 
 from __future__ import annotations
@@ -37,37 +39,49 @@ def step(xp, h0, c0, w_hh, gh, gc, bc):
     return torch.sigmoid(o) * torch.tanh(n), c1
 
 
-def engine_step(xp, h0, c0, w_hh, gh, gc, bc):
-    # a one-step sequence: the packed rows (D, N, G) are the B rows of this step
-    _, h, c = LSTMRecurrence.apply(xp, h0, c0, w_hh, gh, gc, bc, None, None, None, None, None, (xp.size(1),),
-                                   (0.0, 0.0, 0.0, 0.0))
-    return h, c
+def loop(step_fn):
+    def run(xp, h0, c0, w_hh, gh, gc, bc):  # xp (D, K, B, G)
+        h, c, ys = h0, c0, []
+        for t in range(xp.size(1)):
+            h, c = step_fn(xp[:, t], h, c, w_hh, gh, gc, bc)
+            ys.append(h)
+        return torch.stack(ys, 1), h, c
+    return run
+
+
+def engine(xp, h0, c0, w_hh, gh, gc, bc):
+    dirs, steps, batch, gsize = xp.shape  # all rows active: the packed rows are (D, K*B, G)
+    y, h, c = LSTMRecurrence.apply(xp.reshape(dirs, steps * batch, gsize), h0, c0, w_hh, gh, gc, bc, None, None,
+                                   None, None, None, (batch,) * steps, (0.0, 0.0, 0.0, 0.0))
+    return y.view(dirs, steps, batch, -1), h, c
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--steps", type=int, default=100)
     args = p.parse_args()
-    dirs, batch, hidden = 2, 32, 256
+    dirs, batch, hidden, steps = 2, 32, 256, args.steps
 
     def make_inputs():
         g = torch.Generator().manual_seed(0)
         r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=g)).requires_grad_(True)  # noqa: E731
-        return {"xp": r(dirs, batch, 4 * hidden), "h0": r(dirs, batch, hidden, scale=0.5),
+        return {"xp": r(dirs, steps, batch, 4 * hidden), "h0": r(dirs, batch, hidden, scale=0.5),
                 "c0": r(dirs, batch, hidden), "w_hh": r(dirs, 4 * hidden, hidden, scale=hidden ** -0.5),
                 "gh": r(dirs, 4 * hidden), "gc": r(dirs, hidden), "bc": r(dirs, hidden)}
 
     compiled = torch.compile(step, dynamic=False)
     inputs = make_inputs()
     start = time.perf_counter()
-    h, c = compiled(**inputs)
+    h, c = compiled(**{k: v[:, 0] if k == "xp" else v for k, v in inputs.items()})
     (h.sum() + c.sum()).backward()
     first = time.perf_counter() - start
     print(f"torch.compile first call (forward + backward compile): {first:.1f} s", flush=True)
     say = lambda m: None  # noqa: E731
-    rep = compare({"eager torch ops": step, "torch.compile(step)": compiled, "engine: GEMM + C kernel": engine_step},
-                  make_inputs, repeats=args.repeats, warmup=5, memory=False,
-                  workload=f"one LayerNorm-LSTM step (D={dirs}, B={batch}, H={hidden})", progress=say)
+    rep = compare({"eager torch ops": loop(step), "torch.compile(step)": loop(compiled),
+                   "engine: GEMM + C kernel": engine},
+                  make_inputs, repeats=args.repeats, warmup=2, memory=False,
+                  workload=f"LayerNorm-LSTM recurrence, {steps} steps (D={dirs}, B={batch}, H={hidden})", progress=say)
     print(rep.markdown())
     anchor = "engine: GEMM + C kernel"
     for name in ("eager torch ops", "torch.compile(step)"):
