@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fastlayers.bench import compare
-from fastlayers.rnn._engine import EPS, LSTMRecurrence
+from fastlayers.rnn._recurrence import EPS, LSTMRecurrence
 
 
 def step(xp, h0, c0, w_hh, gh, gc, bc):

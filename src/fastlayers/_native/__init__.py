@@ -1,8 +1,8 @@
 """Small C kernels compiled on first use with the system C compiler and loaded with ctypes.
 
-The sources live next to this file (``*.c``, plain C99 + OpenMP, no Python or torch headers,
-so a build takes about a second). A build is cached under ``$FASTLAYERS_CACHE`` (default
-``~/.cache/fastlayers``) keyed by the source, the flags, the compiler and the CPU's feature
+The sources live next to this file (``*.c`` and the shared ``*.h``, plain C99 + OpenMP, no
+Python or torch headers, so a build takes about a second). A build is cached under
+``$FASTLAYERS_CACHE`` (default ``~/.cache/fastlayers``) keyed by the source, the headers, the flags, the compiler and the CPU's feature
 flags, so later processes reuse it. Where no compiler works, :func:`load` returns None and the
 callers use their pure-PyTorch path (also the path for non-CPU tensors).
 """
@@ -45,19 +45,22 @@ def cache_dir() -> Path:
 def _build(name: str) -> ctypes.CDLL | None:
     if os.environ.get("FASTLAYERS_NO_NATIVE"):
         return None
-    source = (Path(__file__).with_name(f"{name}.c")).read_text()
+    here = Path(__file__).parent
+    source = (here / f"{name}.c").read_text()
+    headers = "".join(h.read_text() for h in sorted(here.glob("*.h")))  # part of the cache key
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         warnings.warn(f"fastlayers: no C compiler found; {name} uses the slower pure-PyTorch path", stacklevel=3)
         return None
-    key = hashlib.sha256("\0".join([source, " ".join(_FLAGS), compiler, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source, headers, " ".join(_FLAGS), compiler, _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
             src.write_text(source)
-            proc = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([compiler, *_FLAGS, f"-I{here}", str(src), "-o", str(out), "-lm"], capture_output=True,
+                                  text=True)
             if proc.returncode != 0:
                 warnings.warn(f"fastlayers: building {name} failed, using the pure-PyTorch path:\n{proc.stderr[-2000:]}",
                               stacklevel=3)

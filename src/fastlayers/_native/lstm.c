@@ -24,55 +24,15 @@
  * hd_next is the next step's block of the same packed layout, so only its first n_next rows
  * (the sequences still running at the next step) are written.
  *
- * float uses a vectorisable exp (Cody-Waite reduction + degree-6 polynomial, rel. error ~2e-7);
- * double uses libm. Built with -fno-trapping-math -fno-signed-zeros -ffinite-math-only (see
+ * float uses fastmath.h's vectorisable exp; double uses libm. Built with -fno-trapping-math -fno-signed-zeros -ffinite-math-only (see
  * __init__.py) so that the clamps and selects vectorise; inputs are assumed finite.
  */
-#include <math.h>
-#include <stdint.h>
 #include <string.h>
 
-static inline float fexp_f32(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    const float t = x * 1.44269504088896341f;
-    const float nf = (float)(int32_t)(t + copysignf(0.5f, t));
-    const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)nf + 127) << 23;
-    union { int32_t i; float f; } u;
-    u.i = bits;
-    return p * u.f;
-}
-static inline float ftanh_f32(float x) { return 2.0f / (1.0f + fexp_f32(-2.0f * x)) - 1.0f; }
+#include "fastmath.h"
 
 #define DEFINE_LSTM(T, SUFFIX, EXP, TANH, SQRT)                                                        \
 static inline T sig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                                      \
-                                                                                                     \
-static void layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_out) {               \
-    T mean = 0, var = 0;                                                                             \
-    for (int64_t k = 0; k < len; k++) mean += v[k];                                                  \
-    mean /= len;                                                                                     \
-    for (int64_t k = 0; k < len; k++) { T dv = v[k] - mean; var += dv * dv; }                       \
-    T rstd = 1 / SQRT(var / len + eps);                                                             \
-    for (int64_t k = 0; k < len; k++) hat[k] = (v[k] - mean) * rstd;                                 \
-    *rstd_out = rstd;                                                                                \
-}                                                                                                    \
-                                                                                                     \
-/* LayerNorm backward for one row: dv = rstd * (dhat - mean(dhat) - hat * mean(dhat * hat));         \
- * dv may alias dhat. */                                                                             \
-static void layer_norm_backward_##SUFFIX(const T* dhat, const T* hat, T rstd, int64_t len, T* dv) {  \
-    T m1 = 0, m2 = 0;                                                                                \
-    for (int64_t k = 0; k < len; k++) { m1 += dhat[k]; m2 += dhat[k] * hat[k]; }                     \
-    m1 /= len; m2 /= len;                                                                            \
-    for (int64_t k = 0; k < len; k++) dv[k] = rstd * (dhat[k] - m1 - hat[k] * m2);                   \
-}                                                                                                    \
                                                                                                      \
 void lstm_step_forward_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t n, int64_t n_next, int64_t H, int64_t ds,                          \
@@ -96,7 +56,7 @@ void lstm_step_forward_##SUFFIX(                                                
         memcpy(c0r, cr, sizeof(T) * H);                                                              \
         if (gh) {                                                                                    \
             T* rh = rhat + row * G;                                                                  \
-            layer_norm_##SUFFIX(rr, G, eps, rh, rrstd + row);                                        \
+            fl_layer_norm_##SUFFIX(rr, G, eps, rh, rrstd + row);                                        \
             const T* ghd = gh + d * G;                                                               \
             for (int64_t k = 0; k < G; k++) gr[k] = xr[k] + ghd[k] * rh[k];                          \
         } else {                                                                                     \
@@ -111,7 +71,7 @@ void lstm_step_forward_##SUFFIX(                                                
         for (int64_t k = 0; k < H; k++) gr[3 * H + k] = sig_##SUFFIX(gr[3 * H + k]);                 \
         if (gc) {                                                                                    \
             T* ch = chat + row * H;                                                                  \
-            layer_norm_##SUFFIX(c1r, H, eps, ch, crstd + row);                                       \
+            fl_layer_norm_##SUFFIX(c1r, H, eps, ch, crstd + row);                                       \
             const T* gcd = gc + d * H; const T* bcd = bc + d * H;                                    \
             for (int64_t k = 0; k < H; k++) thr[k] = TANH(gcd[k] * ch[k] + bcd[k]);                  \
         } else {                                                                                     \
@@ -171,7 +131,7 @@ void lstm_step_backward_##SUFFIX(                                               
         if (gc) {                                                                                    \
             const T* gcd = gc + d * H; T* dhat = dp + H;                                             \
             for (int64_t k = 0; k < H; k++) dhat[k] = dn[k] * gcd[k];                                \
-            layer_norm_backward_##SUFFIX(dhat, chat + row * H, crstd[row], H, dc1);                  \
+            fl_layer_norm_backward_##SUFFIX(dhat, chat + row * H, crstd[row], H, dc1);                  \
         } else {                                                                                     \
             memcpy(dc1, dn, sizeof(T) * H);                                                          \
         }                                                                                            \
@@ -192,7 +152,7 @@ void lstm_step_backward_##SUFFIX(                                               
         if (gh) {                                                                                    \
             const T* ghd = gh + d * G; T* drr = dr + row * G;                                        \
             for (int64_t k = 0; k < G; k++) drr[k] = dp[k] * ghd[k];                                 \
-            layer_norm_backward_##SUFFIX(drr, rhat + row * G, rrstd[row], G, drr);                   \
+            fl_layer_norm_backward_##SUFFIX(drr, rhat + row * G, rrstd[row], G, drr);                   \
         } else if (dr != dpre) {                                                                     \
             memcpy(dr + row * G, dp, sizeof(T) * G);                                                 \
         }                                                                                            \
@@ -222,5 +182,5 @@ void lstm_step_backward_##SUFFIX(                                               
     }                                                                                                \
 }
 
-DEFINE_LSTM(float, f32, fexp_f32, ftanh_f32, sqrtf)
+DEFINE_LSTM(float, f32, fl_exp_f32, fl_tanh_f32, sqrtf)
 DEFINE_LSTM(double, f64, exp, tanh, sqrt)

@@ -1,8 +1,9 @@
-"""Per-step reference of the engine's LSTM with cell options: plain torch ops, autograd, no kernels.
+"""Per-step reference of the engine's LSTM / GRU with cell options: plain torch ops, autograd, no kernels.
 
 Written from the equations (see :class:`fastlayers.rnn._options.CellOptions`), independently of
 the engine: original time order, the reverse direction walks t = T-1 .. 0 with a per-sequence
-activity mask instead of gathers. Same signature as :func:`fastlayers.rnn._engine.lstm_engine`;
+activity mask instead of gathers. Same signatures as :func:`fastlayers.rnn._engine.lstm_engine` /
+``gru_engine``;
 the test oracle (run in float64) and the path for devices without the C kernels.
 """
 
@@ -58,45 +59,80 @@ def lstm_cell_step(x_t, h, c, p, opt: CellOptions):
     return h_new, c_new
 
 
+def gru_cell_step(x_t, h, p, opt: CellOptions, h_in=None):
+    """One GRU step with options (before zoneout), torch.nn.GRU's equations: returns h_new (B, H).
+
+    ``h_in`` is the recurrent input (h with recurrent dropout applied); the z * h term uses h.
+    With layer_norm (haste's LayerNormGRU): LN(W_ih x; gamma_ih) + b_ih and
+    LN(W_hh h_in; gamma_hh) + b_hh replace the two affine parts.
+    """
+    h_in = h if h_in is None else h_in
+    xw, hw = x_t @ p["weight_ih"].T, h_in @ p["weight_hh"].T
+    if opt.layer_norm:
+        xw, hw = _ln(xw, p["ln_ih_weight"]), _ln(hw, p["ln_hh_weight"])
+    if "bias_ih" in p:
+        xw, hw = xw + p["bias_ih"], hw + p["bias_hh"]
+    xr, xz, xn = xw.chunk(3, dim=-1)
+    hr, hz, hn = hw.chunk(3, dim=-1)
+    r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+    n = torch.tanh(xn + r * hn)
+    return (1 - z) * n + z * h
+
+
 def lstm_reference(input, hx, layers, lengths, options: CellOptions, *, dropout=0.0, training=False, masks=None):
     """See :func:`fastlayers.rnn._engine.lstm_engine` (same arguments and results)."""
+    def step(x_t, states, h_in, p):
+        return lstm_cell_step(x_t, h_in, states[1], p, options)
+
+    return _reference(step, input, hx, layers, lengths, options, dropout, training, masks)
+
+
+def gru_reference(input, hx, layers, lengths, options: CellOptions, *, dropout=0.0, training=False, masks=None):
+    """See :func:`fastlayers.rnn._engine.gru_engine` (same arguments and results)."""
+    def step(x_t, states, h_in, p):
+        return (gru_cell_step(x_t, states[0], p, options, h_in),)
+
+    return _reference(step, input, hx, layers, lengths, options, dropout, training, masks)
+
+
+def _reference(step, input, hx, layers, lengths, options, dropout, training, masks):
+    """The layer/direction/time loops shared by both cells; states = (h,) or (h, c)."""
     steps, batch, _ = input.shape
     if lengths is None:
         lengths = torch.full((batch,), steps, dtype=torch.int64)
     lengths = lengths.to(input.device)
-    z_h, z_c = options.zoneout
     dirs = len(layers[0])
+    probs = options.zoneout  # (z_h, z_c)
     x = input
-    h_n, c_n = [], []
+    finals: list[list[Tensor]] = [[] for _ in hx]
     for li, dir_params in enumerate(layers):
         m = (masks[li] if masks is not None else None) or {}
         outs = []
         for d, p in enumerate(dir_params):
-            k = li * dirs + d
-            h, c = hx[0][k], hx[1][k]
+            states = [s[li * dirs + d] for s in hx]
             rmask = m["recurrent"][d] if "recurrent" in m else None
             if rmask is None and training and options.recurrent_dropout > 0:
                 keep = 1 - options.recurrent_dropout
-                rmask = torch.bernoulli(torch.full_like(h, keep)) / keep
+                rmask = torch.bernoulli(torch.full_like(states[0], keep)) / keep
             ys: list[Tensor] = [None] * steps  # type: ignore[list-item]
             for t in (range(steps) if d == 0 else range(steps - 1, -1, -1)):
                 alive = (t < lengths).unsqueeze(1)
-                h_in = h * rmask if rmask is not None else h
-                h1, c1 = lstm_cell_step(x[t], h_in, c, p, options)
-                if training:
-                    kc = m["zoneout_c"][d, t] if "zoneout_c" in m else torch.bernoulli(torch.full_like(c, z_c))
-                    kh = m["zoneout_h"][d, t] if "zoneout_h" in m else torch.bernoulli(torch.full_like(h, z_h))
-                else:
-                    kc, kh = z_c, z_h
-                c1 = kc * c + (1 - kc) * c1
-                h1 = kh * h + (1 - kh) * h1
-                c = torch.where(alive, c1, c)
-                h = torch.where(alive, h1, h)
-                ys[t] = torch.where(alive, h1, torch.zeros_like(h1))
+                h_in = states[0] * rmask if rmask is not None else states[0]
+                new = step(x[t], states, h_in, p)
+                for i, (old, upd) in enumerate(zip(states, new)):
+                    key = ("zoneout_h", "zoneout_c")[i]
+                    if training:
+                        keep_mask = m[key][d, t] if key in m else torch.bernoulli(torch.full_like(old, probs[i]))
+                    else:
+                        keep_mask = probs[i]
+                    upd = keep_mask * old + (1 - keep_mask) * upd
+                    if i == 0:
+                        ys[t] = torch.where(alive, upd, torch.zeros_like(upd))
+                    states[i] = torch.where(alive, upd, old)
             outs.append(torch.stack(ys))
-            h_n.append(h)
-            c_n.append(c)
+            for acc, s in zip(finals, states):
+                acc.append(s)
         x = torch.cat(outs, dim=-1)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
-    return x, (torch.stack(h_n), torch.stack(c_n))
+    return x, tuple(torch.stack(f) for f in finals)

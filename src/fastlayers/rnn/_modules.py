@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
-from ._engine import engine_available, lstm_engine
-from ._engine_reference import lstm_cell_step, lstm_reference
+from ._engine import engine_available, gru_engine, lstm_engine
+from ._engine_reference import gru_cell_step, gru_reference, lstm_cell_step, lstm_reference
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
 from ._varlen import varlen_rnn
@@ -199,7 +199,128 @@ _OPTIONS_DOC = """
 """
 
 
-class LSTM(_LengthsMixin, nn.LSTM):
+_GRU_OPTIONS_DOC = """
+    Cell options (keyword-only; all off = torch.nn.GRU math on torch's kernels; any on = the
+    fastlayers engine), per layer and direction, gates r, z, n as torch.nn.GRU:
+
+    * ``layer_norm=True`` (Ba et al. 2016, as haste's LayerNormGRU):
+      ``gi = LN(W_ih x_t; gamma_ih) + b_ih``, ``gh = LN(W_hh h_{t-1}; gamma_hh) + b_hh``,
+      ``r = sig(gi_r + gh_r)``, ``z = sig(gi_z + gh_z)``, ``n = tanh(gi_n + r * gh_n)``,
+      ``h_t = (1 - z) * n + z * h_{t-1}``, LN over the 3H pre-activations without bias (eps 1e-5).
+      Parameters ``ln_ih_weight_l{k}``, ``ln_hh_weight_l{k}`` (3H) (``_reverse`` suffix for the
+      reverse direction), initialised to 1.
+    * ``zoneout=z`` (Krueger et al. 2016): in training each unit of h keeps its previous value
+      with probability z (fresh masks every step); in eval the expectation ``z*prev + (1-z)*new``.
+    * ``recurrent_dropout=p`` (Gal & Ghahramani 2016): in training one Bernoulli(1-p)/(1-p) mask
+      per sequence and layer/direction multiplies h_{t-1} before W_hh (the z * h_{t-1} term uses
+      the unmasked state), the same at every step.
+
+    Not with PackedSequence input (ValueError). Bad option values raise ValueError/TypeError
+    naming the option. ``cell(layer, direction)`` returns a step-wise cell sharing the weights.
+"""
+
+
+class _CellOptionsMixin:
+    """Cell options shared by LSTM and GRU: extra parameters, engine dispatch, step-wise cells."""
+
+    options: CellOptions
+    mode: str
+    hidden_size: int
+    num_layers: int
+    bidirectional: bool
+    bias: bool
+    batch_first: bool
+    dropout: float
+    training: bool
+    proj_size: int
+
+    def _init_options(self, options: CellOptions) -> None:
+        self.options = options
+        if options.plain:
+            return
+        factory = {"device": self.weight_ih_l0.device, "dtype": self.weight_ih_l0.dtype}  # type: ignore[attr-defined]
+        gates = 4 if self.mode == "LSTM" else 3
+        for name in self._option_parameter_names():
+            size = 3 * self.hidden_size if name.startswith("weight_peephole") else (
+                gates * self.hidden_size if name.startswith(("ln_ih", "ln_hh")) else self.hidden_size)
+            self.register_parameter(name, nn.Parameter(torch.empty(size, **factory)))  # type: ignore[attr-defined]
+        self._reset_option_parameters()
+
+    def _option_parameter_names(self) -> list[str]:
+        names = []
+        for layer in range(self.num_layers):
+            for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]:
+                if self.options.layer_norm:
+                    names += [f"ln_ih_weight_l{layer}{sfx}", f"ln_hh_weight_l{layer}{sfx}"]
+                    if self.mode == "LSTM":
+                        names += [f"ln_cell_weight_l{layer}{sfx}", f"ln_cell_bias_l{layer}{sfx}"]
+                if self.options.peephole:
+                    names.append(f"weight_peephole_l{layer}{sfx}")
+        return names
+
+    def _reset_option_parameters(self) -> None:
+        with torch.no_grad():
+            for name in self._option_parameter_names():
+                p = getattr(self, name)
+                if "_weight_l" in name and name.startswith("ln_"):
+                    p.fill_(1.0)
+                elif name.startswith("ln_cell_bias"):
+                    p.zero_()
+                # peephole weights keep RNNBase's uniform(-1/sqrt(H), 1/sqrt(H))
+
+    def reset_parameters(self) -> None:  # noqa: D102
+        super().reset_parameters()  # type: ignore[misc]
+        if getattr(self, "options", None) is not None and not self.options.plain:
+            self._reset_option_parameters()
+
+    def _options_plain(self) -> bool:
+        return self.options.plain
+
+    def _layer_parameters(self) -> list[list[dict[str, Tensor]]]:
+        keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if self.bias else [])
+        if self.options.layer_norm:
+            keys += ["ln_ih_weight", "ln_hh_weight"] + (["ln_cell_weight", "ln_cell_bias"] if self.mode == "LSTM" else [])
+        if self.options.peephole:
+            keys.append("weight_peephole")
+        if getattr(self, "proj_size", 0) > 0:
+            keys.append("weight_hr")
+        return [[{k: getattr(self, f"{k}_l{layer}{sfx}") for k in keys}
+                 for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]] for layer in range(self.num_layers)]
+
+    def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None):
+        if self.options.plain:
+            return super()._run(x, states, lengths)  # type: ignore[misc]
+        if self.mode == "LSTM":
+            impl = lstm_engine if engine_available(x) else lstm_reference
+        else:
+            impl = gru_engine if engine_available(x) else gru_reference
+        xt = x.transpose(0, 1) if self.batch_first else x
+        out, final = impl(xt, states, self._layer_parameters(), lengths, self.options, dropout=self.dropout,
+                          training=self.training)
+        return (out.transpose(0, 1) if self.batch_first else out), final
+
+    def cell(self, layer: int = 0, direction: int = 0) -> "CellView":
+        """A step-wise cell sharing this layer's weights: ``cell(x_t (B, F), state) -> state``."""
+        dirs = 2 if self.bidirectional else 1
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < num_layers = {self.num_layers}, got {layer}")
+        if not 0 <= direction < dirs:
+            raise ValueError(f"direction: expected 0 <= direction < {dirs}, got {direction}")
+        return CellView(self, layer, direction)
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()  # type: ignore[misc]
+        if not self.options.plain:
+            opts = {k: v for k, v in vars(self.options).items() if v != getattr(CellOptions(), k)}
+            if self.mode == "GRU":
+                opts.pop("zoneout", None)
+                if self.options.zoneout[0]:
+                    opts["zoneout"] = self.options.zoneout[0]
+            extra += ", " + ", ".join(f"{k}={v!r}" for k, v in opts.items())
+        return extra
+
+
+class LSTM(_CellOptionsMixin, _LengthsMixin, nn.LSTM):
     __doc__ = (
         "Long short-term memory (Hochreiter & Schmidhuber 1997) as :class:`torch.nn.LSTM`, plus "
         "per-sequence lengths and cell options.\n"
@@ -217,100 +338,29 @@ class LSTM(_LengthsMixin, nn.LSTM):
                  proj_clip: float | None = None, **kwargs: Any) -> None:
         options = CellOptions.make(layer_norm, peephole, cell_clip, zoneout, recurrent_dropout, proj_clip)
         super().__init__(*args, **kwargs)
-        self.options = options
         if options.proj_clip is not None and self.proj_size == 0:
             raise ValueError(f"proj_clip: clips the projection, so it needs proj_size > 0; got proj_clip="
                              f"{options.proj_clip} with proj_size=0")
-        if options.plain:
-            return
-        factory = {"device": self.weight_ih_l0.device, "dtype": self.weight_ih_l0.dtype}
-        for name in self._option_parameter_names():
-            size = 3 * self.hidden_size if name.startswith("weight_peephole") else (
-                4 * self.hidden_size if name.startswith(("ln_ih", "ln_hh")) else self.hidden_size)
-            self.register_parameter(name, nn.Parameter(torch.empty(size, **factory)))
-        self._reset_option_parameters()
-
-    def _option_parameter_names(self) -> list[str]:
-        names = []
-        for layer in range(self.num_layers):
-            for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]:
-                if self.options.layer_norm:
-                    names += [f"ln_ih_weight_l{layer}{sfx}", f"ln_hh_weight_l{layer}{sfx}",
-                              f"ln_cell_weight_l{layer}{sfx}", f"ln_cell_bias_l{layer}{sfx}"]
-                if self.options.peephole:
-                    names.append(f"weight_peephole_l{layer}{sfx}")
-        return names
-
-    def _reset_option_parameters(self) -> None:
-        with torch.no_grad():
-            for name in self._option_parameter_names():
-                p = getattr(self, name)
-                if "_weight_l" in name and name.startswith("ln_"):
-                    p.fill_(1.0)
-                elif name.startswith("ln_cell_bias"):
-                    p.zero_()
-                # peephole weights keep RNNBase's uniform(-1/sqrt(H), 1/sqrt(H))
-
-    def reset_parameters(self) -> None:  # noqa: D102
-        super().reset_parameters()
-        if getattr(self, "options", None) is not None and not self.options.plain:
-            self._reset_option_parameters()
-
-    def _options_plain(self) -> bool:
-        return self.options.plain
-
-    def _layer_parameters(self) -> list[list[dict[str, Tensor]]]:
-        keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if self.bias else [])
-        if self.options.layer_norm:
-            keys += ["ln_ih_weight", "ln_hh_weight", "ln_cell_weight", "ln_cell_bias"]
-        if self.options.peephole:
-            keys.append("weight_peephole")
-        if self.proj_size > 0:
-            keys.append("weight_hr")
-        return [[{k: getattr(self, f"{k}_l{layer}{sfx}") for k in keys}
-                 for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]] for layer in range(self.num_layers)]
-
-    def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None):
-        if self.options.plain:
-            return super()._run(x, states, lengths)
-        impl = lstm_engine if engine_available(x) else lstm_reference
-        xt = x.transpose(0, 1) if self.batch_first else x
-        out, final = impl(xt, (states[0], states[1]), self._layer_parameters(), lengths, self.options,
-                          dropout=self.dropout, training=self.training)
-        return (out.transpose(0, 1) if self.batch_first else out), final
-
-    def cell(self, layer: int = 0, direction: int = 0) -> "LSTMCellView":
-        """A step-wise cell sharing this layer's weights: ``cell(x_t (B, F), (h, c)) -> (h, c)``."""
-        dirs = 2 if self.bidirectional else 1
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer: expected 0 <= layer < num_layers = {self.num_layers}, got {layer}")
-        if not 0 <= direction < dirs:
-            raise ValueError(f"direction: expected 0 <= direction < {dirs}, got {direction}")
-        return LSTMCellView(self, layer, direction)
-
-    def extra_repr(self) -> str:
-        extra = super().extra_repr()
-        if not self.options.plain:
-            opts = {k: v for k, v in vars(self.options).items() if v != getattr(CellOptions(), k)}
-            extra += ", " + ", ".join(f"{k}={v!r}" for k, v in opts.items())
-        return extra
+        self._init_options(options)
 
 
-class LSTMCellView(nn.Module):
-    """One layer/direction of a :class:`LSTM` as a step-wise cell (shares the parameters).
+class CellView(nn.Module):
+    """One layer/direction of a :class:`LSTM` or :class:`GRU` as a step-wise cell (shares the parameters).
 
-    ``forward(input (B, F_l) or (F_l,), hx=None) -> (h (B, H_out), c (B, H))`` (unbatched: no B);
-    eval semantics for zoneout (expectation) and no recurrent dropout.
+    LSTM: ``forward(input (B, F_l) or (F_l,), hx=None) -> (h (B, H_out), c (B, H))``; GRU:
+    ``forward(input, hx=None) -> h (B, H)`` (unbatched: no B). Eval semantics for zoneout (the
+    expectation) and no recurrent dropout.
     """
 
-    def __init__(self, lstm: "LSTM", layer: int, direction: int) -> None:
+    def __init__(self, rnn: "LSTM | GRU", layer: int, direction: int) -> None:
         super().__init__()
-        self._lstm = [lstm]  # not a submodule: the parameters belong to the layer
+        self._rnn = [rnn]  # not a submodule: the parameters belong to the layer
         self.layer, self.direction = layer, direction
 
-    def forward(self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        lstm = self._lstm[0]
-        params = lstm._layer_parameters()[self.layer][self.direction]
+    def forward(self, input: Tensor, hx: Any = None) -> Any:
+        rnn = self._rnn[0]
+        lstm = rnn.mode == "LSTM"
+        params = rnn._layer_parameters()[self.layer][self.direction]
         check_tensor("input", input)
         check_floating("input", input)
         width = params["weight_ih"].size(1)
@@ -318,28 +368,41 @@ class LSTMCellView(nn.Module):
             raise ValueError(f"input: expected shape (B, {width}) or ({width},), got {tuple(input.shape)}")
         batched = input.dim() == 2
         x = input if batched else input.unsqueeze(0)
-        out_size = lstm.proj_size or lstm.hidden_size
+        sizes = ((rnn.proj_size or rnn.hidden_size, "(B, H_out)", "hx[0] (h)"), (rnn.hidden_size, "(B, H)", "hx[1] (c)")
+                 ) if lstm else ((rnn.hidden_size, "(B, H)", "hx"),)
         if hx is None:
-            h0, c0 = x.new_zeros(x.size(0), out_size), x.new_zeros(x.size(0), lstm.hidden_size)
+            states = [x.new_zeros(x.size(0), size) for size, _, _ in sizes]
         else:
-            h0, c0 = (s if batched else s.unsqueeze(0) for s in hx)
-        for name, s, size, legend in (("hx[0] (h)", h0, out_size, "(B, H_out)"), ("hx[1] (c)", c0, lstm.hidden_size,
-                                                                                 "(B, H)")):
+            states = [s if batched else s.unsqueeze(0) for s in (hx if lstm else (hx,))]
+        for (size, legend, name), s in zip(sizes, states):
             check_shape(name, s, (x.size(0), size), legend)
-        h1, c1 = lstm_cell_step(x, h0, c0, params, lstm.options)
-        z_h, z_c = lstm.options.zoneout
-        h, c = z_h * h0 + (1 - z_h) * h1, z_c * c0 + (1 - z_c) * c1
-        return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
+        z_h, z_c = rnn.options.zoneout
+        if lstm:
+            h1, c1 = lstm_cell_step(x, states[0], states[1], params, rnn.options)
+            new = (z_h * states[0] + (1 - z_h) * h1, z_c * states[1] + (1 - z_c) * c1)
+        else:
+            new = (z_h * states[0] + (1 - z_h) * gru_cell_step(x, states[0], params, rnn.options),)
+        new = new if batched else tuple(s.squeeze(0) for s in new)
+        return new if lstm else new[0]
 
 
-class GRU(_LengthsMixin, nn.GRU):
+class GRU(_CellOptionsMixin, _LengthsMixin, nn.GRU):
     __doc__ = (
         "Gated recurrent unit (Cho et al. 2014, cuDNN/torch form) as :class:`torch.nn.GRU`, plus "
         "per-sequence lengths.\n"
         + _COMMON_DOC.format(
             name="GRU", hx_doc=" ``h_0`` (L*D, B, H)", ret_doc="h_n", final_doc="h_n (L*D, B, H), dtype of input."
         )
+        + _GRU_OPTIONS_DOC
     )
+
+    def __init__(self, *args: Any, layer_norm: bool = False, zoneout: float | None = None,
+                 recurrent_dropout: float = 0.0, **kwargs: Any) -> None:
+        if zoneout is not None and (isinstance(zoneout, bool) or not isinstance(zoneout, (int, float))):
+            raise TypeError(f"zoneout: expected one probability (a GRU has one state), got {zoneout!r}")
+        options = CellOptions.make(layer_norm, False, None, (zoneout or 0.0, 0.0), recurrent_dropout)
+        super().__init__(*args, **kwargs)
+        self._init_options(options)
 
 
 class RNN(_LengthsMixin, nn.RNN):

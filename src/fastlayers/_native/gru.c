@@ -1,0 +1,118 @@
+/* Fused pointwise GRU step (forward and backward) for the recurrent engine.
+ *
+ * Layout and legend as lstm.c (packed rows, direction stride ds, active prefix n), with
+ * G = 3H pre-activations in torch's gate order r, z, n. The input part xp holds W_ih x (+ LN) +
+ * b_ih; the recurrent product r = W_hh (h * rmask) of the step is a contiguous [D, n, G] tensor.
+ *
+ * Forward, one row (torch.nn.GRU; LayerNorm as haste's LayerNormGRU, Ba et al. 2016; zoneout
+ * Krueger et al. 2016):
+ *   a  = LNh(r) = gh * (r - mean(r)) * rstd(r)     (if gh != NULL, else a = r)
+ *   hb = a + b_hh                                  (b_hh may be NULL)
+ *   rg = sig(xp_r + hb_r)   zg = sig(xp_z + hb_z)   ng = tanh(xp_n + rg * hb_n)
+ *   h1 = (1 - zg) * ng + zg * h0
+ *   h  = zh * h0 + (1 - zh) * h1;  y = h;  hd_next = h * rmask (first n_next rows)
+ * Saved for the backward: gates (rg, zg, ng), hbn = hb_n, h0 (hist), rhat/rrstd.
+ *
+ * float uses fastmath.h's vectorisable exp; double uses libm.
+ */
+#include <string.h>
+
+#include "fastmath.h"
+
+#define DEFINE_GRU(T, SUFFIX, EXP, TANH, SQRT)                                                         \
+static inline T gsig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                                     \
+                                                                                                     \
+void gru_step_forward_##SUFFIX(                                                                      \
+    int64_t D, int64_t B, int64_t n, int64_t n_next, int64_t H, int64_t ds,                          \
+    const T* xp, const T* r, T* h, const T* rmask, const T* b_hh,                                    \
+    T* y, T* gates, T* hbn, T* hist, T* hd_next, T* rhat, T* rrstd,                                  \
+    const T* gh, T eps, const T* zh, T zh_const, int nthreads)                                       \
+{                                                                                                    \
+    const int64_t G = 3 * H;                                                                         \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
+    for (int64_t task = 0; task < D * n; task++) {                                                   \
+        const int64_t d = task / n, b = task % n, row = d * ds + b, srow = d * B + b;               \
+        const T* restrict xr = xp + row * G;                                                         \
+        const T* restrict rr = r + (d * n + b) * G;                                                  \
+        T* restrict gr = gates + row * G; T* restrict hbr = hbn + row * H;                           \
+        T* restrict hr = h + srow * H; T* restrict yr = y + row * H; T* restrict h0r = hist + row * H; \
+        const T* bh = b_hh ? b_hh + d * G : 0;                                                       \
+        memcpy(h0r, hr, sizeof(T) * H);                                                              \
+        if (gh) { /* gates temporarily hold hb */                                                    \
+            T* rh = rhat + row * G; const T* ghd = gh + d * G;                                       \
+            fl_layer_norm_##SUFFIX(rr, G, eps, rh, rrstd + row);                                               \
+            for (int64_t k = 0; k < G; k++) gr[k] = ghd[k] * rh[k];                                  \
+        } else {                                                                                     \
+            memcpy(gr, rr, sizeof(T) * G);                                                           \
+        }                                                                                            \
+        if (bh) for (int64_t k = 0; k < G; k++) gr[k] += bh[k];                                      \
+        for (int64_t k = 0; k < H; k++) hbr[k] = gr[2 * H + k];                                      \
+        for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(xr[k] + gr[k]);                    \
+        for (int64_t k = 0; k < H; k++) gr[2 * H + k] = TANH(xr[2 * H + k] + gr[k] * hbr[k]);        \
+        const T* zhr = zh ? zh + row * H : 0;                                                        \
+        for (int64_t k = 0; k < H; k++) {                                                            \
+            const T zhk = zhr ? zhr[k] : zh_const, zg = gr[H + k];                                   \
+            const T h1 = (1 - zg) * gr[2 * H + k] + zg * h0r[k];                                     \
+            hr[k] = zhk * h0r[k] + (1 - zhk) * h1;                                                   \
+            yr[k] = hr[k];                                                                           \
+        }                                                                                            \
+        if (hd_next && b < n_next) {                                                                 \
+            T* hn = hd_next + row * H;                                                               \
+            if (rmask) { const T* m = rmask + srow * H; for (int64_t k = 0; k < H; k++) hn[k] = hr[k] * m[k]; } \
+            else memcpy(hn, hr, sizeof(T) * H);                                                      \
+        }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+/* Backward of one step. In: dy, dh (grad of the state after this step, [D,B,H]; overwritten with   \
+ * the grad of the state before it, except the recurrent GEMM part, which the caller adds).         \
+ * Out on the step's n packed rows: dpre (grad of xp), dhb (grad of hb = a + b_hh), dr (grad of the \
+ * recurrent product r; aliases dhb when gh == NULL). acc_gh [D,G] += dhb * rhat over the rows. */  \
+void gru_step_backward_##SUFFIX(                                                                     \
+    int64_t D, int64_t B, int64_t n, int64_t H, int64_t ds,                                          \
+    const T* dy, T* dh, const T* hist, const T* gates, const T* hbn,                                 \
+    const T* rhat, const T* rrstd, const T* gh, const T* zh, T zh_const,                             \
+    T* dpre, T* dhb, T* dr, T* acc_gh, int nthreads)                                                 \
+{                                                                                                    \
+    const int64_t G = 3 * H;                                                                         \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
+    for (int64_t task = 0; task < D * n; task++) {                                                   \
+        const int64_t d = task / n, b = task % n, row = d * ds + b, srow = d * B + b;               \
+        const T* gr = gates + row * G; const T* hbr = hbn + row * H; const T* h0r = hist + row * H;  \
+        const T* dyr = dy + row * H; T* dhr = dh + srow * H;                                         \
+        T* dp = dpre + row * G; T* db = dhb + row * G;                                               \
+        const T* zhr = zh ? zh + row * H : 0;                                                        \
+        for (int64_t k = 0; k < H; k++) {                                                            \
+            const T zhk = zhr ? zhr[k] : zh_const;                                                   \
+            const T dhout = dyr[k] + dhr[k], dh1 = (1 - zhk) * dhout;                                \
+            const T rg = gr[k], zg = gr[H + k], ng = gr[2 * H + k];                                  \
+            const T dn = dh1 * (1 - zg) * (1 - ng * ng);                                             \
+            const T dz = dh1 * (h0r[k] - ng) * zg * (1 - zg);                                        \
+            const T drg = dn * hbr[k] * rg * (1 - rg);                                               \
+            dp[k] = drg; dp[H + k] = dz; dp[2 * H + k] = dn;                                         \
+            db[k] = drg; db[H + k] = dz; db[2 * H + k] = dn * rg;                                    \
+            dhr[k] = zhk * dhout + dh1 * zg;                                                         \
+        }                                                                                            \
+        if (gh) {                                                                                    \
+            const T* ghd = gh + d * G; const T* rh = rhat + row * G; T* drr = dr + row * G;          \
+            for (int64_t k = 0; k < G; k++) drr[k] = db[k] * ghd[k];                                 \
+            fl_layer_norm_backward_##SUFFIX(drr, rh, rrstd[row], G, drr);                            \
+        }                                                                                            \
+    }                                                                                                \
+    if (!acc_gh) return;                                                                             \
+    const int64_t chunk = 64, nchunks = (G + chunk - 1) / chunk;                                     \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
+    for (int64_t task = 0; task < D * nchunks; task++) {                                             \
+        const int64_t d = task / nchunks, k0 = (task % nchunks) * chunk;                             \
+        const int64_t k1 = k0 + chunk < G ? k0 + chunk : G;                                          \
+        T* a = acc_gh + d * G;                                                                       \
+        for (int64_t b = 0; b < n; b++) {                                                            \
+            const int64_t row = d * ds + b;                                                          \
+            const T* db = dhb + row * G; const T* rh = rhat + row * G;                               \
+            for (int64_t k = k0; k < k1; k++) a[k] += db[k] * rh[k];                                 \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+DEFINE_GRU(float, f32, fl_exp_f32, fl_tanh_f32, sqrtf)
+DEFINE_GRU(double, f64, exp, tanh, sqrt)
