@@ -1,0 +1,88 @@
+"""Issue: the recurrent engine — GRU options at the seed shape (512 -> 256x2, T=800, B=32), fp32, one process.
+
+Candidates (bidirectional, 1 layer, x requires grad): torch.nn.GRU padded (vendor kernel, the
+anchor); the engine with all options off; with layer_norm=True; with layer_norm and lengths
+uniform in [400, 800]. Timing run interleaved (check=False: the candidates compute different
+functions), then the engine with options off is checked against torch.nn.GRU in float64.
+
+    python benchmarks/bench_gru_engine.py [--repeats 5] [--size seed|small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch import nn
+
+import fastlayers
+from fastlayers.bench import compare
+from fastlayers.rnn._engine import gru_engine
+from fastlayers.rnn._options import CellOptions
+
+
+class Engine(nn.Module):
+    def __init__(self, gru: fastlayers.GRU, options: CellOptions, use_lengths: bool) -> None:
+        super().__init__()
+        self.rnn, self.options, self.use_lengths = gru, options, use_lengths
+
+    def forward(self, x, lengths):
+        h0 = x.new_zeros(2, x.size(1), self.rnn.hidden_size)
+        return gru_engine(x, (h0,), self.rnn._layer_parameters(), lengths if self.use_lengths else None, self.options,
+                          training=True)[0]
+
+
+class Vendor(nn.Module):
+    def __init__(self, gru: nn.GRU) -> None:
+        super().__init__()
+        self.rnn = gru
+
+    def forward(self, x, lengths):
+        return self.rnn(x)[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--size", default="seed", choices=["seed", "small"])
+    args = p.parse_args()
+    d, h, t, b = (512, 256, 800, 32) if args.size == "seed" else (16, 8, 20, 4)
+    say = lambda m: print("  ..", m, file=sys.stderr, flush=True)  # noqa: E731
+    torch.manual_seed(0)
+    vendor = nn.GRU(d, h, bidirectional=True)
+    plain = fastlayers.GRU(d, h, bidirectional=True)
+    plain.load_state_dict(vendor.state_dict())
+    ln = fastlayers.GRU(d, h, bidirectional=True, layer_norm=True)
+    ln.load_state_dict(vendor.state_dict(), strict=False)
+
+    def make_inputs():
+        g = torch.Generator().manual_seed(0)
+        return {"x": torch.rand(t, b, d, generator=g).requires_grad_(True),
+                "lengths": torch.randint(t // 2, t + 1, (b,), generator=g)}
+
+    anchor = "torch.nn.GRU padded (vendor)"
+    candidates = {
+        anchor: Vendor(vendor),
+        "engine GRU, options off": Engine(plain, CellOptions(), False),
+        "engine GRU, layer_norm": Engine(ln, ln.options, False),
+        "engine GRU, layer_norm + lengths": Engine(ln, ln.options, True),
+    }
+    rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=True,
+                  workload=f"GRU engine (BGRU {d} -> {h}x2, T={t}, B={b})", progress=say)
+    print(rep.render(anchor))
+    for name in list(candidates)[1:]:
+        print(f"{name}: fwd+bwd {rep.ratio(name, anchor):.2f}x vendor, fwd {rep.ratio(name, anchor, 'forward'):.2f}x; "
+              f"peak {rep[name].peak_memory_bytes / 2**20:.0f} MiB vs vendor {rep[anchor].peak_memory_bytes / 2**20:.0f} MiB")
+    pair = (anchor, "engine GRU, options off")
+    chk = compare({k: candidates[k] for k in pair}, make_inputs, repeats=1, warmup=0, memory=False,
+                  workload="check " + " vs ".join(pair), progress=say)
+    print("check in float64: " + "; ".join(
+        f"{r.name}: max rel err output {r.output_error:.1e}, gradients {max(r.grad_errors.values()):.1e}, "
+        f"flags {r.flags or 'none'}" for r in chk.results))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rep.cpu}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
