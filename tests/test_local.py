@@ -71,6 +71,19 @@ def test_tied_weights_equal_conv2d(geometry):
     torch.testing.assert_close(locally_connected2d(x, tied_w, tied_b, s, p, d), conv(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_output_with_streaming_stores_equals_reference(dtype):
+    """Outputs of 8 MiB and more are written with streaming stores (x86): same values."""
+    torch.manual_seed(0)
+    x = torch.rand(32, 2, 128, 256, dtype=dtype)
+    weight = torch.randn(2, 2, 1, 1, 128, 256, dtype=dtype)
+    bias = torch.randn(2, 128, 256, dtype=dtype)
+    y = locally_connected2d(x, weight, bias)
+    assert y.numel() * y.element_size() >= 8 << 20
+    want = torch.einsum("bchw,ochw->bohw", x, weight[:, :, 0, 0]) + bias
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+
+
 def test_tied_weights_equal_conv1d():
     torch.manual_seed(0)
     conv = torch.nn.Conv1d(3, 2, 3, stride=2, padding=1, dilation=2)

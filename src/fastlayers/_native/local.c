@@ -16,6 +16,9 @@
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 /* one 32-byte vector of T (GCC/Clang vector extension: AVX on x86-64, NEON pairs on ARM) */
 typedef float V_f32 __attribute__((vector_size(32)));
@@ -28,6 +31,24 @@ typedef double V_f64 __attribute__((vector_size(32)));
     memcpy(&a2, (p) + 2 * (VL), sizeof a2); memcpy(&a3, (p) + 3 * (VL), sizeof a3); } while (0)
 #define STORE4(p, a0, a1, a2, a3, VL) do { memcpy((p), &a0, sizeof a0); memcpy((p) + (VL), &a1, sizeof a1); \
     memcpy((p) + 2 * (VL), &a2, sizeof a2); memcpy((p) + 3 * (VL), &a3, sizeof a3); } while (0)
+
+/* Streaming (non-temporal) stores of four vectors to a 32-byte aligned p: a large output that
+ * nobody reads before it leaves the cache is written without first reading its lines (x86 AVX;
+ * elsewhere plain stores). STREAM_MIN_BYTES: outputs from this size on use them. */
+#define STREAM_MIN_BYTES (8 << 20)
+#if defined(__AVX__)
+#define STREAM4_f32(p, a0, a1, a2, a3) do { _mm256_stream_ps((p), (__m256)a0); _mm256_stream_ps((p) + 8, (__m256)a1); \
+    _mm256_stream_ps((p) + 16, (__m256)a2); _mm256_stream_ps((p) + 24, (__m256)a3); } while (0)
+#define STREAM4_f64(p, a0, a1, a2, a3) do { _mm256_stream_pd((p), (__m256d)a0); _mm256_stream_pd((p) + 4, (__m256d)a1); \
+    _mm256_stream_pd((p) + 8, (__m256d)a2); _mm256_stream_pd((p) + 12, (__m256d)a3); } while (0)
+#define STREAM_FENCE() _mm_sfence()
+#define CAN_STREAM 1
+#else
+#define STREAM4_f32(p, a0, a1, a2, a3) STORE4(p, a0, a1, a2, a3, VL_f32)
+#define STREAM4_f64(p, a0, a1, a2, a3) STORE4(p, a0, a1, a2, a3, VL_f64)
+#define STREAM_FENCE() do { } while (0)
+#define CAN_STREAM 0
+#endif
 
 /* Output rows per block: enough that the block's filter rows (row_bytes each) fill ~96 KiB of L2,
  * but at least one block per thread. */
@@ -50,7 +71,12 @@ void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* re
     const int64_t K = C * KH * KW;                                                                 \
     const int64_t rows = rows_per_block((int64_t)sizeof(T) * O * K * OW, OH, nthreads);           \
     const int64_t blocks = (OH + rows - 1) / rows;                                                 \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
+    /* stream y when it is large and every vector row start is 32-byte aligned */                 \
+    const int stream = CAN_STREAM && (int64_t)sizeof(T) * B * O * OH * OW >= STREAM_MIN_BYTES    \
+                       && (uintptr_t)y % 32 == 0 && ((int64_t)sizeof(T) * OW) % 32 == 0;          \
+    _Pragma("omp parallel num_threads(nthreads)")                                                \
+    {                                                                                              \
+    _Pragma("omp for schedule(static)")                                                           \
     for (int64_t blk = 0; blk < blocks; blk++) {                                                   \
         const int64_t i0 = blk * rows, i1 = i0 + rows < OH ? i0 + rows : OH;                       \
         for (int64_t b = 0; b < B; b++)                                                            \
@@ -79,7 +105,8 @@ void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* re
                         LOAD4(x0, x1, x2, x3, xr, VL_##SUFFIX);                                    \
                         a0 += w0 * x0; a1 += w1 * x1; a2 += w2 * x2; a3 += w3 * x3;                 \
                     }                                                                              \
-                    STORE4(yr + j, a0, a1, a2, a3, VL_##SUFFIX);                                   \
+                    if (stream) STREAM4_##SUFFIX(yr + j, a0, a1, a2, a3);                          \
+                    else STORE4(yr + j, a0, a1, a2, a3, VL_##SUFFIX);                              \
                 }                                                                                  \
             }                                                                                      \
             for (; j < OW; j++) {                                                                  \
@@ -92,6 +119,8 @@ void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* re
                 yr[j] = acc;                                                                       \
             }                                                                                      \
         }                                                                                          \
+    }                                                                                              \
+    if (stream) STREAM_FENCE(); /* order this thread's streaming stores before the join */        \
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
