@@ -8,7 +8,7 @@ from fastlayers.functional import locally_connected2d
 
 
 def _without_native(monkeypatch):
-    monkeypatch.setattr(_native, "_LOADED", {"local": None, "lstm": None})
+    monkeypatch.setattr(_native, "_LOADED", {"local": None, "lstm": None, "gru": None})
 
 
 def test_locally_connected_falls_back(monkeypatch):
@@ -39,3 +39,46 @@ def test_lstm_options_fall_back(monkeypatch):
     g_eager, = torch.autograd.grad(out_eager.sum(), x)
     torch.testing.assert_close(out_eager, out_native)
     torch.testing.assert_close(g_eager, g_native)
+
+
+def test_gru_options_fall_back(monkeypatch):
+    torch.manual_seed(0)
+    m = fastlayers.GRU(3, 4, num_layers=2, bidirectional=True, layer_norm=True, zoneout=0.2,
+                       dtype=torch.float64).eval()
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+    out_native, _ = m(x, lengths=[5, 3])
+    g_native, = torch.autograd.grad(out_native.sum(), x)
+    _without_native(monkeypatch)
+    out_eager, _ = m(x, lengths=[5, 3])
+    g_eager, = torch.autograd.grad(out_eager.sum(), x)
+    torch.testing.assert_close(out_eager, out_native)
+    torch.testing.assert_close(g_eager, g_native)
+
+
+def test_plain_lengths_dispatch_engine_or_segments(monkeypatch):
+    """LSTM/GRU with lengths and no options: the engine on CPU, torch's segment path without it."""
+    from fastlayers.rnn import _modules
+
+    calls = []
+    for name in ("lstm_engine", "gru_engine", "varlen_rnn"):
+        real = getattr(_modules, name)
+        monkeypatch.setattr(_modules, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    torch.manual_seed(0)
+    for cls, engine in ((fastlayers.LSTM, "lstm_engine"), (fastlayers.GRU, "gru_engine")):
+        m = cls(3, 4, bidirectional=True, dtype=torch.float64)
+        x = torch.randn(6, 3, 3, dtype=torch.float64, requires_grad=True)
+        calls.clear()
+        out_engine, _ = m(x, lengths=[6, 2, 4])
+        assert calls == [engine]
+        g_engine, = torch.autograd.grad(out_engine.sum(), x)
+        with monkeypatch.context() as mp:
+            _without_native(mp)
+            calls.clear()
+            out_segments, _ = m(x, lengths=[6, 2, 4])
+            assert calls == ["varlen_rnn"]
+            g_segments, = torch.autograd.grad(out_segments.sum(), x)
+        torch.testing.assert_close(out_segments, out_engine)
+        torch.testing.assert_close(g_segments, g_engine)
+        calls.clear()
+        m(x, lengths=[6, 6, 6])  # no padding: torch's padded kernel
+        assert calls == []

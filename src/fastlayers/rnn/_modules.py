@@ -114,10 +114,13 @@ class _LengthsMixin:
             final = tuple(s.squeeze(1) for s in final)
         return output, (final if self.mode == "LSTM" else final[0])
 
+    def _no_padding(self, x: Tensor, lengths: Tensor) -> bool:
+        time_dim = 1 if self.batch_first else 0
+        return bool(x.size(1 - time_dim)) and bool((lengths == x.size(time_dim)).all())
+
     def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         """Padded batch (batched, layout per batch_first) + validated lengths -> output, final states."""
-        time_dim = 1 if self.batch_first else 0
-        if x.size(1 - time_dim) and bool((lengths == x.size(time_dim)).all()):
+        if self._no_padding(x, lengths):
             # no padding anywhere: the padded fused call is exactly the packed semantics
             output, final = super().forward(x, states if self.mode == "LSTM" else states[0])  # type: ignore[misc]
             return output, (final if self.mode == "LSTM" else (final,))
@@ -156,9 +159,11 @@ _COMMON_DOC = """
     Returns ``(output, {ret_doc})``: output (T, B, D*H_out) (or (B, T, D*H_out), or (T, D*H_out)),
     {final_doc}
 
-    On CPU the lengths path runs torch's fused kernels once per run of time steps with the same
-    set of active sequences (no Python loop over steps, no PackedSequence slicing in autograd);
-    on other devices it uses torch's packed path (cuDNN's variable-length kernel on CUDA).
+    With lengths on CPU (float32/float64), LSTM and GRU run the fastlayers engine on the packed
+    valid rows (no GEMM or kernel touches padding; hand-written backward); RNN runs torch's fused
+    kernels once per run of time steps with the same set of active sequences. A batch without
+    padding takes torch's padded kernel; other devices use torch's packed path (cuDNN's
+    variable-length kernel on CUDA).
 
     Errors: TypeError for a non-tensor or integer ``input``, float ``lengths``, or ``hx`` of the
     wrong dtype; ValueError for a wrong rank, a feature size other than input_size, lengths of
@@ -288,7 +293,9 @@ class _CellOptionsMixin:
                  for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]] for layer in range(self.num_layers)]
 
     def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None):
-        if self.options.plain:
+        # lengths without options: the engine on CPU (it skips padding in every GEMM and beats the
+        # segment path, see BENCHMARKS.md); torch's kernels when nothing is padded or off CPU
+        if self.options.plain and (not engine_available(x) or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
             return super()._run(x, states, lengths)  # type: ignore[misc]
         if self.mode == "LSTM":
             impl = lstm_engine if engine_available(x) else lstm_reference
