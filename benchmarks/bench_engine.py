@@ -4,7 +4,7 @@ Candidates (bidirectional, 1 layer): torch.nn.LSTM padded (vendor kernel, the an
 with all options off; the engine with layer_norm=True; the same LayerNorm-LSTM as a per-step loop
 through autograd (the users' way, ``lstm_reference``); the engine with layer_norm=True and
 lengths uniform in [400, 800], and the same with options off next to the foundation's lengths path
-(segments of torch's fused kernel, what fastlayers.LSTM runs for lengths without options). Timing run interleaved (check=False, since the candidates compute
+(segments of torch's fused kernel, ``varlen_rnn``). Timing run interleaved (check=False, since the candidates compute
 different functions); then each pair that must agree is checked with the harness (repeats=1).
 
     python benchmarks/bench_engine.py [--repeats 5] [--size seed|small]
@@ -20,6 +20,7 @@ from torch import nn
 
 import fastlayers
 from fastlayers.bench import compare
+from fastlayers.rnn import varlen_rnn
 from fastlayers.rnn._engine import lstm_engine
 from fastlayers.rnn._engine_reference import lstm_reference
 from fastlayers.rnn._options import CellOptions
@@ -45,7 +46,9 @@ class Segments(nn.Module):
         self.rnn = lstm
 
     def forward(self, x, lengths):
-        return self.rnn(x, lengths=lengths)[0]
+        zeros = x.new_zeros(2, x.size(1), self.rnn.hidden_size)
+        return varlen_rnn(x, (zeros, zeros), self.rnn._flat_weights, lengths, mode="LSTM", has_biases=True,
+                          num_layers=1, bidirectional=True, batch_first=False, dropout=0.0, training=True)[0]
 
 
 class Vendor(nn.Module):
@@ -57,18 +60,18 @@ class Vendor(nn.Module):
         return self.rnn(x)[0]
 
 
-def main() -> int:
+def setup(cls_torch, cls_ours, argv=None):
+    """Arguments, the seed (or small) shape, vendor / plain / layer_norm modules with shared weights, inputs."""
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--size", default="seed", choices=["seed", "small"])
-    args = p.parse_args()
+    args = p.parse_args(argv)
     d, h, t, b = (512, 256, 800, 32) if args.size == "seed" else (16, 8, 20, 4)
-    say = lambda m: print("  ..", m, file=sys.stderr, flush=True)  # noqa: E731
     torch.manual_seed(0)
-    vendor = nn.LSTM(d, h, bidirectional=True)
-    plain = fastlayers.LSTM(d, h, bidirectional=True)
+    vendor = cls_torch(d, h, bidirectional=True)
+    plain = cls_ours(d, h, bidirectional=True)
     plain.load_state_dict(vendor.state_dict())
-    ln = fastlayers.LSTM(d, h, bidirectional=True, layer_norm=True)
+    ln = cls_ours(d, h, bidirectional=True, layer_norm=True)
     ln.load_state_dict(vendor.state_dict(), strict=False)
 
     def make_inputs():
@@ -76,6 +79,15 @@ def main() -> int:
         return {"x": torch.rand(t, b, d, generator=g).requires_grad_(True),
                 "lengths": torch.randint(t // 2, t + 1, (b,), generator=g)}
 
+    return args, (d, h, t, b), vendor, plain, ln, make_inputs
+
+
+def say(message: str) -> None:
+    print("  ..", message, file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    args, (d, h, t, b), vendor, plain, ln, make_inputs = setup(nn.LSTM, fastlayers.LSTM)
     off, lnopt = CellOptions(), ln.options
     candidates = {
         "torch.nn.LSTM padded (vendor)": Vendor(vendor),

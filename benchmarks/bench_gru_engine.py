@@ -10,7 +10,6 @@ functions), then the engine with options off is checked against torch.nn.GRU in 
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -20,6 +19,8 @@ import fastlayers
 from fastlayers.bench import compare
 from fastlayers.rnn._engine import gru_engine
 from fastlayers.rnn._options import CellOptions
+
+from bench_engine import Vendor, say, setup  # the same shapes, modules and inputs as the LSTM engine bench
 
 
 class Engine(nn.Module):
@@ -33,34 +34,8 @@ class Engine(nn.Module):
                           training=True)[0]
 
 
-class Vendor(nn.Module):
-    def __init__(self, gru: nn.GRU) -> None:
-        super().__init__()
-        self.rnn = gru
-
-    def forward(self, x, lengths):
-        return self.rnn(x)[0]
-
-
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--size", default="seed", choices=["seed", "small"])
-    args = p.parse_args()
-    d, h, t, b = (512, 256, 800, 32) if args.size == "seed" else (16, 8, 20, 4)
-    say = lambda m: print("  ..", m, file=sys.stderr, flush=True)  # noqa: E731
-    torch.manual_seed(0)
-    vendor = nn.GRU(d, h, bidirectional=True)
-    plain = fastlayers.GRU(d, h, bidirectional=True)
-    plain.load_state_dict(vendor.state_dict())
-    ln = fastlayers.GRU(d, h, bidirectional=True, layer_norm=True)
-    ln.load_state_dict(vendor.state_dict(), strict=False)
-
-    def make_inputs():
-        g = torch.Generator().manual_seed(0)
-        return {"x": torch.rand(t, b, d, generator=g).requires_grad_(True),
-                "lengths": torch.randint(t // 2, t + 1, (b,), generator=g)}
-
+    args, (d, h, t, b), vendor, plain, ln, make_inputs = setup(nn.GRU, fastlayers.GRU)
     anchor = "torch.nn.GRU padded (vendor)"
     candidates = {
         anchor: Vendor(vendor),

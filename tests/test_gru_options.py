@@ -9,7 +9,7 @@ from fastlayers.rnn._engine import gru_engine
 from fastlayers.rnn._engine_reference import gru_reference
 from fastlayers.rnn._options import CellOptions
 
-from rnn_helpers import assert_close_all, make_hx, run_and_grad, torch_packed
+from rnn_helpers import assert_close_all, assert_engine_equals_torch, make_hx, run_and_grad
 
 OPTION_SETS = {
     "layer_norm": dict(layer_norm=True),
@@ -75,21 +75,7 @@ def test_no_bias_and_padding_beyond_the_longest_sequence():
 @pytest.mark.parametrize("bias", [True, False])
 def test_engine_with_options_off_equals_torch_gru_fp32(bias):
     """The engine itself (forced, all options off) == torch.nn.GRU packed, fp32 1e-5, all grads."""
-    torch.manual_seed(0)
-    ref = torch.nn.GRU(5, 6, num_layers=2, bidirectional=True, bias=bias)
-    m = fastlayers.GRU(5, 6, num_layers=2, bidirectional=True, bias=bias)
-    m.load_state_dict(ref.state_dict())
-    lengths = [7, 3, 5, 1, 7]
-    x = torch.randn(7, 5, 5)
-    hx = make_hx(ref, 5)
-
-    def fn(x, h):
-        out, (h_n,) = gru_engine(x, (h,), m._layer_parameters(), torch.tensor(lengths), CellOptions())
-        return out, h_n
-
-    got = run_and_grad(fn, m, x, hx)
-    want = run_and_grad(lambda x, h: torch_packed(ref, x, h, lengths), ref, x, hx)
-    assert_close_all(got, want, atol=1e-5, rtol=1e-5)
+    assert_engine_equals_torch(gru_engine, fastlayers.GRU, torch.nn.GRU, bias=bias)
 
 
 def test_gradcheck_module_float64():

@@ -9,7 +9,7 @@ from fastlayers.rnn._engine import lstm_engine
 from fastlayers.rnn._engine_reference import lstm_reference
 from fastlayers.rnn._options import CellOptions
 
-from rnn_helpers import assert_close_all, make_hx, run_and_grad, torch_packed
+from rnn_helpers import assert_close_all, assert_engine_equals_torch, make_hx, run_and_grad
 
 OPTION_SETS = {
     "layer_norm": dict(layer_norm=True),
@@ -88,17 +88,7 @@ def test_padding_beyond_the_longest_sequence(training):
 @pytest.mark.parametrize("proj_size", [0, 4])
 def test_engine_with_options_off_equals_torch_lstm_fp32(proj_size):
     """The engine itself (forced, all options off) == torch.nn.LSTM packed, fp32 1e-5, all grads."""
-    torch.manual_seed(0)
-    ref = torch.nn.LSTM(5, 6, num_layers=2, bidirectional=True, proj_size=proj_size)
-    m = fastlayers.LSTM(5, 6, num_layers=2, bidirectional=True, proj_size=proj_size)
-    m.load_state_dict(ref.state_dict())
-    lengths = [7, 3, 5, 1, 7]
-    x = torch.randn(7, 5, 5)
-    hx = make_hx(ref, 5)
-    fn = lambda x, h: lstm_engine(x, h, m._layer_parameters(), torch.tensor(lengths), CellOptions())  # noqa: E731
-    got = run_and_grad(fn, m, x, hx)
-    want = run_and_grad(lambda x, h: torch_packed(ref, x, h, lengths), ref, x, hx)
-    assert_close_all(got, want, atol=1e-5, rtol=1e-5)
+    assert_engine_equals_torch(lstm_engine, fastlayers.LSTM, torch.nn.LSTM, proj_size=proj_size)
 
 
 @pytest.mark.parametrize("name", ["layer_norm", "all", "all + proj"])

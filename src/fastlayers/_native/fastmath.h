@@ -46,6 +46,10 @@ static void fl_layer_norm_backward_##SUFFIX(const T* dhat, const T* hat, T rstd,
     for (int64_t k = 0; k < len; k++) { m1 += dhat[k]; m2 += dhat[k] * hat[k]; }                     \
     m1 /= len; m2 /= len;                                                                            \
     for (int64_t k = 0; k < len; k++) dv[k] = rstd * (dhat[k] - m1 - hat[k] * m2);                   \
+}                                                                                                    \
+static inline void fl_next_input_##SUFFIX(T* hn, const T* h, const T* mask, int64_t len) {          \
+    if (mask) for (int64_t k = 0; k < len; k++) hn[k] = h[k] * mask[k];                              \
+    else memcpy(hn, h, sizeof(T) * len);                                                             \
 }
 FL_DEFINE_LAYER_NORM(float, f32, sqrtf)
 FL_DEFINE_LAYER_NORM(double, f64, sqrt)

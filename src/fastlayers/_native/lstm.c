@@ -85,11 +85,8 @@ void lstm_step_forward_##SUFFIX(                                                
             hr[k] = zhk * hr[k] + (1 - zhk) * h1;                                                    \
             yr[k] = hr[k];                                                                           \
         }                                                                                            \
-        if (hd_next && b < n_next) {                                                                 \
-            T* hn = hd_next + row * H;                                                               \
-            if (rmask) { const T* m = rmask + srow * H; for (int64_t k = 0; k < H; k++) hn[k] = hr[k] * m[k]; } \
-            else memcpy(hn, hr, sizeof(T) * H);                                                      \
-        }                                                                                            \
+        if (hd_next && b < n_next)                                                                   \
+            fl_next_input_##SUFFIX(hd_next + row * H, hr, rmask ? rmask + srow * H : 0, H);          \
     }                                                                                                \
 }                                                                                                    \
                                                                                                      \
