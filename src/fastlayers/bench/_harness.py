@@ -93,20 +93,13 @@ class Report:
         data["results"] = [CandidateResult(**r) for r in data["results"]]
         return cls(**data)
 
-    def table(self, anchor: str | None = None):
-        """A rich Table; ratios are against ``anchor`` (default: the first candidate)."""
-        from rich.table import Table
-
-        anchor = anchor or self.results[0].name
-        base = self[anchor]
-        t = Table(title=f"{self.workload}: {self.dtype} on {self.device}, {self.threads} threads, "
-                        f"torch {self.torch_version}; median of {self.repeats} after {self.warmup} warm-up")
-        for col in ("candidate", "fwd ms", "fwd+bwd ms", "spread", "x anchor fwd", "x anchor f+b", "bwd/fwd",
-                    "peak MB", "max rel err", "flags"):
-            t.add_column(col, justify="left" if col in ("candidate", "flags") else "right")
+    def _rows(self, anchor: str | None) -> list[list[str]]:
+        """The formatted cells of every candidate, ratios against ``anchor`` (default: the first)."""
+        base = self[anchor or self.results[0].name]
+        rows = []
         for r in self.results:
             errs = [e for e in [r.output_error, *r.grad_errors.values()] if e is not None]
-            t.add_row(
+            rows.append([
                 r.name,
                 f"{r.forward_median * 1e3:.1f}",
                 f"{r.forward_backward_median * 1e3:.1f}",
@@ -117,27 +110,31 @@ class Report:
                 "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.1f}",
                 f"{max(errs):.1e}" if errs else "-",
                 _summarise_flags(r.flags),
-            )
+            ])
+        return rows
+
+    def table(self, anchor: str | None = None):
+        """A rich Table; ratios are against ``anchor`` (default: the first candidate)."""
+        from rich.table import Table
+
+        t = Table(title=f"{self.workload}: {self.dtype} on {self.device}, {self.threads} threads, "
+                        f"torch {self.torch_version}; median of {self.repeats} after {self.warmup} warm-up")
+        for col in ("candidate", "fwd ms", "fwd+bwd ms", "spread", "x anchor fwd", "x anchor f+b", "bwd/fwd",
+                    "peak MB", "max rel err", "flags"):
+            t.add_column(col, justify="left" if col in ("candidate", "flags") else "right")
+        for cells in self._rows(anchor):
+            t.add_row(*cells)
         return t
 
     def markdown(self, anchor: str | None = None) -> str:
         """The table as GitHub markdown (times in ms, ratios against ``anchor``)."""
-        anchor = anchor or self.results[0].name
-        base = self[anchor]
         rows = [f"{self.workload}: {self.dtype} on {self.device} ({self.cpu}), {self.threads} threads, torch "
                 f"{self.torch_version}; median of {self.repeats} after {self.warmup} warm-up; errors vs {self.reference}",
                 "",
                 "| candidate | fwd ms | fwd+bwd ms | spread | fwd x anchor | fwd+bwd x anchor | bwd/fwd | peak MiB "
                 "| max rel err | flags |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for r in self.results:
-            errs = [e for e in [r.output_error, *r.grad_errors.values()] if e is not None]
-            rows.append(
-                f"| {r.name} | {r.forward_median * 1e3:.1f} | {r.forward_backward_median * 1e3:.1f} | "
-                f"{CandidateResult.spread(r.forward_backward_s):.0%} | {r.forward_median / base.forward_median:.2f} | "
-                f"{r.forward_backward_median / base.forward_backward_median:.2f} | {r.backward_ratio:.1f} | "
-                f"{'-' if r.peak_memory_bytes is None else f'{r.peak_memory_bytes / 2**20:.1f}'} | "
-                f"{f'{max(errs):.1e}' if errs else '-'} | {_summarise_flags(r.flags)} |")
+        rows += ["| " + " | ".join(cells) + " |" for cells in self._rows(anchor)]
         return "\n".join(rows)
 
     def render(self, anchor: str | None = None) -> str:
