@@ -27,9 +27,9 @@ from ._options import CellOptions
 from ._recurrence import EPS, GRURecurrence, LSTMRecurrence, kernels_available
 
 
-def engine_available(x: Tensor) -> bool:
-    """True when the engine's C step kernels can run on this tensor (CPU, float32/64, compiler)."""
-    return kernels_available(x)
+def engine_available(x: Tensor, cell: str = "LSTM") -> bool:
+    """True when the engine's C step kernels for ``cell`` can run on this tensor (CPU, float32/64, compiler)."""
+    return kernels_available(x, cell)
 
 
 def lstm_engine(

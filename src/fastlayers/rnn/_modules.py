@@ -295,12 +295,13 @@ class _CellOptionsMixin:
     def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None):
         # lengths without options: the engine on CPU (it skips padding in every GEMM and beats the
         # segment path, see BENCHMARKS.md); torch's kernels when nothing is padded or off CPU
-        if self.options.plain and (not engine_available(x) or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
+        native = engine_available(x, self.mode)
+        if self.options.plain and (not native or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
             return super()._run(x, states, lengths)  # type: ignore[misc]
         if self.mode == "LSTM":
-            impl = lstm_engine if engine_available(x) else lstm_reference
+            impl = lstm_engine if native else lstm_reference
         else:
-            impl = gru_engine if engine_available(x) else gru_reference
+            impl = gru_engine if native else gru_reference
         xt = x.transpose(0, 1) if self.batch_first else x
         out, final = impl(xt, states, self._layer_parameters(), lengths, self.options, dropout=self.dropout,
                           training=self.training)

@@ -11,6 +11,7 @@ reductions after the loop.
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 from torch import Tensor
@@ -50,9 +51,16 @@ def _gru_lib():
         "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P, real] + [P] * 4 + [INT]})
 
 
-def kernels_available(x: Tensor) -> bool:
-    """True when the fused C step kernels can run on this tensor (CPU, float32/64, compiler)."""
-    return x.device.type == "cpu" and x.dtype in _SUFFIX and _lstm_lib() is not None and _gru_lib() is not None
+def kernels_available(x: Tensor, cell: str = "LSTM") -> bool:
+    """True when the fused C step kernels of ``cell`` ("LSTM" or "GRU") can run on this tensor
+    (CPU, float32/64, compiler); builds only that cell's library."""
+    lib = _lstm_lib if cell == "LSTM" else _gru_lib
+    return x.device.type == "cpu" and x.dtype in _SUFFIX and lib() is not None
+
+
+def _offsets(active: tuple[int, ...]) -> tuple[int, ...]:
+    """First packed row of every step and the total: (0, n_0, n_0 + n_1, ..., N)."""
+    return (0, *itertools.accumulate(active))
 
 
 def _steps(buf: Tensor | None, offsets: tuple[int, ...]) -> list[int | None]:
@@ -104,7 +112,7 @@ class LSTMRecurrence(torch.autograd.Function):
         first = active[0]  # == B: every sequence runs step 0
         hd[:, :first] = h * rmask if rmask is not None else h
         w_t = w_hh.transpose(1, 2)
-        offsets = tuple(int(o) for o in torch.tensor((0,) + active).cumsum(0).tolist())
+        offsets = _offsets(active)
         P_ = {k: _steps(v, offsets) for k, v in dict(xp=xp, y1=y1, gates=gates, c1=c1, th=th, chist=chist, hd=hd,
                                                       rhat=rhat, rrstd=rrstd, chat=chat, crstd=crstd, zc=zc,
                                                       zh=zh).items()}
@@ -223,7 +231,7 @@ class GRURecurrence(torch.autograd.Function):
         b_hh = b_hh.contiguous() if b_hh is not None else None
         hd[:, :active[0]] = h * rmask if rmask is not None else h
         w_t = w_hh.transpose(1, 2)
-        offsets = tuple(int(o) for o in torch.tensor((0,) + active).cumsum(0).tolist())
+        offsets = _offsets(active)
         P_ = {k: _steps(v, offsets) for k, v in dict(xp=xp, y=y, gates=gates, hbn=hbn, hist=hist, hd=hd, rhat=rhat,
                                                       rrstd=rrstd, zh=zh).items()}
         last = len(active) - 1
