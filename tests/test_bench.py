@@ -131,6 +131,39 @@ def test_peak_memory_sees_transients_and_opt_out():
     assert rep["skipped"].flags == [] and rep["skipped"].output_error < 1e-6
 
 
+class _RecordGrad(torch.autograd.Function):
+    """2 * x that records the dtype and storage of every cotangent its backward receives."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        _RecordGrad.seen.append((grad.dtype, grad.data_ptr()))
+        return 2 * grad
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_cotangents_are_cast_once_outside_the_timed_calls(check):
+    # the reference runs in float64; a float32 candidate must get float32 cotangents made before
+    # the timing (one tensor reused), not a cast inside every timed and memory-measured call
+    n = 1_000_000
+
+    def make():
+        return {"x": torch.randn(n, requires_grad=True)}
+
+    _RecordGrad.seen.clear()
+    rep = compare({"double": _RecordGrad.apply}, make, repeats=3, warmup=1, memory=True, check=check)
+    timed = _RecordGrad.seen[-5:]  # 1 warm-up + 3 timed + 1 memory run, all after the check
+    assert {d for d, _ in timed} == {torch.float32}
+    assert len({p for _, p in timed}) == 1
+    # output (4 MB) + gradient of x (4 MB); a cast cotangent would add another 4 MB
+    assert 8_000_000 <= rep["double"].peak_memory_bytes < 11_000_000
+
+
 def test_bad_reference_name():
     with pytest.raises(ValueError, match=r"reference: expected a candidate name \['a'\], got 'nope'"):
         compare({"a": good}, _inputs, reference="nope", repeats=1)

@@ -204,6 +204,8 @@ def _clear_grads(tensors: Iterable[Tensor]) -> None:
 
 
 def _run(fn: Candidate, inputs: Inputs, cotangents: list[Tensor] | None, backward: bool) -> list[Tensor]:
+    """One call, plus one backward with ``cotangents`` (None: ones). Time it with cotangents already
+    in the outputs' dtypes (:func:`_cast`): a cast here would be timed and counted as memory."""
     outs = _outputs(fn(**inputs))
     if backward:
         cots = cotangents if cotangents is not None else [torch.ones_like(o) for o in outs]
@@ -211,6 +213,16 @@ def _run(fn: Candidate, inputs: Inputs, cotangents: list[Tensor] | None, backwar
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
     return outs
+
+
+def _cast(cotangents: list[Tensor] | None, outs: list[Tensor], made: dict) -> list[Tensor]:
+    """Cotangents in the dtypes of a candidate's outputs (ones when None), made outside the timing;
+    ``made`` keeps one set per (shapes, dtypes) so that candidates share them."""
+    key = tuple((tuple(o.shape), o.dtype) for o in outs)
+    if key not in made:
+        made[key] = ([torch.ones_like(o) for o in outs] if cotangents is None
+                     else [c.to(o.dtype) for o, c in zip(outs, cotangents)])
+    return made[key]
 
 
 def _rel_err(got: Tensor, want: Tensor) -> float:
@@ -321,6 +333,8 @@ def compare(
     results = {name: CandidateResult(name) for name in candidates}
 
     cotangents = None
+    cast: dict[str, list[Tensor]] = {}  # name -> cotangents in that candidate's output dtypes
+    made: dict = {}
     ref_name = reference if isinstance(reference, str) else ("custom" if reference is not None else next(iter(candidates)))
     if check:
         say(f"reference {ref_name}")
@@ -341,6 +355,7 @@ def compare(
             diffs = _differentiables(fn, inputs)
             _clear_grads(diffs.values())
             outs = _run(fn, inputs, cotangents, True)
+            cast[name] = _cast(cotangents, outs, made)
             if len(outs) != len(ref_outs):
                 res.output_error = float("inf")
             else:
@@ -360,6 +375,10 @@ def compare(
             _clear_grads(diffs.values())
         del ref_outs, ref_grads, ref_fn, ref_inputs
 
+    for name, fn in candidates.items():
+        if name not in cast:  # no check run: one untimed forward gives the outputs' shapes and dtypes
+            with torch.no_grad():
+                cast[name] = _cast(cotangents, _outputs(fn(**inputs)), made)
     names = list(candidates)
     for rep in range(-warmup, repeats):
         shift = rep % len(names)  # rotate the order every run: no candidate always follows the same one
@@ -371,7 +390,7 @@ def compare(
                 _clear_grads(diffs)
                 _sync(device)
                 start = time.perf_counter()
-                outs = _run(fn, inputs, cotangents, backward)
+                outs = _run(fn, inputs, cast[name], backward)
                 _sync(device)
                 elapsed = time.perf_counter() - start
                 del outs
@@ -385,7 +404,7 @@ def compare(
             res.flags.append("cliff")
         if memory and getattr(fn, "bench_memory", True):
             say(f"memory {name}")
-            res.peak_memory_bytes = _peak_memory(fn, inputs, cotangents, device)
+            res.peak_memory_bytes = _peak_memory(fn, inputs, cast[name], device)
 
     return Report(
         workload=workload,
