@@ -84,6 +84,27 @@ def test_large_output_with_streaming_stores_equals_reference(dtype):
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("c_out", [1, 2, 3, 5])
+@pytest.mark.parametrize("geometry", [(6, 40, (1, 1), (1, 1), (0, 0), (1, 1)),
+                                      (7, 37, (3, 3), (2, 1), (1, 1), (1, 2))])
+def test_vector_tiles_and_channel_pairs_match_reference(dtype, c_out, geometry):
+    """Rows wide enough for the C kernels' vector tiles plus a scalar tail (OW 40 and 35), output
+    channels in pairs and an odd one alone: values and all three gradients vs the float64 twin."""
+    x, w, b, s, p, d = _random(geometry, c_in=3, c_out=c_out, batch=5, dtype=dtype, seed=c_out)
+    tensors = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+    wide = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    y = locally_connected2d(*tensors, s, p, d)
+    want = locally_connected2d_reference(*wide, s, p, d)
+    cot = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y.backward(cot.to(dtype))
+    want.backward(cot)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(y.double(), want.detach(), **tol)
+    for got, ref in zip(tensors, wide):
+        torch.testing.assert_close(got.grad.double(), ref.grad, **tol)
+
+
 def test_tied_weights_equal_conv1d():
     torch.manual_seed(0)
     conv = torch.nn.Conv1d(3, 2, 3, stride=2, padding=1, dilation=2)

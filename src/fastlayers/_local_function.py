@@ -42,9 +42,10 @@ def locally_connected2d_reference(input: Tensor, weight: Tensor, bias: Tensor | 
     return out + bias if bias is not None else out
 
 
-def _lib():
-    lib = _native.load("local")
-    if lib is not None and not getattr(lib, "_fastlayers_typed", False):
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the argument types of the kernels in a loaded local.c build (pointers, 13 int64
+    sizes, the thread count); once per library."""
+    if not getattr(lib, "_fastlayers_typed", False):
         ints = [ctypes.c_int64] * 13 + [ctypes.c_int]
         for suffix in _SUFFIX.values():
             for name in ("lc2d_forward", "lc2d_backward_input", "lc2d_backward_params"):
@@ -53,6 +54,11 @@ def _lib():
                 fn.restype = None
         lib._fastlayers_typed = True
     return lib
+
+
+def _lib():
+    lib = _native.load("local")
+    return typed(lib) if lib is not None else None
 
 
 def native_available(input: Tensor) -> bool:
