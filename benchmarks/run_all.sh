@@ -10,6 +10,7 @@ $py benchmarks/bench_rnn_lengths.py --repeats 3 --json "$out/rnn_lengths.json" >
 $py benchmarks/bench_rnn_lengths.py --configs LSTM:padded,GRU:padded --repeats 11 > "$out/rnn_padded.txt"
 $py benchmarks/bench_engine.py --repeats 5 > "$out/engine.txt"
 $py benchmarks/bench_gru_engine.py --repeats 5 > "$out/gru_engine.txt"
+$py benchmarks/bench_lengths_paths.py > "$out/lengths_paths.txt" 2>/dev/null
 $py benchmarks/bench_step_fusion.py --repeats 20 --steps 100 > "$out/step_fusion.txt"
 $py benchmarks/bench_attention.py --repeats 20 > "$out/attention_pool.txt"
 $py benchmarks/bench_local_kernels.py > "$out/local_kernels.txt"

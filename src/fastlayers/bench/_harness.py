@@ -120,7 +120,7 @@ class Report:
         t = Table(title=f"{self.workload}: {self.dtype} on {self.device}, {self.threads} threads, "
                         f"torch {self.torch_version}; median of {self.repeats} after {self.warmup} warm-up")
         for col in ("candidate", "fwd ms", "fwd+bwd ms", "spread", "x anchor fwd", "x anchor f+b", "bwd/fwd",
-                    "peak MB", "max rel err", "flags"):
+                    "peak MiB", "max rel err", "flags"):
             t.add_column(col, justify="left" if col in ("candidate", "flags") else "right")
         for cells in self._rows(anchor):
             t.add_row(*cells)
