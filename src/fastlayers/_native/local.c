@@ -34,26 +34,23 @@ typedef double V_f64 __attribute__((vector_size(32)));
 #define VL_f32 8
 #define VL_f64 4
 #define BB 4 /* sequences per sweep in the parameter-gradient kernel */
-/* two consecutive vectors a0, a1 from / to p (unaligned) */
-#define LOAD2(a0, a1, p, VL) do { memcpy(&a0, (p), sizeof a0); memcpy(&a1, (p) + (VL), sizeof a1); } while (0)
-#define STORE2(p, a0, a1, VL) do { memcpy((p), &a0, sizeof a0); memcpy((p) + (VL), &a1, sizeof a1); } while (0)
-/* four: a tile of 4*VL elements */
-#define LOAD4(a0, a1, a2, a3, p, VL) do { LOAD2(a0, a1, p, VL); LOAD2(a2, a3, (p) + 2 * (VL), VL); } while (0)
-#define STORE4(p, a0, a1, a2, a3, VL) do { STORE2(p, a0, a1, VL); STORE2((p) + 2 * (VL), a2, a3, VL); } while (0)
-/* Streaming (non-temporal) stores of two vectors to a 32-byte aligned p: a large output that
+/* four consecutive vectors a0..a3 (a tile of 4*VL elements) from / to p (unaligned) */
+#define LOAD4(a0, a1, a2, a3, p, VL) do { memcpy(&a0, (p), sizeof a0); memcpy(&a1, (p) + (VL), sizeof a1); \
+    memcpy(&a2, (p) + 2 * (VL), sizeof a2); memcpy(&a3, (p) + 3 * (VL), sizeof a3); } while (0)
+#define STORE4(p, a0, a1, a2, a3, VL) do { memcpy((p), &a0, sizeof a0); memcpy((p) + (VL), &a1, sizeof a1); \
+    memcpy((p) + 2 * (VL), &a2, sizeof a2); memcpy((p) + 3 * (VL), &a3, sizeof a3); } while (0)
+/* Streaming (non-temporal) stores of four vectors to a 32-byte aligned p: a large output that
  * nobody reads before it leaves the cache is written without first reading its lines (x86 AVX;
  * elsewhere plain stores). STREAM_MIN_BYTES: outputs from this size on use them. */
 #define STREAM_MIN_BYTES (8 << 20)
 #if defined(__AVX__)
-#define STREAM2_f32(p, a0, a1) do { _mm256_stream_ps((p), (__m256)a0); _mm256_stream_ps((p) + 8, (__m256)a1); } while (0)
-#define STREAM2_f64(p, a0, a1) do { _mm256_stream_pd((p), (__m256d)a0); _mm256_stream_pd((p) + 4, (__m256d)a1); } while (0)
-#define STREAM4_f32(p, a0, a1, a2, a3) do { STREAM2_f32(p, a0, a1); STREAM2_f32((p) + 16, a2, a3); } while (0)
-#define STREAM4_f64(p, a0, a1, a2, a3) do { STREAM2_f64(p, a0, a1); STREAM2_f64((p) + 8, a2, a3); } while (0)
+#define STREAM4_f32(p, a0, a1, a2, a3) do { _mm256_stream_ps((p), (__m256)a0); _mm256_stream_ps((p) + 8, (__m256)a1); \
+    _mm256_stream_ps((p) + 16, (__m256)a2); _mm256_stream_ps((p) + 24, (__m256)a3); } while (0)
+#define STREAM4_f64(p, a0, a1, a2, a3) do { _mm256_stream_pd((p), (__m256d)a0); _mm256_stream_pd((p) + 4, (__m256d)a1); \
+    _mm256_stream_pd((p) + 8, (__m256d)a2); _mm256_stream_pd((p) + 12, (__m256d)a3); } while (0)
 #define STREAM_FENCE() _mm_sfence()
 #define CAN_STREAM 1
 #else
-#define STREAM2_f32(p, a0, a1) STORE2(p, a0, a1, VL_f32)
-#define STREAM2_f64(p, a0, a1) STORE2(p, a0, a1, VL_f64)
 #define STREAM4_f32(p, a0, a1, a2, a3) STORE4(p, a0, a1, a2, a3, VL_f32)
 #define STREAM4_f64(p, a0, a1, a2, a3) STORE4(p, a0, a1, a2, a3, VL_f64)
 #define STREAM_FENCE() do { } while (0)
@@ -139,7 +136,7 @@ void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* re
                             if (o1 != o0) STORE4(yb + o1 * OHW + j, c0, c1, c2, c3, VL_##SUFFIX);  \
                         }                                                                          \
                     }                                                                              \
-            for (; j < OW; j++) /* other strides, and the columns left of a two-vector tile */     \
+            for (; j < OW; j++) /* other strides, and the columns left of the last whole tile */  \
                 for (int64_t o = 0; o < O; o++) {                                                  \
                     T acc = bias ? bias[(o * OH + i) * OW + j] : 0;                                \
                     for (int64_t k = 0; k < K; k++)                                                \
@@ -190,27 +187,26 @@ void lc2d_backward_params_##SUFFIX(const T* restrict dy, const T* restrict x, T*
                                    int64_t OH, int64_t OW, int64_t sh, int64_t sw, int64_t dh,     \
                                    int64_t dw, int nthreads)                                       \
 {                                                                                                  \
-    const int64_t blocks = row_blocks((int64_t)sizeof(T) * O * (C * KH * KW + 1) * OW, OH, nthreads); \
+    const int64_t K = C * KH * KW;                                                                 \
+    int64_t xoff[K]; /* offset of the input row of (filter, input) pair k = (c, p, q) */           \
+    input_offsets(xoff, C, KH, KW, Hp, Wp, dh, dw);                                                \
+    const int64_t blocks = row_blocks((int64_t)sizeof(T) * O * (K + 1) * OW, OH, nthreads);       \
     const int64_t dys = O * OH * OW, xs = C * Hp * Wp; /* sequence strides */                      \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
     for (int64_t blk = 0; blk < blocks; blk++) {                                                   \
         const int64_t i0 = OH * blk / blocks, i1 = OH * (blk + 1) / blocks;                       \
         for (int64_t b0 = 0; b0 < B; b0 += BB) /* BB sequences per sweep: few pages at a time */  \
         for (int64_t o0 = 0; o0 < O; o0 += 2)                                                      \
-        for (int64_t k = -1; k < C * KH * KW; k++) {                                               \
+        for (int64_t k = -1; k < K; k++) {                                                         \
             if (k < 0 ? !db : !dw_) continue;                                                      \
             const int64_t o1 = o0 + 1 < O ? o0 + 1 : o0;                                           \
-            const int64_t c = k < 0 ? 0 : k / (KH * KW), p = k < 0 ? 0 : (k / KW) % KH,            \
-                          q = k < 0 ? 0 : k % KW;                                                  \
             const int64_t b1 = b0 + BB < B ? b0 + BB : B;                                          \
             for (int64_t i = i0; i < i1; i++) {                                                    \
-                T* restrict out0 = k < 0 ? db + (o0 * OH + i) * OW                                 \
-                                         : dw_ + ((o0 * C * KH * KW + k) * OH + i) * OW;           \
-                T* restrict out1 = k < 0 ? db + (o1 * OH + i) * OW                                 \
-                                         : dw_ + ((o1 * C * KH * KW + k) * OH + i) * OW;           \
+                T* restrict out0 = k < 0 ? db + (o0 * OH + i) * OW : dw_ + ((o0 * K + k) * OH + i) * OW; \
+                T* restrict out1 = k < 0 ? db + (o1 * OH + i) * OW : dw_ + ((o1 * K + k) * OH + i) * OW; \
                 const T* dy0 = dy + b0 * dys + (o0 * OH + i) * OW;                                 \
                 const T* dy1 = dy + b0 * dys + (o1 * OH + i) * OW;                                 \
-                const T* x0 = x + b0 * xs + (c * Hp + i * sh + p * dh) * Wp + q * dw;              \
+                const T* x0 = x + b0 * xs + i * sh * Wp + (k < 0 ? 0 : xoff[k]); /* unread for k < 0 */ \
                 int64_t j = 0;                                                                     \
                 if (sw == 1)                                                                       \
                     for (; j + 4 * VL_##SUFFIX <= OW; j += 4 * VL_##SUFFIX) {                      \
