@@ -203,13 +203,12 @@ def _clear_grads(tensors: Iterable[Tensor]) -> None:
         t.grad = None
 
 
-def _run(fn: Candidate, inputs: Inputs, cotangents: list[Tensor] | None, backward: bool) -> list[Tensor]:
-    """One call, plus one backward with ``cotangents`` (None: ones). Time it with cotangents already
-    in the outputs' dtypes (:func:`_cast`): a cast here would be timed and counted as memory."""
+def _run(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], backward: bool) -> list[Tensor]:
+    """One call, plus one backward with ``cotangents``. Time it with cotangents already in the
+    outputs' dtypes (:func:`_cast`): a cast here would be timed and counted as memory."""
     outs = _outputs(fn(**inputs))
     if backward:
-        cots = cotangents if cotangents is not None else [torch.ones_like(o) for o in outs]
-        pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cots) if o.requires_grad]
+        pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cotangents) if o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
     return outs
@@ -244,7 +243,7 @@ def _to_dtype(fn: Candidate, inputs: Inputs, dtype: torch.dtype) -> tuple[Candid
     return fn2, {k: cast(v) for k, v in inputs.items()}
 
 
-def _peak_memory(fn: Candidate, inputs: Inputs, cotangents, device: torch.device) -> int | None:
+def _peak_memory(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], device: torch.device) -> int | None:
     """Peak bytes allocated above the starting level during one forward+backward call."""
     diffs = _differentiables(fn, inputs).values()
     _clear_grads(diffs)
