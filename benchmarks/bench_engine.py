@@ -21,34 +21,41 @@ from torch import nn
 import fastlayers
 from fastlayers.bench import compare
 from fastlayers.rnn import varlen_rnn
-from fastlayers.rnn._engine import lstm_engine
+from fastlayers.rnn._engine import gru_engine, lstm_engine
 from fastlayers.rnn._engine_reference import lstm_reference
 from fastlayers.rnn._options import CellOptions
 
 
 class Engine(nn.Module):
-    def __init__(self, lstm: fastlayers.LSTM, impl, options: CellOptions, use_lengths: bool) -> None:
+    """The engine (``lstm_engine`` / ``gru_engine`` by the module's mode, or ``impl``) on a fastlayers
+    LSTM/GRU's parameters with ``options``, zero initial states; lengths passed or dropped."""
+
+    def __init__(self, rnn, options: CellOptions, use_lengths: bool, impl=None) -> None:
         super().__init__()
-        self.rnn, self.impl, self.options, self.use_lengths = lstm, impl, options, use_lengths
+        self.rnn, self.options, self.use_lengths = rnn, options, use_lengths
+        self.impl = impl or (lstm_engine if rnn.mode == "LSTM" else gru_engine)
 
     def forward(self, x, lengths):
-        b = x.size(1)
-        zeros = x.new_zeros(2, b, self.rnn.hidden_size)
-        return self.impl(x, (zeros, zeros), self.rnn._layer_parameters(), lengths if self.use_lengths else None,
+        zeros = x.new_zeros(self.rnn.num_layers * 2, x.size(1), self.rnn.hidden_size)
+        states = (zeros, zeros) if self.rnn.mode == "LSTM" else (zeros,)
+        return self.impl(x, states, self.rnn._layer_parameters(), lengths if self.use_lengths else None,
                          self.options, training=True)[0]
 
 
 class Segments(nn.Module):
-    """The foundation's lengths path (torch's fused kernel per run of equal active counts)."""
+    """The foundation's lengths path (torch's fused kernel per run of equal active counts) on a
+    bidirectional fastlayers LSTM/GRU's weights."""
 
-    def __init__(self, lstm: fastlayers.LSTM) -> None:
+    def __init__(self, rnn) -> None:
         super().__init__()
-        self.rnn = lstm
+        self.rnn = rnn
 
     def forward(self, x, lengths):
-        zeros = x.new_zeros(2, x.size(1), self.rnn.hidden_size)
-        return varlen_rnn(x, (zeros, zeros), self.rnn._flat_weights, lengths, mode="LSTM", has_biases=True,
-                          num_layers=1, bidirectional=True, batch_first=False, dropout=0.0, training=True)[0]
+        zeros = x.new_zeros(self.rnn.num_layers * 2, x.size(1), self.rnn.hidden_size)
+        states = (zeros, zeros) if self.rnn.mode == "LSTM" else (zeros,)
+        return varlen_rnn(x, states, self.rnn._flat_weights, lengths, mode=self.rnn.mode, has_biases=True,
+                          num_layers=self.rnn.num_layers, bidirectional=True, batch_first=False, dropout=0.0,
+                          training=True)[0]
 
 
 class Vendor(nn.Module):
@@ -91,11 +98,11 @@ def main() -> int:
     off, lnopt = CellOptions(), ln.options
     candidates = {
         "torch.nn.LSTM padded (vendor)": Vendor(vendor),
-        "engine, options off": Engine(plain, lstm_engine, off, False),
-        "engine, layer_norm": Engine(ln, lstm_engine, lnopt, False),
-        "LayerNorm-LSTM per-step autograd loop": Engine(ln, lstm_reference, lnopt, False),
-        "engine, layer_norm + lengths": Engine(ln, lstm_engine, lnopt, True),
-        "engine, options off + lengths": Engine(plain, lstm_engine, off, True),
+        "engine, options off": Engine(plain, off, False),
+        "engine, layer_norm": Engine(ln, lnopt, False),
+        "LayerNorm-LSTM per-step autograd loop": Engine(ln, lnopt, False, impl=lstm_reference),
+        "engine, layer_norm + lengths": Engine(ln, lnopt, True),
+        "engine, options off + lengths": Engine(plain, off, True),
         "fastlayers.LSTM lengths (segment path)": Segments(plain),
     }
     rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=True,

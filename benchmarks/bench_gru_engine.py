@@ -17,21 +17,9 @@ from torch import nn
 
 import fastlayers
 from fastlayers.bench import compare
-from fastlayers.rnn._engine import gru_engine
 from fastlayers.rnn._options import CellOptions
 
-from bench_engine import Vendor, say, setup  # the same shapes, modules and inputs as the LSTM engine bench
-
-
-class Engine(nn.Module):
-    def __init__(self, gru: fastlayers.GRU, options: CellOptions, use_lengths: bool) -> None:
-        super().__init__()
-        self.rnn, self.options, self.use_lengths = gru, options, use_lengths
-
-    def forward(self, x, lengths):
-        h0 = x.new_zeros(2, x.size(1), self.rnn.hidden_size)
-        return gru_engine(x, (h0,), self.rnn._layer_parameters(), lengths if self.use_lengths else None, self.options,
-                          training=True)[0]
+from bench_engine import Engine, Vendor, say, setup  # the same shapes, modules and inputs as the LSTM engine bench
 
 
 def main() -> int:

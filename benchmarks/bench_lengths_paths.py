@@ -15,39 +15,14 @@ import argparse
 import sys
 
 import torch
-from torch import nn
 
 import fastlayers
 from fastlayers.bench import compare
-from fastlayers.rnn import varlen_rnn
-from fastlayers.rnn._engine import gru_engine, lstm_engine
 from fastlayers.rnn._options import CellOptions
 
+from bench_engine import Engine, Segments  # the same engine / segment-path candidates as the engine bench
+
 SHAPES = {"seed": (512, 256, 800, 32, 400, 3), "demo": (13, 64, 92, 32, 6, 30), "small": (4, 3, 6, 3, 1, 1)}
-
-
-class Engine(nn.Module):
-    def __init__(self, rnn) -> None:
-        super().__init__()
-        self.rnn = rnn
-
-    def forward(self, x, lengths):
-        zeros = x.new_zeros(4, x.size(1), self.rnn.hidden_size)
-        if self.rnn.mode == "LSTM":
-            return lstm_engine(x, (zeros, zeros), self.rnn._layer_parameters(), lengths, CellOptions(), training=True)[0]
-        return gru_engine(x, (zeros,), self.rnn._layer_parameters(), lengths, CellOptions(), training=True)[0]
-
-
-class Segments(nn.Module):
-    def __init__(self, rnn) -> None:
-        super().__init__()
-        self.rnn = rnn
-
-    def forward(self, x, lengths):
-        zeros = x.new_zeros(4, x.size(1), self.rnn.hidden_size)
-        states = (zeros, zeros) if self.rnn.mode == "LSTM" else (zeros,)
-        return varlen_rnn(x, states, self.rnn._flat_weights, lengths, mode=self.rnn.mode, has_biases=True, num_layers=2,
-                          bidirectional=True, batch_first=False, dropout=0.0, training=True)[0]
 
 
 def main() -> int:
@@ -67,10 +42,10 @@ def main() -> int:
                 lengths[0] = t
                 return {"x": torch.rand(t, b, f, generator=g).requires_grad_(True), "lengths": lengths}
 
-            rep = compare({"segment path": Segments(rnn), "engine": Engine(rnn)}, make_inputs, repeats=repeats,
+            rep = compare({"segment path": Segments(rnn), "engine": Engine(rnn, CellOptions(), True)}, make_inputs, repeats=repeats,
                           warmup=1, workload=f"{mode} 2-layer bidirectional {f} -> {h}x2, T={t}, B={b}, lengths in "
                           f"[{lo}, {t}] ({shape})")
-            print(rep.markdown(), "\n", flush=True)
+            print(rep.markdown() + "\n", flush=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     return 0
 
