@@ -61,11 +61,6 @@ def _lib():
     return typed(lib) if lib is not None else None
 
 
-def native_available(input: Tensor) -> bool:
-    """True when the C kernels can run on this tensor (CPU, float32/float64, compiler present)."""
-    return input.device.type == "cpu" and input.dtype in _SUFFIX and _lib() is not None
-
-
 class LocallyConnected2dFunction(torch.autograd.Function):
     """Forward and hand-written backward through the C kernels in ``_native/local.c``.
 

@@ -21,6 +21,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ._backend import select
 from ._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
 
 SCORES = ("dot", "scaled_dot", "additive")
@@ -71,9 +72,16 @@ def attention_pool(
         TypeError: non-tensor or integer inputs, float lengths, mismatched dtypes.
         ValueError: wrong ranks or sizes, unknown score, lengths out of [1, T] or of the wrong size,
             missing additive parameters.
+
+    Non-finite input: a NaN or inf in ``query`` or in ``keys`` at a valid step makes that
+    sequence's weights and context NaN; keys at padded steps (t >= len_b) are masked out and
+    have no effect. Values at padded steps get an exact 0 weight, and 0 * NaN = NaN (as
+    torch.bmm), so keep them finite (an LSTM with ``lengths`` writes zeros there). Large scores
+    (keys of size 1e4) stay finite: the softmax subtracts each row's maximum.
     """
     values = keys if values is None else values
     _check(query, keys, values)
+    select("attention", query)  # plain torch ops on every backend; a forced backend must still be usable here
     batch, steps = keys.shape[:2]
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
@@ -115,8 +123,9 @@ class AttentionPooling(nn.Module):
         bias: additive score has a bias b in tanh(W_q q + W_k k + b).
 
     Forward: ``(query (B, Dq), keys (B, T, Dk), values (B, T, Dv) = keys, lengths=None)`` ->
-    ``(context (B, Dv), weights (B, T))``. Initialisation of W_q, W_k, v: uniform(+-1/sqrt(fan_in))
-    as nn.Linear.
+    ``(context (B, Dv), weights (B, T))``; non-finite input as :func:`attention_pool`.
+    Initialisation (``reset_parameters()``): W_q uniform(+-1/sqrt(Dq)), W_k and b
+    uniform(+-1/sqrt(Dk)), v uniform(+-1/sqrt(A)), as nn.Linear's fan-in rule.
     """
 
     def __init__(self, query_size: int, key_size: int | None = None, score: str = "dot",

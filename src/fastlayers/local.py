@@ -13,7 +13,12 @@ layer then equals ``F.conv2d``. Source: LeCun et al. 1989 / Taigman et al. 2014 
 
 On CPU (float32/float64) forward and backward run in C kernels compiled on first use
 (``fastlayers/_native/local.c``): one pass over the input, no unfold copy, extra memory = the
-output. Elsewhere (CUDA, other dtypes, no compiler) a pure-PyTorch path with the same semantics.
+output. Elsewhere (CUDA, other dtypes, no compiler) a pure-PyTorch path with the same semantics;
+:func:`fastlayers.backend` forces either.
+
+Non-finite input: a NaN or inf in the input reaches exactly the outputs whose receptive field
+holds it (inf times a weight of the other sign against another inf, or a 0 weight, gives NaN,
+as F.conv2d); no kernel assumes finite values. Inputs of size 1e4 give finite outputs.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from ._checks import check_floating, check_same_dtype_device, check_tensor
-from ._local_function import LocallyConnected2dFunction, locally_connected2d_reference, native_available
+from ._backend import select
+from ._local_function import LocallyConnected2dFunction, locally_connected2d_reference
 
 Pair = tuple[int, int]
 
@@ -72,6 +78,9 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         ValueError: wrong ranks, channel count, an (OH, OW) in weight that the geometry does not
             produce from the input, a kernel larger than the padded input, stride/dilation < 1,
             padding < 0, a bias of the wrong shape.
+
+    A NaN or inf in the input reaches exactly the outputs whose receptive field holds it (as
+    F.conv2d); the kernels assume nothing about finiteness.
     """
     check_tensor("input", input)
     check_tensor("weight", weight)
@@ -102,7 +111,7 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         want = (weight.size(0), *expected)
         if tuple(bias.shape) != want:
             raise ValueError(f"bias: expected shape {want} (C_out, OH, OW), got {tuple(bias.shape)}")
-    if native_available(x):
+    if select("local2d", x) == "cpu":
         y = LocallyConnected2dFunction.apply(x, weight, bias, stride2, padding2, dilation2)
     else:
         y = locally_connected2d_reference(x, weight, bias, stride2, padding2, dilation2)
@@ -192,7 +201,8 @@ class LocallyConnected2d(_LocallyConnectedNd):
 
     Forward: input (B, C_in, H, W) or (C_in, H, W) -> (B, C_out, OH, OW) or (C_out, OH, OW).
     ValueError for a spatial size other than ``input_size`` or a wrong channel count; see
-    :func:`fastlayers.functional.locally_connected2d`.
+    :func:`fastlayers.functional.locally_connected2d` (also for non-finite input: NaN / inf reach
+    exactly the outputs whose receptive field holds them).
     """
 
     def __init__(self, in_channels: int, out_channels: int, input_size: int | Pair, kernel_size: int | Pair = 1,

@@ -24,12 +24,7 @@ from torch import Tensor
 
 from ._lengths import make_plan
 from ._options import CellOptions
-from ._recurrence import EPS, GRURecurrence, LSTMRecurrence, kernels_available
-
-
-def engine_available(x: Tensor, cell: str = "LSTM") -> bool:
-    """True when the engine's C step kernels for ``cell`` can run on this tensor (CPU, float32/64, compiler)."""
-    return kernels_available(x, cell)
+from ._recurrence import EPS, GRURecurrence, LSTMRecurrence
 
 
 def lstm_engine(

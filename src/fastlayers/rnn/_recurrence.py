@@ -51,13 +51,6 @@ def _gru_lib():
         "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P, real] + [P] * 4 + [INT]})
 
 
-def kernels_available(x: Tensor, cell: str = "LSTM") -> bool:
-    """True when the fused C step kernels of ``cell`` ("LSTM" or "GRU") can run on this tensor
-    (CPU, float32/64, compiler); builds only that cell's library."""
-    lib = _lstm_lib if cell == "LSTM" else _gru_lib
-    return x.device.type == "cpu" and x.dtype in _SUFFIX and lib() is not None
-
-
 def _offsets(active: tuple[int, ...]) -> tuple[int, ...]:
     """First packed row of every step and the total: (0, n_0, n_0 + n_1, ..., N)."""
     return (0, *itertools.accumulate(active))

@@ -1,0 +1,130 @@
+"""Which implementation runs a call: the one place that decides, per call.
+
+Backends:
+
+* ``"cpu"``: the C kernels in ``fastlayers/_native`` (compiled on first use with the system C
+  compiler): CPU tensors, float32/float64.
+* ``"triton"``: the Triton kernels in ``fastlayers/_triton``: CUDA tensors, or CPU tensors when
+  the environment variable ``TRITON_INTERPRET=1`` was set before Triton was imported (Triton's
+  interpreter; slow, for tests).
+* ``"reference"``: the plain-PyTorch twin of every op (any device and dtype); also what runs
+  where no kernel applies.
+
+Choice: a backend forced with ``with fastlayers.backend(name):`` (the innermost block wins; per
+thread and async context) or by the environment variable ``FASTLAYERS_BACKEND`` (read at every
+call), otherwise automatic: ``cpu`` for CPU float32/float64 tensors when the C kernels build,
+``triton`` for CUDA tensors when Triton imports and the op has a Triton kernel, else
+``reference``. A forced ``cpu`` or ``triton`` that cannot run on the call's tensors raises
+RuntimeError naming the backend, the op and why; an op that has no kernel in a forced (and
+usable) backend runs its reference implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.util
+import os
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+BACKENDS = ("cpu", "triton", "reference")
+ENV = "FASTLAYERS_BACKEND"
+# op -> name of its C library in _native (the ops that have a C kernel)
+_NATIVE_LIBRARY = {"lstm": "lstm", "gru": "gru", "local2d": "local"}
+# ops with a Triton kernel (filled in by fastlayers._triton as kernels land)
+TRITON_OPS: set[str] = set()
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastlayers_backend", default=None)
+
+
+def _validate(name: object, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: expected one of {BACKENDS}, got {name!r}")
+    return name  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[str]:
+    """Force a backend inside a ``with`` block: ``with fastlayers.backend("reference"): ...``.
+
+    Args:
+        name: ``"cpu"``, ``"triton"`` or ``"reference"``.
+
+    Raises:
+        ValueError: an unknown name. Calls inside the block raise RuntimeError when the backend
+            cannot run on their tensors (see :func:`select`).
+    """
+    token = _FORCED.set(_validate(name, "backend"))
+    try:
+        yield name
+    finally:
+        _FORCED.reset(token)
+
+
+def forced() -> tuple[str, str] | None:
+    """(backend, where it was forced) or None for the automatic choice."""
+    name = _FORCED.get()
+    if name is not None:
+        return name, "fastlayers.backend(...)"
+    env = os.environ.get(ENV, "").strip()
+    if env and env != "auto":
+        return _validate(env, f"environment variable {ENV}"), f"{ENV}={env}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def unavailable(name: str, op: str, x: Tensor) -> str | None:
+    """Why backend ``name`` cannot run ``op`` on tensors like ``x`` (None: it can)."""
+    if name == "reference":
+        return None
+    if name == "cpu":
+        if x.device.type != "cpu":
+            return f"the C kernels run on CPU tensors, got a tensor on {x.device}"
+        if x.dtype not in (torch.float32, torch.float64):
+            return f"the C kernels take float32/float64, got {x.dtype}"
+        library = _NATIVE_LIBRARY.get(op)
+        if library is not None:
+            from . import _native
+
+            if _native.load(library) is None:
+                why = "FASTLAYERS_NO_NATIVE is set" if os.environ.get("FASTLAYERS_NO_NATIVE") else \
+                    "no working C compiler (see the warning printed at the first call)"
+                return f"the C library {library!r} is unavailable: {why}"
+        return None
+    if not _triton_importable():
+        return "the triton package is not installed"
+    if x.device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton"
+    elif x.device.type != "cuda":
+        return f"Triton kernels run on CUDA tensors, got a tensor on {x.device}"
+    if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        return f"the Triton kernels take floating-point tensors, got {x.dtype}"
+    return None
+
+
+def _has_kernel(name: str, op: str) -> bool:
+    return op in (_NATIVE_LIBRARY if name == "cpu" else TRITON_OPS)
+
+
+def select(op: str, x: Tensor) -> str:
+    """The backend for one call of ``op`` ("lstm", "gru", "local2d", "attention", ...) on tensors
+    like ``x``: "cpu", "triton" or "reference" (see the module docstring)."""
+    chosen = forced()
+    if chosen is None:
+        for name in ("cpu", "triton"):
+            if _has_kernel(name, op) and unavailable(name, op, x) is None:
+                return name
+        return "reference"
+    name, where = chosen
+    why = unavailable(name, op, x)
+    if why is not None:
+        raise RuntimeError(f"backend {name!r} (forced by {where}) cannot run {op}: {why}")
+    return name if name == "reference" or _has_kernel(name, op) else "reference"

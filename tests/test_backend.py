@@ -1,0 +1,96 @@
+"""One place chooses the backend per call; the user can force one; an unusable forced backend is a
+clear error."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import fastlayers
+from fastlayers import _backend
+from fastlayers._backend import select
+
+X32 = torch.zeros(2, 3)
+
+
+def test_automatic_choice_on_cpu():
+    assert select("lstm", X32) == "cpu"
+    assert select("gru", X32.double()) == "cpu"
+    assert select("local2d", X32) == "cpu"
+    assert select("attention", X32) == "reference"  # no kernel: plain torch ops
+    assert select("lstm", X32.half()) == "reference"  # no C kernel for float16
+
+
+def test_context_manager_nests_and_restores(monkeypatch):
+    monkeypatch.delenv(_backend.ENV, raising=False)
+    with fastlayers.backend("reference") as name:
+        assert name == "reference" and select("lstm", X32) == "reference"
+        with fastlayers.backend("cpu"):
+            assert select("lstm", X32) == "cpu"
+        assert select("local2d", X32) == "reference"
+    assert select("lstm", X32) == "cpu"
+
+
+def test_context_is_per_thread():
+    seen = []
+    with fastlayers.backend("reference"):
+        worker = threading.Thread(target=lambda: seen.append(select("lstm", X32)))
+        worker.start()
+        worker.join()
+    assert seen == ["cpu"]
+
+
+def test_environment_variable(monkeypatch):
+    monkeypatch.setenv(_backend.ENV, "reference")
+    assert select("local2d", X32) == "reference"
+    with fastlayers.backend("cpu"):  # the context manager wins
+        assert select("local2d", X32) == "cpu"
+    monkeypatch.setenv(_backend.ENV, "auto")
+    assert select("local2d", X32) == "cpu"
+    monkeypatch.setenv(_backend.ENV, "gpu")
+    with pytest.raises(ValueError, match=r"FASTLAYERS_BACKEND: expected one of \('cpu', 'triton', 'reference'\), got 'gpu'"):
+        select("lstm", X32)
+
+
+def test_unknown_name():
+    with pytest.raises(ValueError, match=r"backend: expected one of .*got 'cuda'"):
+        with fastlayers.backend("cuda"):
+            pass
+
+
+def test_unusable_forced_backend_is_a_clear_error(monkeypatch):
+    with fastlayers.backend("cpu"):
+        with pytest.raises(RuntimeError, match=r"backend 'cpu' \(forced by fastlayers.backend\(...\)\) cannot run lstm: "
+                                               r"the C kernels take float32/float64, got torch.float16"):
+            select("lstm", X32.half())
+        with pytest.raises(RuntimeError, match="cannot run attention: the C kernels take float32/float64"):
+            fastlayers.attention_pool(torch.zeros(1, 2).half(), torch.zeros(1, 3, 2).half())
+    monkeypatch.setenv("FASTLAYERS_NO_NATIVE", "1")
+    monkeypatch.setattr("fastlayers._native._LOADED", {})
+    with fastlayers.backend("cpu"), pytest.raises(RuntimeError, match="C library 'local' is unavailable: FASTLAYERS_NO_NATIVE"):
+        fastlayers.LocallyConnected2d(1, 1, 3)(torch.zeros(1, 1, 3, 3))
+
+
+def test_triton_unusable_here_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(_backend, "_triton_importable", lambda: True)
+    with fastlayers.backend("triton"), pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
+        select("lstm", X32)
+    monkeypatch.setattr(_backend, "_triton_importable", lambda: False)
+    with fastlayers.backend("triton"), pytest.raises(RuntimeError, match="triton package is not installed"):
+        select("lstm", X32)
+
+
+def test_forced_reference_runs_the_twins_with_the_same_results():
+    torch.manual_seed(0)
+    lstm = fastlayers.LSTM(4, 5, bidirectional=True, layer_norm=True, peephole=True).eval()
+    local = fastlayers.LocallyConnected2d(2, 3, (5, 6), 3, padding=1)
+    x, img = torch.randn(6, 3, 4), torch.randn(2, 2, 5, 6)
+    fast = lstm(x, lengths=[6, 2, 4])[0], local(img)
+    with fastlayers.backend("reference"):
+        slow = lstm(x, lengths=[6, 2, 4])[0], local(img)
+        assert "LocallyConnected2dFunction" not in type(local(img.requires_grad_()).grad_fn).__name__
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
