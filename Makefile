@@ -21,8 +21,11 @@ demo: setup
 	$(BIN)/fastlayers demo
 	$(BIN)/fastlayers demo local
 
+# The suite twice: as is, then with uninitialised memory poisoned (torch.empty & co. filled with NaN,
+# deterministic algorithms on), so a kernel or module that reads memory nobody wrote fails a test.
 test: setup
 	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --poison-memory
 
 bench: setup
 	$(BIN)/python benchmarks/bench_rnn_lengths.py

@@ -1,8 +1,35 @@
 import os
 
+import pytest
 import torch
 from hypothesis import settings
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.load_profile("ci")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--poison-memory", action="store_true",
+                     help="torch.use_deterministic_algorithms(True) and fill_uninitialized_memory: every "
+                          "torch.empty & co. is filled with NaN, so a read of memory nobody wrote fails a test")
+
+
+def pytest_configure(config):
+    if config.getoption("--poison-memory"):
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+
+def pytest_report_header(config):
+    if config.getoption("--poison-memory"):
+        return "fastlayers: uninitialised memory poisoned (NaN), deterministic algorithms on"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _poison_still_on(request):
+    """A test must not switch the poisoning off for the tests after it."""
+    yield
+    if request.config.getoption("--poison-memory"):
+        assert torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory

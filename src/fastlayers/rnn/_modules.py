@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
-from ._engine import engine_available, gru_engine, lstm_engine
+from .._backend import select
+from ._engine import gru_engine, lstm_engine
 from ._engine_reference import gru_cell_step, gru_reference, lstm_cell_step, lstm_reference
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
@@ -170,6 +171,19 @@ _COMMON_DOC = """
     the wrong size or outside [1, T], ``hx`` of the wrong shape, or ``lengths`` with PackedSequence
     input.
 
+    Non-finite input: no kernel assumes finite values. A NaN in ``input`` at (t, b) makes NaN
+    exactly the outputs and final states that depend on it, as the float64 reference does:
+    sequence b from step t on (forward direction), up to step t (reverse direction), and what
+    later layers compute from those; other sequences stay finite. +-inf saturates the gates
+    (the sigmoid / tanh limits, as torch) and becomes NaN where a LayerNorm subtracts it from
+    itself. Values at padded steps (t >= lengths[b]) are never read. Inputs of size 1e4 keep
+    every output, state and gradient finite (gates saturate; LayerNorm normalises).
+
+    Initialisation (``reset_parameters()``, called once by the constructor): torch's rule,
+    uniform(-1/sqrt(H), 1/sqrt(H)), for every weight and bias; with options see below.
+    Construction on ``device="meta"`` then ``to_empty(device=...)`` and ``reset_parameters()``
+    gives the parameters a normal construction gives after the same ``torch.manual_seed``.
+
     Mirrors :class:`torch.nn.{name}` (same constructor arguments, parameter names and shapes;
     ``load_state_dict(strict=True)`` works in both directions).
 """
@@ -187,7 +201,8 @@ _OPTIONS_DOC = """
       ``ln_cell_bias_l{k}`` (H) (``_reverse`` suffix for the reverse direction), initialised 1 / 0.
     * ``peephole=True`` (Gers & Schmidhuber 2000, diagonal, as oneDNN):
       ``i = sig(pre_i + w_ci * c_{t-1})``, ``f = sig(pre_f + w_cf * c_{t-1})``,
-      ``o = sig(pre_o + w_co * c_t)``; parameter ``weight_peephole_l{k}`` (3H: w_ci, w_cf, w_co).
+      ``o = sig(pre_o + w_co * c_t)``; parameter ``weight_peephole_l{k}`` (3H: w_ci, w_cf, w_co),
+      initialised uniform(-1/sqrt(H), 1/sqrt(H)) like the other weights.
     * ``cell_clip=c``: ``c_t = clamp(f*c_{t-1} + i*g, -c, c)`` (cuDNN's cell clip).
     * ``zoneout=(z_h, z_c)`` or one probability (Krueger et al. 2016): in training each unit of
       h and c keeps its previous value with probability z (fresh masks every step); in eval the
@@ -240,16 +255,15 @@ class _CellOptionsMixin:
     proj_size: int
 
     def _init_options(self, options: CellOptions) -> None:
+        """Register the options' parameters, then initialise every parameter once (reset_parameters)."""
         self.options = options
-        if options.plain:
-            return
         factory = {"device": self.weight_ih_l0.device, "dtype": self.weight_ih_l0.dtype}  # type: ignore[attr-defined]
         gates = 4 if self.mode == "LSTM" else 3
         for name in self._option_parameter_names():
             size = 3 * self.hidden_size if name.startswith("weight_peephole") else (
                 gates * self.hidden_size if name.startswith(("ln_ih", "ln_hh")) else self.hidden_size)
             self.register_parameter(name, nn.Parameter(torch.empty(size, **factory)))  # type: ignore[attr-defined]
-        self._reset_option_parameters()
+        self.reset_parameters()
 
     def _option_parameter_names(self) -> list[str]:
         names = []
@@ -263,20 +277,21 @@ class _CellOptionsMixin:
                     names.append(f"weight_peephole_l{layer}{sfx}")
         return names
 
-    def _reset_option_parameters(self) -> None:
+    def reset_parameters(self) -> None:
+        """Initialise every parameter: torch.nn.LSTM/GRU's rule, uniform(-1/sqrt(H), 1/sqrt(H)), for
+        the weights, biases and peephole weights; LayerNorm gains 1 and the cell LayerNorm bias 0.
+
+        Construction calls it once, after the option parameters exist (torch's own call inside
+        ``RNNBase.__init__`` comes before them and is skipped), so with options off the module
+        draws exactly the parameters torch.nn.LSTM/GRU draws after the same ``torch.manual_seed``.
+        """
+        if getattr(self, "options", None) is None:
+            return  # torch's RNNBase.__init__: the option parameters are not registered yet
+        super().reset_parameters()  # type: ignore[misc]  (uniform over every parameter, peepholes included)
         with torch.no_grad():
             for name in self._option_parameter_names():
-                p = getattr(self, name)
-                if "_weight_l" in name and name.startswith("ln_"):
-                    p.fill_(1.0)
-                elif name.startswith("ln_cell_bias"):
-                    p.zero_()
-                # peephole weights keep RNNBase's uniform(-1/sqrt(H), 1/sqrt(H))
-
-    def reset_parameters(self) -> None:  # noqa: D102
-        super().reset_parameters()  # type: ignore[misc]
-        if getattr(self, "options", None) is not None and not self.options.plain:
-            self._reset_option_parameters()
+                if name.startswith("ln_"):
+                    getattr(self, name).fill_(0.0 if name.startswith("ln_cell_bias") else 1.0)
 
     def _options_plain(self) -> bool:
         return self.options.plain
@@ -293,15 +308,14 @@ class _CellOptionsMixin:
                  for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]] for layer in range(self.num_layers)]
 
     def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None):
-        # lengths without options: the engine on CPU (it skips padding in every GEMM and beats the
-        # segment path, see BENCHMARKS.md); torch's kernels when nothing is padded or off CPU
-        native = engine_available(x, self.mode)
-        if self.options.plain and (not native or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
+        # lengths without options: the engine's kernels where they run (they skip padding in every
+        # GEMM and beat the segment path, see BENCHMARKS.md); torch's kernels when nothing is padded,
+        # or on the reference backend (segments on CPU, PackedSequence elsewhere)
+        which = select(self.mode.lower(), x)
+        if self.options.plain and (which == "reference" or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
             return super()._run(x, states, lengths)  # type: ignore[misc]
-        if self.mode == "LSTM":
-            impl = lstm_engine if native else lstm_reference
-        else:
-            impl = gru_engine if native else gru_reference
+        impl = {("LSTM", "cpu"): lstm_engine, ("LSTM", "reference"): lstm_reference,
+                ("GRU", "cpu"): gru_engine, ("GRU", "reference"): gru_reference}[self.mode, which]
         xt = x.transpose(0, 1) if self.batch_first else x
         out, final = impl(xt, states, self._layer_parameters(), lengths, self.options, dropout=self.dropout,
                           training=self.training)
@@ -420,6 +434,10 @@ class RNN(_LengthsMixin, nn.RNN):
             name="RNN", hx_doc=" ``h_0`` (L*D, B, H)", ret_doc="h_n", final_doc="h_n (L*D, B, H), dtype of input."
         )
     )
+
+    def extra_repr(self) -> str:  # torch's repr leaves the nonlinearity out; a ReLU RNN should say so
+        extra = super().extra_repr()
+        return extra + (f", nonlinearity={self.nonlinearity!r}" if self.nonlinearity != "tanh" else "")
 
 
 __all__ = ["LSTM", "GRU", "RNN"]
