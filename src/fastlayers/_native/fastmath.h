@@ -1,7 +1,8 @@
 /* Shared helpers of the recurrent step kernels (lstm.c, gru.c).
  *
  * fl_exp_f32: a vectorisable float exp (Cody-Waite reduction + degree-6 polynomial, rel. error
- * ~2e-7); inputs are clamped to [-87, 88]. fl_tanh_f32 from it.
+ * ~2e-7); inputs are clamped to [-87, 88] (so +-inf give finite limits, as expf's 0 and its
+ * largest values do through the sigmoid and tanh), and NaN stays NaN. fl_tanh_f32 from it.
  * FL_DEFINE_LAYER_NORM(T, SUFFIX, SQRT): per-row LayerNorm without affine (Ba et al. 2016),
  *   fl_layer_norm_SUFFIX(v, len, eps, hat, &rstd): hat = (v - mean) * rstd,
  *   fl_layer_norm_backward_SUFFIX(dhat, hat, rstd, len, dv): dv = rstd * (dhat - mean(dhat)
@@ -16,7 +17,7 @@ static inline float fl_exp_f32(float x) {
     x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
     const float t = x * 1.44269504088896341f;
-    const float nf = (float)(int32_t)(t + copysignf(0.5f, t));
+    const float nf = rintf(t); /* NaN stays NaN (vroundps); a cast would need -ffinite-math-only to vectorise */
     const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;

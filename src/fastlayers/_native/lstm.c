@@ -24,8 +24,9 @@
  * hd_next is the next step's block of the same packed layout, so only its first n_next rows
  * (the sequences still running at the next step) are written.
  *
- * float uses fastmath.h's vectorisable exp; double uses libm. Built with -fno-trapping-math -fno-signed-zeros -ffinite-math-only (see
- * __init__.py) so that the clamps and selects vectorise; inputs are assumed finite.
+ * float uses fastmath.h's vectorisable exp; double uses libm. Built with -fno-trapping-math
+ * -fno-signed-zeros (see __init__.py) so that the clamps and selects vectorise; NaN propagates
+ * (every clamp is written `v < lo ? lo : v`, which keeps a NaN v).
  */
 #include <string.h>
 

@@ -1,0 +1,158 @@
+"""Non-finite and extreme input, per layer: NaN / inf reach exactly the outputs the float64
+reference sends them to (no kernel swallows a NaN, crashes or hangs), and inputs of size 1e4 keep
+LayerNorm, the gates and every output finite."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fastlayers
+from module_cases import CASES, LENGTHS, Case, flat
+
+NAN, INF = float("nan"), float("inf")
+RNN_CASES = [c for c in CASES if isinstance(c.build(device="meta"), nn.RNNBase)]
+OTHER_CASES = [c for c in CASES if c not in RNN_CASES]
+B_BAD, T_BAD = 2, 3  # sequence 2 has length 7: a valid step in the middle
+
+
+def _module(case: Case) -> nn.Module:
+    torch.manual_seed(0)
+    return case.build().eval()
+
+
+def _reference(module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    with fastlayers.backend("reference"):
+        return flat(copy.deepcopy(module).double()(*(a.double() for a in args), **kwargs))
+
+
+def _assert_same_nonfinite(outs, refs, atol=1e-4):
+    for o, r in zip(outs, refs, strict=True):
+        assert torch.equal(o.isnan(), r.isnan()), "NaN pattern differs from the float64 reference"
+        assert torch.equal(o.isinf(), r.isinf()), "inf pattern differs from the float64 reference"
+        keep = r.isfinite()
+        torch.testing.assert_close(o[keep].double(), r[keep], atol=atol, rtol=atol)
+
+
+def _backward_runs(outs, leaves):
+    """The backward through non-finite values completes (values may be NaN) and reaches every leaf."""
+    live = [o for o in outs if o.requires_grad]
+    torch.autograd.backward(live, [torch.ones_like(o) for o in live])
+    assert all(t.grad is not None for t in leaves)
+
+
+def _rnn_input(case: Case, value: float) -> tuple[torch.Tensor, dict, int]:
+    (x,), kwargs = case.inputs(torch.float32)
+    batch_first = x.size(0) == len(LENGTHS) and x.size(1) != len(LENGTHS)
+    x = x.clone()
+    if batch_first:
+        x[B_BAD, T_BAD, 0] = value
+    else:
+        x[T_BAD, B_BAD, 0] = value
+    return x, kwargs, 0 if batch_first else 1
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("case", RNN_CASES, ids=[c.id for c in RNN_CASES])
+def test_rnn_nonfinite_input_reaches_what_the_reference_says(case, value):
+    module = _module(case)
+    x, kwargs, batch_dim = _rnn_input(case, value)
+    x.requires_grad_(True)
+    outs = flat(module(x, **kwargs))
+    _assert_same_nonfinite(outs, _reference(module, (x.detach(),), kwargs))
+    out = outs[0]
+    others = [b for b in range(len(LENGTHS)) if b != B_BAD]
+    assert out.index_select(batch_dim, torch.tensor(others)).isfinite().all(), "spread to other sequences"
+    if value != value:  # NaN: the bad sequence's outputs after (forward) / before (reverse) the step
+        assert out.select(batch_dim, B_BAD).isnan().any()
+    _backward_runs(outs, [x, *module.parameters()])
+
+
+@pytest.mark.parametrize("case", RNN_CASES, ids=[c.id for c in RNN_CASES])
+def test_rnn_large_input_stays_finite(case):
+    module = _module(case)
+    (x,), kwargs = case.inputs(torch.float32)
+    x = (x * 1e4).requires_grad_(True)
+    outs = flat(module(x, **kwargs))
+    assert all(o.isfinite().all() for o in outs)
+    _assert_same_nonfinite(outs, _reference(module, (x.detach(),), kwargs), atol=5e-3)
+    _backward_runs(outs, [x, *module.parameters()])
+    assert x.grad.isfinite().all() and all(p.grad.isfinite().all() for p in module.parameters())
+
+
+def test_layer_norm_lstm_gates_saturate_but_stay_finite_at_1e4():
+    """The engine's own LayerNorm statistics and gates (not only the module output) at input 1e4."""
+    torch.manual_seed(0)
+    m = fastlayers.LSTM(8, 16, layer_norm=True, peephole=True, cell_clip=3.0).eval()
+    x = torch.randn(6, 3, 8) * 1e4
+    out, (h, c) = m(x, lengths=[6, 2, 5])
+    assert out.isfinite().all() and h.isfinite().all() and c.isfinite().all()
+    assert c.abs().max() <= 3.0 and h.abs().max() <= 1.0
+
+
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+@pytest.mark.parametrize("case", [c for c in OTHER_CASES if "Locally" in c.id], ids=lambda c: c.id)
+def test_locally_connected_nonfinite_input_reaches_its_receptive_field(case, value):
+    module = _module(case)
+    (x,), _ = case.inputs(torch.float32)
+    x = x.clone()
+    x[0, 0, ..., 4] = value  # one column (2-D: every row of it) of channel 0 in sample 0
+    x.requires_grad_(True)
+    outs = flat(module(x))
+    _assert_same_nonfinite(outs, _reference(module, (x.detach(),), {}))
+    assert not outs[0][0].isfinite().all() and outs[0][1:].isfinite().all()
+    _backward_runs(outs, [x, *module.parameters()])
+
+
+@pytest.mark.parametrize("case", [c for c in OTHER_CASES if "Locally" in c.id], ids=lambda c: c.id)
+def test_locally_connected_large_input_stays_finite(case):
+    module = _module(case)
+    (x,), _ = case.inputs(torch.float32)
+    outs = flat(module(x * 1e4))
+    assert outs[0].isfinite().all()
+    _assert_same_nonfinite(outs, _reference(module, (x * 1e4,), {}), atol=1e-3)
+
+
+ATTENTION = [c for c in OTHER_CASES if c.id.startswith("AttentionPooling")]
+
+
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+@pytest.mark.parametrize("case", ATTENTION, ids=lambda c: c.id)
+def test_attention_nonfinite_keys(case, value):
+    module = _module(case)
+    (q, k, v), kwargs = case.inputs(torch.float32)
+    k = k.clone()
+    k[B_BAD, T_BAD, 0] = value  # a valid step of sequence 2
+    k[3, 5, 0] = value  # a padded step of sequence 3 (length 1): masked, no effect
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    outs = flat(module(*leaves, **kwargs))
+    _assert_same_nonfinite(outs, _reference(module, (q.detach(), k.detach(), v.detach()), kwargs))
+    context, weights = outs
+    assert torch.equal(weights[3], torch.tensor([1.0] + [0.0] * (weights.size(1) - 1)))
+    clean = [b for b in range(len(LENGTHS)) if b != B_BAD]
+    assert context[clean].isfinite().all() and weights[clean].isfinite().all()
+    _backward_runs(outs, leaves)
+
+
+@pytest.mark.parametrize("case", ATTENTION, ids=lambda c: c.id)
+def test_attention_values_at_padded_steps_get_an_exact_zero_weight(case):
+    """Documented: a NaN *value* at a padded step meets weight 0, and 0 * NaN is NaN (as torch.bmm)."""
+    module = _module(case)
+    (q, k, v), kwargs = case.inputs(torch.float32)
+    v = v.clone()
+    v[3, 5, :] = NAN
+    context, weights = module(q, k, v, **kwargs)
+    assert weights[3, 5] == 0 and weights.isfinite().all()
+    assert context[3].isnan().all() and context[[0, 1, 2, 4]].isfinite().all()
+
+
+@pytest.mark.parametrize("case", ATTENTION, ids=lambda c: c.id)
+def test_attention_large_keys_stay_finite(case):
+    module = _module(case)
+    (q, k, v), kwargs = case.inputs(torch.float32)
+    outs = flat(module(q, k * 1e4, v, **kwargs))
+    assert all(o.isfinite().all() for o in outs)
+    _assert_same_nonfinite(outs, _reference(module, (q, k * 1e4, v), kwargs), atol=1e-3)
