@@ -1,10 +1,11 @@
 """fastlayers: fast, verified, differentiable layers for PyTorch."""
 
 from ._backend import backend as backend
+from ._pool import empty_cache as empty_cache
 from .attention import AttentionPooling as AttentionPooling, attention_pool as attention_pool
 from .local import LocallyConnected1d as LocallyConnected1d, LocallyConnected2d as LocallyConnected2d
 from .rnn import GRU as GRU, LSTM as LSTM, RNN as RNN
 
 __version__ = "0.1.0"
 
-__all__ = ["LSTM", "GRU", "RNN", "AttentionPooling", "attention_pool", "LocallyConnected1d", "LocallyConnected2d", "backend", "__version__"]
+__all__ = ["LSTM", "GRU", "RNN", "AttentionPooling", "attention_pool", "LocallyConnected1d", "LocallyConnected2d", "backend", "empty_cache", "__version__"]

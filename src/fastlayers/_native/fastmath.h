@@ -7,6 +7,17 @@
  *   fl_layer_norm_SUFFIX(v, len, eps, hat, &rstd): hat = (v - mean) * rstd,
  *   fl_layer_norm_backward_SUFFIX(dhat, hat, rstd, len, dv): dv = rstd * (dhat - mean(dhat)
  *   - hat * mean(dhat * hat)); dv may alias dhat.
+ *   Rows whose normalised values are recomputed instead of saved keep stat = (mean, rstd):
+ *   fl_row_stats_SUFFIX(v, len, eps, stat),
+ *   fl_affine_norm_SUFFIX(v, stat, gain, bias, len, out): out = gain * (v - mean) * rstd + bias
+ *   (bias may be NULL; out may alias v),
+ *   fl_layer_norm_backward_stat_SUFFIX(dhat, v, stat, len, dv): the backward above with hat
+ *   recomputed from v (dv may alias dhat),
+ *   fl_accumulate_norm_SUFFIX(acc_g, acc_b, d, v, stat, k0, k1): acc_g[k] += d[k] * hat[k] and
+ *   acc_b[k] += d[k] (acc_b may be NULL) for k in [k0, k1): the gain and bias gradients of a row.
+ *   fl_input_norm_backward_SUFFIX(D, n, ds, G, dpre, xp, xstat, gx, nthreads): for the n packed
+ *   rows of a step of both directions (row (d, b) at (d*ds + b)*G), dpre = d LN(xp; gx) / d xp
+ *   applied to dpre in place (the step kernels' input LayerNorm).
  */
 #ifndef FASTLAYERS_FASTMATH_H
 #define FASTLAYERS_FASTMATH_H
@@ -47,6 +58,43 @@ static void fl_layer_norm_backward_##SUFFIX(const T* dhat, const T* hat, T rstd,
     for (int64_t k = 0; k < len; k++) { m1 += dhat[k]; m2 += dhat[k] * hat[k]; }                     \
     m1 /= len; m2 /= len;                                                                            \
     for (int64_t k = 0; k < len; k++) dv[k] = rstd * (dhat[k] - m1 - hat[k] * m2);                   \
+}                                                                                                    \
+static inline void fl_row_stats_##SUFFIX(const T* v, int64_t len, T eps, T* stat) {                 \
+    T mean = 0, var = 0;                                                                             \
+    for (int64_t k = 0; k < len; k++) mean += v[k];                                                  \
+    mean /= len;                                                                                     \
+    for (int64_t k = 0; k < len; k++) { T dv = v[k] - mean; var += dv * dv; }                       \
+    stat[0] = mean; stat[1] = 1 / SQRT(var / len + eps);                                             \
+}                                                                                                    \
+static inline void fl_affine_norm_##SUFFIX(const T* v, const T* stat, const T* gain, const T* bias,  \
+                                           int64_t len, T* out) {                                    \
+    const T mean = stat[0], rstd = stat[1];                                                          \
+    if (bias) for (int64_t k = 0; k < len; k++) out[k] = gain[k] * ((v[k] - mean) * rstd) + bias[k]; \
+    else for (int64_t k = 0; k < len; k++) out[k] = gain[k] * ((v[k] - mean) * rstd);                \
+}                                                                                                    \
+static void fl_layer_norm_backward_stat_##SUFFIX(const T* dhat, const T* v, const T* stat, int64_t len, \
+                                                 T* dv) {                                            \
+    const T mean = stat[0], rstd = stat[1];                                                          \
+    T m1 = 0, m2 = 0;                                                                                \
+    for (int64_t k = 0; k < len; k++) { m1 += dhat[k]; m2 += dhat[k] * ((v[k] - mean) * rstd); }    \
+    m1 /= len; m2 /= len;                                                                            \
+    for (int64_t k = 0; k < len; k++) dv[k] = rstd * (dhat[k] - m1 - ((v[k] - mean) * rstd) * m2);  \
+}                                                                                                    \
+static inline void fl_accumulate_norm_##SUFFIX(T* acc_g, T* acc_b, const T* d, const T* v,          \
+                                               const T* stat, int64_t k0, int64_t k1) {              \
+    const T mean = stat[0], rstd = stat[1];                                                          \
+    for (int64_t k = k0; k < k1; k++) acc_g[k] += d[k] * ((v[k] - mean) * rstd);                     \
+    if (acc_b) for (int64_t k = k0; k < k1; k++) acc_b[k] += d[k];                                   \
+}                                                                                                    \
+static void fl_input_norm_backward_##SUFFIX(int64_t D, int64_t n, int64_t ds, int64_t G, T* dpre,     \
+                                            const T* xp, const T* xstat, const T* gx, int nthreads) { \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
+    for (int64_t task = 0; task < D * n; task++) {                                                   \
+        const int64_t d = task / n, row = d * ds + task % n;                                         \
+        T* dp = dpre + row * G; const T* gxd = gx + d * G;                                           \
+        for (int64_t k = 0; k < G; k++) dp[k] *= gxd[k];                                             \
+        fl_layer_norm_backward_stat_##SUFFIX(dp, xp + row * G, xstat + 2 * row, G, dp);              \
+    }                                                                                                \
 }                                                                                                    \
 static inline void fl_next_input_##SUFFIX(T* hn, const T* h, const T* mask, int64_t len) {          \
     if (mask) for (int64_t k = 0; k < len; k++) hn[k] = h[k] * mask[k];                              \

@@ -1,17 +1,19 @@
 /* Fused pointwise GRU step (forward and backward) for the recurrent engine.
  *
  * Layout and legend as lstm.c (packed rows, direction stride ds, active prefix n), with
- * G = 3H pre-activations in torch's gate order r, z, n. The input part xp holds W_ih x (+ LN) +
- * b_ih; the recurrent product r = W_hh (h * rmask) of the step is a contiguous [D, n, G] tensor.
+ * G = 3H pre-activations in torch's gate order r, z, n. The input part xp holds W_ih x; the
+ * recurrent product r = W_hh (h * rmask) of the step is a contiguous [D, n, G] tensor.
  *
  * Forward, one row (torch.nn.GRU; LayerNorm as haste's LayerNormGRU, Ba et al. 2016; zoneout
  * Krueger et al. 2016):
- *   a  = LNh(r) = gh * (r - mean(r)) * rstd(r)     (if gh != NULL, else a = r)
- *   hb = a + b_hh                                  (b_hh may be NULL)
- *   rg = sig(xp_r + hb_r)   zg = sig(xp_z + hb_z)   ng = tanh(xp_n + rg * hb_n)
+ *   x  = LNx(xp) = gx * (xp - mean) * rstd + b_ih   (if xstat != NULL, else x = xp, b_ih included)
+ *   a  = LNh(r)  = gh * (r - mean(r)) * rstd(r)      (if gh != NULL, else a = r)
+ *   hb = a + b_hh                                    (b_hh may be NULL)
+ *   rg = sig(x_r + hb_r)   zg = sig(x_z + hb_z)   ng = tanh(x_n + rg * hb_n)
  *   h1 = (1 - zg) * ng + zg * h0
  *   h  = zh * h0 + (1 - zh) * h1;  y = h;  hd_next = h * rmask (first n_next rows)
- * Saved for the backward: gates (rg, zg, ng), hbn = hb_n, h0 (hist), rhat/rrstd.
+ * Saved for the backward: gates (rg, zg, ng), hbn = hb_n, h0 (hist), rhat/rrstd, xstat (mean,
+ * rstd of xp; x-hat is recomputed from xp).
  *
  * float uses fastmath.h's vectorisable exp; double uses libm.
  */
@@ -24,7 +26,8 @@ static inline T gsig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                
                                                                                                      \
 void gru_step_forward_##SUFFIX(                                                                      \
     int64_t D, int64_t B, int64_t n, int64_t n_next, int64_t H, int64_t ds,                          \
-    const T* xp, const T* r, T* h, const T* rmask, const T* b_hh,                                    \
+    const T* xp, T* xstat, const T* gx, const T* b_ih,                                               \
+    const T* r, T* h, const T* rmask, const T* b_hh,                                                 \
     T* y, T* gates, T* hbn, T* hist, T* hd_next, T* rhat, T* rrstd,                                  \
     const T* gh, T eps, const T* zh, T zh_const, int nthreads)                                       \
 {                                                                                                    \
@@ -38,17 +41,19 @@ void gru_step_forward_##SUFFIX(                                                 
         T* restrict hr = h + srow * H; T* restrict yr = y + row * H; T* restrict h0r = hist + row * H; \
         const T* bh = b_hh ? b_hh + d * G : 0;                                                       \
         memcpy(h0r, hr, sizeof(T) * H);                                                              \
-        if (gh) { /* gates temporarily hold hb */                                                    \
-            T* rh = rhat + row * G; const T* ghd = gh + d * G;                                       \
-            fl_layer_norm_##SUFFIX(rr, G, eps, rh, rrstd + row);                                               \
-            for (int64_t k = 0; k < G; k++) gr[k] = ghd[k] * rh[k];                                  \
+        if (xstat) { /* gates = x, the input part */                                                 \
+            fl_row_stats_##SUFFIX(xr, G, eps, xstat + 2 * row);                                      \
+            fl_affine_norm_##SUFFIX(xr, xstat + 2 * row, gx + d * G, b_ih ? b_ih + d * G : 0, G, gr); \
         } else {                                                                                     \
-            memcpy(gr, rr, sizeof(T) * G);                                                           \
+            memcpy(gr, xr, sizeof(T) * G);                                                           \
         }                                                                                            \
-        if (bh) for (int64_t k = 0; k < G; k++) gr[k] += bh[k];                                      \
-        for (int64_t k = 0; k < H; k++) hbr[k] = gr[2 * H + k];                                      \
-        for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(xr[k] + gr[k]);                    \
-        for (int64_t k = 0; k < H; k++) gr[2 * H + k] = TANH(xr[2 * H + k] + gr[k] * hbr[k]);        \
+        const T* ghd = gh ? gh + d * G : 0; const T* rh = gh ? rhat + row * G : 0;                   \
+        if (gh) fl_layer_norm_##SUFFIX(rr, G, eps, rhat + row * G, rrstd + row);                     \
+        for (int64_t k = 0; k < H; k++) /* hb_n */                                                   \
+            hbr[k] = (ghd ? ghd[2 * H + k] * rh[2 * H + k] : rr[2 * H + k]) + (bh ? bh[2 * H + k] : 0); \
+        for (int64_t k = 0; k < 2 * H; k++)                                                          \
+            gr[k] = gsig_##SUFFIX(gr[k] + ((ghd ? ghd[k] * rh[k] : rr[k]) + (bh ? bh[k] : 0)));       \
+        for (int64_t k = 0; k < H; k++) gr[2 * H + k] = TANH(gr[2 * H + k] + gr[k] * hbr[k]);        \
         const T* zhr = zh ? zh + row * H : 0;                                                        \
         for (int64_t k = 0; k < H; k++) {                                                            \
             const T zhk = zhr ? zhr[k] : zh_const, zg = gr[H + k];                                   \
@@ -63,13 +68,16 @@ void gru_step_forward_##SUFFIX(                                                 
                                                                                                      \
 /* Backward of one step. In: dy, dh (grad of the state after this step, [D,B,H]; overwritten with   \
  * the grad of the state before it, except the recurrent GEMM part, which the caller adds).         \
- * Out on the step's n packed rows: dpre (grad of xp), dhb (grad of hb = a + b_hh), dr (grad of the \
- * recurrent product r; aliases dhb when gh == NULL). acc_gh [D,G] += dhb * rhat over the rows. */  \
+ * Out on the step's n packed rows: dpre (grad of xp: through LNx when xstat != NULL), dhb (grad of \
+ * hb = a + b_hh), dr (grad of the recurrent product r; aliases dhb when gh == NULL). Accumulated   \
+ * (+=) over the rows: acc_gx / acc_b [D,G] (input LayerNorm gain / b_ih; acc_b needs acc_gx),      \
+ * acc_gh [D,G] += dhb * rhat (each may be NULL). */                                                \
 void gru_step_backward_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t n, int64_t H, int64_t ds,                                          \
     const T* dy, T* dh, const T* hist, const T* gates, const T* hbn,                                 \
+    const T* xp, const T* xstat, const T* gx,                                                        \
     const T* rhat, const T* rrstd, const T* gh, const T* zh, T zh_const,                             \
-    T* dpre, T* dhb, T* dr, T* acc_gh, int nthreads)                                                 \
+    T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int nthreads)                            \
 {                                                                                                    \
     const int64_t G = 3 * H;                                                                         \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
@@ -96,19 +104,24 @@ void gru_step_backward_##SUFFIX(                                                
             fl_layer_norm_backward_##SUFFIX(drr, rh, rrstd[row], G, drr);                            \
         }                                                                                            \
     }                                                                                                \
-    if (!acc_gh) return;                                                                             \
+    if (acc_gx || acc_gh) {                                                                          \
     const int64_t chunk = 64, nchunks = (G + chunk - 1) / chunk;                                     \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * nchunks; task++) {                                             \
         const int64_t d = task / nchunks, k0 = (task % nchunks) * chunk;                             \
         const int64_t k1 = k0 + chunk < G ? k0 + chunk : G;                                          \
-        T* a = acc_gh + d * G;                                                                       \
         for (int64_t b = 0; b < n; b++) {                                                            \
             const int64_t row = d * ds + b;                                                          \
-            const T* db = dhb + row * G; const T* rh = rhat + row * G;                               \
-            for (int64_t k = k0; k < k1; k++) a[k] += db[k] * rh[k];                                 \
+            if (acc_gx)                                                                              \
+                fl_accumulate_norm_##SUFFIX(acc_gx + d * G, acc_b ? acc_b + d * G : 0, dpre + row * G, \
+                                            xp + row * G, xstat + 2 * row, k0, k1);                  \
+            if (acc_gh) { const T* db = dhb + row * G; const T* rh = rhat + row * G; T* a = acc_gh + d * G; \
+                for (int64_t k = k0; k < k1; k++) a[k] += db[k] * rh[k]; }                           \
         }                                                                                            \
     }                                                                                                \
+    }                                                                                                \
+    if (xstat) /* through x = LNx(xp): dpre becomes the grad of xp, in place */                  \
+        fl_input_norm_backward_##SUFFIX(D, n, ds, G, dpre, xp, xstat, gx, nthreads);                 \
 }
 
 DEFINE_GRU(float, f32, fl_exp_f32, fl_tanh_f32, sqrtf)

@@ -244,10 +244,14 @@ def _to_dtype(fn: Candidate, inputs: Inputs, dtype: torch.dtype) -> tuple[Candid
 
 
 def _peak_memory(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], device: torch.device) -> int | None:
-    """Peak bytes allocated above the starting level during one forward+backward call."""
+    """Peak bytes allocated above the starting level during one forward+backward call (the
+    engine's buffer pool is emptied first, so buffers it would reuse count as allocations)."""
+    from .._pool import empty_cache
+
     diffs = _differentiables(fn, inputs).values()
     _clear_grads(diffs)
     gc.collect()
+    empty_cache()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

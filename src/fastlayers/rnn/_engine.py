@@ -6,14 +6,16 @@ D directions, L layers, N = sum of the lengths (the valid rows of one direction)
 Everything runs on *packed* rows (:mod:`._lengths`): the valid (t, b) of the length-sorted batch,
 step after step, so step t's rows are a contiguous block of the still-active prefix, as in a
 PackedSequence; the reverse direction's rows read each sequence back to front from its own last
-step. Per layer: one gather of the valid input rows of both directions, the input projection of
-all of them as one batched GEMM (plus LayerNorm and bias, in torch ops with autograd);
-:class:`LSTMRecurrence` then runs the time loop with one batched recurrent GEMM (both directions)
-and one fused C pointwise kernel per step (``_native/lstm.c``). Its backward runs the per-step
-kernel and recurrent GEMM in reverse, and computes the recurrent weight gradient and the
-LayerNorm / peephole parameter gradients as large reductions after the loop. The output is
-scattered back to the padded (T, B, D*H) layout with one index_copy. Padding costs nothing: no
-GEMM, kernel or reduction touches a padded row.
+step. Per layer: one gather of the valid input rows of both directions; :class:`LSTMRecurrence`
+(:class:`GRURecurrence`) then projects all of them with one batched GEMM and runs the time loop
+with one batched recurrent GEMM (both directions) and one fused C pointwise kernel per step
+(``_native/lstm.c``, ``gru.c``; the kernel also applies the input LayerNorm, its gain and the
+bias). Its backward runs the per-step kernel and recurrent GEMM in reverse, and computes the
+input and weight gradients and the LayerNorm / peephole parameter gradients as large GEMMs and
+reductions after the loop. The output is scattered back to the padded (T, B, D*H) layout with
+one index_copy. Padding costs nothing: no GEMM, kernel or reduction touches a padded row. The
+per-row buffers saved for the backward come from :mod:`fastlayers._pool` and are reused by the
+next call.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import Tensor
 
 from ._lengths import make_plan
 from ._options import CellOptions
-from ._recurrence import EPS, GRURecurrence, LSTMRecurrence
+from ._recurrence import GRURecurrence, LSTMRecurrence
 
 
 def lstm_engine(
@@ -106,22 +108,11 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     x = input
     for li, dir_params in enumerate(layers):
         stack = lambda name, use=True: torch.stack([p[name] for p in dir_params]) if use else None  # noqa: E731
-        # the valid rows of both directions (one gather), their input projection: one batched GEMM
+        # the valid rows of both directions (one gather); the Function projects them (one batched GEMM)
         xs = x.reshape(steps * batch, -1).index_select(0, src.flatten()).view(dirs, rows, -1)
-        w_ih_t = stack("weight_ih").transpose(1, 2)
         has_bias = "bias_ih" in dir_params[0]
-        # LSTM: both biases go into the input part; GRU: b_hh stays inside r * (W_hh h + b_hh)
+        # LSTM: both biases go with the input part; GRU: b_hh stays inside r * (W_hh h + b_hh)
         bias = None if not has_bias else (stack("bias_ih") + stack("bias_hh") if cell == "LSTM" else stack("bias_ih"))
-        bias = bias.unsqueeze(1) if bias is not None else None
-        if options.layer_norm:
-            pre = torch.bmm(xs, w_ih_t)
-            pre = F.layer_norm(pre, (gates * hidden,), eps=EPS) * stack("ln_ih_weight").unsqueeze(1)
-            if bias is not None:
-                pre = pre + bias
-        elif bias is not None:
-            pre = torch.baddbmm(bias, xs, w_ih_t)
-        else:
-            pre = torch.bmm(xs, w_ih_t)
         m = (masks[li] if masks is not None else None) or {}
         rmask = m.get("recurrent")
         if rmask is None and training and options.recurrent_dropout > 0:
@@ -142,13 +133,14 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         if cell == "LSTM":
             consts = (clip, 0.0 if training else z_c, 0.0 if training else z_h, options.proj_clip or 0.0)
             y, *last = LSTMRecurrence.apply(
-                pre, states[0][k], states[1][k], stack("weight_hh"), stack("ln_hh_weight", ln),
+                xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0][k], states[1][k], stack("weight_hh"),
+                stack("ln_hh_weight", ln),
                 stack("ln_cell_weight", ln), stack("ln_cell_bias", ln), stack("weight_peephole", peep),
                 stack("weight_hr", proj), rmask, zmasks[0], zmasks[1], active, consts)
         else:
-            y, *last = GRURecurrence.apply(pre, states[0][k], stack("weight_hh"), stack("bias_hh", has_bias),
-                                           stack("ln_hh_weight", ln), rmask, zmasks[1], active,
-                                           (0.0 if training else z_h,))
+            y, *last = GRURecurrence.apply(xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0][k],
+                                           stack("weight_hh"), stack("bias_hh", has_bias), stack("ln_hh_weight", ln),
+                                           rmask, zmasks[1], active, (0.0 if training else z_h,))
         # back to the padded layout: one scatter of both directions, zeros at t >= len_b
         x = y.new_zeros(steps * batch * dirs, out_size).index_copy(0, dst, y.reshape(dirs * rows, out_size))
         x = x.view(steps, batch, dirs * out_size)

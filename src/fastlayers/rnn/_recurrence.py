@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _native
+from .. import _native, _pool
 from .._native import address
 
 EPS = 1e-5
@@ -40,15 +40,16 @@ def _typed(name: str, signatures) -> ctypes.CDLL | None:
 
 def _lstm_lib():
     return _typed("lstm", lambda real: {
-        "lstm_step_forward": [I64] * 6 + [P] * 5 + [P] * 6 + [P] * 4 + [P] * 4 + [real, real] + [P, P, real, real] + [INT],
-        "lstm_step_backward": [I64] * 5 + [P] * 3 + [P] * 4 + [P] * 4 + [P, P, P, real] + [P, P, real, real] + [P] * 7
-        + [INT]})
+        "lstm_step_forward": [I64] * 6 + [P] * 4 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real, real] + [P, P, real, real]
+        + [INT],
+        "lstm_step_backward": [I64] * 5 + [P] * 4 + [I64] + [P] * 3 + [P] * 5 + [P] * 4 + [real] + [P, P, real, real]
+        + [P] * 3 + [P] * 6 + [INT]})
 
 
 def _gru_lib():
     return _typed("gru", lambda real: {
-        "gru_step_forward": [I64] * 6 + [P] * 5 + [P] * 7 + [P, real, P, real, INT],
-        "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P, real] + [P] * 4 + [INT]})
+        "gru_step_forward": [I64] * 6 + [P] * 4 + [P] * 4 + [P] * 7 + [P, real, P, real, INT],
+        "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT]})
 
 
 def _offsets(active: tuple[int, ...]) -> tuple[int, ...]:
@@ -65,61 +66,75 @@ def _steps(buf: Tensor | None, offsets: tuple[int, ...]) -> list[int | None]:
 
 
 class LSTMRecurrence(torch.autograd.Function):
-    """The time loop of one layer, all directions, on packed rows.
+    """One layer, all directions, on packed rows: the input projection and the time loop.
 
-    Inputs: xp (D, N, G) input pre-activations incl. bias; h0 (D, B, P), c0 (D, B, H);
-    w_hh (D, G, P); gh (D, G) | None recurrent LayerNorm gain; gc, bc (D, H) | None cell
-    LayerNorm gain, bias; peep (D, 3H) | None; w_hr (D, P, H) | None projection (P = H without);
-    rmask (D, B, P) | None recurrent-dropout mask (scaled); zc (D, N, H), zh (D, N, P) | None
-    zoneout keep-masks; active: tuple of the T active-prefix sizes (sum N);
-    consts: (cell_clip or 0, z_c, z_h, proj_clip or 0) (the z are used where the masks are None).
-    Returns y (D, N, P), h_n (D, B, P), c_n (D, B, H).
+    Inputs: xs (D, N, F_l) the packed input rows; w_ih (D, G, F_l); gx (D, G) | None input
+    LayerNorm gain (then the kernel normalises W_ih x and adds the bias after it); bias (D, G) |
+    None (b_ih + b_hh); h0 (D, B, P), c0 (D, B, H); w_hh (D, G, P); gh (D, G) | None recurrent
+    LayerNorm gain; gc, bc (D, H) | None cell LayerNorm gain, bias; peep (D, 3H) | None; w_hr
+    (D, P, H) | None projection (P = H without); rmask (D, B, P) | None recurrent-dropout mask
+    (scaled); zc (D, N, H), zh (D, N, P) | None zoneout keep-masks; active: tuple of the T
+    active-prefix sizes (sum N); consts: (cell_clip or 0, z_c, z_h, proj_clip or 0) (the z are
+    used where the masks are None). Returns y (D, N, P), h_n (D, B, P), c_n (D, B, H).
 
-    Without a projection the C kernel does the whole step. With one, the kernel stops at
+    The input projection is one batched GEMM before the loop, its gradients (dX, dW_ih) two after
+    the backward loop, dW_hh (and dW_hr) one each. Saved per packed row, in buffers from
+    :mod:`fastlayers._pool` (given back when the backward frees the graph): the projection, gates,
+    c1, LayerNorm statistics (and the normalised recurrent product) and the recurrent input; the
+    cell state before each step only with cell zoneout (otherwise it is the previous step's c1,
+    or c0). Without a projection the C kernel does the whole step. With one, the kernel stops at
     h1 = o * tanh(.) (no zoneout, no recurrent input) and the projection, proj_clip, zoneout of h
-    and the next recurrent input are torch ops on the step's rows; the backward mirrors them and
-    computes dW_hr as one GEMM after the loop.
+    and the next recurrent input are torch ops on the step's rows.
     """
 
     @staticmethod
-    def forward(ctx, xp, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
-        dirs, rows, gsize = xp.shape
+    def forward(ctx, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
+        dirs, rows, _ = xs.shape
+        gsize = w_ih.size(1)
         hidden = gsize // 4
         batch, out_size = h0.shape[1:]
         clip, zc_const, zh_const, pclip = consts
-        fwd = getattr(_lstm_lib(), f"lstm_step_forward_{_SUFFIX[xp.dtype]}")
+        fwd = getattr(_lstm_lib(), f"lstm_step_forward_{_SUFFIX[xs.dtype]}")
         threads = torch.get_num_threads()
-        xp = xp.contiguous()
-        h, c = h0.contiguous().clone(), c0.contiguous().clone()
-        e = lambda *s: xp.new_empty(dirs, rows, *s)  # noqa: E731  (every row gets written)
-        y, gates, c1, th, chist, hd = e(out_size), e(gsize), e(hidden), e(hidden), e(hidden), e(out_size)
-        rhat, rrstd = (e(gsize), e()) if gh is not None else (None, None)
-        chat, crstd = (e(hidden), e()) if gc is not None else (None, None)
+        proj, first = w_hr is not None, active[0]  # first == B: every sequence runs step 0
+        c0 = c0.contiguous()
+        h, c = h0.contiguous().clone(), c0.clone()
+        y = xs.new_empty(dirs, rows, out_size)
+        # every row of these gets written; the cell state before each step needs its own copy only
+        # when zoneout mixes in c0 (otherwise it is the previous step's c1)
+        slab, buf = _pool.views(dict(
+            xp=(dirs, rows, gsize), gates=(dirs, rows, gsize), c1=(dirs, rows, hidden), hd=(dirs, rows, out_size),
+            xstat=(dirs, rows, 2) if gx is not None else None, rhat=(dirs, rows, gsize) if gh is not None else None,
+            rrstd=(dirs, rows) if gh is not None else None, cstat=(dirs, rows, 2) if gc is not None else None,
+            chist=(dirs, rows, hidden) if zc is not None or zc_const else None,
+            y1=(dirs, rows, hidden) if proj else None, r=(dirs * first * gsize,)), xs)
+        xp, r = buf["xp"], buf["r"]
+        if gx is None and bias is not None:
+            torch.baddbmm(bias.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
+        else:  # with LayerNorm the kernel normalises W_ih x, then adds the bias
+            torch.bmm(xs, w_ih.transpose(1, 2), out=xp)
         rmask = rmask.contiguous() if rmask is not None else None
         zc = zc.contiguous() if zc is not None else None
         zh = zh.contiguous() if zh is not None else None
-        proj = w_hr is not None
         # with a projection the kernel writes h1 into y1 and keeps scratch state hk
-        y1, hk = (e(hidden), xp.new_zeros(dirs, batch, hidden)) if proj else (y, h)
-        keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xp.device) if proj and pclip else None
-        first = active[0]  # == B: every sequence runs step 0
+        y1, hk = (buf["y1"], xs.new_zeros(dirs, batch, hidden)) if proj else (y, h)
+        keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
+        hd = buf["hd"]
         hd[:, :first] = h * rmask if rmask is not None else h
         w_t = w_hh.transpose(1, 2)
         offsets = _offsets(active)
-        P_ = {k: _steps(v, offsets) for k, v in dict(xp=xp, y1=y1, gates=gates, c1=c1, th=th, chist=chist, hd=hd,
-                                                      rhat=rhat, rrstd=rrstd, chat=chat, crstd=crstd, zc=zc,
-                                                      zh=zh).items()}
+        P_ = {k: _steps(v, offsets) for k, v in {**buf, "y1": y1, "zc": zc, "zh": zh}.items() if k != "r"}
         fixed = (address(gh), address(gc), address(bc), address(peep), clip, EPS)
         last = len(active) - 1
         for t, n in enumerate(active):
             o = offsets[t]
-            r = torch.bmm(hd[:, o:o + n], w_t)  # (D, n, G) contiguous
+            rt = torch.bmm(hd[:, o:o + n], w_t, out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
             n_next = active[t + 1] if t < last else 0
-            fwd(dirs, batch, n, n_next, hidden, rows, P_["xp"][t], r.data_ptr(), c.data_ptr(), hk.data_ptr(),
-                None if proj else address(rmask), P_["y1"][t], P_["gates"][t], P_["c1"][t], P_["th"][t],
-                P_["chist"][t], None if proj or t == last else P_["hd"][t + 1], P_["rhat"][t], P_["rrstd"][t],
-                P_["chat"][t], P_["crstd"][t], *fixed, P_["zc"][t], None if proj else P_["zh"][t], zc_const,
-                0.0 if proj else zh_const, threads)
+            fwd(dirs, batch, n, n_next, hidden, rows, P_["xp"][t], P_["xstat"][t], address(gx), address(bias),
+                rt.data_ptr(), c.data_ptr(), hk.data_ptr(), None if proj else address(rmask), P_["y1"][t],
+                P_["gates"][t], P_["c1"][t], P_["chist"][t], None if proj or t == last else P_["hd"][t + 1],
+                P_["rhat"][t], P_["rrstd"][t], P_["cstat"][t], *fixed, P_["zc"][t], None if proj else P_["zh"][t],
+                zc_const, 0.0 if proj else zh_const, threads)
             if proj:
                 hp = torch.bmm(y1[:, o:o + n], w_hr.transpose(1, 2))  # (D, n, P)
                 if keep is not None:
@@ -131,16 +146,18 @@ class LSTMRecurrence(torch.autograd.Function):
                 if t < last:
                     nxt = h[:, :n_next] * rmask[:, :n_next] if rmask is not None else h[:, :n_next]
                     hd[:, o + n:o + n + n_next] = nxt
-        ctx.save_for_backward(w_hh, gh, gc, peep, w_hr, rmask, zc, zh, gates, c1, th, chist, hd, rhat, rrstd, chat,
-                              crstd, y1 if proj else None, keep)
+        ctx.save_for_backward(xs, w_ih, gx, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep)
+        ctx.buf, ctx.release = buf, _pool.hold(ctx, slab)
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
+        ctx.has_bias = bias is not None
         return y, h, c
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dh_n, dc_n):
-        (w_hh, gh, gc, peep, w_hr, rmask, zc, zh, gates, c1, th, chist, hd, rhat, rrstd, chat, crstd, y1,
-         keep) = ctx.saved_tensors
+        xs, w_ih, gx, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep = ctx.saved_tensors
+        buf = ctx.buf
+        gates, hd, y1 = buf["gates"], buf["hd"], buf["y1"]
         dirs, rows, gsize = gates.shape
         hidden, batch, out_size = gsize // 4, ctx.batch, hd.size(2)
         clip, zc_const, zh_const, pclip = ctx.consts
@@ -151,21 +168,27 @@ class LSTMRecurrence(torch.autograd.Function):
         dy = dy.contiguous() if dy is not None else gates.new_zeros(dirs, rows, out_size)
         dh = dh_n.contiguous().clone() if dh_n is not None else gates.new_zeros(dirs, batch, out_size)
         dc = dc_n.contiguous().clone() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
-        dpre = gates.new_empty(dirs, rows, gsize)
-        dr = dpre if gh is None else gates.new_empty(dirs, rows, gsize)
-        dn = gates.new_empty(dirs, batch, hidden)
-        acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[4] else None
-        acc_gc = gates.new_zeros(dirs, hidden) if gc is not None and (need[5] or need[6]) else None
-        acc_bc = gates.new_zeros(dirs, hidden) if acc_gc is not None else None
-        acc_peep = gates.new_zeros(dirs, 3 * hidden) if peep is not None and need[7] else None
         # with a projection: the kernel's output gradient is d h1 (dy1), its own state gradient stays 0
-        dy1, dhk, dhp = ((gates.new_empty(dirs, rows, hidden), gates.new_zeros(dirs, batch, hidden),
-                          gates.new_empty(dirs, rows, out_size)) if proj else (dy, dh, None))
+        slab, tmp = _pool.views(dict(
+            dpre=(dirs, rows, gsize), dr=(dirs, rows, gsize) if gh is not None or gx is not None else None,
+            dn=(dirs, batch, hidden), g=(dirs * ctx.active[0] * out_size,), dy1=(dirs, rows, hidden) if proj else None,
+            dhp=(dirs, rows, out_size) if proj else None), gates)
+        dpre, dn, g = tmp["dpre"], tmp["dn"], tmp["g"]
+        dr = dpre if tmp["dr"] is None else tmp["dr"]
+        # the kernel sums the bias gradient next to the input gain's (acc_b needs acc_gx)
+        acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
+        acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias and need[3] else None
+        acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
+        acc_gc = gates.new_zeros(dirs, hidden) if gc is not None and (need[8] or need[9]) else None
+        acc_bc = gates.new_zeros(dirs, hidden) if acc_gc is not None else None
+        acc_peep = gates.new_zeros(dirs, 3 * hidden) if peep is not None and need[10] else None
+        dy1, dhp = (tmp["dy1"], tmp["dhp"]) if proj else (dy, None)
+        dhk = gates.new_zeros(dirs, batch, hidden) if proj else dh
         offsets = ctx.offsets
-        P_ = {k: _steps(v, offsets) for k, v in dict(dy1=dy1, chist=chist, gates=gates, c1=c1, th=th, rhat=rhat,
-                                                      rrstd=rrstd, chat=chat, crstd=crstd, zc=zc, zh=zh, dpre=dpre,
-                                                      dr=dr).items()}
-        fixed = (address(dn), address(acc_gh), address(acc_gc), address(acc_bc), address(acc_peep), threads)
+        P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy1": dy1, "zc": zc, "zh": zh, "dpre": dpre, "dr": dr}.items()
+              if k != "r"}
+        fixed = (address(dn), address(acc_gx), address(acc_b), address(acc_gh), address(acc_gc), address(acc_bc),
+                 address(acc_peep), threads)
         for t in range(len(ctx.active) - 1, -1, -1):
             n, o = ctx.active[t], offsets[t]
             if proj:  # back through y = h, zoneout of h, proj_clip and the projection
@@ -179,70 +202,93 @@ class LSTMRecurrence(torch.autograd.Function):
                     g_hp = g_hp * keep[:, o:o + n]
                 dhp[:, o:o + n] = g_hp
                 dy1[:, o:o + n] = torch.bmm(g_hp, w_hr)
-            bwd(dirs, batch, n, hidden, rows, P_["dy1"][t], dhk.data_ptr(), dc.data_ptr(), P_["chist"][t],
-                P_["gates"][t], P_["c1"][t], P_["th"][t], P_["rhat"][t], P_["rrstd"][t], P_["chat"][t], P_["crstd"][t],
-                address(gh), address(gc), address(peep), clip, P_["zc"][t], None if proj else P_["zh"][t], zc_const,
-                0.0 if proj else zh_const, P_["dpre"][t], P_["dr"][t], *fixed)
-            g = torch.bmm(dr[:, o:o + n], w_hh)  # (D, n, P)
+            # the cell state before step t: its saved copy, the previous step's c1, or c0
+            c_before, c_stride = ((P_["chist"][t], rows) if buf["chist"] is not None else
+                                  (P_["c1"][t - 1], rows) if t > 0 else (c0.data_ptr(), batch))
+            bwd(dirs, batch, n, hidden, rows, P_["dy1"][t], dhk.data_ptr(), dc.data_ptr(), c_before, c_stride,
+                P_["xp"][t], P_["xstat"][t], address(gx), P_["gates"][t], P_["c1"][t], P_["rhat"][t], P_["rrstd"][t],
+                P_["cstat"][t], address(gh), address(gc), address(bc), address(peep), clip, P_["zc"][t],
+                None if proj else P_["zh"][t], zc_const, 0.0 if proj else zh_const, P_["dpre"][t], P_["dr"][t],
+                *fixed)
+            gn = torch.bmm(dr[:, o:o + n], w_hh, out=g[:dirs * n * out_size].view(dirs, n, out_size))
             if rmask is not None:
-                g.mul_(rmask[:, :n])
-            dh[:, :n] += g
-        # one GEMM each over all packed rows: dW_hh[d] = dr[d]^T hd[d], dW_hr[d] = dhp[d]^T y1[d]
-        d_w_hh = torch.bmm(dr.transpose(1, 2), hd) if need[3] else None
-        d_w_hr = torch.bmm(dhp.transpose(1, 2), y1) if proj and need[8] else None
-        return (dpre if need[0] else None, dh if need[1] else None, dc if need[2] else None, d_w_hh, acc_gh,
-                acc_gc if need[5] else None, acc_bc if need[6] else None, acc_peep, d_w_hr, None, None, None, None,
-                None)
-
-
+                gn.mul_(rmask[:, :n])
+            dh[:, :n] += gn
+        # one GEMM each over all packed rows: dX[d] = dpre[d] W_ih[d], dW_ih[d] = dpre[d]^T X[d],
+        # dW_hh[d] = dr[d]^T hd[d], dW_hr[d] = dhp[d]^T y1[d]
+        d_xs = torch.bmm(dpre, w_ih) if need[0] else None
+        d_w_ih = torch.bmm(dpre.transpose(1, 2), xs) if need[1] else None
+        d_bias = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias and need[3] else None
+        d_w_hh = torch.bmm(dr.transpose(1, 2), hd) if need[6] else None
+        d_w_hr = torch.bmm(dhp.transpose(1, 2), y1) if proj and need[11] else None
+        _pool.give(slab)
+        if _pool.graph_freed_after_this_backward():
+            ctx.release()
+            del ctx.buf
+        return (d_xs, d_w_ih, acc_gx if need[2] else None, d_bias, dh if need[4] else None, dc if need[5] else None,
+                d_w_hh, acc_gh, acc_gc if need[8] else None, acc_bc if need[9] else None, acc_peep, d_w_hr, None,
+                None, None, None, None)
 
 
 class GRURecurrence(torch.autograd.Function):
-    """The GRU time loop of one layer, all directions, on packed rows (``_native/gru.c``).
+    """One GRU layer, all directions, on packed rows (``_native/gru.c``): input projection and
+    time loop, as :class:`LSTMRecurrence`.
 
-    Inputs: xp (D, N, G=3H) input pre-activations incl. b_ih (LayerNorm applied); h0 (D, B, H);
-    w_hh (D, G, H); b_hh (D, G) | None (added after the recurrent LayerNorm, inside r * (.) for
-    the n gate, as torch.nn.GRU); gh (D, G) | None recurrent LayerNorm gain; rmask (D, B, H) |
-    None; zh (D, N, H) | None zoneout keep-mask; active: the T active-prefix sizes; consts:
-    (z_h,) used where the mask is None. Returns y (D, N, H), h_n (D, B, H).
+    Inputs: xs (D, N, F_l); w_ih (D, G=3H, F_l); gx (D, G) | None input LayerNorm gain (then the
+    kernel normalises W_ih x and adds b_ih after it); b_ih (D, G) | None; h0 (D, B, H); w_hh
+    (D, G, H); b_hh (D, G) | None (added after the recurrent LayerNorm, inside r * (.) for the n
+    gate, as torch.nn.GRU); gh (D, G) | None recurrent LayerNorm gain; rmask (D, B, H) | None;
+    zh (D, N, H) | None zoneout keep-mask; active: the T active-prefix sizes; consts: (z_h,) used
+    where the mask is None. Returns y (D, N, H), h_n (D, B, H).
     """
 
     @staticmethod
-    def forward(ctx, xp, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
-        dirs, rows, gsize = xp.shape
-        hidden, batch = gsize // 3, h0.size(1)
+    def forward(ctx, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
+        dirs, rows, _ = xs.shape
+        gsize = w_ih.size(1)
+        hidden, batch, first = gsize // 3, h0.size(1), active[0]
         (zh_const,) = consts
-        fwd = getattr(_gru_lib(), f"gru_step_forward_{_SUFFIX[xp.dtype]}")
+        fwd = getattr(_gru_lib(), f"gru_step_forward_{_SUFFIX[xs.dtype]}")
         threads = torch.get_num_threads()
-        xp = xp.contiguous()
         h = h0.contiguous().clone()
-        e = lambda *s: xp.new_empty(dirs, rows, *s)  # noqa: E731  (every row gets written)
-        y, gates, hbn, hist, hd = e(hidden), e(gsize), e(hidden), e(hidden), e(hidden)
-        rhat, rrstd = (e(gsize), e()) if gh is not None else (None, None)
+        y = xs.new_empty(dirs, rows, hidden)
+        slab, buf = _pool.views(dict(  # every row of these gets written
+            xp=(dirs, rows, gsize), gates=(dirs, rows, gsize), hbn=(dirs, rows, hidden), hist=(dirs, rows, hidden),
+            hd=(dirs, rows, hidden), xstat=(dirs, rows, 2) if gx is not None else None,
+            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
+            r=(dirs * first * gsize,)), xs)
+        xp, r, hd = buf["xp"], buf["r"], buf["hd"]
+        if gx is None and b_ih is not None:
+            torch.baddbmm(b_ih.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
+        else:  # with LayerNorm the kernel normalises W_ih x, then adds b_ih
+            torch.bmm(xs, w_ih.transpose(1, 2), out=xp)
         rmask = rmask.contiguous() if rmask is not None else None
         zh = zh.contiguous() if zh is not None else None
         b_hh = b_hh.contiguous() if b_hh is not None else None
-        hd[:, :active[0]] = h * rmask if rmask is not None else h
+        hd[:, :first] = h * rmask if rmask is not None else h
         w_t = w_hh.transpose(1, 2)
         offsets = _offsets(active)
-        P_ = {k: _steps(v, offsets) for k, v in dict(xp=xp, y=y, gates=gates, hbn=hbn, hist=hist, hd=hd, rhat=rhat,
-                                                      rrstd=rrstd, zh=zh).items()}
+        P_ = {k: _steps(v, offsets) for k, v in {**buf, "y": y, "zh": zh}.items() if k != "r"}
         last = len(active) - 1
         for t, n in enumerate(active):
             o = offsets[t]
-            r = torch.bmm(hd[:, o:o + n], w_t)  # (D, n, G) contiguous
-            fwd(dirs, batch, n, active[t + 1] if t < last else 0, hidden, rows, P_["xp"][t], r.data_ptr(), h.data_ptr(),
-                address(rmask), address(b_hh), P_["y"][t], P_["gates"][t], P_["hbn"][t], P_["hist"][t],
-                P_["hd"][t + 1] if t < last else None, P_["rhat"][t], P_["rrstd"][t], address(gh), EPS, P_["zh"][t],
-                zh_const, threads)
-        ctx.save_for_backward(w_hh, gh, rmask, zh, gates, hbn, hist, hd, rhat, rrstd)
-        ctx.active, ctx.offsets, ctx.consts, ctx.batch, ctx.has_bias = active, offsets, consts, batch, b_hh is not None
+            rt = torch.bmm(hd[:, o:o + n], w_t, out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
+            fwd(dirs, batch, n, active[t + 1] if t < last else 0, hidden, rows, P_["xp"][t], P_["xstat"][t],
+                address(gx), address(b_ih), rt.data_ptr(), h.data_ptr(), address(rmask), address(b_hh), P_["y"][t],
+                P_["gates"][t], P_["hbn"][t], P_["hist"][t], P_["hd"][t + 1] if t < last else None, P_["rhat"][t],
+                P_["rrstd"][t], address(gh), EPS, P_["zh"][t], zh_const, threads)
+        ctx.save_for_backward(xs, w_ih, gx, w_hh, gh, rmask, zh)
+        ctx.buf, ctx.release = buf, _pool.hold(ctx, slab)
+        ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
+        ctx.has_bias = (b_ih is not None, b_hh is not None)
         return y, h
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dh_n):
-        w_hh, gh, rmask, zh, gates, hbn, hist, hd, rhat, rrstd = ctx.saved_tensors
+        xs, w_ih, gx, w_hh, gh, rmask, zh = ctx.saved_tensors
+        buf = ctx.buf
+        gates, hd = buf["gates"], buf["hd"]
         dirs, rows, gsize = gates.shape
         hidden, batch = gsize // 3, ctx.batch
         (zh_const,) = ctx.consts
@@ -251,21 +297,36 @@ class GRURecurrence(torch.autograd.Function):
         need = ctx.needs_input_grad
         dy = dy.contiguous() if dy is not None else gates.new_zeros(dirs, rows, hidden)
         dh = dh_n.contiguous().clone() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
-        dpre, dhb = gates.new_empty(dirs, rows, gsize), gates.new_empty(dirs, rows, gsize)
-        dr = dhb if gh is None else gates.new_empty(dirs, rows, gsize)
-        acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[4] else None
+        slab, tmp = _pool.views(dict(dpre=(dirs, rows, gsize), dhb=(dirs, rows, gsize),
+                                     dr=(dirs, rows, gsize) if gh is not None else None,
+                                     g=(dirs * ctx.active[0] * hidden,)), gates)
+        dpre, dhb, g = tmp["dpre"], tmp["dhb"], tmp["g"]
+        dr = dhb if tmp["dr"] is None else tmp["dr"]
+        acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
+        acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias[0] and need[3] else None
+        acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
         offsets = ctx.offsets
-        P_ = {k: _steps(v, offsets) for k, v in dict(dy=dy, hist=hist, gates=gates, hbn=hbn, rhat=rhat, rrstd=rrstd,
-                                                      zh=zh, dpre=dpre, dhb=dhb, dr=dr).items()}
+        P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()
+              if k != "r"}
         for t in range(len(ctx.active) - 1, -1, -1):
             n, o = ctx.active[t], offsets[t]
             bwd(dirs, batch, n, hidden, rows, P_["dy"][t], dh.data_ptr(), P_["hist"][t], P_["gates"][t], P_["hbn"][t],
-                P_["rhat"][t], P_["rrstd"][t], address(gh), P_["zh"][t], zh_const, P_["dpre"][t], P_["dhb"][t],
-                P_["dr"][t], address(acc_gh), threads)
-            g = torch.bmm(dr[:, o:o + n], w_hh)  # (D, n, H)
+                P_["xp"][t], P_["xstat"][t], address(gx), P_["rhat"][t], P_["rrstd"][t], address(gh), P_["zh"][t],
+                zh_const, P_["dpre"][t], P_["dhb"][t], P_["dr"][t], address(acc_gx), address(acc_b), address(acc_gh),
+                threads)
+            gn = torch.bmm(dr[:, o:o + n], w_hh, out=g[:dirs * n * hidden].view(dirs, n, hidden))
             if rmask is not None:
-                g.mul_(rmask[:, :n])
-            dh[:, :n] += g
-        d_w_hh = torch.bmm(dr.transpose(1, 2), hd) if need[2] else None  # one GEMM over all packed rows
-        d_b_hh = dhb.sum(1) if ctx.has_bias and need[3] else None
-        return dpre if need[0] else None, dh if need[1] else None, d_w_hh, d_b_hh, acc_gh, None, None, None, None
+                gn.mul_(rmask[:, :n])
+            dh[:, :n] += gn
+        # one GEMM each over all packed rows: dX, dW_ih, dW_hh = dr^T hd
+        d_xs = torch.bmm(dpre, w_ih) if need[0] else None
+        d_w_ih = torch.bmm(dpre.transpose(1, 2), xs) if need[1] else None
+        d_b_ih = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias[0] and need[3] else None
+        d_w_hh = torch.bmm(dr.transpose(1, 2), hd) if need[5] else None
+        d_b_hh = dhb.sum(1) if ctx.has_bias[1] and need[6] else None
+        _pool.give(slab)
+        if _pool.graph_freed_after_this_backward():
+            ctx.release()
+            del ctx.buf
+        return (d_xs, d_w_ih, acc_gx if need[2] else None, d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh, acc_gh,
+                None, None, None, None)

@@ -1,0 +1,86 @@
+"""Reuse of the engine's internal buffers between calls.
+
+The recurrent engine keeps large per-row buffers for its backward (gates, LayerNorm statistics,
+cell states: ~600 MB per layer at the seed shape) that never leave it. Fresh buffers of that
+size cost the kernel's first touch of every page (measured on the 2-core machine: the seed-shape
+LayerNorm-LSTM forward kernel took 412 ms on fresh buffers and 222 ms on reused ones, the
+backward 377 vs 249 ms), so the engine takes them from this pool and gives them back when they
+are dead: at the end of a backward that frees the graph, or when the autograd node that holds
+them is destroyed (no backward, ``torch.no_grad``, a retained graph dropped later).
+
+Buffers come as one flat slab per call, cut into views. The pool keeps at most ``CAPACITY``
+slabs (the smallest go first); :func:`empty_cache` releases them all. With
+``torch.utils.deterministic.fill_uninitialized_memory`` on, a reused slab is filled with NaN like
+a fresh ``torch.empty``, so the poisoned test pass still sees reads of unwritten memory.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+CAPACITY = 8
+_ALIGN = 16  # elements between the starts of two views (64 bytes for float32)
+_free: list[Tensor] = []
+_lock = threading.Lock()
+
+
+def _take(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    with _lock:
+        fits = [i for i, s in enumerate(_free) if s.dtype == dtype and s.device == device and s.numel() >= numel]
+        if fits:  # (by position: list.remove would compare tensors elementwise)
+            slab = _free.pop(min(fits, key=lambda i: _free[i].numel()))
+            if torch.utils.deterministic.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled():
+                slab.fill_(float("nan") if dtype.is_floating_point else 0)
+            return slab
+    return torch.empty(numel + numel // 8, dtype=dtype, device=device)  # headroom for a slightly longer batch
+
+
+def give(slab: Tensor) -> None:
+    """Return a slab (from :func:`views`) for later calls; nothing may use its views afterwards."""
+    with _lock:
+        _free.append(slab)
+        while len(_free) > CAPACITY:
+            _free.pop(min(range(len(_free)), key=lambda i: _free[i].numel()))
+
+
+def empty_cache() -> None:
+    """Release every buffer the recurrent engine keeps for reuse between calls (it holds at most
+    a few calls' worth of saved activations; the next call allocates them again)."""
+    with _lock:
+        _free.clear()
+
+
+def views(shapes: dict[str, tuple[int, ...] | None], like: Tensor) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """One slab from the pool cut into contiguous views of the given shapes (None stays None),
+    in ``like``'s dtype and device. Returns (slab, views)."""
+    sizes = {k: math.prod(s) if s is not None else 0 for k, s in shapes.items()}
+    total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
+    slab = _take(max(total, 1), like.dtype, like.device)
+    out: dict[str, Tensor | None] = {}
+    offset = 0
+    for k, shape in shapes.items():
+        if shape is None:
+            out[k] = None
+            continue
+        out[k] = slab[offset:offset + sizes[k]].view(shape)
+        offset += -(-sizes[k] // _ALIGN) * _ALIGN
+    return slab, out
+
+
+def hold(owner: Any, slab: Tensor) -> weakref.finalize:
+    """Give ``slab`` back when ``owner`` (an autograd context) is destroyed, or earlier when the
+    returned finalizer is called (once; later calls do nothing)."""
+    return weakref.finalize(owner, give, slab)
+
+
+def graph_freed_after_this_backward() -> bool:
+    """Inside a backward: True when the running backward frees the graph (no retain_graph /
+    create_graph), so the saved buffers are dead once it returns. False when unknown."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep is not None and not keep()
