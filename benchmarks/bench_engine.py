@@ -1,10 +1,12 @@
 """Issue: the recurrent engine at vendor speed. Seed shape (512 -> 256x2, T=800, B=32), fp32, one process.
 
 Candidates (bidirectional, 1 layer): torch.nn.LSTM padded (vendor kernel, the anchor); the engine
-with all options off; the engine with layer_norm=True; the same LayerNorm-LSTM as a per-step loop
-through autograd (the users' way, ``lstm_reference``); the engine with layer_norm=True and
-lengths uniform in [400, 800], and the same with options off next to the foundation's lengths path
-(segments of torch's fused kernel, ``varlen_rnn``). Timing run interleaved (check=False, since the candidates compute
+with all options off (called directly: the module sends options off without lengths to torch's
+kernel); through the public module API ``fastlayers.LSTM(..., layer_norm=True)(x)``; the same
+LayerNorm-LSTM as a per-step loop through autograd (the users' way, ``lstm_reference``); the
+module with layer_norm=True and lengths uniform in [400, 800], and the module with options off and
+those lengths (the engine) next to the foundation's lengths path (segments of torch's fused
+kernel, ``varlen_rnn``). Timing run interleaved (check=False, since the candidates compute
 different functions); then each pair that must agree is checked with the harness (repeats=1).
 
     python benchmarks/bench_engine.py [--repeats 5] [--size seed|small]
@@ -40,6 +42,17 @@ class Engine(nn.Module):
         states = (zeros, zeros) if self.rnn.mode == "LSTM" else (zeros,)
         return self.impl(x, states, self.rnn._layer_parameters(), lengths if self.use_lengths else None,
                          self.options, training=True)[0]
+
+
+class Module(nn.Module):
+    """The public module API: ``rnn(x, lengths=lengths)[0]`` (lengths passed or dropped)."""
+
+    def __init__(self, rnn, use_lengths: bool) -> None:
+        super().__init__()
+        self.rnn, self.use_lengths = rnn, use_lengths
+
+    def forward(self, x, lengths):
+        return self.rnn(x, lengths=lengths if self.use_lengths else None)[0]
 
 
 class Segments(nn.Module):
@@ -99,11 +112,11 @@ def main() -> int:
     candidates = {
         "torch.nn.LSTM padded (vendor)": Vendor(vendor),
         "engine, options off": Engine(plain, off, False),
-        "engine, layer_norm": Engine(ln, lnopt, False),
+        "fastlayers.LSTM(layer_norm=True)": Module(ln, False),
         "LayerNorm-LSTM per-step autograd loop": Engine(ln, lnopt, False, impl=lstm_reference),
-        "engine, layer_norm + lengths": Engine(ln, lnopt, True),
-        "engine, options off + lengths": Engine(plain, off, True),
-        "fastlayers.LSTM lengths (segment path)": Segments(plain),
+        "fastlayers.LSTM(layer_norm=True) + lengths": Module(ln, True),
+        "fastlayers.LSTM + lengths (engine)": Module(plain, True),
+        "segment path + lengths": Segments(plain),
     }
     rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=True,
                   workload=f"engine (BLSTM {d} -> {h}x2, T={t}, B={b})", progress=say)
@@ -113,11 +126,11 @@ def main() -> int:
         print(f"{name}: fwd+bwd {rep.ratio(name, anchor):.2f}x vendor, fwd {rep.ratio(name, anchor, 'forward'):.2f}x; "
               f"peak {rep[name].peak_memory_bytes / 2**20:.0f} MiB vs vendor {rep[anchor].peak_memory_bytes / 2**20:.0f} MiB")
     print(f"per-step loop / engine layer_norm (fwd+bwd): "
-          f"{rep.ratio('LayerNorm-LSTM per-step autograd loop', 'engine, layer_norm'):.1f}x")
+          f"{rep.ratio('LayerNorm-LSTM per-step autograd loop', 'fastlayers.LSTM(layer_norm=True)'):.1f}x")
     # correctness at this shape: pairs that compute the same function
     for pair in (("torch.nn.LSTM padded (vendor)", "engine, options off"),
-                 ("LayerNorm-LSTM per-step autograd loop", "engine, layer_norm"),
-                 ("fastlayers.LSTM lengths (segment path)", "engine, options off + lengths")):
+                 ("LayerNorm-LSTM per-step autograd loop", "fastlayers.LSTM(layer_norm=True)"),
+                 ("segment path + lengths", "fastlayers.LSTM + lengths (engine)")):
         chk = compare({k: candidates[k] for k in pair}, make_inputs, repeats=1, warmup=0, memory=False,
                       workload="check " + " vs ".join(pair), progress=say)
         errs = {r.name: (r.output_error, max(r.grad_errors.values())) for r in chk.results}

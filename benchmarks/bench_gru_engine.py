@@ -1,9 +1,10 @@
 """Issue: the recurrent engine — GRU options at the seed shape (512 -> 256x2, T=800, B=32), fp32, one process.
 
 Candidates (bidirectional, 1 layer, x requires grad): torch.nn.GRU padded (vendor kernel, the
-anchor); the engine with all options off; with layer_norm=True; with layer_norm and lengths
-uniform in [400, 800]. Timing run interleaved (check=False: the candidates compute different
-functions), then the engine with options off is checked against torch.nn.GRU in float64.
+anchor); the engine with all options off (called directly); through the module API
+``fastlayers.GRU(..., layer_norm=True)``, without and with lengths uniform in [400, 800]. Timing
+run interleaved (check=False: the candidates compute different functions), then the engine with
+options off is checked against torch.nn.GRU in float64.
 
     python benchmarks/bench_gru_engine.py [--repeats 5] [--size seed|small]
 """
@@ -19,7 +20,7 @@ import fastlayers
 from fastlayers.bench import compare
 from fastlayers.rnn._options import CellOptions
 
-from bench_engine import Engine, Vendor, say, setup  # the same shapes, modules and inputs as the LSTM engine bench
+from bench_engine import Engine, Module, Vendor, say, setup  # the same shapes, modules and inputs as the LSTM engine bench
 
 
 def main() -> int:
@@ -28,8 +29,8 @@ def main() -> int:
     candidates = {
         anchor: Vendor(vendor),
         "engine GRU, options off": Engine(plain, CellOptions(), False),
-        "engine GRU, layer_norm": Engine(ln, ln.options, False),
-        "engine GRU, layer_norm + lengths": Engine(ln, ln.options, True),
+        "fastlayers.GRU(layer_norm=True)": Module(ln, False),
+        "fastlayers.GRU(layer_norm=True) + lengths": Module(ln, True),
     }
     rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=True,
                   workload=f"GRU engine (BGRU {d} -> {h}x2, T={t}, B={b})", progress=say)

@@ -1,16 +1,16 @@
 """Issue: fused recurrent engine — two routes for the fused per-step update, measured side by side.
 
 The recurrent part of a LayerNorm-LSTM layer at the seed shape (both directions D=2, B=32, H=256,
-G=4H) over K=100 steps, input pre-activations given: per step the recurrent GEMM
-(D, B, H) x (D, H, G) plus the pointwise update (recurrent LayerNorm, gates, cell, cell
-LayerNorm, h). Candidates differ only in how the per-step update is fused, all with autograd
-through every input:
+G=4H) over K=100 steps: the input projection (one batched GEMM of the K*B rows, F=H features),
+then per step the recurrent GEMM (D, B, H) x (D, H, G) plus the pointwise update (recurrent
+LayerNorm, gates, cell, cell LayerNorm, h). Candidates differ only in how the per-step update is
+fused, all with autograd through every input:
 
 * eager torch ops (the reference: ~15 small kernels and their autograd nodes per step);
-* ``torch.compile`` of the same function (Inductor generates and compiles fused C++ for the
+* ``torch.compile`` of the same step function (Inductor generates and compiles fused C++ for the
   forward and the backward; first call timed separately: that is the compile cost);
 * the engine's route: one GEMM + one C kernel (``_native/lstm.c``), hand-written backward
-  (:class:`fastlayers.rnn._engine.LSTMRecurrence` on a one-step sequence).
+  (:class:`fastlayers.rnn._recurrence.LSTMRecurrence`, all K*B rows active).
 
     python benchmarks/bench_step_fusion.py [--repeats 20] [--steps 100]
 """
@@ -40,19 +40,21 @@ def step(xp, h0, c0, w_hh, gh, gc, bc):
 
 
 def loop(step_fn):
-    def run(xp, h0, c0, w_hh, gh, gc, bc):  # xp (D, K, B, G)
+    def run(x, w_ih, h0, c0, w_hh, gh, gc, bc):  # x (D, K, B, F)
+        dirs, steps, batch, _ = x.shape
+        xp = torch.bmm(x.reshape(dirs, steps * batch, -1), w_ih.transpose(1, 2)).view(dirs, steps, batch, -1)
         h, c, ys = h0, c0, []
-        for t in range(xp.size(1)):
+        for t in range(steps):
             h, c = step_fn(xp[:, t], h, c, w_hh, gh, gc, bc)
             ys.append(h)
         return torch.stack(ys, 1), h, c
     return run
 
 
-def engine(xp, h0, c0, w_hh, gh, gc, bc):
-    dirs, steps, batch, gsize = xp.shape  # all rows active: the packed rows are (D, K*B, G)
-    y, h, c = LSTMRecurrence.apply(xp.reshape(dirs, steps * batch, gsize), h0, c0, w_hh, gh, gc, bc, None, None,
-                                   None, None, None, (batch,) * steps, (0.0, 0.0, 0.0, 0.0))
+def engine(x, w_ih, h0, c0, w_hh, gh, gc, bc):
+    dirs, steps, batch, _ = x.shape  # all rows active: the packed rows are (D, K*B, F)
+    y, h, c = LSTMRecurrence.apply(x.reshape(dirs, steps * batch, -1), w_ih, None, None, h0, c0, w_hh, gh, gc, bc,
+                                   None, None, None, None, None, (batch,) * steps, (0.0, 0.0, 0.0, 0.0))
     return y.view(dirs, steps, batch, -1), h, c
 
 
@@ -66,14 +68,16 @@ def main() -> int:
     def make_inputs():
         g = torch.Generator().manual_seed(0)
         r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=g)).requires_grad_(True)  # noqa: E731
-        return {"xp": r(dirs, steps, batch, 4 * hidden), "h0": r(dirs, batch, hidden, scale=0.5),
+        return {"x": r(dirs, steps, batch, hidden), "w_ih": r(dirs, 4 * hidden, hidden, scale=hidden ** -0.5),
+                "h0": r(dirs, batch, hidden, scale=0.5),
                 "c0": r(dirs, batch, hidden), "w_hh": r(dirs, 4 * hidden, hidden, scale=hidden ** -0.5),
                 "gh": r(dirs, 4 * hidden), "gc": r(dirs, hidden), "bc": r(dirs, hidden)}
 
     compiled = torch.compile(step, dynamic=False)
     inputs = make_inputs()
     start = time.perf_counter()
-    h, c = compiled(**{k: v[:, 0] if k == "xp" else v for k, v in inputs.items()})
+    xp0 = torch.bmm(inputs["x"][:, 0], inputs["w_ih"].transpose(1, 2))
+    h, c = compiled(xp0, *(inputs[k] for k in ("h0", "c0", "w_hh", "gh", "gc", "bc")))
     (h.sum() + c.sum()).backward()
     first = time.perf_counter() - start
     print(f"torch.compile first call (forward + backward compile): {first:.1f} s", flush=True)

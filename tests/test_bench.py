@@ -193,3 +193,50 @@ def test_cli_list(capsys):
     out = capsys.readouterr().out
     for name in WORKLOADS:
         assert name in out
+
+
+def test_positional_inputs_and_function_apply_candidates():
+    """make_inputs may return a tuple (positional arguments, named by position); a candidate may then be an
+    autograd.Function's apply, which takes no keywords."""
+    class Mul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.save_for_backward(x, y)
+            return x * y
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, y = ctx.saved_tensors
+            return grad * y, grad * x
+
+    def make():
+        return torch.randn(4, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+
+    rep = compare({"torch": torch.mul, "function": Mul.apply}, make, repeats=1, memory=False,
+                  cliff_threshold=float("inf"))
+    assert [r.flags for r in rep.results] == [[], []]
+    assert set(rep["function"].grad_errors) == {"input:0", "input:1"}
+    rep = compare({"a": torch.mul}, lambda: [torch.ones(2, requires_grad=True), torch.ones(2)], repeats=1,
+                  memory=False, cliff_threshold=float("inf"))
+    assert set(rep["a"].grad_errors) == {"input:0"}
+
+
+def test_make_inputs_of_another_type_is_a_type_error():
+    with pytest.raises(TypeError, match=r"make_inputs: expected it to return a dict \(keyword arguments\) or a "
+                                        r"tuple/list \(positional arguments\) of tensors, got Tensor"):
+        compare({"a": torch.tanh}, lambda: torch.ones(2), repeats=1, memory=False)
+
+
+@pytest.mark.subprocess
+def test_memory_measurement_prints_nothing_from_the_profiler():
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom fastlayers.bench import compare\n"
+            "compare({'a': torch.tanh}, lambda: {'x': torch.ones(8, requires_grad=True)}, repeats=1)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
+    proc = subprocess.run([sys.executable, "-m", "fastlayers.cli", "bench", "attention", "--size", "small",
+                           "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "USDT" not in proc.stdout + proc.stderr and "profiler_start" not in proc.stderr

@@ -32,6 +32,7 @@ def test_repeated_calls_are_bitwise_equal(case):
             assert torch.equal(grads[name], grads2[name]), name
 
 
+@pytest.mark.subprocess
 def test_results_are_bitwise_equal_across_processes():
     here = Path(__file__).parent
     threads = torch.get_num_threads()

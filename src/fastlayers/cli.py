@@ -1,4 +1,4 @@
-"""Command line: ``fastlayers demo`` and ``fastlayers bench``."""
+"""Command line: ``fastlayers demo``, ``fastlayers train`` and ``fastlayers bench``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,53 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .train import CheckpointError, TrainConfig, run
+
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "unidirectional")}
+    try:
+        cfg = TrainConfig(bidirectional=not args.unidirectional, **options)
+    except ValueError as e:
+        raise SystemExit(f"fastlayers train: {e}") from None
+    try:
+        run(cfg)
+    except CheckpointError as e:
+        raise SystemExit(f"fastlayers train: {e}") from None
+    return 0
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from .train._config import CELLS, DATASETS, HEADS, PRECISIONS, TrainConfig
+
+    d = TrainConfig()
+    p.add_argument("--dataset", choices=DATASETS, default=d.dataset,
+                   help="digits: Free Spoken Digit Dataset (13 MFCCs, 10 classes); vowels: UCI Japanese Vowels "
+                        "(12 LPC coefficients, 9 speakers)")
+    p.add_argument("--cell", choices=CELLS, default=d.cell)
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--unidirectional", action="store_true", help="one direction (default: bidirectional)")
+    p.add_argument("--layer-norm", action="store_true")
+    p.add_argument("--peephole", action="store_true", help="LSTM only")
+    p.add_argument("--cell-clip", type=float, default=None, help="LSTM only")
+    p.add_argument("--zoneout", type=float, default=d.zoneout)
+    p.add_argument("--recurrent-dropout", type=float, default=d.recurrent_dropout)
+    p.add_argument("--dropout", type=float, default=d.dropout, help="between layers")
+    p.add_argument("--head", choices=HEADS, default=d.head, help="final states, or attention pooling over the outputs")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--precision", choices=PRECISIONS, default=d.precision)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=str(d.out), help="output directory (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps; 0: at epoch ends only")
+    p.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
+    p.add_argument("--resume", action="store_true", help="continue from the newest loadable checkpoint in --out")
+    p.add_argument("--max-samples", type=int, default=None, help="train on the first N training sequences")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after N optimisation steps")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench import _cli
 
@@ -34,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--hidden-size", type=int, default=64)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+    train = sub.add_parser("train", help="train a sequence classifier on real recordings (checkpoints, --resume, "
+                                         "torchrun for several processes)")
+    _add_train_arguments(train)
+    train.set_defaults(func=_train)
     bench = sub.add_parser("bench", help="verified speed comparison on a seed workload")
     from .bench._cli import add_arguments
 

@@ -13,7 +13,7 @@ import copy
 import gc
 import io
 import json
-import platform
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,8 +22,36 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-Inputs = Mapping[str, Tensor]
+from .._system import cpu_name
+
 Candidate = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What ``make_inputs`` returned: positional ``args`` and keyword ``kwargs`` of every call."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @classmethod
+    def of(cls, value: object) -> "Inputs":
+        if isinstance(value, Mapping):
+            return cls((), dict(value))
+        if isinstance(value, (tuple, list)):
+            return cls(tuple(value), {})
+        raise TypeError(f"make_inputs: expected it to return a dict (keyword arguments) or a tuple/list (positional "
+                        f"arguments) of tensors, got {type(value).__name__}")
+
+    def call(self, fn: Candidate) -> Any:
+        return fn(*self.args, **self.kwargs)
+
+    def named(self) -> dict[str, Any]:
+        """Every input by name: the keyword, or the position for positional ones."""
+        return {**{str(i): a for i, a in enumerate(self.args)}, **self.kwargs}
+
+    def map(self, f: Callable[[Any], Any]) -> "Inputs":
+        return Inputs(tuple(f(a) for a in self.args), {k: f(v) for k, v in self.kwargs.items()})
 
 
 @dataclass
@@ -162,17 +190,6 @@ def _summarise_flags(flags: list[str]) -> str:
     return ", ".join(parts) or "ok"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -192,7 +209,7 @@ def _outputs(value: Any) -> list[Tensor]:
 
 
 def _differentiables(fn: Candidate, inputs: Inputs) -> dict[str, Tensor]:
-    named = {f"input:{k}": v for k, v in inputs.items() if isinstance(v, Tensor) and v.requires_grad}
+    named = {f"input:{k}": v for k, v in inputs.named().items() if isinstance(v, Tensor) and v.requires_grad}
     if isinstance(fn, nn.Module):
         named.update({f"param:{k}": p for k, p in fn.named_parameters() if p.requires_grad})
     return named
@@ -206,7 +223,7 @@ def _clear_grads(tensors: Iterable[Tensor]) -> None:
 def _run(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], backward: bool) -> list[Tensor]:
     """One call, plus one backward with ``cotangents``. Time it with cotangents already in the
     outputs' dtypes (:func:`_cast`): a cast here would be timed and counted as memory."""
-    outs = _outputs(fn(**inputs))
+    outs = _outputs(inputs.call(fn))
     if backward:
         pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cotangents) if o.requires_grad]
         if pairs:
@@ -233,14 +250,14 @@ def _rel_err(got: Tensor, want: Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _to_dtype(fn: Candidate, inputs: Inputs, dtype: torch.dtype) -> tuple[Candidate, dict[str, Tensor]]:
+def _to_dtype(fn: Candidate, inputs: Inputs, dtype: torch.dtype) -> tuple[Candidate, Inputs]:
     def cast(t: Tensor) -> Tensor:
         if not isinstance(t, Tensor) or not t.is_floating_point():
             return t
         return t.detach().to(dtype).requires_grad_(t.requires_grad)
 
     fn2 = copy.deepcopy(fn).to(dtype) if isinstance(fn, nn.Module) else fn
-    return fn2, {k: cast(v) for k, v in inputs.items()}
+    return fn2, inputs.map(cast)
 
 
 def _peak_memory(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], device: torch.device) -> int | None:
@@ -261,6 +278,9 @@ def _peak_memory(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], device
         return torch.cuda.max_memory_allocated(device) - start
     if device.type != "cpu":
         return None
+    # Kineto prints "USDT: ... profiler_start / profiler_stop" on stderr at every profile unless its
+    # log level, read once when the profiler first starts in the process, is above those lines'
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -281,7 +301,7 @@ def _peak_memory(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], device
 
 def compare(
     candidates: Mapping[str, Candidate],
-    make_inputs: Callable[[], Inputs],
+    make_inputs: Callable[[], Mapping[str, Tensor] | tuple | list],
     *,
     reference: str | Candidate | None = None,
     reference_dtype: torch.dtype | None = torch.float64,
@@ -298,10 +318,11 @@ def compare(
     """Check that candidates agree in value and gradient, then time forward and forward+backward.
 
     Args:
-        candidates: name -> callable taking the inputs as keyword arguments and returning a tensor
+        candidates: name -> callable taking the inputs (as ``make_inputs`` gives them) and returning a tensor
             or a tuple of tensors. An ``nn.Module`` candidate also has its parameters' gradients
             compared, by parameter name, so give candidates the same weights.
-        make_inputs: returns name -> tensor; tensors with ``requires_grad`` get their gradients
+        make_inputs: returns the inputs of every call: a dict name -> tensor (keyword arguments) or a
+            tuple/list (positional arguments; named by position); tensors with ``requires_grad`` get their gradients
             compared. Called once; every candidate sees the same tensors.
         reference: the oracle: None (the first candidate), a candidate's name, or another
             callable; evaluated in ``reference_dtype`` (float64; None keeps the inputs' dtype).
@@ -319,6 +340,10 @@ def compare(
 
     Returns:
         A :class:`Report`.
+
+    Raises:
+        TypeError: ``make_inputs`` returned something other than a dict, tuple or list.
+        ValueError: no candidates, or a reference name that is not a candidate.
     """
     if not candidates:
         raise ValueError("candidates: expected at least one name -> callable, got none")
@@ -326,8 +351,8 @@ def compare(
     if isinstance(reference, str) and reference not in candidates:
         raise ValueError(f"reference: expected a candidate name {list(candidates)}, got {reference!r}")
     torch.manual_seed(seed)
-    inputs = dict(make_inputs())
-    tensors = [v for v in inputs.values() if isinstance(v, Tensor)]
+    inputs = Inputs.of(make_inputs())
+    tensors = [v for v in inputs.named().values() if isinstance(v, Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     floats = [t for t in tensors if t.is_floating_point()]
     dtype = floats[0].dtype if floats else torch.float32
@@ -343,7 +368,7 @@ def compare(
         say(f"reference {ref_name}")
         ref_fn = candidates[reference] if isinstance(reference, str) else (reference or next(iter(candidates.values())))
         ref_fn, ref_inputs = _to_dtype(ref_fn, inputs, reference_dtype) if reference_dtype else (ref_fn, inputs)
-        ref_outs = _outputs(ref_fn(**ref_inputs))
+        ref_outs = _outputs(ref_inputs.call(ref_fn))
         g = torch.Generator().manual_seed(seed)
         cotangents = [torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device) for o in ref_outs]
         ref_diffs = _differentiables(ref_fn, ref_inputs)
@@ -381,7 +406,7 @@ def compare(
     for name, fn in candidates.items():
         if name not in cast:  # no check run: one untimed forward gives the outputs' shapes and dtypes
             with torch.no_grad():
-                cast[name] = _cast(cotangents, _outputs(fn(**inputs)), made)
+                cast[name] = _cast(cotangents, _outputs(inputs.call(fn)), made)
     names = list(candidates)
     for rep in range(-warmup, repeats):
         shift = rep % len(names)  # rotate the order every run: no candidate always follows the same one
@@ -415,7 +440,7 @@ def compare(
         device=str(device),
         threads=torch.get_num_threads(),
         torch_version=torch.__version__,
-        cpu=_cpu_name(),
+        cpu=cpu_name(),
         repeats=repeats,
         warmup=warmup,
         reference=f"{ref_name} in {str(reference_dtype).replace('torch.', '') if reference_dtype else dtype}",

@@ -12,8 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .. import LocallyConnected2d
-from ..data import load_digits_8x8
-from .speech import stratified_split
+from ..data import load_digits_8x8, stratified_split
 
 
 @dataclass

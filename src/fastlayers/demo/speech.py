@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from tqdm import tqdm
 
 from .. import LSTM
-from ..data import load_spoken_digits
+from ..data import Sequences, batches, load_spoken_digits, pad_batch, stratified_split
 
 
 @dataclass
@@ -51,34 +51,6 @@ class DigitClassifier(nn.Module):
         return self.head(torch.cat([h[-2], h[-1]], dim=1))
 
 
-def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of a stratified split: test_fraction of every class goes to the test set."""
-    rng = np.random.default_rng(seed)
-    train, test = [], []
-    for c in np.unique(labels):
-        idx = rng.permutation(np.flatnonzero(labels == c))
-        n_test = int(round(test_fraction * idx.size))
-        test.append(idx[:n_test])
-        train.append(idx[n_test:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
-
-
-def pad_batch(features: list[np.ndarray]) -> tuple[Tensor, Tensor]:
-    """(B, T_max, 13) zero-padded float32 batch and its (B,) int64 lengths."""
-    lengths = torch.tensor([f.shape[0] for f in features], dtype=torch.int64)
-    x = torch.zeros(len(features), int(lengths.max()), features[0].shape[1])
-    for i, f in enumerate(features):
-        x[i, : f.shape[0]] = torch.from_numpy(f)
-    return x, lengths
-
-
-def _batches(features, labels, order, batch_size):
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        x, lengths = pad_batch([features[i] for i in idx])
-        yield x, lengths, torch.from_numpy(labels[idx])
-
-
 def train_and_evaluate(cfg: Config, packed: bool, data, train_idx, test_idx, init_state=None, desc=""):
     torch.manual_seed(cfg.seed)
     model = DigitClassifier(cfg.hidden_size, packed=packed)
@@ -89,11 +61,10 @@ def train_and_evaluate(cfg: Config, packed: bool, data, train_idx, test_idx, ini
     start = time.perf_counter()
     for epoch in range(cfg.epochs):
         model.train()
-        order = train_idx[rng.permutation(train_idx.size)]
-        n_batches = -(-order.size // cfg.batch_size)
-        bar = tqdm(_batches(data.features, data.labels, order, cfg.batch_size), total=n_batches,
-                   desc=f"{desc} epoch {epoch + 1}/{cfg.epochs}", leave=False)
-        for x, lengths, y in bar:
+        order = batches(train_idx[rng.permutation(train_idx.size)], cfg.batch_size)
+        bar = tqdm(order, desc=f"{desc} epoch {epoch + 1}/{cfg.epochs}", leave=False)
+        for idx in bar:
+            x, lengths, y = pad_batch(data, idx)
             loss = nn.functional.cross_entropy(model(x, lengths), y)
             opt.zero_grad()
             loss.backward()
@@ -103,7 +74,8 @@ def train_and_evaluate(cfg: Config, packed: bool, data, train_idx, test_idx, ini
     model.eval()
     correct = 0
     with torch.no_grad():
-        for x, lengths, y in _batches(data.features, data.labels, test_idx, 256):
+        for idx in batches(test_idx, 256):
+            x, lengths, y = pad_batch(data, idx)
             correct += int((model(x, lengths).argmax(1) == y).sum())
     return model, correct / test_idx.size, train_time
 
@@ -115,7 +87,7 @@ def run(cfg: Config | None = None) -> dict[str, float]:
     frames = np.concatenate([data.features[i] for i in train_idx])
     mean, std = frames.mean(0), frames.std(0) + 1e-6
     features = [((f - mean) / std).astype(np.float32) for f in data.features]
-    data = type(data)(features=features, labels=data.labels, lengths=data.lengths)
+    data = Sequences(features=features, labels=data.labels, lengths=data.lengths)
     print(f"Free Spoken Digit Dataset, 13 MFCCs/frame: {train_idx.size} train / {test_idx.size} test recordings, "
           f"{int(data.lengths.min())}-{int(data.lengths.max())} frames, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")

@@ -103,12 +103,16 @@ class LSTMRecurrence(torch.autograd.Function):
         # every row of these gets written; the cell state before each step needs its own copy only
         # when zoneout mixes in c0 (otherwise it is the previous step's c1)
         slab, buf = _pool.views(dict(
-            xp=(dirs, rows, gsize), gates=(dirs, rows, gsize), c1=(dirs, rows, hidden), hd=(dirs, rows, out_size),
-            xstat=(dirs, rows, 2) if gx is not None else None, rhat=(dirs, rows, gsize) if gh is not None else None,
-            rrstd=(dirs, rows) if gh is not None else None, cstat=(dirs, rows, 2) if gc is not None else None,
-            chist=(dirs, rows, hidden) if zc is not None or zc_const else None,
-            y1=(dirs, rows, hidden) if proj else None, r=(dirs * first * gsize,)), xs)
-        xp, r = buf["xp"], buf["r"]
+            xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), c1=(dirs, rows, hidden),
+            hd=(dirs, rows, out_size), xstat=(dirs, rows, 2) if gx is not None else None,
+            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
+            cstat=(dirs, rows, 2) if gc is not None else None,
+            chist=(dirs, rows, hidden) if zc is not None or zc_const else None, y1=(dirs, rows, hidden) if proj else None),
+            xs)
+        # the forward's own work space: the recurrent product, and the projection unless the backward
+        # needs it (it does with the input LayerNorm)
+        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)), xs)
+        xp, r = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"]
         if gx is None and bias is not None:
             torch.baddbmm(bias.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
         else:  # with LayerNorm the kernel normalises W_ih x, then adds the bias
@@ -123,7 +127,7 @@ class LSTMRecurrence(torch.autograd.Function):
         hd[:, :first] = h * rmask if rmask is not None else h
         w_t = w_hh.transpose(1, 2)
         offsets = _offsets(active)
-        P_ = {k: _steps(v, offsets) for k, v in {**buf, "y1": y1, "zc": zc, "zh": zh}.items() if k != "r"}
+        P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
         fixed = (address(gh), address(gc), address(bc), address(peep), clip, EPS)
         last = len(active) - 1
         for t, n in enumerate(active):
@@ -146,6 +150,7 @@ class LSTMRecurrence(torch.autograd.Function):
                 if t < last:
                     nxt = h[:, :n_next] * rmask[:, :n_next] if rmask is not None else h[:, :n_next]
                     hd[:, o + n:o + n + n_next] = nxt
+        _pool.give(tmp_slab)
         ctx.save_for_backward(xs, w_ih, gx, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep)
         ctx.buf, ctx.release = buf, _pool.hold(ctx, slab)
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
@@ -185,8 +190,7 @@ class LSTMRecurrence(torch.autograd.Function):
         dy1, dhp = (tmp["dy1"], tmp["dhp"]) if proj else (dy, None)
         dhk = gates.new_zeros(dirs, batch, hidden) if proj else dh
         offsets = ctx.offsets
-        P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy1": dy1, "zc": zc, "zh": zh, "dpre": dpre, "dr": dr}.items()
-              if k != "r"}
+        P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy1": dy1, "zc": zc, "zh": zh, "dpre": dpre, "dr": dr}.items()}
         fixed = (address(dn), address(acc_gx), address(acc_b), address(acc_gh), address(acc_gc), address(acc_bc),
                  address(acc_peep), threads)
         for t in range(len(ctx.active) - 1, -1, -1):
@@ -253,11 +257,12 @@ class GRURecurrence(torch.autograd.Function):
         h = h0.contiguous().clone()
         y = xs.new_empty(dirs, rows, hidden)
         slab, buf = _pool.views(dict(  # every row of these gets written
-            xp=(dirs, rows, gsize), gates=(dirs, rows, gsize), hbn=(dirs, rows, hidden), hist=(dirs, rows, hidden),
-            hd=(dirs, rows, hidden), xstat=(dirs, rows, 2) if gx is not None else None,
-            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
-            r=(dirs * first * gsize,)), xs)
-        xp, r, hd = buf["xp"], buf["r"], buf["hd"]
+            xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), hbn=(dirs, rows, hidden),
+            hist=(dirs, rows, hidden), hd=(dirs, rows, hidden), xstat=(dirs, rows, 2) if gx is not None else None,
+            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None), xs)
+        # the forward's own work space (the projection is saved only for the input LayerNorm's backward)
+        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)), xs)
+        xp, r, hd = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"]
         if gx is None and b_ih is not None:
             torch.baddbmm(b_ih.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
         else:  # with LayerNorm the kernel normalises W_ih x, then adds b_ih
@@ -268,7 +273,7 @@ class GRURecurrence(torch.autograd.Function):
         hd[:, :first] = h * rmask if rmask is not None else h
         w_t = w_hh.transpose(1, 2)
         offsets = _offsets(active)
-        P_ = {k: _steps(v, offsets) for k, v in {**buf, "y": y, "zh": zh}.items() if k != "r"}
+        P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
         last = len(active) - 1
         for t, n in enumerate(active):
             o = offsets[t]
@@ -277,6 +282,7 @@ class GRURecurrence(torch.autograd.Function):
                 address(gx), address(b_ih), rt.data_ptr(), h.data_ptr(), address(rmask), address(b_hh), P_["y"][t],
                 P_["gates"][t], P_["hbn"][t], P_["hist"][t], P_["hd"][t + 1] if t < last else None, P_["rhat"][t],
                 P_["rrstd"][t], address(gh), EPS, P_["zh"][t], zh_const, threads)
+        _pool.give(tmp_slab)
         ctx.save_for_backward(xs, w_ih, gx, w_hh, gh, rmask, zh)
         ctx.buf, ctx.release = buf, _pool.hold(ctx, slab)
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
@@ -306,8 +312,7 @@ class GRURecurrence(torch.autograd.Function):
         acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias[0] and need[3] else None
         acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
         offsets = ctx.offsets
-        P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()
-              if k != "r"}
+        P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
         for t in range(len(ctx.active) - 1, -1, -1):
             n, o = ctx.active[t], offsets[t]
             bwd(dirs, batch, n, hidden, rows, P_["dy"][t], dh.data_ptr(), P_["hist"][t], P_["gates"][t], P_["hbn"][t],

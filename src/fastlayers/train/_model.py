@@ -1,0 +1,42 @@
+"""The sequence classifier ``fastlayers train`` builds from fastlayers layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import GRU, LSTM, AttentionPooling
+from ._config import TrainConfig
+
+
+class SequenceClassifier(nn.Module):
+    """Recurrent encoder over a padded batch with lengths, then a classification head.
+
+    encoder: :class:`fastlayers.LSTM` or :class:`fastlayers.GRU` (batch_first, with the cell
+    options of the config); head ``"final"``: a linear layer on the last layer's final states of
+    both directions; ``"attention"``: :class:`fastlayers.AttentionPooling` (additive score) over
+    the outputs, queried by those final states, then the linear layer.
+
+    Forward: x (B, T, F), lengths (B,) int64 -> logits (B, num_classes).
+    """
+
+    def __init__(self, cfg: TrainConfig, num_features: int, num_classes: int) -> None:
+        super().__init__()
+        options = dict(layer_norm=cfg.layer_norm, zoneout=cfg.zoneout or None, recurrent_dropout=cfg.recurrent_dropout)
+        if cfg.cell == "lstm":
+            options.update(peephole=cfg.peephole, cell_clip=cfg.cell_clip)
+        cls = LSTM if cfg.cell == "lstm" else GRU
+        self.encoder = cls(num_features, cfg.hidden_size, num_layers=cfg.num_layers, batch_first=True,
+                           bidirectional=cfg.bidirectional, dropout=cfg.dropout, **options)
+        self.directions = 2 if cfg.bidirectional else 1
+        width = self.directions * cfg.hidden_size
+        self.pool = AttentionPooling(width, score="additive") if cfg.head == "attention" else None
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        out, state = self.encoder(x, lengths=lengths)
+        h_n = state[0] if isinstance(state, tuple) else state
+        final = torch.cat(list(h_n[-self.directions:]), dim=1)  # (B, D*H)
+        if self.pool is not None:
+            final, _ = self.pool(final, out, out, lengths)
+        return self.head(final)

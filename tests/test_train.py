@@ -1,0 +1,218 @@
+"""``fastlayers train``: runs, metrics, checkpoints that survive SIGKILL, resume, several processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from fastlayers.train import CheckpointError, SequenceClassifier, TrainConfig, load_checkpoint
+from fastlayers.train._checkpoint import list_checkpoints, load_latest, save_checkpoint
+from fastlayers.data import batches
+from fastlayers.train._data import epoch_order
+
+pytestmark = pytest.mark.subprocess  # other processes: the poisoned pass's settings do not reach them
+
+# a small run: 96 of the 243 Japanese Vowels training utterances, 6 steps per epoch
+SMALL = ["--dataset", "vowels", "--max-samples", "96", "--batch-size", "16", "--hidden-size", "12", "--epochs", "5",
+         "--zoneout", "0.1", "--layer-norm", "--head", "attention", "--checkpoint-every", "1", "--keep", "3"]
+
+
+def _cli(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fastlayers.cli", "train", *SMALL, "--out", str(out), *extra]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONUNBUFFERED": "1"}
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def _metrics(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    proc = subprocess.run(_cli(out), capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out, proc.stdout
+
+
+def test_a_run_writes_metrics_curves_summary_and_model(uninterrupted):
+    out, stdout = uninterrupted
+    rows = _metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["step"] == 30
+    assert all(0 <= r["train_accuracy"] <= 1 and r["train_loss"] > 0 for r in rows)
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]  # it learns
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0 < summary["test_accuracy"] <= 1 and summary["steps"] == 30 and summary["processes"] == 1
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "test: loss" in stdout and "epoch 5/5" in stdout
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step-{s:08d}.pt" for s in (28, 29, 30)]
+    assert not list((out / "checkpoints").glob(".*"))  # no temporary files left
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sigkill_at_a_random_moment_then_resume_gives_the_same_weights(uninterrupted, tmp_path, seed):
+    full, _ = uninterrupted
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cli(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    deadline = time.monotonic() + 300
+    while not list_checkpoints(out / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(random.Random(seed).uniform(0.0, 0.4))  # somewhere in the middle of training
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    files = list_checkpoints(out / "checkpoints")
+    assert files, "killed before the first checkpoint"
+    assert not (out / "summary.json").exists(), "the run had finished before the kill"
+    for path in files:  # every checkpoint on disk loads
+        assert load_checkpoint(path)["progress"]["global_step"] == int(path.stem.split("-")[1])
+    resumed = subprocess.run(_cli(out, "--resume"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    theirs, ours = _weights(full), _weights(out)
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    assert _metrics(out) == _metrics(full)
+
+
+def test_corrupt_checkpoint_is_named_and_the_previous_good_one_is_used(uninterrupted, tmp_path):
+    full, _ = uninterrupted
+    out = tmp_path / "run"
+    stopped = subprocess.run(_cli(out, "--max-steps", "13"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    newest = list_checkpoints(out / "checkpoints")[-1]
+    assert newest.name == "step-00000013.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, as by a failing disk
+    with pytest.raises(CheckpointError, match=r"step-00000013\.pt: not a loadable checkpoint, truncated or corrupt"):
+        load_checkpoint(newest)
+    resumed = subprocess.run(_cli(out, "--resume"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "step-00000013.pt: not a loadable checkpoint" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-00000012.pt" in resumed.stdout
+    theirs, ours = _weights(full), _weights(out)
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+
+def test_no_loadable_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "step-00000001.pt").write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* loads: .*step-00000001\.pt: not a loadable"):
+        load_latest(tmp_path, warn=lambda m: None)
+    torch.save({"hello": 1}, tmp_path / "step-00000002.pt")
+    with pytest.raises(CheckpointError, match=r"step-00000002\.pt: not a fastlayers train checkpoint"):
+        load_checkpoint(tmp_path / "step-00000002.pt")
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(uninterrupted, tmp_path):
+    full, _ = uninterrupted
+    out = tmp_path / "run"
+    shutil.copytree(full / "checkpoints", out / "checkpoints")
+    other = [a if a != "12" else "16" for a in _cli(out, "--resume")]  # another hidden size
+    proc = subprocess.run(other, capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode != 0
+    assert "written by a run with other settings" in proc.stderr and "'hidden_size': (12, 16)" in proc.stderr
+
+
+def test_atomic_save_keeps_the_newest(tmp_path):
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, {"x": torch.tensor([step])}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004.pt", "step-00000005.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.pt", "step-00000005.pt"]
+
+
+def test_epoch_order_is_seeded_and_split_across_processes():
+    assert epoch_order(10, 3, 0) == epoch_order(10, 3, 0) != epoch_order(10, 4, 0)
+    halves = [epoch_order(10, 3, 0, rank, 2) for rank in (0, 1)]
+    assert sorted(halves[0] + halves[1]) == list(range(10))
+    assert batches(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    ({"dataset": "mnist"}, r"dataset: expected one of \('digits', 'vowels'\), got 'mnist'"),
+    ({"batch_size": 0}, r"batch_size: expected an int >= 1, got 0"),
+    ({"cell": "gru", "peephole": True}, r"peephole / cell_clip: LSTM options"),
+    ({"lr": 0}, r"lr: expected a learning rate > 0"),
+])
+def test_bad_settings(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        TrainConfig(**kwargs)
+
+
+DDP_CASES = {
+    "lstm": TrainConfig(dataset="vowels", hidden_size=6),
+    "lstm options": TrainConfig(dataset="vowels", hidden_size=6, layer_norm=True, peephole=True, cell_clip=2.0,
+                                num_layers=2, head="attention"),
+    "gru layer_norm": TrainConfig(dataset="vowels", cell="gru", hidden_size=6, layer_norm=True),
+}
+
+
+def _batch(n: int = 8):
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(2, 9, (n,), generator=g)
+    x = torch.randn(n, 8, 12, generator=g) * (torch.arange(8) < lengths[:, None]).unsqueeze(-1)
+    return x, lengths, torch.randint(0, 9, (n,), generator=g)
+
+
+def _one_step(model, x, lengths, y):
+    torch.optim.SGD(model.parameters(), lr=0.5).zero_grad()
+    F.cross_entropy(model(x, lengths), y).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad
+
+
+def _ddp_worker(rank: int, world: int, init: str, name: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = SequenceClassifier(DDP_CASES[name], 12, 9)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    x, lengths, y = (t.chunk(world)[rank] for t in _batch())
+    _one_step(ddp, x, lengths, y)
+    if rank == 0:
+        torch.save(model.state_dict(), out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", list(DDP_CASES))
+def test_two_processes_one_step_equals_one_process_on_the_union(name, tmp_path):
+    out = tmp_path / "ddp.pt"
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), name, str(out)), nprocs=2, join=True)
+    torch.manual_seed(0)
+    single = SequenceClassifier(DDP_CASES[name], 12, 9)
+    start = {k: v.clone() for k, v in single.state_dict().items()}
+    _one_step(single, *_batch())
+    ddp = torch.load(out, weights_only=True)
+    for k, v in single.state_dict().items():
+        assert not torch.equal(v, start[k]), f"{k} did not move"
+        torch.testing.assert_close(ddp[k], v, atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_torchrun_two_processes(tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun, "torchrun comes with torch"
+    cmd = [torchrun, "--standalone", "--nproc_per_node=2", "-m", "fastlayers.cli", "train", "--dataset", "vowels",
+           "--max-samples", "64", "--batch-size", "8", "--hidden-size", "8", "--epochs", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 8  # 64 sequences / 2 processes / batch 8, 2 epochs
+    assert proc.stdout.count("test: loss") == 1  # rank 0 alone reports
+    assert [r["epoch"] for r in _metrics(tmp_path)] == [1, 2]
