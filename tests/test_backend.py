@@ -20,7 +20,8 @@ def test_automatic_choice_on_cpu():
     assert select("gru", X32.double()) == "cpu"
     assert select("local2d", X32) == "cpu"
     assert select("attention", X32) == "reference"  # no kernel: plain torch ops
-    assert select("lstm", X32.half()) == "reference"  # no C kernel for float16
+    assert select("lstm", X32.half()) == "cpu"  # computed in float32 by the C kernels
+    assert select("lstm", X32.long()) == "reference"
 
 
 def test_context_manager_nests_and_restores(monkeypatch):
@@ -63,10 +64,10 @@ def test_unknown_name():
 def test_unusable_forced_backend_is_a_clear_error(monkeypatch):
     with fastlayers.backend("cpu"):
         with pytest.raises(RuntimeError, match=r"backend 'cpu' \(forced by fastlayers.backend\(...\)\) cannot run lstm: "
-                                               r"the C kernels take float32/float64, got torch.float16"):
-            select("lstm", X32.half())
-        with pytest.raises(RuntimeError, match="cannot run attention: the C kernels take float32/float64"):
-            fastlayers.attention_pool(torch.zeros(1, 2).half(), torch.zeros(1, 3, 2).half())
+                                               r"the C kernels take float32/float64 .*, got torch.int64"):
+            select("lstm", X32.long())
+        with pytest.raises(RuntimeError, match="cannot run local2d: the C kernels run on CPU tensors, got a tensor on meta"):
+            fastlayers.LocallyConnected2d(1, 1, 3, device="meta")(torch.zeros(1, 1, 3, 3, device="meta"))
     monkeypatch.setenv("FASTLAYERS_NO_NATIVE", "1")
     monkeypatch.setattr("fastlayers._native._LOADED", {})
     with fastlayers.backend("cpu"), pytest.raises(RuntimeError, match="C library 'local' is unavailable: FASTLAYERS_NO_NATIVE"):

@@ -109,6 +109,6 @@ def test_reused_slab_is_poisoned_like_fresh_memory(monkeypatch):
     _pool.give(torch.zeros(64))
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    slab, views = _pool.views({"a": (4, 8), "b": None, "c": (3,)}, torch.zeros(1))
+    slab, views = _pool.views({"a": (4, 8), "b": None, "c": (3,)}, torch.float32, torch.device("cpu"))
     assert slab.numel() == 64 and slab.isnan().all()
     assert views["b"] is None and views["a"].shape == (4, 8) and views["c"].data_ptr() % 64 == 0

@@ -3,7 +3,8 @@
 Backends:
 
 * ``"cpu"``: the C kernels in ``fastlayers/_native`` (compiled on first use with the system C
-  compiler): CPU tensors, float32/float64.
+  compiler): CPU tensors, float32/float64, and bfloat16/float16 (computed in float32, see
+  :mod:`fastlayers._precision`).
 * ``"triton"``: the Triton kernels in ``fastlayers/_triton``: CUDA tensors, or CPU tensors when
   the environment variable ``TRITON_INTERPRET=1`` was set before Triton was imported (Triton's
   interpreter; slow, for tests).
@@ -12,7 +13,7 @@ Backends:
 
 Choice: a backend forced with ``with fastlayers.backend(name):`` (the innermost block wins; per
 thread and async context) or by the environment variable ``FASTLAYERS_BACKEND`` (read at every
-call), otherwise automatic: ``cpu`` for CPU float32/float64 tensors when the C kernels build,
+call), otherwise automatic: ``cpu`` for CPU floating-point tensors when the C kernels build,
 ``triton`` for CUDA tensors when Triton imports and the op has a Triton kernel, else
 ``reference``. A forced ``cpu`` or ``triton`` that cannot run on the call's tensors raises
 RuntimeError naming the backend, the op and why; an op that has no kernel in a forced (and
@@ -87,8 +88,8 @@ def unavailable(name: str, op: str, x: Tensor) -> str | None:
     if name == "cpu":
         if x.device.type != "cpu":
             return f"the C kernels run on CPU tensors, got a tensor on {x.device}"
-        if x.dtype not in (torch.float32, torch.float64):
-            return f"the C kernels take float32/float64, got {x.dtype}"
+        if x.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            return f"the C kernels take float32/float64 (and bfloat16/float16, computed in float32), got {x.dtype}"
         library = _NATIVE_LIBRARY.get(op)
         if library is not None:
             from . import _native

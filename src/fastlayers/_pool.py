@@ -56,12 +56,13 @@ def empty_cache() -> None:
         _free.clear()
 
 
-def views(shapes: dict[str, tuple[int, ...] | None], like: Tensor) -> tuple[Tensor, dict[str, Tensor | None]]:
-    """One slab from the pool cut into contiguous views of the given shapes (None stays None),
-    in ``like``'s dtype and device. Returns (slab, views)."""
+def views(shapes: dict[str, tuple[int, ...] | None], dtype: torch.dtype,
+          device: torch.device) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """One slab from the pool cut into contiguous views of the given shapes (None stays None).
+    Returns (slab, views)."""
     sizes = {k: math.prod(s) if s is not None else 0 for k, s in shapes.items()}
     total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
-    slab = _take(max(total, 1), like.dtype, like.device)
+    slab = _take(max(total, 1), dtype, device)
     out: dict[str, Tensor | None] = {}
     offset = 0
     for k, shape in shapes.items():

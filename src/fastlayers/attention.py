@@ -21,6 +21,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from . import _precision
 from ._backend import select
 from ._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
 
@@ -73,6 +74,10 @@ def attention_pool(
         ValueError: wrong ranks or sizes, unknown score, lengths out of [1, T] or of the wrong size,
             missing additive parameters.
 
+    Low precision (bf16/fp16 inputs, or float32 under ``torch.autocast``): the score and context
+    products take low-precision operands and sum in float32; tanh, masking and softmax run in
+    float32; context and weights are returned in the low dtype (see :mod:`fastlayers._precision`).
+
     Non-finite input: a NaN or inf in ``query`` or in ``keys`` at a valid step makes that
     sequence's weights and context NaN; keys at padded steps (t >= len_b) are masked out and
     have no effect. Values at padded steps get an exact 0 weight, and 0 * NaN = NaN (as
@@ -82,6 +87,7 @@ def attention_pool(
     values = keys if values is None else values
     _check(query, keys, values)
     select("attention", query)  # plain torch ops on every backend; a forced backend must still be usable here
+    mm = _precision.Products(*_precision.dtypes(query), query.device)
     batch, steps = keys.shape[:2]
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
@@ -92,16 +98,16 @@ def attention_pool(
         size = v.size(0)
         check_shape("additive weight_query", w_q, (size, query.size(1)), "(A, Dq)")
         check_shape("additive weight_key", w_k, (size, keys.size(2)), "(A, Dk)")
-        hidden = torch.matmul(keys, w_k.T) + (query @ w_q.T).unsqueeze(1)  # (B, T, A)
+        hidden = mm.matmul(keys, w_k.T) + mm.matmul(query, w_q.T).unsqueeze(1)  # (B, T, A)
         if bias is not None:
-            hidden = hidden + bias
-        scores = torch.matmul(torch.tanh(hidden), v)  # (B, T)
+            hidden = hidden + bias.to(mm.acc)
+        scores = mm.matmul(torch.tanh(hidden), v)  # (B, T)
     else:
         if query.size(1) != keys.size(2):
             raise ValueError(
                 f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, got {keys.size(2)}"
             )
-        scores = torch.bmm(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
+        scores = mm.matmul(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
         if score == "scaled_dot":
             scores = scores / math.sqrt(keys.size(2))
     if lengths is not None:
@@ -109,7 +115,9 @@ def attention_pool(
         valid = torch.arange(steps, device=keys.device) < lens.unsqueeze(1)
         scores = scores.masked_fill(~valid, float("-inf"))
     weights = torch.softmax(scores, dim=1)
-    context = torch.bmm(weights.unsqueeze(1), values).squeeze(1)
+    context = mm.matmul(weights.unsqueeze(1), values).squeeze(1)
+    if mm.mixed:  # scores, softmax and the weights in float32; results in the low dtype
+        return context.to(mm.low), weights.to(mm.low)
     return context, weights
 
 

@@ -13,35 +13,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _precision
 from ._options import CellOptions
 
 EPS = 1e-5
 
 
 def _ln(v: Tensor, gain: Tensor, bias: Tensor | None = None) -> Tensor:
+    """LayerNorm over the last dimension in v's dtype (float32 for low-precision calls)."""
     mean = v.mean(-1, keepdim=True)
     var = ((v - mean) ** 2).mean(-1, keepdim=True)
-    out = (v - mean) / torch.sqrt(var + EPS) * gain
-    return out + bias if bias is not None else out
+    out = (v - mean) / torch.sqrt(var + EPS) * gain.to(v.dtype)
+    return out + bias.to(v.dtype) if bias is not None else out
 
 
-def lstm_cell_step(x_t, h, c, p, opt: CellOptions):
+def _products(x: Tensor) -> _precision.Products:
+    """Matrix products of a call on x: low-precision operands, float32 results for bf16/fp16 or
+    autocast calls (see :mod:`fastlayers._precision`); x's dtype otherwise."""
+    low, acc = _precision.dtypes(x)
+    return _precision.Products(low, acc, x.device)
+
+
+def lstm_cell_step(x_t, h, c, p, opt: CellOptions, mm: _precision.Products | None = None):
     """One LSTM step with options (before zoneout): returns (h_new (B, H_out), c_new (B, H)).
 
     With a projection (``weight_hr`` (P, H) in p, torch's proj_size): h_new = W_hr (o * tanh(.)),
-    clipped to [-proj_clip, proj_clip] if set; H_out = P.
+    clipped to [-proj_clip, proj_clip] if set; H_out = P. Matrix products by ``mm`` (default: as
+    x_t's dtype and the autocast state say); the rest in their result dtype (float32 when mixed).
     """
+    mm = mm or _products(x_t)
     hidden = c.size(-1)
-    xw = x_t @ p["weight_ih"].T
-    hw = h @ p["weight_hh"].T
+    c = c.to(mm.acc)
+    xw = mm.matmul(x_t, p["weight_ih"].T)
+    hw = mm.matmul(h, p["weight_hh"].T)
     if opt.layer_norm:
         xw, hw = _ln(xw, p["ln_ih_weight"]), _ln(hw, p["ln_hh_weight"])
     pre = xw + hw
     if "bias_ih" in p:
-        pre = pre + p["bias_ih"] + p["bias_hh"]
+        pre = pre + p["bias_ih"].to(mm.acc) + p["bias_hh"].to(mm.acc)
     pi, pf, pg, po = pre.split(hidden, dim=-1)
     if opt.peephole:
-        wi, wf, wo = p["weight_peephole"].split(hidden)
+        wi, wf, wo = p["weight_peephole"].to(mm.acc).split(hidden)
         pi, pf = pi + wi * c, pf + wf * c
     i, f, g = torch.sigmoid(pi), torch.sigmoid(pf), torch.tanh(pg)
     c_new = f * c + i * g
@@ -53,25 +65,28 @@ def lstm_cell_step(x_t, h, c, p, opt: CellOptions):
     n = _ln(c_new, p["ln_cell_weight"], p["ln_cell_bias"]) if opt.layer_norm else c_new
     h_new = o * torch.tanh(n)
     if "weight_hr" in p:
-        h_new = h_new @ p["weight_hr"].T
+        h_new = mm.matmul(h_new, p["weight_hr"].T)
         if opt.proj_clip:
             h_new = h_new.clamp(-opt.proj_clip, opt.proj_clip)
     return h_new, c_new
 
 
-def gru_cell_step(x_t, h, p, opt: CellOptions, h_in=None):
+def gru_cell_step(x_t, h, p, opt: CellOptions, h_in=None, mm: _precision.Products | None = None):
     """One GRU step with options (before zoneout), torch.nn.GRU's equations: returns h_new (B, H).
 
     ``h_in`` is the recurrent input (h with recurrent dropout applied); the z * h term uses h.
     With layer_norm (haste's LayerNormGRU): LN(W_ih x; gamma_ih) + b_ih and
-    LN(W_hh h_in; gamma_hh) + b_hh replace the two affine parts.
+    LN(W_hh h_in; gamma_hh) + b_hh replace the two affine parts. Matrix products by ``mm`` as in
+    :func:`lstm_cell_step`.
     """
+    mm = mm or _products(x_t)
     h_in = h if h_in is None else h_in
-    xw, hw = x_t @ p["weight_ih"].T, h_in @ p["weight_hh"].T
+    h = h.to(mm.acc)
+    xw, hw = mm.matmul(x_t, p["weight_ih"].T), mm.matmul(h_in, p["weight_hh"].T)
     if opt.layer_norm:
         xw, hw = _ln(xw, p["ln_ih_weight"]), _ln(hw, p["ln_hh_weight"])
     if "bias_ih" in p:
-        xw, hw = xw + p["bias_ih"], hw + p["bias_hh"]
+        xw, hw = xw + p["bias_ih"].to(mm.acc), hw + p["bias_hh"].to(mm.acc)
     xr, xz, xn = xw.chunk(3, dim=-1)
     hr, hz, hn = hw.chunk(3, dim=-1)
     r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
@@ -81,22 +96,27 @@ def gru_cell_step(x_t, h, p, opt: CellOptions, h_in=None):
 
 def lstm_reference(input, hx, layers, lengths, options: CellOptions, *, dropout=0.0, training=False, masks=None):
     """See :func:`fastlayers.rnn._engine.lstm_engine` (same arguments and results)."""
-    def step(x_t, states, h_in, p):
-        return lstm_cell_step(x_t, h_in, states[1], p, options)
+    def step(x_t, states, h_in, p, mm):
+        return lstm_cell_step(x_t, h_in, states[1], p, options, mm)
 
     return _reference(step, input, hx, layers, lengths, options, dropout, training, masks)
 
 
 def gru_reference(input, hx, layers, lengths, options: CellOptions, *, dropout=0.0, training=False, masks=None):
     """See :func:`fastlayers.rnn._engine.gru_engine` (same arguments and results)."""
-    def step(x_t, states, h_in, p):
-        return (gru_cell_step(x_t, states[0], p, options, h_in),)
+    def step(x_t, states, h_in, p, mm):
+        return (gru_cell_step(x_t, states[0], p, options, h_in, mm),)
 
     return _reference(step, input, hx, layers, lengths, options, dropout, training, masks)
 
 
 def _reference(step, input, hx, layers, lengths, options, dropout, training, masks):
-    """The layer/direction/time loops shared by both cells; states = (h,) or (h, c)."""
+    """The layer/direction/time loops shared by both cells; states = (h,) or (h, c).
+
+    Low-precision calls (see :mod:`fastlayers._precision`): states, gates and LayerNorm in float32,
+    matrix-product operands in the low dtype, outputs and final states in the low dtype."""
+    mm = _products(input)
+    out_dtype = mm.low if mm.mixed else mm.acc
     steps, batch, _ = input.shape
     if lengths is None:
         lengths = torch.full((batch,), steps, dtype=torch.int64)
@@ -109,7 +129,7 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
         m = (masks[li] if masks is not None else None) or {}
         outs = []
         for d, p in enumerate(dir_params):
-            states = [s[li * dirs + d] for s in hx]
+            states = [s[li * dirs + d].to(mm.acc) for s in hx]
             rmask = m["recurrent"][d] if "recurrent" in m else None
             if rmask is None and training and options.recurrent_dropout > 0:
                 keep = 1 - options.recurrent_dropout
@@ -118,7 +138,7 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
             for t in (range(steps) if d == 0 else range(steps - 1, -1, -1)):
                 alive = (t < lengths).unsqueeze(1)
                 h_in = states[0] * rmask if rmask is not None else states[0]
-                new = step(x[t], states, h_in, p)
+                new = step(x[t], states, h_in, p, mm)
                 for i, (old, upd) in enumerate(zip(states, new)):
                     key = ("zoneout_h", "zoneout_c")[i]
                     if training:
@@ -129,9 +149,9 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
                     if i == 0:
                         ys[t] = torch.where(alive, upd, torch.zeros_like(upd))
                     states[i] = torch.where(alive, upd, old)
-            outs.append(torch.stack(ys))
+            outs.append(torch.stack(ys).to(out_dtype))
             for acc, s in zip(finals, states):
-                acc.append(s)
+                acc.append(s.to(out_dtype))
         x = torch.cat(outs, dim=-1)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
+from .. import _precision
 from .._backend import select
 from ._engine import gru_engine, lstm_engine
 from ._engine_reference import gru_cell_step, gru_reference, lstm_cell_step, lstm_reference
@@ -88,6 +89,11 @@ class _LengthsMixin:
     def _options_plain(self) -> bool:
         return True
 
+    def _engine_precision(self, input: Tensor) -> bool:
+        """Whether a low-precision call (bf16/fp16, or CPU autocast) runs the engine (float32 cell
+        state) instead of torch's kernel: LSTM and GRU on CPU, see :class:`_CellOptionsMixin`."""
+        return False
+
     def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:  # noqa: D102
         if isinstance(input, PackedSequence):
             if lengths is not None:
@@ -98,7 +104,7 @@ class _LengthsMixin:
             return super().forward(input, hx)  # type: ignore[misc]
         input = self._check_input(input)
         states = self._check_hx(hx, input)
-        if lengths is None and self._options_plain():
+        if lengths is None and self._options_plain() and not self._engine_precision(input):
             return super().forward(input, hx)  # type: ignore[misc]
         batched = input.dim() == 3
         x = input if batched else input.unsqueeze(1 if not self.batch_first else 0)
@@ -296,6 +302,12 @@ class _CellOptionsMixin:
     def _options_plain(self) -> bool:
         return self.options.plain
 
+    def _engine_precision(self, input: Tensor) -> bool:
+        # torch's CPU LSTM kernel under bf16 autocast needs oneDNN's bf16 LSTM (AVX512-BF16 CPUs; it
+        # fails elsewhere) and with bf16 parameters keeps the cell state in bf16: the engine (or its
+        # per-step reference) keeps it in float32 on every CPU
+        return input.device.type == "cpu" and _precision.is_low(input)
+
     def _layer_parameters(self) -> list[list[dict[str, Tensor]]]:
         keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if self.bias else [])
         if self.options.layer_norm:
@@ -312,7 +324,8 @@ class _CellOptionsMixin:
         # GEMM and beat the segment path, see BENCHMARKS.md); torch's kernels when nothing is padded,
         # or on the reference backend (segments on CPU, PackedSequence elsewhere)
         which = select(self.mode.lower(), x)
-        if self.options.plain and (which == "reference" or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
+        if self.options.plain and not self._engine_precision(x) and (
+                which == "reference" or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
             return super()._run(x, states, lengths)  # type: ignore[misc]
         impl = {("LSTM", "cpu"): lstm_engine, ("LSTM", "reference"): lstm_reference,
                 ("GRU", "cpu"): gru_engine, ("GRU", "reference"): gru_reference}[self.mode, which]
@@ -434,6 +447,27 @@ class RNN(_LengthsMixin, nn.RNN):
             name="RNN", hx_doc=" ``h_0`` (L*D, B, H)", ret_doc="h_n", final_doc="h_n (L*D, B, H), dtype of input."
         )
     )
+
+    def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:  # noqa: D102
+        if isinstance(input, Tensor) and input.device.type == "cpu" and _precision.is_low(input):
+            return self._forward_in_float32(input, hx, lengths)
+        return super().forward(input, hx, lengths=lengths)
+
+    def _forward_in_float32(self, input: Tensor, hx: Any, lengths: Any) -> Any:
+        """A low-precision call on CPU (see :mod:`fastlayers._precision`): torch's float32 kernels
+        on the operands rounded to the low dtype, so hidden states and gradient sums stay float32
+        (the segment path's per-segment gradients would otherwise be summed in bf16); outputs in
+        the low dtype."""
+        low = _precision.dtypes(input)[0]
+        rounded = lambda t: t.to(low).float() if isinstance(t, Tensor) else t  # noqa: E731
+        own = self._flat_weights  # what torch's RNN kernels read: swapped for this call only
+        self._flat_weights = [rounded(w) for w in own]
+        try:
+            with torch.autocast("cpu", enabled=False):
+                out, h = super().forward(rounded(input), rounded(hx), lengths=lengths)
+        finally:
+            self._flat_weights = own
+        return out.to(low), h.to(low)
 
     def extra_repr(self) -> str:  # torch's repr leaves the nonlinearity out; a ReLU RNN should say so
         extra = super().extra_repr()

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _native, _pool
+from .. import _native, _pool, _precision
 from .._native import address
 
 EPS = 1e-5
@@ -50,6 +50,16 @@ def _gru_lib():
     return _typed("gru", lambda real: {
         "gru_step_forward": [I64] * 6 + [P] * 4 + [P] * 4 + [P] * 7 + [P, real, P, real, INT],
         "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT]})
+
+
+def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` contiguous in ``dtype`` (None stays None)."""
+    return None if t is None else t.to(dtype).contiguous()
+
+
+def _in_dtypes(grads, dtypes) -> tuple[Tensor | None, ...]:
+    """Each gradient in the dtype of its input (they are computed in float32 for bf16 / fp16 inputs)."""
+    return tuple(g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes))
 
 
 def _offsets(active: tuple[int, ...]) -> tuple[int, ...]:
@@ -89,17 +99,28 @@ class LSTMRecurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
+        low, acc = _precision.dtypes(xs)  # GEMM operands in low, the rest in acc (float32 or float64)
+        ctx.dtypes = [t.dtype if t is not None else None for t in (xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep,
+                                                                    w_hr)]
+        with torch.autocast(xs.device.type, enabled=False):
+            return LSTMRecurrence._forward(ctx, _precision.Products(low, acc, xs.device), xs, w_ih, gx, bias, h0, c0,
+                                           w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts)
+
+    @staticmethod
+    def _forward(ctx, mm, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
+        acc = mm.acc
         dirs, rows, _ = xs.shape
         gsize = w_ih.size(1)
         hidden = gsize // 4
         batch, out_size = h0.shape[1:]
         clip, zc_const, zh_const, pclip = consts
-        fwd = getattr(_lstm_lib(), f"lstm_step_forward_{_SUFFIX[xs.dtype]}")
+        fwd = getattr(_lstm_lib(), f"lstm_step_forward_{_SUFFIX[acc]}")
         threads = torch.get_num_threads()
         proj, first = w_hr is not None, active[0]  # first == B: every sequence runs step 0
-        c0 = c0.contiguous()
-        h, c = h0.contiguous().clone(), c0.clone()
-        y = xs.new_empty(dirs, rows, out_size)
+        gx, bias, gh, gc, bc, peep, rmask, zc, zh = (_as(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc, zh))
+        c0 = _as(c0, acc)
+        h, c = h0.to(acc, copy=True).contiguous(), c0.clone()
+        y = xs.new_empty(dirs, rows, out_size, dtype=acc)
         # every row of these gets written; the cell state before each step needs its own copy only
         # when zoneout mixes in c0 (otherwise it is the previous step's c1)
         slab, buf = _pool.views(dict(
@@ -108,31 +129,30 @@ class LSTMRecurrence(torch.autograd.Function):
             rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
             cstat=(dirs, rows, 2) if gc is not None else None,
             chist=(dirs, rows, hidden) if zc is not None or zc_const else None, y1=(dirs, rows, hidden) if proj else None),
-            xs)
+            acc, xs.device)
         # the forward's own work space: the recurrent product, and the projection unless the backward
         # needs it (it does with the input LayerNorm)
-        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)), xs)
+        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)),
+                                    acc, xs.device)
         xp, r = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"]
         if gx is None and bias is not None:
-            torch.baddbmm(bias.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
+            mm.baddbmm(bias.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
         else:  # with LayerNorm the kernel normalises W_ih x, then adds the bias
-            torch.bmm(xs, w_ih.transpose(1, 2), out=xp)
-        rmask = rmask.contiguous() if rmask is not None else None
-        zc = zc.contiguous() if zc is not None else None
-        zh = zh.contiguous() if zh is not None else None
+            mm.bmm(xs, w_ih.transpose(1, 2), out=xp)
         # with a projection the kernel writes h1 into y1 and keeps scratch state hk
         y1, hk = (buf["y1"], xs.new_zeros(dirs, batch, hidden)) if proj else (y, h)
         keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
         hd = buf["hd"]
         hd[:, :first] = h * rmask if rmask is not None else h
-        w_t = w_hh.transpose(1, 2)
+        w_t = mm.operand(w_hh.transpose(1, 2))
+        w_hr_t = mm.operand(w_hr.transpose(1, 2)) if proj else None
         offsets = _offsets(active)
         P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
         fixed = (address(gh), address(gc), address(bc), address(peep), clip, EPS)
         last = len(active) - 1
         for t, n in enumerate(active):
             o = offsets[t]
-            rt = torch.bmm(hd[:, o:o + n], w_t, out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
+            rt = mm.bmm_prepared(hd[:, o:o + n], w_t, out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
             n_next = active[t + 1] if t < last else 0
             fwd(dirs, batch, n, n_next, hidden, rows, P_["xp"][t], P_["xstat"][t], address(gx), address(bias),
                 rt.data_ptr(), c.data_ptr(), hk.data_ptr(), None if proj else address(rmask), P_["y1"][t],
@@ -140,7 +160,7 @@ class LSTMRecurrence(torch.autograd.Function):
                 P_["rhat"][t], P_["rrstd"][t], P_["cstat"][t], *fixed, P_["zc"][t], None if proj else P_["zh"][t],
                 zc_const, 0.0 if proj else zh_const, threads)
             if proj:
-                hp = torch.bmm(y1[:, o:o + n], w_hr.transpose(1, 2))  # (D, n, P)
+                hp = mm.bmm_prepared(y1[:, o:o + n], w_hr_t)  # (D, n, P)
                 if keep is not None:
                     keep[:, o:o + n] = hp.abs() <= pclip
                     hp.clamp_(-pclip, pclip)
@@ -152,16 +172,17 @@ class LSTMRecurrence(torch.autograd.Function):
                     hd[:, o + n:o + n + n_next] = nxt
         _pool.give(tmp_slab)
         ctx.save_for_backward(xs, w_ih, gx, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep)
-        ctx.buf, ctx.release = buf, _pool.hold(ctx, slab)
+        ctx.buf, ctx.release, ctx.mm = buf, _pool.hold(ctx, slab), mm
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = bias is not None
-        return y, h, c
+        out = mm.low if mm.mixed else acc  # outputs in the low precision, as torch's RNNs under autocast
+        return y.to(out), h.to(out), c.to(out)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dh_n, dc_n):
         xs, w_ih, gx, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep = ctx.saved_tensors
-        buf = ctx.buf
+        buf, mm = ctx.buf, ctx.mm
         gates, hd, y1 = buf["gates"], buf["hd"], buf["y1"]
         dirs, rows, gsize = gates.shape
         hidden, batch, out_size = gsize // 4, ctx.batch, hd.size(2)
@@ -170,14 +191,15 @@ class LSTMRecurrence(torch.autograd.Function):
         bwd = getattr(_lstm_lib(), f"lstm_step_backward_{_SUFFIX[gates.dtype]}")
         threads = torch.get_num_threads()
         need = ctx.needs_input_grad
-        dy = dy.contiguous() if dy is not None else gates.new_zeros(dirs, rows, out_size)
-        dh = dh_n.contiguous().clone() if dh_n is not None else gates.new_zeros(dirs, batch, out_size)
-        dc = dc_n.contiguous().clone() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
+        acc = gates.dtype
+        dy = dy.to(acc).contiguous() if dy is not None else gates.new_zeros(dirs, rows, out_size)
+        dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, out_size)
+        dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
         # with a projection: the kernel's output gradient is d h1 (dy1), its own state gradient stays 0
         slab, tmp = _pool.views(dict(
             dpre=(dirs, rows, gsize), dr=(dirs, rows, gsize) if gh is not None or gx is not None else None,
             dn=(dirs, batch, hidden), g=(dirs * ctx.active[0] * out_size,), dy1=(dirs, rows, hidden) if proj else None,
-            dhp=(dirs, rows, out_size) if proj else None), gates)
+            dhp=(dirs, rows, out_size) if proj else None), acc, gates.device)
         dpre, dn, g = tmp["dpre"], tmp["dn"], tmp["g"]
         dr = dpre if tmp["dr"] is None else tmp["dr"]
         # the kernel sums the bias gradient next to the input gain's (acc_b needs acc_gx)
@@ -193,6 +215,8 @@ class LSTMRecurrence(torch.autograd.Function):
         P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy1": dy1, "zc": zc, "zh": zh, "dpre": dpre, "dr": dr}.items()}
         fixed = (address(dn), address(acc_gx), address(acc_b), address(acc_gh), address(acc_gc), address(acc_bc),
                  address(acc_peep), threads)
+        w_hh_p = mm.operand(w_hh)
+        w_hr_p = mm.operand(w_hr) if proj else None
         for t in range(len(ctx.active) - 1, -1, -1):
             n, o = ctx.active[t], offsets[t]
             if proj:  # back through y = h, zoneout of h, proj_clip and the projection
@@ -205,7 +229,7 @@ class LSTMRecurrence(torch.autograd.Function):
                 if keep is not None:
                     g_hp = g_hp * keep[:, o:o + n]
                 dhp[:, o:o + n] = g_hp
-                dy1[:, o:o + n] = torch.bmm(g_hp, w_hr)
+                dy1[:, o:o + n] = mm.bmm_prepared(g_hp, w_hr_p)
             # the cell state before step t: its saved copy, the previous step's c1, or c0
             c_before, c_stride = ((P_["chist"][t], rows) if buf["chist"] is not None else
                                   (P_["c1"][t - 1], rows) if t > 0 else (c0.data_ptr(), batch))
@@ -214,24 +238,24 @@ class LSTMRecurrence(torch.autograd.Function):
                 P_["cstat"][t], address(gh), address(gc), address(bc), address(peep), clip, P_["zc"][t],
                 None if proj else P_["zh"][t], zc_const, 0.0 if proj else zh_const, P_["dpre"][t], P_["dr"][t],
                 *fixed)
-            gn = torch.bmm(dr[:, o:o + n], w_hh, out=g[:dirs * n * out_size].view(dirs, n, out_size))
+            gn = mm.bmm_prepared(dr[:, o:o + n], w_hh_p, out=g[:dirs * n * out_size].view(dirs, n, out_size))
             if rmask is not None:
                 gn.mul_(rmask[:, :n])
             dh[:, :n] += gn
         # one GEMM each over all packed rows: dX[d] = dpre[d] W_ih[d], dW_ih[d] = dpre[d]^T X[d],
         # dW_hh[d] = dr[d]^T hd[d], dW_hr[d] = dhp[d]^T y1[d]
-        d_xs = torch.bmm(dpre, w_ih) if need[0] else None
-        d_w_ih = torch.bmm(dpre.transpose(1, 2), xs) if need[1] else None
+        d_xs = mm.bmm(dpre, w_ih) if need[0] else None
+        d_w_ih = mm.bmm(dpre.transpose(1, 2), xs) if need[1] else None
         d_bias = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias and need[3] else None
-        d_w_hh = torch.bmm(dr.transpose(1, 2), hd) if need[6] else None
-        d_w_hr = torch.bmm(dhp.transpose(1, 2), y1) if proj and need[11] else None
+        d_w_hh = mm.bmm(dr.transpose(1, 2), hd) if need[6] else None
+        d_w_hr = mm.bmm(dhp.transpose(1, 2), y1) if proj and need[11] else None
         _pool.give(slab)
         if _pool.graph_freed_after_this_backward():
             ctx.release()
             del ctx.buf
-        return (d_xs, d_w_ih, acc_gx if need[2] else None, d_bias, dh if need[4] else None, dc if need[5] else None,
-                d_w_hh, acc_gh, acc_gc if need[8] else None, acc_bc if need[9] else None, acc_peep, d_w_hr, None,
-                None, None, None, None)
+        grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_bias, dh if need[4] else None, dc if need[5] else None,
+                 d_w_hh, acc_gh, acc_gc if need[8] else None, acc_bc if need[9] else None, acc_peep, d_w_hr)
+        return (*_in_dtypes(grads, ctx.dtypes), None, None, None, None, None)
 
 
 class GRURecurrence(torch.autograd.Function):
@@ -248,52 +272,62 @@ class GRURecurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
+        low, acc = _precision.dtypes(xs)  # GEMM operands in low, the rest in acc (float32 or float64)
+        ctx.dtypes = [t.dtype if t is not None else None for t in (xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh)]
+        with torch.autocast(xs.device.type, enabled=False):
+            return GRURecurrence._forward(ctx, _precision.Products(low, acc, xs.device), xs, w_ih, gx, b_ih, h0, w_hh,
+                                          b_hh, gh, rmask, zh, active, consts)
+
+    @staticmethod
+    def _forward(ctx, mm, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
+        acc = mm.acc
         dirs, rows, _ = xs.shape
         gsize = w_ih.size(1)
         hidden, batch, first = gsize // 3, h0.size(1), active[0]
         (zh_const,) = consts
-        fwd = getattr(_gru_lib(), f"gru_step_forward_{_SUFFIX[xs.dtype]}")
+        fwd = getattr(_gru_lib(), f"gru_step_forward_{_SUFFIX[acc]}")
         threads = torch.get_num_threads()
-        h = h0.contiguous().clone()
-        y = xs.new_empty(dirs, rows, hidden)
+        gx, b_ih, b_hh, gh, rmask, zh = (_as(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
+        h = h0.to(acc, copy=True).contiguous()
+        y = xs.new_empty(dirs, rows, hidden, dtype=acc)
         slab, buf = _pool.views(dict(  # every row of these gets written
             xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), hbn=(dirs, rows, hidden),
             hist=(dirs, rows, hidden), hd=(dirs, rows, hidden), xstat=(dirs, rows, 2) if gx is not None else None,
-            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None), xs)
+            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None),
+            acc, xs.device)
         # the forward's own work space (the projection is saved only for the input LayerNorm's backward)
-        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)), xs)
+        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)),
+                                    acc, xs.device)
         xp, r, hd = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"]
         if gx is None and b_ih is not None:
-            torch.baddbmm(b_ih.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
+            mm.baddbmm(b_ih.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
         else:  # with LayerNorm the kernel normalises W_ih x, then adds b_ih
-            torch.bmm(xs, w_ih.transpose(1, 2), out=xp)
-        rmask = rmask.contiguous() if rmask is not None else None
-        zh = zh.contiguous() if zh is not None else None
-        b_hh = b_hh.contiguous() if b_hh is not None else None
+            mm.bmm(xs, w_ih.transpose(1, 2), out=xp)
         hd[:, :first] = h * rmask if rmask is not None else h
-        w_t = w_hh.transpose(1, 2)
+        w_t = mm.operand(w_hh.transpose(1, 2))
         offsets = _offsets(active)
         P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
         last = len(active) - 1
         for t, n in enumerate(active):
             o = offsets[t]
-            rt = torch.bmm(hd[:, o:o + n], w_t, out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
+            rt = mm.bmm_prepared(hd[:, o:o + n], w_t, out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
             fwd(dirs, batch, n, active[t + 1] if t < last else 0, hidden, rows, P_["xp"][t], P_["xstat"][t],
                 address(gx), address(b_ih), rt.data_ptr(), h.data_ptr(), address(rmask), address(b_hh), P_["y"][t],
                 P_["gates"][t], P_["hbn"][t], P_["hist"][t], P_["hd"][t + 1] if t < last else None, P_["rhat"][t],
                 P_["rrstd"][t], address(gh), EPS, P_["zh"][t], zh_const, threads)
         _pool.give(tmp_slab)
         ctx.save_for_backward(xs, w_ih, gx, w_hh, gh, rmask, zh)
-        ctx.buf, ctx.release = buf, _pool.hold(ctx, slab)
+        ctx.buf, ctx.release, ctx.mm = buf, _pool.hold(ctx, slab), mm
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = (b_ih is not None, b_hh is not None)
-        return y, h
+        out = mm.low if mm.mixed else acc
+        return y.to(out), h.to(out)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dh_n):
         xs, w_ih, gx, w_hh, gh, rmask, zh = ctx.saved_tensors
-        buf = ctx.buf
+        buf, mm = ctx.buf, ctx.mm
         gates, hd = buf["gates"], buf["hd"]
         dirs, rows, gsize = gates.shape
         hidden, batch = gsize // 3, ctx.batch
@@ -301,11 +335,12 @@ class GRURecurrence(torch.autograd.Function):
         bwd = getattr(_gru_lib(), f"gru_step_backward_{_SUFFIX[gates.dtype]}")
         threads = torch.get_num_threads()
         need = ctx.needs_input_grad
-        dy = dy.contiguous() if dy is not None else gates.new_zeros(dirs, rows, hidden)
-        dh = dh_n.contiguous().clone() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
+        acc = gates.dtype
+        dy = dy.to(acc).contiguous() if dy is not None else gates.new_zeros(dirs, rows, hidden)
+        dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
         slab, tmp = _pool.views(dict(dpre=(dirs, rows, gsize), dhb=(dirs, rows, gsize),
                                      dr=(dirs, rows, gsize) if gh is not None else None,
-                                     g=(dirs * ctx.active[0] * hidden,)), gates)
+                                     g=(dirs * ctx.active[0] * hidden,)), acc, gates.device)
         dpre, dhb, g = tmp["dpre"], tmp["dhb"], tmp["g"]
         dr = dhb if tmp["dr"] is None else tmp["dr"]
         acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
@@ -313,25 +348,26 @@ class GRURecurrence(torch.autograd.Function):
         acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
         offsets = ctx.offsets
         P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
+        w_hh_p = mm.operand(w_hh)
         for t in range(len(ctx.active) - 1, -1, -1):
             n, o = ctx.active[t], offsets[t]
             bwd(dirs, batch, n, hidden, rows, P_["dy"][t], dh.data_ptr(), P_["hist"][t], P_["gates"][t], P_["hbn"][t],
                 P_["xp"][t], P_["xstat"][t], address(gx), P_["rhat"][t], P_["rrstd"][t], address(gh), P_["zh"][t],
                 zh_const, P_["dpre"][t], P_["dhb"][t], P_["dr"][t], address(acc_gx), address(acc_b), address(acc_gh),
                 threads)
-            gn = torch.bmm(dr[:, o:o + n], w_hh, out=g[:dirs * n * hidden].view(dirs, n, hidden))
+            gn = mm.bmm_prepared(dr[:, o:o + n], w_hh_p, out=g[:dirs * n * hidden].view(dirs, n, hidden))
             if rmask is not None:
                 gn.mul_(rmask[:, :n])
             dh[:, :n] += gn
         # one GEMM each over all packed rows: dX, dW_ih, dW_hh = dr^T hd
-        d_xs = torch.bmm(dpre, w_ih) if need[0] else None
-        d_w_ih = torch.bmm(dpre.transpose(1, 2), xs) if need[1] else None
+        d_xs = mm.bmm(dpre, w_ih) if need[0] else None
+        d_w_ih = mm.bmm(dpre.transpose(1, 2), xs) if need[1] else None
         d_b_ih = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias[0] and need[3] else None
-        d_w_hh = torch.bmm(dr.transpose(1, 2), hd) if need[5] else None
+        d_w_hh = mm.bmm(dr.transpose(1, 2), hd) if need[5] else None
         d_b_hh = dhb.sum(1) if ctx.has_bias[1] and need[6] else None
         _pool.give(slab)
         if _pool.graph_freed_after_this_backward():
             ctx.release()
             del ctx.buf
-        return (d_xs, d_w_ih, acc_gx if need[2] else None, d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh, acc_gh,
-                None, None, None, None)
+        grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh, acc_gh)
+        return (*_in_dtypes(grads, ctx.dtypes), None, None, None, None)

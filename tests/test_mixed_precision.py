@@ -1,0 +1,210 @@
+"""Every layer under torch.autocast (CPU bfloat16) and with bfloat16 parameters: it runs, returns the
+low dtype, and its error against a float64 reference (output and every gradient) is at most twice
+that of the corresponding torch module, or a plain-torch formulation, in the same precision
+(flash-attention's same-precision budget)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import fastlayers
+from fastlayers import _precision
+from fastlayers.rnn._engine_reference import gru_cell_step, lstm_cell_step
+
+BF16 = torch.bfloat16
+LENGTHS = [12, 5, 9, 1, 12, 7]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def _run(fn, module, inputs, cot_seed=0):
+    """outputs and the gradients of every floating input and parameter, with fixed cotangents."""
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    module.zero_grad(set_to_none=True)
+    outs = fn(module, *leaves)
+    outs = [outs] if isinstance(outs, torch.Tensor) else outs
+    g = torch.Generator().manual_seed(cot_seed)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outs)
+    loss.backward()
+    grads = [t.grad for t in leaves if t.is_floating_point()] + [p.grad for p in module.parameters()]
+    return [o.detach() for o in outs], grads
+
+
+def _errors(result, reference):
+    (outs, grads), (routs, rgrads) = result, reference
+    return [_rel(a, b) for a, b in zip(outs, routs, strict=True)] + \
+           [_rel(a, b) for a, b in zip(grads, rgrads, strict=True)]
+
+
+def _check(ours_fn, ours, base_fn, base, inputs, mode):
+    """ours in ``mode`` ("autocast": float32 module under CPU bf16 autocast; "bf16": bf16 module
+    and inputs) vs the baseline in bf16, both against ours in float64."""
+    reference = _run(ours_fn, copy.deepcopy(ours).double(), [t.double() if t.is_floating_point() else t for t in inputs])
+    low_inputs = [t.to(BF16) if t.is_floating_point() else t for t in inputs]
+    if mode == "autocast":
+        with torch.autocast("cpu", BF16):
+            result = _run(ours_fn, ours, inputs)
+    else:
+        result = _run(ours_fn, copy.deepcopy(ours).to(BF16), low_inputs)
+    assert all(o.dtype == BF16 for o in result[0]), [o.dtype for o in result[0]]
+    want_grad = torch.float32 if mode == "autocast" else BF16
+    assert all(g is not None and g.dtype == want_grad for g in result[1])
+    baseline = _run(base_fn, copy.deepcopy(base).to(BF16), low_inputs)
+    ours_err, base_err = _errors(result, reference), _errors(baseline, reference)
+    for i, (a, b) in enumerate(zip(ours_err, base_err)):
+        assert a <= 2 * b + 1e-6, f"tensor {i}: error {a:.2e} > 2 x the bf16 baseline's {b:.2e}; all: {ours_err} vs {base_err}"
+    return ours_err, base_err
+
+
+MODES = ["autocast", "bf16"]
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _rnn_pair(ours_cls, torch_cls, **kw):
+    torch.manual_seed(0)
+    ours = ours_cls(8, 16, num_layers=2, bidirectional=True, **kw)
+    theirs = torch_cls(8, 16, num_layers=2, bidirectional=True, **kw)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls,torch_cls", [(fastlayers.LSTM, nn.LSTM), (fastlayers.GRU, nn.GRU),
+                                           (fastlayers.RNN, nn.RNN)], ids=["LSTM", "GRU", "RNN"])
+def test_padded_plain_layers(cls, torch_cls, mode):
+    ours, theirs = _rnn_pair(cls, torch_cls)
+    _check(lambda m, x: m(x)[0], ours, lambda m, x: m(x)[0], theirs, [_x(12, 6, 8)], mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls,torch_cls", [(fastlayers.LSTM, nn.LSTM), (fastlayers.GRU, nn.GRU),
+                                           (fastlayers.RNN, nn.RNN)], ids=["LSTM", "GRU", "RNN"])
+def test_lengths_against_torch_packed(cls, torch_cls, mode):
+    ours, theirs = _rnn_pair(cls, torch_cls)
+    lengths = torch.tensor(LENGTHS)
+
+    def packed(m, x):
+        out, _ = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        return pad_packed_sequence(out, total_length=x.size(0))[0]
+
+    _check(lambda m, x: m(x, lengths=lengths)[0], ours, packed, theirs, [_x(12, 6, 8)], mode)
+
+
+class _NaiveLoop(nn.Module):
+    """The LayerNorm / peephole / clip cell written the plain way, one step at a time, every op in
+    the parameters' dtype (bf16 state included): the plain-torch formulation of the options."""
+
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        rnn = self.rnn
+        p = rnn._layer_parameters()[0][0]
+        lstm = rnn.mode == "LSTM"
+        mm = _precision.Products(x.dtype, x.dtype, x.device)
+        h = x.new_zeros(x.size(1), rnn.hidden_size)
+        c = x.new_zeros(x.size(1), rnn.hidden_size)
+        ys = []
+        for t in range(x.size(0)):
+            if lstm:
+                h, c = lstm_cell_step(x[t], h, c, p, rnn.options, mm)
+            else:
+                h = gru_cell_step(x[t], h, p, rnn.options, mm=mm)
+            ys.append(h)
+        return torch.stack(ys)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("make", [
+    lambda: fastlayers.LSTM(8, 16, layer_norm=True, peephole=True, cell_clip=2.0),
+    lambda: fastlayers.GRU(8, 16, layer_norm=True),
+], ids=["LSTM options", "GRU layer_norm"])
+def test_cell_options_against_a_plain_bf16_loop(make, mode):
+    torch.manual_seed(0)
+    ours = make().eval()
+    _check(lambda m, x: m(x)[0], ours, lambda m, x: m(x), _NaiveLoop(copy.deepcopy(ours)), [_x(12, 6, 8)], mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_locally_connected_against_unfold_einsum(mode):
+    torch.manual_seed(0)
+    ours = fastlayers.LocallyConnected2d(3, 4, (10, 9), 3, padding=1)
+
+    class Unfold(nn.Module):  # the usual plain-torch locally connected layer
+        def __init__(self, weight, bias):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(weight.clone()), nn.Parameter(bias.clone())
+
+        def forward(self, x):
+            patches = F.unfold(x, 3, padding=1).view(x.size(0), 3, 9, 10, 9)  # (B, C, K, OH, OW)
+            w = self.weight.view(4, 3, 9, 10, 9)
+            return torch.einsum("bckij,ockij->boij", patches, w) + self.bias
+
+    _check(lambda m, x: m(x), ours, lambda m, x: m(x), Unfold(ours.weight.data, ours.bias.data),
+           [_x(2, 3, 10, 9)], mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("score", ["dot", "additive"])
+def test_attention_pooling_against_plain_softmax(score, mode):
+    torch.manual_seed(0)
+    ours = fastlayers.AttentionPooling(6, score=score)
+    lengths = torch.tensor(LENGTHS)
+
+    class Plain(nn.Module):
+        def __init__(self, pool):
+            super().__init__()
+            self.pool = pool
+
+        def forward(self, q, k, v):
+            if score == "dot":
+                s = (k * q.unsqueeze(1)).sum(-1)
+            else:
+                p = self.pool
+                s = torch.tanh(k @ p.weight_key.T + (q @ p.weight_query.T).unsqueeze(1) + p.bias) @ p.v
+            s = s.masked_fill(torch.arange(k.size(1)) >= lengths[:, None], float("-inf"))
+            w = torch.softmax(s, 1)
+            return (w.unsqueeze(-1) * v).sum(1), w
+
+    inputs = [_x(6, 6, seed=1), _x(6, 12, 6, seed=2), _x(6, 12, 5, seed=3)]
+    _check(lambda m, q, k, v: m(q, k, v, lengths), ours, lambda m, q, k, v: m(q, k, v), Plain(copy.deepcopy(ours)),
+           inputs, mode)
+
+
+def test_engine_and_its_reference_implement_the_same_rule():
+    """bf16 operands, float32 cell state and LayerNorm: the C engine and the per-step torch reference
+    agree to the last bf16 rounding of the outputs."""
+    torch.manual_seed(0)
+    m = fastlayers.LSTM(8, 16, bidirectional=True, layer_norm=True, peephole=True)
+    x = _x(40, 6, 8)
+    with torch.autocast("cpu", BF16):
+        out, (h, c) = m(x, lengths=torch.tensor(LENGTHS) * 3)
+        with fastlayers.backend("reference"):
+            ref_out, (ref_h, ref_c) = m(x, lengths=torch.tensor(LENGTHS) * 3)
+    for a, b in ((out, ref_out), (h, ref_h), (c, ref_c)):
+        assert a.dtype == b.dtype == BF16
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_cpu_without_bf16_instructions_multiplies_in_float32(monkeypatch):
+    """The two routes of a low-precision product give the same numbers (bf16 operands, fp32 sums)."""
+    a, b = _x(2, 5, 7), _x(2, 7, 3, seed=1)
+    emulated = _precision.Products(BF16, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(emulated, "native", True)
+    fast = _precision.Products(BF16, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(fast, "native", False)
+    torch.testing.assert_close(fast.bmm(a, b), emulated.bmm(a, b), atol=1e-2, rtol=1e-2)
+    exact = torch.bmm(a.to(BF16).double(), b.to(BF16).double())
+    assert _rel(fast.bmm(a, b), exact) < 1e-6  # exact products, float32 sums
