@@ -117,7 +117,22 @@ def _has_kernel(name: str, op: str) -> bool:
 
 def select(op: str, x: Tensor) -> str:
     """The backend for one call of ``op`` ("lstm", "gru", "local2d", "attention", ...) on tensors
-    like ``x``: "cpu", "triton" or "reference" (see the module docstring)."""
+    like ``x``: "cpu", "triton" or "reference" (see the module docstring).
+
+    Under ``torch.compile`` the choice is made once, when the code is traced, and kept by the
+    compiled code (it depends on the device and dtype, which the compiled code guards on, and on
+    the forced backend at that time)."""
+    if torch.compiler.is_compiling():
+        return _select_when_tracing(op, x)
+    return _select(op, x)
+
+
+@torch.compiler.assume_constant_result
+def _select_when_tracing(op: str, x: Tensor) -> str:
+    return _select(op, x)
+
+
+def _select(op: str, x: Tensor) -> str:
     chosen = forced()
     if chosen is None:
         for name in ("cpu", "triton"):

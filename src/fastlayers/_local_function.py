@@ -12,7 +12,6 @@ import ctypes
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import _native, _precision
 from ._native import address
@@ -71,56 +70,95 @@ def _lib():
     return typed(lib) if lib is not None else None
 
 
-class LocallyConnected2dFunction(torch.autograd.Function):
-    """Forward and hand-written backward through the C kernels in ``_native/local.c``.
+def _geometry(padded: tuple[int, ...], weight: tuple[int, ...], stride: list[int], dilation: list[int]) -> tuple:
+    """The 13 sizes every kernel takes: B, C, Hp, Wp, O, KH, KW, OH, OW, sh, sw, dh, dw."""
+    (batch, chans, hp, wp), (out_ch, _, kh, kw, oh, ow) = padded, weight
+    return (batch, chans, hp, wp, out_ch, kh, kw, oh, ow, stride[0], stride[1], dilation[0], dilation[1])
 
-    Saves the (unpadded) input and the weight; returns None for the geometry arguments.
-    Low-precision calls (:mod:`fastlayers._precision`): the kernels take the operands rounded to
-    the low dtype, sum in float32 and the output is returned in the low dtype; every gradient
-    comes back in its input's dtype.
-    """
 
-    @staticmethod
-    def forward(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
-                dilation: Pair) -> Tensor:
-        mm = _precision.Products(*_precision.dtypes(input), input.device)
-        ctx.mm, ctx.dtypes = mm, (input.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        x = F.pad(input, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else input
-        x, w = _kernel_operand(mm, x), _kernel_operand(mm, weight)
-        b = bias.to(mm.acc).contiguous() if bias is not None else None
-        batch, chans, hp, wp = x.shape
-        out_ch, _, kh, kw, oh, ow = w.shape
-        y = x.new_empty(batch, out_ch, oh, ow)
-        _native.advise_huge_pages(y)
-        geometry = (batch, chans, hp, wp, out_ch, kh, kw, oh, ow, stride[0], stride[1], dilation[0], dilation[1])
-        getattr(_lib(), f"lc2d_forward_{_SUFFIX[x.dtype]}")(address(x), address(w), address(b), address(y), *geometry,
-                                                           torch.get_num_threads())
-        ctx.save_for_backward(input, weight)
-        ctx.geometry, ctx.padding, ctx.has_bias = geometry, padding, bias is not None
-        return y.to(mm.low) if mm.mixed else y
+def _pad(x: Tensor, padding: list[int]) -> Tensor:
+    return F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor):
-        input, weight = ctx.saved_tensors
-        mm = ctx.mm
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and ctx.has_bias
-        lib, suffix, geometry, padding = _lib(), _SUFFIX[mm.acc], ctx.geometry, ctx.padding
-        dy = grad.to(mm.acc).contiguous()
-        threads = torch.get_num_threads()
-        dx = dw = db = None
-        if need_x:
-            batch, chans, hp, wp = geometry[:4]
-            dx_pad = dy.new_zeros(batch, chans, hp, wp)
-            w = _kernel_operand(mm, weight)  # bound to a name: a temporary would be freed before the call
-            getattr(lib, f"lc2d_backward_input_{suffix}")(address(dy), address(w), address(dx_pad), *geometry, threads)
-            dx = dx_pad[:, :, padding[0] : hp - padding[0], padding[1] : wp - padding[1]] if any(padding) else dx_pad
-        if need_w or need_b:
-            x = _kernel_operand(mm, F.pad(input, (padding[1], padding[1], padding[0], padding[0])) if any(padding)
-                                else input)
-            dw = torch.empty_like(weight, dtype=mm.acc, memory_format=torch.contiguous_format) if need_w else None
-            db = dy.new_empty(weight.size(0), *weight.shape[-2:]) if need_b else None
-            getattr(lib, f"lc2d_backward_params_{suffix}")(address(dy), address(x), address(dw), address(db), *geometry,
-                                                          threads)
-        return (*(g if g is None else g.to(d) for g, d in zip((dx, dw, db), ctx.dtypes)), None, None, None)
+
+def _out_dtype(x: Tensor) -> torch.dtype:
+    low, acc = _precision.dtypes(x)
+    return low if low != acc else acc
+
+
+# The C kernels as custom operators (torch.library): opaque to torch.compile, which traces the
+# rest of the layer around them through the fake implementations; autograd through
+# register_autograd. Low-precision calls (:mod:`fastlayers._precision`): the kernels take the
+# operands rounded to the low dtype and sum in float32; the output comes back in the low dtype,
+# every gradient in its input's dtype.
+
+@torch.library.custom_op("fastlayers::locally_connected2d", mutates_args=(), device_types="cpu")
+def locally_connected2d_op(input: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+                           dilation: list[int]) -> Tensor:
+    """Forward kernel: input (B, C, H, W), weight (O, C, KH, KW, OH, OW), bias (O, OH, OW) | None."""
+    mm = _precision.Products(*_precision.dtypes(input), input.device)
+    x, w = _kernel_operand(mm, _pad(input, padding)), _kernel_operand(mm, weight)
+    b = bias.to(mm.acc).contiguous() if bias is not None else None
+    geometry = _geometry(tuple(x.shape), tuple(w.shape), stride, dilation)
+    y = x.new_empty(x.size(0), w.size(0), w.size(4), w.size(5))
+    _native.advise_huge_pages(y)
+    getattr(_lib(), f"lc2d_forward_{_SUFFIX[x.dtype]}")(address(x), address(w), address(b), address(y), *geometry,
+                                                       torch.get_num_threads())
+    return y.to(mm.low) if mm.mixed else y
+
+
+@locally_connected2d_op.register_fake
+def _(input, weight, bias, stride, padding, dilation):
+    return input.new_empty(input.size(0), weight.size(0), weight.size(4), weight.size(5), dtype=_out_dtype(input))
+
+
+@torch.library.custom_op("fastlayers::locally_connected2d_backward", mutates_args=(), device_types="cpu")
+def _backward_op(grad: Tensor, input: Tensor, weight: Tensor, stride: list[int], padding: list[int],
+                 dilation: list[int], low: torch.dtype, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward kernels: (d input, d weight, d bias), each empty where ``needs`` says no."""
+    acc = torch.float32 if low in _precision.LOW else low
+    mm = _precision.Products(low, acc, input.device)
+    lib, suffix, threads = _lib(), _SUFFIX[acc], torch.get_num_threads()
+    dy = grad.to(acc).contiguous()
+    padded = _pad(input, padding)
+    geometry = _geometry(tuple(padded.shape), tuple(weight.shape), stride, dilation)
+    dx, dw, db = grad.new_empty(0), grad.new_empty(0), grad.new_empty(0)  # (distinct: outputs may not alias)
+    if needs[0]:
+        batch, chans, hp, wp = geometry[:4]
+        dx_pad = dy.new_zeros(batch, chans, hp, wp)
+        w = _kernel_operand(mm, weight)  # bound to a name: a temporary would be freed before the call
+        getattr(lib, f"lc2d_backward_input_{suffix}")(address(dy), address(w), address(dx_pad), *geometry, threads)
+        dx = dx_pad[:, :, padding[0]:hp - padding[0], padding[1]:wp - padding[1]] if any(padding) else dx_pad
+        dx = dx.to(input.dtype).contiguous()
+    if needs[1] or needs[2]:
+        x = _kernel_operand(mm, padded)
+        w_grad = torch.empty_like(weight, dtype=acc, memory_format=torch.contiguous_format) if needs[1] else None
+        b_grad = dy.new_empty(weight.size(0), *weight.shape[-2:]) if needs[2] else None
+        getattr(lib, f"lc2d_backward_params_{suffix}")(address(dy), address(x), address(w_grad), address(b_grad),
+                                                      *geometry, threads)
+        dw = w_grad.to(weight.dtype) if w_grad is not None else dw
+        db = b_grad.to(weight.dtype) if b_grad is not None else db
+    return dx, dw, db
+
+
+@_backward_op.register_fake
+def _(grad, input, weight, stride, padding, dilation, low, needs):
+    return (input.new_empty(input.shape) if needs[0] else grad.new_empty(0),
+            weight.new_empty(weight.shape) if needs[1] else grad.new_empty(0),
+            weight.new_empty(weight.size(0), *weight.shape[-2:]) if needs[2] else grad.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    input, weight, bias, stride, padding, dilation = inputs
+    ctx.save_for_backward(input, weight)
+    ctx.geometry, ctx.has_bias, ctx.low = (stride, padding, dilation), bias is not None, _precision.dtypes(input)[0]
+
+
+def _backward(ctx, grad):
+    input, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    needs = [need_x, need_w, need_b and ctx.has_bias]
+    dx, dw, db = _backward_op(grad, input, weight, *ctx.geometry, ctx.low, needs)
+    return dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None, None, None, None
+
+
+torch.library.register_autograd("fastlayers::locally_connected2d", _backward, setup_context=_setup_context)

@@ -56,10 +56,14 @@ def empty_cache() -> None:
         _free.clear()
 
 
-def views(shapes: dict[str, tuple[int, ...] | None], dtype: torch.dtype,
-          device: torch.device) -> tuple[Tensor, dict[str, Tensor | None]]:
+def views(shapes: dict[str, tuple[int, ...] | None], dtype: torch.dtype, device: torch.device,
+          fresh: bool = False) -> tuple[Tensor | None, dict[str, Tensor | None]]:
     """One slab from the pool cut into contiguous views of the given shapes (None stays None).
-    Returns (slab, views)."""
+    Returns (slab, views). ``fresh``: separate new tensors instead (slab None), for buffers that
+    leave their owner, e.g. as outputs of a custom operator."""
+    if fresh:
+        return None, {k: torch.empty(s, dtype=dtype, device=device) if s is not None else None
+                      for k, s in shapes.items()}
     sizes = {k: math.prod(s) if s is not None else 0 for k, s in shapes.items()}
     total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
     slab = _take(max(total, 1), dtype, device)
@@ -74,10 +78,10 @@ def views(shapes: dict[str, tuple[int, ...] | None], dtype: torch.dtype,
     return slab, out
 
 
-def hold(owner: Any, slab: Tensor) -> weakref.finalize:
+def hold(owner: Any, slab: Tensor | None) -> Any:
     """Give ``slab`` back when ``owner`` (an autograd context) is destroyed, or earlier when the
-    returned finalizer is called (once; later calls do nothing)."""
-    return weakref.finalize(owner, give, slab)
+    returned finalizer is called (once; later calls do nothing). No slab: a no-op."""
+    return weakref.finalize(owner, give, slab) if slab is not None else (lambda: None)
 
 
 def graph_freed_after_this_backward() -> bool:

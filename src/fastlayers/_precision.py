@@ -19,8 +19,6 @@ values is exact in float32) and float32 sums, at float32 GEMM speed.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -42,9 +40,18 @@ def is_low(x: Tensor) -> bool:
     return dtypes(x)[0] in LOW
 
 
-@functools.lru_cache(maxsize=None)
+_NATIVE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@torch.compiler.assume_constant_result  # a fact of the machine: a constant for torch.compile
 def native(device_type: str, dtype: torch.dtype) -> bool:
     """True when ``device_type`` multiplies ``dtype`` matrices in hardware (CUDA: always)."""
+    if (device_type, dtype) not in _NATIVE:
+        _NATIVE[device_type, dtype] = _native(device_type, dtype)
+    return _NATIVE[device_type, dtype]
+
+
+def _native(device_type: str, dtype: torch.dtype) -> bool:
     if device_type != "cpu" or dtype not in LOW:
         return True
     cpu = torch.cpu

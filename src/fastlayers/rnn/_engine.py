@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._lengths import make_plan
+from ._lengths import full_plan, make_plan
 from ._options import CellOptions
-from ._recurrence import GRURecurrence, LSTMRecurrence
+from ._ops import run_layer
 
 
 def lstm_engine(
@@ -91,9 +91,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     proj = "weight_hr" in layers[0][0]
     out_size = layers[0][0]["weight_hr"].size(0) if proj else hidden
     dev = input.device
-    if lengths is None:
-        lengths = torch.full((batch,), steps, dtype=torch.int64)
-    plan = make_plan(lengths, steps, False, dev)
+    plan = make_plan(lengths, steps, False, dev) if lengths is not None else full_plan(steps, batch, dev)
     active = tuple(n for span, n in plan.segments for _ in range(span))
     rows = sum(active)
     # packed row k of direction d reads padded row src[d, k] of the (T*B, ...) input; the output
@@ -132,15 +130,14 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         ln, peep = options.layer_norm, options.peephole
         if cell == "LSTM":
             consts = (clip, 0.0 if training else z_c, 0.0 if training else z_h, options.proj_clip or 0.0)
-            y, *last = LSTMRecurrence.apply(
-                xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0][k], states[1][k], stack("weight_hh"),
-                stack("ln_hh_weight", ln),
-                stack("ln_cell_weight", ln), stack("ln_cell_bias", ln), stack("weight_peephole", peep),
-                stack("weight_hr", proj), rmask, zmasks[0], zmasks[1], active, consts)
+            y, *last = run_layer(
+                "LSTM", xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0][k], states[1][k],
+                stack("weight_hh"), stack("ln_hh_weight", ln), stack("ln_cell_weight", ln), stack("ln_cell_bias", ln),
+                stack("weight_peephole", peep), stack("weight_hr", proj), rmask, zmasks[0], zmasks[1], active, consts)
         else:
-            y, *last = GRURecurrence.apply(xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0][k],
-                                           stack("weight_hh"), stack("bias_hh", has_bias), stack("ln_hh_weight", ln),
-                                           rmask, zmasks[1], active, (0.0 if training else z_h,))
+            y, *last = run_layer("GRU", xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0][k],
+                                 stack("weight_hh"), stack("bias_hh", has_bias), stack("ln_hh_weight", ln), rmask,
+                                 zmasks[1], active, (0.0 if training else z_h,))
         # back to the padded layout: one scatter of both directions, zeros at t >= len_b
         x = y.new_zeros(steps * batch * dirs, out_size).index_copy(0, dst, y.reshape(dirs * rows, out_size))
         x = x.view(steps, batch, dirs * out_size)

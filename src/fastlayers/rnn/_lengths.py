@@ -43,6 +43,15 @@ class LengthPlan:
     num_rows: int
 
 
+def full_plan(steps: int, batch: int, device: torch.device) -> LengthPlan:
+    """The plan of a time-major batch without padding (every length T), from the shapes alone:
+    no host values are read, so torch.compile traces it without a graph break."""
+    rows = torch.arange(steps * batch, device=device)
+    order = torch.arange(batch, device=device)
+    return LengthPlan(sorted_indices=order, unsorted_indices=order, segments=((steps, batch),), forward_rows=rows,
+                      reverse_rows=rows.view(steps, batch).flip(0).reshape(-1), num_rows=steps * batch)
+
+
 def make_plan(lengths: Tensor, max_len: int, batch_first: bool, device: torch.device) -> LengthPlan:
     """Build the plan for a validated CPU int64 ``lengths`` of shape (B,) and padded length T."""
     batch = lengths.numel()

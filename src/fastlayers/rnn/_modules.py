@@ -102,6 +102,8 @@ class _LengthsMixin:
                 raise ValueError("input: PackedSequence input is not supported with cell options; pass the padded "
                                  "batch and lengths=")
             return super().forward(input, hx)  # type: ignore[misc]
+        if lengths is not None and torch.compiler.is_compiling():
+            return self._forward_eagerly(input, hx, lengths)
         input = self._check_input(input)
         states = self._check_hx(hx, input)
         if lengths is None and self._options_plain() and not self._engine_precision(input):
@@ -120,6 +122,13 @@ class _LengthsMixin:
             output = output.squeeze(time_dim ^ 1)
             final = tuple(s.squeeze(1) for s in final)
         return output, (final if self.mode == "LSTM" else final[0])
+
+    @torch.compiler.disable
+    def _forward_eagerly(self, input: Tensor, hx: Any, lengths: Any) -> Any:
+        """A call with lengths under torch.compile: its plan reads the lengths' values on the host,
+        so the layer runs outside the compiled graph (one graph break, and no recompilation for new
+        lengths); the engine's C kernels run as in eager mode."""
+        return self.forward(input, hx, lengths=lengths)
 
     def _no_padding(self, x: Tensor, lengths: Tensor) -> bool:
         time_dim = 1 if self.batch_first else 0

@@ -129,7 +129,7 @@ class LSTMRecurrence(torch.autograd.Function):
             rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
             cstat=(dirs, rows, 2) if gc is not None else None,
             chist=(dirs, rows, hidden) if zc is not None or zc_const else None, y1=(dirs, rows, hidden) if proj else None),
-            acc, xs.device)
+            acc, xs.device, fresh=getattr(ctx, "fresh", False))
         # the forward's own work space: the recurrent product, and the projection unless the backward
         # needs it (it does with the input LayerNorm)
         tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)),
@@ -192,6 +192,7 @@ class LSTMRecurrence(torch.autograd.Function):
         threads = torch.get_num_threads()
         need = ctx.needs_input_grad
         acc = gates.dtype
+        gx, c0, gh, gc, bc, peep, rmask, zc, zh = (_as(t, acc) for t in (gx, c0, gh, gc, bc, peep, rmask, zc, zh))
         dy = dy.to(acc).contiguous() if dy is not None else gates.new_zeros(dirs, rows, out_size)
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, out_size)
         dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
@@ -250,7 +251,7 @@ class LSTMRecurrence(torch.autograd.Function):
         d_w_hh = mm.bmm(dr.transpose(1, 2), hd) if need[6] else None
         d_w_hr = mm.bmm(dhp.transpose(1, 2), y1) if proj and need[11] else None
         _pool.give(slab)
-        if _pool.graph_freed_after_this_backward():
+        if not getattr(ctx, "fresh", False) and _pool.graph_freed_after_this_backward():
             ctx.release()
             del ctx.buf
         grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_bias, dh if need[4] else None, dc if need[5] else None,
@@ -294,7 +295,7 @@ class GRURecurrence(torch.autograd.Function):
             xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), hbn=(dirs, rows, hidden),
             hist=(dirs, rows, hidden), hd=(dirs, rows, hidden), xstat=(dirs, rows, 2) if gx is not None else None,
             rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None),
-            acc, xs.device)
+            acc, xs.device, fresh=getattr(ctx, "fresh", False))
         # the forward's own work space (the projection is saved only for the input LayerNorm's backward)
         tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)),
                                     acc, xs.device)
@@ -336,6 +337,7 @@ class GRURecurrence(torch.autograd.Function):
         threads = torch.get_num_threads()
         need = ctx.needs_input_grad
         acc = gates.dtype
+        gx, gh, rmask, zh = (_as(t, acc) for t in (gx, gh, rmask, zh))
         dy = dy.to(acc).contiguous() if dy is not None else gates.new_zeros(dirs, rows, hidden)
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
         slab, tmp = _pool.views(dict(dpre=(dirs, rows, gsize), dhb=(dirs, rows, gsize),
@@ -366,7 +368,7 @@ class GRURecurrence(torch.autograd.Function):
         d_w_hh = mm.bmm(dr.transpose(1, 2), hd) if need[5] else None
         d_b_hh = dhb.sum(1) if ctx.has_bias[1] and need[6] else None
         _pool.give(slab)
-        if _pool.graph_freed_after_this_backward():
+        if not getattr(ctx, "fresh", False) and _pool.graph_freed_after_this_backward():
             ctx.release()
             del ctx.buf
         grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh, acc_gh)
