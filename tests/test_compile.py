@@ -98,6 +98,18 @@ def test_recurrent_layers_fullgraph_on_padded_input_with_allow_rnn(name):
 
 
 @torch._dynamo.config.patch(allow_rnn=True)
+def test_reference_backend_compiles_too(monkeypatch):
+    """Forced to the reference (what runs without a C compiler): the per-step torch loop is traced."""
+    monkeypatch.setenv("FASTLAYERS_BACKEND", "reference")
+    torch.manual_seed(0)
+    lstm = fastlayers.LSTM(4, 5, bidirectional=True, layer_norm=True).eval()
+    local = fastlayers.LocallyConnected2d(2, 3, (6, 5), 3, padding=1)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        _assert_compiled_equals_eager(lstm, lstm, [torch.randn(6, 2, 4)], fullgraph=True, backend="aot_eager")
+    _assert_compiled_equals_eager(local, local, [torch.randn(2, 2, 6, 5)], fullgraph=True, backend="aot_eager")
+
+
+@torch._dynamo.config.patch(allow_rnn=True)
 def test_lengths_cost_one_graph_break_and_no_recompilation():
     torch.manual_seed(0)
 

@@ -67,6 +67,16 @@ def _check(ours_fn, ours, base_fn, base, inputs, mode):
 MODES = ["autocast", "bf16"]
 
 
+@pytest.fixture(params=["auto", "reference"], autouse=True)
+def backend(request):
+    """Every test on the automatic backend (the C kernels) and on the plain-torch reference."""
+    if request.param == "reference":
+        with fastlayers.backend("reference"):
+            yield request.param
+    else:
+        yield request.param
+
+
 def _x(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 

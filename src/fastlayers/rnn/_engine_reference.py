@@ -129,6 +129,8 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
         m = (masks[li] if masks is not None else None) or {}
         outs = []
         for d, p in enumerate(dir_params):
+            # parameters converted once per call: their gradients are summed over the steps in mm.acc
+            p = {k: v.to(mm.acc) for k, v in p.items()}
             states = [s[li * dirs + d].to(mm.acc) for s in hx]
             rmask = m["recurrent"][d] if "recurrent" in m else None
             if rmask is None and training and options.recurrent_dropout > 0:
