@@ -12,6 +12,7 @@ $py benchmarks/bench_engine.py --repeats 5 > "$out/engine.txt"
 $py benchmarks/bench_gru_engine.py --repeats 5 > "$out/gru_engine.txt"
 $py benchmarks/bench_lengths_paths.py > "$out/lengths_paths.txt" 2>/dev/null
 $py benchmarks/bench_step_fusion.py --repeats 20 --steps 100 > "$out/step_fusion.txt"
+$py benchmarks/bench_mixed_precision.py --repeats 3 > "$out/mixed_precision.txt" 2>/dev/null
 $py benchmarks/bench_attention.py --repeats 20 > "$out/attention_pool.txt"
 $py benchmarks/bench_local_kernels.py > "$out/local_kernels.txt"
 $py benchmarks/bench_local.py --repeats 20 > "$out/local.txt"
