@@ -29,9 +29,18 @@ demo: setup
 
 # The suite twice: as is, then with uninitialised memory poisoned (torch.empty & co. filled with NaN,
 # deterministic algorithms on), so a kernel or module that reads memory nobody wrote fails a test.
-test: setup
+test: setup $(VENV)/.triton-installed
 	$(BIN)/python -m pytest
 	$(BIN)/python -m pytest --poison-memory -m "not subprocess and not compile"
+
+# Triton for the tests only (never for make demo): they run the Triton kernels on CPU tensors
+# through Triton's interpreter. 3.6.0 is the release on the project's GPU machines. Its interpreter
+# calls int() on 1-element arrays, which NumPy 2.4 refuses (triton-lang/triton#9171, fixed after
+# 3.6.0), so the test environment keeps NumPy below 2.4.
+$(VENV)/.triton-installed: $(STAMP)
+	$(BIN)/python -m pip install --quiet triton==3.6.0 'numpy<2.4'
+	$(BIN)/python -m pip check
+	touch $@
 
 bench: setup
 	$(BIN)/python benchmarks/bench_rnn_lengths.py

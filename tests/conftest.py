@@ -4,6 +4,11 @@ import pytest
 import torch
 from hypothesis import settings
 
+if not torch.cuda.is_available():
+    # Triton's interpreter runs the Triton kernels on CPU tensors; it must be on before any kernel
+    # is decorated (fastlayers._triton imports them lazily, when a call first forces "triton")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.load_profile("ci")

@@ -188,6 +188,7 @@ def _ddp_worker(rank: int, world: int, init: str, name: str, out: str) -> None:
     _one_step(ddp, x, lengths, y)
     if rank == 0:
         torch.save(model.state_dict(), out)
+    del ddp  # before the process group goes: see fastlayers.train._distributed.stop
     dist.destroy_process_group()
 
 

@@ -1,5 +1,6 @@
 """fastlayers: fast, verified, differentiable layers for PyTorch."""
 
+from . import _triton  # noqa: F401  (registers the Triton ops where the triton package imports)
 from ._backend import backend as backend
 from ._pool import empty_cache as empty_cache
 from .attention import AttentionPooling as AttentionPooling, attention_pool as attention_pool

@@ -135,9 +135,11 @@ def _select_when_tracing(op: str, x: Tensor) -> str:
 def _select(op: str, x: Tensor) -> str:
     chosen = forced()
     if chosen is None:
-        for name in ("cpu", "triton"):
-            if _has_kernel(name, op) and unavailable(name, op, x) is None:
-                return name
+        if _has_kernel("cpu", op) and unavailable("cpu", op, x) is None:
+            return "cpu"
+        # Triton's interpreter runs CPU tensors only when forced: it is a test tool, not a backend
+        if x.device.type == "cuda" and _has_kernel("triton", op) and unavailable("triton", op, x) is None:
+            return "triton"
         return "reference"
     name, where = chosen
     why = unavailable(name, op, x)

@@ -12,6 +12,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import _native, _precision
 from ._native import address
@@ -162,3 +163,43 @@ def _backward(ctx, grad):
 
 
 torch.library.register_autograd("fastlayers::locally_connected2d", _backward, setup_context=_setup_context)
+
+
+class LocallyConnected2dTriton(torch.autograd.Function):
+    """The Triton kernels (``fastlayers._triton.local``): CUDA tensors, or CPU tensors under
+    Triton's interpreter. Low-precision calls as the C kernels: operands rounded to the low dtype,
+    float32 sums, output in the low dtype, gradients in their inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
+                dilation: Pair) -> Tensor:
+        from ._triton import local as kernels
+
+        low, acc = _precision.dtypes(input)
+        operand = (lambda t: t.to(low)) if low != acc else (lambda t: t)  # noqa: E731
+        x, w = operand(_pad(input, list(padding))).contiguous(), operand(weight).contiguous()
+        ctx.save_for_backward(input, weight)
+        ctx.geometry, ctx.low, ctx.has_bias = (stride, padding, dilation), low, bias is not None
+        return kernels.forward(x, w, bias.contiguous() if bias is not None else None, stride, dilation,
+                               low if low != acc else acc)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        from ._triton import local as kernels
+
+        input, weight = ctx.saved_tensors
+        (stride, padding, dilation), low = ctx.geometry, ctx.low
+        mixed = low in _precision.LOW
+        operand = (lambda t: t.to(low)) if mixed else (lambda t: t)  # noqa: E731
+        dy = operand(grad).contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        padded = operand(_pad(input, list(padding))).contiguous()
+        if need_x:
+            dx = kernels.input_grad(dy, operand(weight).contiguous(), tuple(padded.shape), stride, dilation, input.dtype)
+            hp, wp = padded.shape[2:]
+            dx = dx[:, :, padding[0]:hp - padding[0], padding[1]:wp - padding[1]] if any(padding) else dx
+        if need_w or (need_b and ctx.has_bias):
+            dw, db = kernels.param_grads(dy, padded, tuple(weight.shape), stride, dilation, weight.dtype)
+        return dx, dw if need_w else None, db if need_b and ctx.has_bias else None, None, None, None

@@ -20,6 +20,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from . import _precision
 from ._backend import select
@@ -86,7 +87,7 @@ def attention_pool(
     """
     values = keys if values is None else values
     _check(query, keys, values)
-    select("attention", query)  # plain torch ops on every backend; a forced backend must still be usable here
+    which = select("attention", query)
     mm = _precision.Products(*_precision.dtypes(query), query.device)
     batch, steps = keys.shape[:2]
     if score not in SCORES:
@@ -107,9 +108,13 @@ def attention_pool(
             raise ValueError(
                 f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, got {keys.size(2)}"
             )
+        scale = 1 / math.sqrt(keys.size(2)) if score == "scaled_dot" else 1.0
+        if which == "triton":  # one fused kernel per pass (the additive score runs the torch ops below)
+            lens = as_lengths(lengths, batch, steps).to(keys.device) if lengths is not None else None
+            return _AttentionTriton.apply(query, keys, values, lens, scale)
         scores = mm.matmul(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
         if score == "scaled_dot":
-            scores = scores / math.sqrt(keys.size(2))
+            scores = scores * scale
     if lengths is not None:
         lens = as_lengths(lengths, batch, steps).to(keys.device)
         valid = torch.arange(steps, device=keys.device) < lens.unsqueeze(1)
@@ -119,6 +124,38 @@ def attention_pool(
     if mm.mixed:  # scores, softmax and the weights in float32; results in the low dtype
         return context.to(mm.low), weights.to(mm.low)
     return context, weights
+
+
+class _AttentionTriton(torch.autograd.Function):
+    """Dot / scaled-dot attention pooling through the Triton kernels (``fastlayers._triton.attention``):
+    CUDA tensors, or CPU tensors under Triton's interpreter. Low precision as the torch path:
+    operands rounded to the low dtype, float32 scores, softmax and sums, results in the low dtype."""
+
+    @staticmethod
+    def forward(ctx, query, keys, values, lengths, scale):
+        from ._triton import attention as kernels
+
+        low, acc = _precision.dtypes(query)
+        operand = (lambda t: t.to(low)) if low != acc else (lambda t: t)  # noqa: E731
+        q, k, v = (operand(t).contiguous() for t in (query, keys, values))
+        out = low if low != acc else acc
+        context, weights = kernels.forward(q, k, v, lengths, scale, out)
+        ctx.save_for_backward(q, k, v, weights)  # the weights in float32 (float64)
+        ctx.scale, ctx.dtypes = scale, (query.dtype, keys.dtype, values.dtype)
+        return context, weights.to(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_context, d_weights):
+        from ._triton import attention as kernels
+
+        q, k, v, weights = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        d_context = d_context.contiguous() if d_context is not None else q.new_zeros(q.size(0), v.size(2))
+        dq, dk, dv = kernels.backward(q, k, v, weights, d_context,
+                                      d_weights.contiguous() if d_weights is not None else None, ctx.scale, need[2])
+        grads = (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None)
+        return (*(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)), None, None)
 
 
 class AttentionPooling(nn.Module):

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ._checks import check_floating, check_same_dtype_device, check_tensor
 from ._backend import select
-from ._local_function import locally_connected2d_op, locally_connected2d_reference
+from ._local_function import LocallyConnected2dTriton, locally_connected2d_op, locally_connected2d_reference
 
 Pair = tuple[int, int]
 
@@ -111,8 +111,11 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         want = (weight.size(0), *expected)
         if tuple(bias.shape) != want:
             raise ValueError(f"bias: expected shape {want} (C_out, OH, OW), got {tuple(bias.shape)}")
-    if select("local2d", x) == "cpu":
+    which = select("local2d", x)
+    if which == "cpu":
         y = locally_connected2d_op(x, weight, bias, list(stride2), list(padding2), list(dilation2))
+    elif which == "triton":
+        y = LocallyConnected2dTriton.apply(x, weight, bias, stride2, padding2, dilation2)
     else:
         y = locally_connected2d_reference(x, weight, bias, stride2, padding2, dilation2)
     return y if batched else y.squeeze(0)

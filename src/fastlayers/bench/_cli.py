@@ -15,8 +15,9 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", nargs="?", choices=sorted(WORKLOADS), help="which seed workload to run")
     parser.add_argument("--list", action="store_true", help="name the workloads and exit")
-    parser.add_argument("--size", choices=["small", "seed"], default="seed",
-                        help="small: seconds (tests); seed: the shapes of the user reports")
+    parser.add_argument("--size", choices=["small", "seed", "seed-large"], default="seed",
+                        help="small: seconds (tests); seed: the shapes of the user reports; seed-large: local2d "
+                             "with seed 003's example batch of 1024")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.repeats < 1:
         raise SystemExit(f"--repeats: expected >= 1, got {args.repeats}")
+    if args.size == "seed-large" and args.workload != "local2d":
+        raise SystemExit(f"--size seed-large: only the local2d workload has it, got {args.workload}")
     workload = WORKLOADS[args.workload](args.size, dtype=DTYPES[args.dtype], device=args.device)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True) as progress:

@@ -254,8 +254,9 @@ def _einsum_batch_last(x: Tensor, weight: Tensor, bias: Tensor, x_hwcb: Tensor) 
 
 
 def local2d(size: str = "seed", dtype: torch.dtype = torch.float32, device: str = "cpu") -> Workload:
-    """Seed 003: x (32, 4, 256, 256), 2 output channels, 1x1 unshared kernel; W and b require grad."""
-    b, c, hw, o = (32, 4, 256, 2) if size == "seed" else (3, 2, 5, 2)
+    """Seed 003: x (32, 4, 256, 256), 2 output channels, 1x1 unshared kernel; W and b require grad
+    (``size="seed-large"``: the seed's example batch of 1024, x 1 GiB in fp32)."""
+    b, c, hw, o = {"seed": (32, 4, 256, 2), "seed-large": (1024, 4, 256, 2)}.get(size, (3, 2, 5, 2))
     candidates: dict[str, Callable[..., Any]] = {
         "einsum batch-last": _einsum_batch_last,
         "torch.einsum": _einsum,

@@ -45,6 +45,11 @@ def start(device: str) -> Processes:
 
 
 def stop() -> None:
+    """Destroy the process group. Drop every DistributedDataParallel wrapper first: if the last
+    reference to a gloo group is the wrapper's Reducer, its destructor runs with the GIL held and
+    waits for gloo's worker threads, which may need the GIL to free their last work item: a hang at
+    exit (seen in this project's DDP test; pytorch/pytorch#56297). Destroyed here, the group's
+    destructor releases the GIL."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

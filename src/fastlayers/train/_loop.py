@@ -196,6 +196,7 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     (also written to ``cfg.out / "summary.json"`` by rank 0)."""
     procs = _distributed.start(cfg.device)
     say = log if procs.main else (lambda message: None)
+    state = None
     try:
         if procs.main:
             cfg.out.mkdir(parents=True, exist_ok=True)
@@ -226,4 +227,7 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
             _write_atomic(cfg.out / "summary.json", json.dumps(summary, indent=2).encode())
         return summary
     finally:
+        if state is not None:
+            state.net = None  # the DDP wrapper goes before the process group (see _distributed.stop)
+        del state
         _distributed.stop()

@@ -1,0 +1,200 @@
+"""Issue: locally connected layers and attention pooling on the GPU near the memory bound (Triton).
+
+Every shape of the issue's table (fp32): x 32x4x256x256 1x1 -> 2; x 1024x4x256x256 1x1 -> 2 (seed
+003's example, 1 GiB); x 32x4x256x256 3x3 pad 1 -> 2; x 64x16x64x64 3x3 pad 1 -> 32. Candidates,
+timed interleaved with CUDA events (median after warm-up; x does not require grad, weight and
+bias do): fastlayers (the Triton kernels), its plain-torch reference (one einsum per kernel
+offset), broadcast-and-sum (1x1) or einsum over F.unfold (3x3). The memory floor: bytes that
+must move (forward: read x, W, b, write y; backward: read x and dy, write dW and db) over the
+device-to-device copy bandwidth measured in the same run. Also: the forward's extra memory
+(max_memory_allocated) against the output's size, and the first call's time (Triton's compile).
+Then attention pooling at seed 001's shape (T=256, B=128, 32-d keys, 100-d values, lengths) for
+each score, values requiring grad or not: fwd, fwd+bwd and their ratio.
+
+    python benchmarks/bench_gpu_local.py [--device cuda] [--repeats 20] [--size seed|small]
+
+``TRITON_INTERPRET=1 python benchmarks/bench_gpu_local.py --device cpu --size small`` runs the same
+script on Triton's interpreter (a smoke test of the script only: its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fastlayers
+from fastlayers.functional import attention_pool, locally_connected2d
+
+# attention pooling candidates: the Triton kernels (the additive score runs torch ops under either),
+# and the plain-torch path that CUDA tensors took before them
+BACKENDS = {"triton": "fastlayers (Triton)", "reference": "plain torch ops (before)"}
+SHAPES = {  # (batch, C, H, kernel, C_out)
+    "seed": [(32, 4, 256, 1, 2), (1024, 4, 256, 1, 2), (32, 4, 256, 3, 2), (64, 16, 64, 3, 32)],
+    "small": [(2, 2, 8, 1, 2), (2, 2, 8, 3, 3)],
+}
+
+
+class Timer:
+    """Elapsed milliseconds of a callable: CUDA events on the GPU, perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted), median of 10."""
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * nbytes / (statistics.median(timer(lambda: dst.copy_(src)) for _ in range(10)) / 1e3)
+
+
+def interleaved(candidates: dict, make, timer: Timer, repeats: int) -> dict[str, tuple[float, float]]:
+    """name -> (median fwd ms, median fwd+bwd ms), candidates interleaved, order rotated."""
+    times = {k: ([], []) for k in candidates}
+    names = list(candidates)
+    for rep in range(-2, repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            x, w, b = make()
+            fn = candidates[name]
+            fwd = timer(lambda: fn(x, w, b))
+            w.grad = b.grad = None
+            both = timer(lambda: fn(x, w, b).backward(torch.ones(1, device=x.device).expand(
+                x.size(0), w.size(0), w.size(4), w.size(5))))
+            if rep >= 0:
+                times[name][0].append(fwd)
+                times[name][1].append(both)
+    return {k: (statistics.median(f), statistics.median(fb)) for k, (f, fb) in times.items()}
+
+
+def unfold_einsum(x, w, b):
+    o, c, kh, kw, oh, ow = w.shape
+    cols = F.unfold(x, (kh, kw), padding=(kh // 2, kw // 2))
+    return torch.einsum("bkl,okl->bol", cols, w.reshape(o, c * kh * kw, oh * ow)).view(x.size(0), o, oh, ow) + b
+
+
+def broadcast_sum(x, w, b):
+    return (x.unsqueeze(1) * w[:, :, 0, 0].unsqueeze(0)).sum(2) + b
+
+
+def local_section(args, device, timer, bandwidth) -> None:
+    print("| shape | candidate | fwd ms | fwd+bwd ms | fwd / floor | fwd+bwd / floor |\n|---|---|---:|---:|---:|---:|")
+    for batch, chans, hw, k, out in SHAPES[args.size]:
+        pad = k // 2
+        elem = 4
+
+        def make():
+            g = torch.Generator().manual_seed(0)
+            x = torch.rand(batch, chans, hw, hw, generator=g).to(device)
+            w = (torch.rand(out, chans, k, k, hw, hw, generator=g) - 0.5).to(device).requires_grad_(True)
+            b = (torch.rand(out, hw, hw, generator=g) - 0.5).to(device).requires_grad_(True)
+            return x, w, b
+
+        def ours(x, w, b):
+            with fastlayers.backend("triton"):
+                return locally_connected2d(x, w, b, 1, pad)
+
+        x, w, b = make()
+        with fastlayers.backend("reference"):
+            reference = locally_connected2d(x, w, b, 1, pad)
+        torch.testing.assert_close(ours(x, w, b), reference, atol=1e-4, rtol=1e-4)
+        candidates = {"fastlayers (Triton)": ours, ("broadcast-and-sum" if k == 1 else "einsum over unfold"):
+                      broadcast_sum if k == 1 else unfold_einsum}
+
+        def plain_reference(x, w, b):
+            with fastlayers.backend("reference"):
+                return locally_connected2d(x, w, b, 1, pad)
+
+        candidates["fastlayers reference (einsum per offset)"] = plain_reference
+        results = interleaved(candidates, make, timer, args.repeats)
+        x_b, w_b = batch * chans * hw * hw * elem, out * chans * k * k * hw * hw * elem
+        y_b, b_b = batch * out * hw * hw * elem, out * hw * hw * elem
+        fwd_floor = (x_b + w_b + b_b + y_b) / bandwidth * 1e3
+        both_floor = fwd_floor + (x_b + y_b + w_b + b_b) / bandwidth * 1e3
+        shape = f"x {batch}x{chans}x{hw}x{hw}, {k}x{k}, {out}"
+        for name, (fwd, both) in results.items():
+            print(f"| {shape} | {name} | {fwd:.3f} | {both:.3f} | {fwd / fwd_floor:.2f}x | {both / both_floor:.2f}x |")
+        print(f"| {shape} | floor | {fwd_floor:.3f} | {both_floor:.3f} | | |")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            x, w, b = make()
+            start = torch.cuda.memory_allocated()
+            with torch.no_grad():
+                y = ours(x, w, b)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - start
+            print(f"forward extra memory {extra / 2**20:.1f} MiB, output {y.numel() * y.element_size() / 2**20:.1f} MiB")
+
+
+def attention_section(args, device, timer) -> None:
+    b, t, dk, dv = (128, 256, 32, 100) if args.size == "seed" else (4, 9, 4, 3)
+    print("\n| score | values | candidate | fwd ms | fwd+bwd ms | fwd+bwd / fwd |\n|---|---|---|---:|---:|---:|")
+    for score in ("dot", "scaled_dot", "additive"):
+        pool = fastlayers.AttentionPooling(dk, score=score, device=device)
+        for values_grad in (False, True):
+            g = torch.Generator().manual_seed(0)
+            q = torch.rand(b, dk, generator=g).to(device).requires_grad_(True)
+            k = torch.rand(b, t, dk, generator=g).to(device).requires_grad_(True)
+            v = torch.rand(b, t, dv, generator=g).to(device).requires_grad_(values_grad)
+            lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
+            times = {name: ([], []) for name in BACKENDS}
+            for rep in range(-2, args.repeats):
+                for name in BACKENDS:  # interleaved
+                    with fastlayers.backend(name):
+                        f = timer(lambda: pool(q, k, v, lengths))
+                        bb = timer(lambda: pool(q, k, v, lengths)[0].sum().backward())
+                    if rep >= 0:
+                        times[name][0].append(f)
+                        times[name][1].append(bb)
+            for name, (fwds, boths) in times.items():
+                fwd, both = statistics.median(fwds), statistics.median(boths)
+                print(f"| {score} | {'grad' if values_grad else 'data'} | {BACKENDS[name]} | {fwd:.3f} | {both:.3f} | "
+                      f"{both / fwd:.2f} |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--size", default="seed", choices=sorted(SHAPES))
+    args = p.parse_args()
+    device = torch.device(args.device)
+    timer = Timer(device)
+    first = time.perf_counter()
+    x = torch.rand(2, 2, 8, 8, device=device)
+    w = torch.rand(2, 2, 3, 3, 8, 8, device=device, requires_grad=True)
+    with fastlayers.backend("triton"):
+        locally_connected2d(x, w, None, 1, 1).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"first call (Triton compiles the forward and both gradients): {time.perf_counter() - first:.1f} s")
+    bandwidth = copy_bandwidth(device, timer, 1 << 30 if args.size == "seed" else 1 << 20)
+    print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    local_section(args, device, timer, bandwidth)
+    attention_section(args, device, timer)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"torch {torch.__version__}, {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Locally connected 2-D layer in Triton: forward, input gradient, weight and bias gradients.
+
+Legend and layout as ``_native/local.c``: B batch, C in channels, O out channels, Hp x Wp padded
+input, KH x KW kernel, OH x OW output, stride (sh, sw), dilation (dh, dw); x [B, C, Hp, Wp], w
+[O, C, KH, KW, OH, OW], bias [O, OH, OW], y [B, O, OH, OW], all contiguous.
+
+    y[b,o,i,j] = bias[o,i,j] + sum_{c,p,q} w[o,c,p,q,i,j] * x[b,c,i*sh+p*dh,j*sw+q*dw]
+
+Every kernel takes a block of output (or input) positions and sums in float32 (float64 for
+float64 tensors) whatever the storage dtype; each output element is written by one program, in a
+fixed order (no atomics), so results do not depend on scheduling:
+
+* forward: one program per (block of OH*OW positions, output channel, batch chunk); the C*KH*KW
+  (filter, input) pairs are summed for each sequence of the chunk;
+* input gradient: a gather: one program per (block of Hp*Wp input positions, input channel,
+  sequence) sums w * dy over the (o, p, q) whose output position reads that input;
+* weight gradient: one program per (block of OH*OW positions, output channel, filter pair
+  (c, p, q)) sums dy * x over the batch; one more pair index per channel sums dy (the bias).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 256
+BATCH_CHUNK = 8
+
+
+@triton.jit
+def _forward_kernel(x, w, bias, y, B, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
+                    KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, F64: tl.constexpr,
+                    BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    acc_t = tl.float64 if F64 else tl.float32
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    o = tl.program_id(1).to(tl.int64)
+    ohw = OH * OW
+    inside = offs < ohw
+    i = offs // OW
+    j = offs % OW
+    base = tl.zeros([BLOCK], dtype=acc_t)
+    if HAS_BIAS:
+        base += tl.load(bias + o * ohw + offs, mask=inside, other=0.0).to(acc_t)
+    for n in range(CHUNK):
+        b = tl.program_id(2).to(tl.int64) * CHUNK + n
+        if b < B:
+            acc = base
+            for c in range(C):
+                for p in tl.static_range(KH):
+                    for q in tl.static_range(KW):
+                        wv = tl.load(w + (((o * C + c) * KH + p) * KW + q) * ohw + offs, mask=inside, other=0.0)
+                        xv = tl.load(x + ((b * C + c) * Hp + i * sh + p * dh) * Wp + j * sw + q * dw, mask=inside,
+                                     other=0.0)
+                        acc += wv.to(acc_t) * xv.to(acc_t)
+            tl.store(y + (b * O + o) * ohw + offs, acc.to(y.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _input_grad_kernel(dy, w, dx, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
+                       KH: tl.constexpr, KW: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr):
+    acc_t = tl.float64 if F64 else tl.float32
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    inside = offs < Hp * Wp
+    h = offs // Wp
+    col = offs % Wp
+    acc = tl.zeros([BLOCK], dtype=acc_t)
+    for o in range(O):
+        for p in tl.static_range(KH):
+            for q in tl.static_range(KW):
+                hi = h - p * dh
+                wi = col - q * dw
+                ok = inside & (hi >= 0) & (wi >= 0)
+                ok = ok & (hi % sh == 0) & (wi % sw == 0)
+                i = hi // sh
+                j = wi // sw
+                ok = ok & (i < OH) & (j < OW)
+                wv = tl.load(w + ((((o * C + c) * KH + p) * KW + q) * OH + i) * OW + j, mask=ok, other=0.0)
+                gv = tl.load(dy + ((b * O + o) * OH + i) * OW + j, mask=ok, other=0.0)
+                acc += wv.to(acc_t) * gv.to(acc_t)
+    tl.store(dx + (b * C + c) * Hp * Wp + offs, acc.to(dx.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _param_grad_kernel(dy, x, dwt, db, B, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
+                       KH: tl.constexpr, KW: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr):
+    acc_t = tl.float64 if F64 else tl.float32
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    o = tl.program_id(1).to(tl.int64)
+    k = tl.program_id(2).to(tl.int64)  # filter pair (c, p, q), or C*KH*KW: the bias
+    ohw = OH * OW
+    inside = offs < ohw
+    i = offs // OW
+    j = offs % OW
+    acc = tl.zeros([BLOCK], dtype=acc_t)
+    if k == C * KH * KW:
+        for b in range(B):
+            acc += tl.load(dy + (b * O + o) * ohw + offs, mask=inside, other=0.0).to(acc_t)
+        tl.store(db + o * ohw + offs, acc.to(db.dtype.element_ty), mask=inside)
+    else:
+        c = k // (KH * KW)
+        p = (k // KW) % KH
+        q = k % KW
+        for b in range(B):
+            gv = tl.load(dy + (b * O + o) * ohw + offs, mask=inside, other=0.0)
+            xv = tl.load(x + ((b * C + c) * Hp + i * sh + p * dh) * Wp + j * sw + q * dw, mask=inside, other=0.0)
+            acc += gv.to(acc_t) * xv.to(acc_t)
+        tl.store(dwt + (o * C * KH * KW + k) * ohw + offs, acc.to(dwt.dtype.element_ty), mask=inside)
+
+
+def forward(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], dilation: tuple[int, int],
+            out_dtype: torch.dtype) -> Tensor:
+    """y [B, O, OH, OW] in ``out_dtype`` from the padded input x and w (any floating dtypes)."""
+    batch, chans, hp, wp = x.shape
+    out_ch, _, kh, kw, oh, ow = w.shape
+    y = x.new_empty(batch, out_ch, oh, ow, dtype=out_dtype)
+    grid = (triton.cdiv(oh * ow, BLOCK), out_ch, triton.cdiv(batch, BATCH_CHUNK))
+    _forward_kernel[grid](x, w, bias if bias is not None else w, y, batch, chans, hp, wp, out_ch, oh, ow, stride[0],
+                          stride[1], dilation[0], dilation[1], KH=kh, KW=kw, HAS_BIAS=bias is not None,
+                          F64=x.dtype == torch.float64, BLOCK=BLOCK, CHUNK=BATCH_CHUNK)
+    return y
+
+
+def input_grad(dy: Tensor, w: Tensor, padded_shape: tuple[int, ...], stride: tuple[int, int],
+               dilation: tuple[int, int], out_dtype: torch.dtype) -> Tensor:
+    """d x_padded [B, C, Hp, Wp] in ``out_dtype``."""
+    batch, chans, hp, wp = padded_shape
+    out_ch, _, kh, kw, oh, ow = w.shape
+    dx = dy.new_empty(batch, chans, hp, wp, dtype=out_dtype)
+    grid = (triton.cdiv(hp * wp, BLOCK), chans, batch)
+    _input_grad_kernel[grid](dy, w, dx, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1], dilation[0], dilation[1],
+                             KH=kh, KW=kw, F64=dy.dtype == torch.float64, BLOCK=BLOCK)
+    return dx
+
+
+def param_grads(dy: Tensor, x: Tensor, w_shape: tuple[int, ...], stride: tuple[int, int], dilation: tuple[int, int],
+                out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(d w [O, C, KH, KW, OH, OW], d bias [O, OH, OW]) in ``out_dtype`` from dy and the padded x."""
+    batch, chans, hp, wp = x.shape
+    out_ch, _, kh, kw, oh, ow = w_shape
+    dwt = dy.new_empty(w_shape, dtype=out_dtype)
+    db = dy.new_empty(out_ch, oh, ow, dtype=out_dtype)
+    grid = (triton.cdiv(oh * ow, BLOCK), out_ch, chans * kh * kw + 1)
+    _param_grad_kernel[grid](dy, x, dwt, db, batch, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1], dilation[0],
+                             dilation[1], KH=kh, KW=kw, F64=dy.dtype == torch.float64, BLOCK=BLOCK)
+    return dwt, db

@@ -1,0 +1,143 @@
+"""The Triton kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest before any kernel is compiled), forced with fastlayers.backend("triton"): values and every
+gradient against float64 references, every geometry option, tied weights == conv, low precision."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import fastlayers  # noqa: E402
+from fastlayers.functional import attention_pool, locally_connected1d, locally_connected2d  # noqa: E402
+
+from test_local import GEOMETRIES, _random, loop_reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                reason="no GPU and Triton's interpreter is off")
+
+
+def _grads(fn, *inputs):
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*leaves)
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs], [t.grad for t in leaves if t.is_floating_point()]
+
+
+def _assert_close_all(got, want, tol):
+    for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
+        assert a is not None and b is not None
+        torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_locally_connected2d_matches_the_float64_loop(geometry, dtype):
+    x, w, b, s, p, d = _random(geometry, dtype=dtype)
+    with fastlayers.backend("triton"):
+        got = _grads(lambda x, w, b: locally_connected2d(x, w, b, s, p, d), x, w, b)
+    want = _grads(lambda x, w, b: loop_reference(x, w, b, s, p, d), x.double(), w.double(), b.double())
+    _assert_close_all(got, want, 1e-5 if dtype == torch.float32 else 1e-10)
+
+
+def test_locally_connected2d_runs_the_triton_function():
+    x, w, b, s, p, d = _random(GEOMETRIES[1], dtype=torch.float32)
+    with fastlayers.backend("triton"):
+        y = locally_connected2d(x, w.requires_grad_(), b, s, p, d)
+    assert type(y.grad_fn).__name__ == "LocallyConnected2dTritonBackward"
+
+
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, True), (False, True, False), (False, False, True)])
+def test_locally_connected2d_gradient_subsets(needs):
+    x, w, b, s, p, d = _random(GEOMETRIES[2], dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(n) for t, n in zip((x, w, b), needs)]
+    with fastlayers.backend("triton"):
+        y = locally_connected2d(*leaves, s, p, d)
+    wanted = [t for t in leaves if t.requires_grad]
+    got = torch.autograd.grad(y.sum(), wanted)
+    ref_leaves = [t.clone().requires_grad_(n) for t, n in zip((x, w, b), needs)]
+    want = torch.autograd.grad(loop_reference(*ref_leaves, s, p, d).sum(), [t for t in ref_leaves if t.requires_grad])
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+
+
+def test_tied_weights_equal_conv2d_and_conv1d():
+    torch.manual_seed(0)
+    x, conv = torch.randn(2, 3, 7, 6), torch.randn(4, 3, 3, 2)
+    y_conv = F.conv2d(x, conv, stride=(2, 1), padding=1, dilation=(1, 2))
+    w = conv[..., None, None].expand(*conv.shape, *y_conv.shape[2:]).contiguous()
+    x1, conv1 = torch.randn(2, 3, 11), torch.randn(4, 3, 3)
+    y1 = F.conv1d(x1, conv1, stride=2, padding=1)
+    with fastlayers.backend("triton"):
+        torch.testing.assert_close(locally_connected2d(x, w, None, (2, 1), 1, (1, 2)), y_conv, atol=1e-5, rtol=1e-5)
+        w1 = conv1[..., None].expand(*conv1.shape, y1.size(2)).contiguous()
+        torch.testing.assert_close(locally_connected1d(x1, w1, None, 2, 1), y1, atol=1e-5, rtol=1e-5)
+
+
+def test_locally_connected2d_low_precision_equals_the_c_kernels():
+    """Rounded operands and float32 sums in both: the same bf16 results up to summation order."""
+    x, w, b, s, p, d = _random(GEOMETRIES[3], dtype=torch.float32)
+    fn = lambda x, w, b: locally_connected2d(x, w, b, s, p, d)  # noqa: E731
+    results = {}
+    for backend in ("triton", "cpu"):
+        with fastlayers.backend(backend), torch.autocast("cpu", torch.bfloat16):
+            results[backend] = _grads(fn, x, w, b)
+    assert results["triton"][0][0].dtype == torch.bfloat16
+    _assert_close_all(results["triton"], results["cpu"], 1e-2)
+
+
+def _attention_reference(q, k, v, lengths, scale):
+    """Plain float64 masked softmax pooling."""
+    s = (k.double() * q.double().unsqueeze(1)).sum(-1) * scale
+    if lengths is not None:
+        s = s.masked_fill(torch.arange(k.size(1)) >= lengths.unsqueeze(1), float("-inf"))
+    w = torch.softmax(s, 1)
+    return (w.unsqueeze(-1) * v.double()).sum(1), w
+
+
+@pytest.mark.parametrize("score", ["dot", "scaled_dot"])
+@pytest.mark.parametrize("lengths", [None, [70, 3, 1, 45]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_pool_matches_the_float64_reference(score, lengths, dtype):
+    """T = 70 spans two time chunks of the kernel, so the online softmax is exercised."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*s, generator=g, dtype=dtype) for s in ((4, 6), (4, 70, 6), (4, 70, 5)))
+    lens = torch.tensor(lengths) if lengths is not None else None
+    scale = 1 / math.sqrt(6) if score == "scaled_dot" else 1.0
+    with fastlayers.backend("triton"):
+        got = _grads(lambda q, k, v: attention_pool(q, k, v, lens, score=score), q, k, v)
+    want = _grads(lambda q, k, v: _attention_reference(q, k, v, lens, scale), q.double(), k.double(), v.double())
+    _assert_close_all(got, want, 1e-5 if dtype == torch.float32 else 1e-10)
+
+
+def test_attention_values_default_to_keys_and_without_grad():
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(3, 4, generator=g, requires_grad=True), torch.randn(3, 9, 4, generator=g, requires_grad=True)
+    v = torch.randn(3, 9, 2, generator=g)  # data, as in seed 001
+    with fastlayers.backend("triton"):
+        c1, w1 = attention_pool(q, k, lengths=[9, 4, 1])
+        c2, _ = attention_pool(q, k, v, lengths=[9, 4, 1])
+    r1, rw1 = attention_pool(q, k, lengths=[9, 4, 1])
+    r2, _ = attention_pool(q, k, v, lengths=[9, 4, 1])
+    torch.testing.assert_close(c1, r1)
+    torch.testing.assert_close(w1, rw1)
+    got = torch.autograd.grad(c1.sum() + c2.sum() + (w1 * w1).sum(), [q, k])
+    want = torch.autograd.grad(r1.sum() + r2.sum() + (rw1 * rw1).sum(), [q, k])
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+
+
+def test_attention_additive_score_uses_the_torch_path_under_triton():
+    torch.manual_seed(0)
+    pool = fastlayers.AttentionPooling(4, score="additive")
+    q, k = torch.randn(2, 4), torch.randn(2, 5, 4)
+    with fastlayers.backend("triton"):
+        got = pool(q, k, lengths=[5, 2])
+    torch.testing.assert_close(got, pool(q, k, lengths=[5, 2]))
