@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark behind BENCHMARKS.md, one after another (never two at once on 2 cores).
-# Usage: bash benchmarks/run_all.sh OUTDIR   (takes about an hour: torch's packed LSTM is the slow part)
+# Usage: bash benchmarks/run_all.sh OUTDIR   (takes about two hours: torch's packed LSTM backward and the per-step loops are the slow part)
 set -euo pipefail
 out=${1:-bench-results}
 mkdir -p "$out"
@@ -20,3 +20,12 @@ for w in attention local2d fused-rnn; do
   $fl bench "$w" --size seed --repeats 5 --json "$out/$w.json" --plot "$out/$w.png" > "$out/$w.txt"
 done
 $fl bench blstm --size seed --repeats 3 --json "$out/blstm.json" --plot "$out/blstm.png" > "$out/blstm.txt"
+# GPU tables (issue: Triton kernels), only where a CUDA GPU is present
+if $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  $py benchmarks/bench_gpu_local.py --device cuda --repeats 20 > "$out/gpu_local.txt"
+  for w in attention local2d; do
+    $fl bench "$w" --size seed --device cuda --repeats 20 --json "$out/$w-cuda.json" > "$out/$w-cuda.txt"
+  done
+  $fl bench local2d --size seed-large --device cuda --repeats 20 --json "$out/local2d-large-cuda.json" \
+    > "$out/local2d-large-cuda.txt"
+fi
