@@ -63,6 +63,19 @@ def _forward_kernel(q, k, v, lengths, ctx, w, T, DK, DV, scale,
 
 
 @triton.jit
+def _weights_and_upstream(w, v, dw_ext, dc, b, t, dv, T, DV, HAS_DW: tl.constexpr, F64: tl.constexpr):
+    """For the steps t of sequence b: the weights w_t and g_t = <dc, v_bt> (+ dw_ext_t)."""
+    acc_t = tl.float64 if F64 else tl.float32
+    wt = tl.load(w + b * T + t, mask=t < T, other=0.0).to(acc_t)
+    vt = tl.load(v + (b * T + t[:, None]) * DV + dv[None, :], mask=(t[:, None] < T) & (dv[None, :] < DV),
+                 other=0.0).to(acc_t)
+    g = tl.sum(vt * dc[None, :], axis=1)
+    if HAS_DW:
+        g += tl.load(dw_ext + b * T + t, mask=t < T, other=0.0).to(acc_t)
+    return wt, g
+
+
+@triton.jit
 def _backward_kernel(q, k, v, w, dctx, dw_ext, dq, dk_out, dv_out, T, DK, DV, scale,
                      HAS_DW: tl.constexpr, NEED_DV: tl.constexpr, F64: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -75,22 +88,12 @@ def _backward_kernel(q, k, v, w, dctx, dw_ext, dq, dk_out, dv_out, T, DK, DV, sc
     centre = tl.zeros([1], dtype=acc_t)  # sum_t w_t g_t
     for t0 in range(0, T, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        wt = tl.load(w + b * T + t, mask=t < T, other=0.0).to(acc_t)
-        vt = tl.load(v + (b * T + t[:, None]) * DV + dv[None, :], mask=(t[:, None] < T) & (dv[None, :] < DV),
-                     other=0.0).to(acc_t)
-        g = tl.sum(vt * dc[None, :], axis=1)
-        if HAS_DW:
-            g += tl.load(dw_ext + b * T + t, mask=t < T, other=0.0).to(acc_t)
+        wt, g = _weights_and_upstream(w, v, dw_ext, dc, b, t, dv, T, DV, HAS_DW, F64)
         centre += tl.sum(wt * g, axis=0)
     dqv = tl.zeros([BLOCK_DK], dtype=acc_t)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        wt = tl.load(w + b * T + t, mask=t < T, other=0.0).to(acc_t)
-        vt = tl.load(v + (b * T + t[:, None]) * DV + dv[None, :], mask=(t[:, None] < T) & (dv[None, :] < DV),
-                     other=0.0).to(acc_t)
-        g = tl.sum(vt * dc[None, :], axis=1)
-        if HAS_DW:
-            g += tl.load(dw_ext + b * T + t, mask=t < T, other=0.0).to(acc_t)
+        wt, g = _weights_and_upstream(w, v, dw_ext, dc, b, t, dv, T, DV, HAS_DW, F64)
         ds = wt * (g - centre) * scale
         kt = tl.load(k + (b * T + t[:, None]) * DK + dk[None, :], mask=(t[:, None] < T) & (dk[None, :] < DK),
                      other=0.0).to(acc_t)
