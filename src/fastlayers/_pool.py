@@ -9,7 +9,8 @@ are dead: at the end of a backward that frees the graph, or when the autograd no
 them is destroyed (no backward, ``torch.no_grad``, a retained graph dropped later).
 
 Buffers come as one flat slab per call, cut into views. The pool keeps at most ``CAPACITY``
-slabs (the smallest go first); :func:`empty_cache` releases them all. With
+slabs (the smallest go first); a request that no free slab fits drops the free slabs of its dtype
+and device (all smaller) before allocating; :func:`empty_cache` releases them all. With
 ``torch.utils.deterministic.fill_uninitialized_memory`` on, a reused slab is filled with NaN like
 a fresh ``torch.empty``, so the poisoned test pass still sees reads of unwritten memory.
 """
@@ -38,6 +39,10 @@ def _take(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
             if torch.utils.deterministic.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled():
                 slab.fill_(float("nan") if dtype.is_floating_point else 0)
             return slab
+        # none fits: the free slabs of this kind are too small for this call (e.g. the forward's
+        # work space when the backward asks for its larger one); drop them before allocating, so
+        # idle memory does not add to the peak (the new slab serves their requests next time)
+        _free[:] = [s for s in _free if not (s.dtype == dtype and s.device == device)]
     return torch.empty(numel + numel // 8, dtype=dtype, device=device)  # headroom for a slightly longer batch
 
 
