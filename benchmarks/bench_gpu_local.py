@@ -20,7 +20,6 @@ script on Triton's interpreter (a smoke test of the script only: its times mean 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import fastlayers
-from fastlayers.functional import attention_pool, locally_connected2d
+from fastlayers.functional import locally_connected2d
 
 # attention pooling candidates: the Triton kernels (the additive score runs torch ops under either),
 # and the plain-torch path that CUDA tensors took before them

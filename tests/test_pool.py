@@ -112,3 +112,15 @@ def test_reused_slab_is_poisoned_like_fresh_memory(monkeypatch):
     slab, views = _pool.views({"a": (4, 8), "b": None, "c": (3,)}, torch.float32, torch.device("cpu"))
     assert slab.numel() == 64 and slab.isnan().all()
     assert views["b"] is None and views["a"].shape == (4, 8) and views["c"].data_ptr() % 64 == 0
+
+
+def test_a_request_no_free_slab_fits_drops_the_smaller_ones_of_its_kind():
+    small, other_dtype = torch.empty(16), torch.empty(8, dtype=torch.float64)
+    _pool.give(small)
+    _pool.give(other_dtype)
+    slab, _ = _pool.views({"a": (32,)}, torch.float32, torch.device("cpu"))  # more than the float32 slab holds
+    assert slab.numel() >= 32
+    assert len(_pool._free) == 1 and _pool._free[0] is other_dtype  # the too-small float32 slab went
+    _pool.give(slab)
+    again, _ = _pool.views({"a": (16,)}, torch.float32, torch.device("cpu"))  # the new slab serves smaller requests
+    assert again is slab

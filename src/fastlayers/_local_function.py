@@ -30,7 +30,7 @@ def locally_connected2d_reference(input: Tensor, weight: Tensor, bias: Tensor | 
     OW) product per offset; no unfold copy. Low-precision calls (:mod:`fastlayers._precision`):
     products of low-precision operands summed in float32, output in the low dtype.
     """
-    mm = _precision.Products(*_precision.dtypes(input), input.device)
+    mm = _precision.Products.of(input)
     out_h, out_w = weight.shape[-2:]
     x = F.pad(input, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else input
     out = None
@@ -42,7 +42,7 @@ def locally_connected2d_reference(input: Tensor, weight: Tensor, bias: Tensor | 
             out = term if out is None else out + term
     assert out is not None
     out = out + bias.to(mm.acc) if bias is not None else out
-    return out.to(mm.low) if mm.mixed else out
+    return out.to(mm.low)
 
 
 def _kernel_operand(mm: _precision.Products, t: Tensor) -> Tensor:
@@ -81,11 +81,6 @@ def _pad(x: Tensor, padding: list[int]) -> Tensor:
     return F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
 
 
-def _out_dtype(x: Tensor) -> torch.dtype:
-    low, acc = _precision.dtypes(x)
-    return low if low != acc else acc
-
-
 # The C kernels as custom operators (torch.library): opaque to torch.compile, which traces the
 # rest of the layer around them through the fake implementations; autograd through
 # register_autograd. Low-precision calls (:mod:`fastlayers._precision`): the kernels take the
@@ -96,7 +91,7 @@ def _out_dtype(x: Tensor) -> torch.dtype:
 def locally_connected2d_op(input: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
                            dilation: list[int]) -> Tensor:
     """Forward kernel: input (B, C, H, W), weight (O, C, KH, KW, OH, OW), bias (O, OH, OW) | None."""
-    mm = _precision.Products(*_precision.dtypes(input), input.device)
+    mm = _precision.Products.of(input)
     x, w = _kernel_operand(mm, _pad(input, padding)), _kernel_operand(mm, weight)
     b = bias.to(mm.acc).contiguous() if bias is not None else None
     geometry = _geometry(tuple(x.shape), tuple(w.shape), stride, dilation)
@@ -104,19 +99,19 @@ def locally_connected2d_op(input: Tensor, weight: Tensor, bias: Tensor | None, s
     _native.advise_huge_pages(y)
     getattr(_lib(), f"lc2d_forward_{_SUFFIX[x.dtype]}")(address(x), address(w), address(b), address(y), *geometry,
                                                        torch.get_num_threads())
-    return y.to(mm.low) if mm.mixed else y
+    return y.to(mm.low)
 
 
 @locally_connected2d_op.register_fake
 def _(input, weight, bias, stride, padding, dilation):
-    return input.new_empty(input.size(0), weight.size(0), weight.size(4), weight.size(5), dtype=_out_dtype(input))
+    return input.new_empty(input.size(0), weight.size(0), weight.size(4), weight.size(5), dtype=_precision.dtypes(input)[0])
 
 
 @torch.library.custom_op("fastlayers::locally_connected2d_backward", mutates_args=(), device_types="cpu")
 def _backward_op(grad: Tensor, input: Tensor, weight: Tensor, stride: list[int], padding: list[int],
                  dilation: list[int], low: torch.dtype, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     """Backward kernels: (d input, d weight, d bias), each empty where ``needs`` says no."""
-    acc = torch.float32 if low in _precision.LOW else low
+    acc = _precision.accumulator(low)
     mm = _precision.Products(low, acc, input.device)
     lib, suffix, threads = _lib(), _SUFFIX[acc], torch.get_num_threads()
     dy = grad.to(acc).contiguous()
@@ -175,13 +170,11 @@ class LocallyConnected2dTriton(torch.autograd.Function):
                 dilation: Pair) -> Tensor:
         from ._triton import local as kernels
 
-        low, acc = _precision.dtypes(input)
-        operand = (lambda t: t.to(low)) if low != acc else (lambda t: t)  # noqa: E731
-        x, w = operand(_pad(input, list(padding))).contiguous(), operand(weight).contiguous()
+        low = _precision.dtypes(input)[0]  # operands rounded to it, float32 sums, output in it
+        x, w = _pad(input, list(padding)).to(low).contiguous(), weight.to(low).contiguous()
         ctx.save_for_backward(input, weight)
         ctx.geometry, ctx.low, ctx.has_bias = (stride, padding, dilation), low, bias is not None
-        return kernels.forward(x, w, bias.contiguous() if bias is not None else None, stride, dilation,
-                               low if low != acc else acc)
+        return kernels.forward(x, w, bias.contiguous() if bias is not None else None, stride, dilation, low)
 
     @staticmethod
     @once_differentiable
@@ -190,16 +183,16 @@ class LocallyConnected2dTriton(torch.autograd.Function):
 
         input, weight = ctx.saved_tensors
         (stride, padding, dilation), low = ctx.geometry, ctx.low
-        mixed = low in _precision.LOW
-        operand = (lambda t: t.to(low)) if mixed else (lambda t: t)  # noqa: E731
-        dy = operand(grad).contiguous()
+        dy = grad.to(low).contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dw = db = None
-        padded = operand(_pad(input, list(padding))).contiguous()
+        batch, chans, height, width = input.shape
+        hp, wp = height + 2 * padding[0], width + 2 * padding[1]
         if need_x:
-            dx = kernels.input_grad(dy, operand(weight).contiguous(), tuple(padded.shape), stride, dilation, input.dtype)
-            hp, wp = padded.shape[2:]
+            dx = kernels.input_grad(dy, weight.to(low).contiguous(), (batch, chans, hp, wp), stride, dilation,
+                                    input.dtype)
             dx = dx[:, :, padding[0]:hp - padding[0], padding[1]:wp - padding[1]] if any(padding) else dx
         if need_w or (need_b and ctx.has_bias):
+            padded = _pad(input, list(padding)).to(low).contiguous()
             dw, db = kernels.param_grads(dy, padded, tuple(weight.shape), stride, dilation, weight.dtype)
         return dx, dw if need_w else None, db if need_b and ctx.has_bias else None, None, None, None

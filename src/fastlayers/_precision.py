@@ -12,7 +12,8 @@ is float32 under ``torch.autocast`` for the input's device (the autocast dtype).
 * outputs (and final states) are returned in the low dtype, gradients in each input's own dtype.
 
 On a CPU without bf16 (fp16) instructions (no AVX512-BF16 / AMX; checked at run time) torch's
-low-precision GEMM is emulated (~8x slower than float32, measured on an AVX2 EPYC), so there the
+low-precision GEMM is emulated (1 vs 139 GFLOP/s for float32 at the seed's input-projection shape
+on an AVX2 EPYC, ``benchmarks/bench_mixed_precision.py``), so there the
 rounded operands are multiplied in float32 arithmetic: the same products (a product of two bf16
 values is exact in float32) and float32 sums, at float32 GEMM speed.
 """
@@ -25,15 +26,21 @@ from torch import Tensor
 LOW = (torch.bfloat16, torch.float16)
 
 
+def accumulator(low: torch.dtype) -> torch.dtype:
+    """The dtype of sums and of everything but product operands when the operands are ``low``:
+    float32 for bfloat16/float16, ``low`` itself otherwise."""
+    return torch.float32 if low in LOW else low
+
+
 def dtypes(x: Tensor) -> tuple[torch.dtype, torch.dtype]:
-    """(operand dtype of matrix products, dtype of everything else) for a call on ``x``."""
-    if x.dtype in LOW:
-        return x.dtype, torch.float32
+    """(operand dtype of matrix products, dtype of everything else) for a call on ``x``; the two
+    are equal unless the call is low precision, so the first is also the dtype of the results."""
+    low = x.dtype
     if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
-        low = torch.get_autocast_dtype(x.device.type)
-        if low in LOW:
-            return low, torch.float32
-    return x.dtype, x.dtype
+        autocast = torch.get_autocast_dtype(x.device.type)
+        if autocast in LOW:
+            low = autocast
+    return low, accumulator(low)
 
 
 def is_low(x: Tensor) -> bool:
@@ -74,6 +81,11 @@ class Products:
         self.low, self.acc = low, acc
         self.mixed = low != acc
         self.native = native(device.type, low)
+
+    @classmethod
+    def of(cls, x: Tensor) -> "Products":
+        """The products of a call on ``x`` (:func:`dtypes`)."""
+        return cls(*dtypes(x), x.device)
 
     def operand(self, t: Tensor) -> Tensor:
         if not self.mixed:

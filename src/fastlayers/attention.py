@@ -88,7 +88,7 @@ def attention_pool(
     values = keys if values is None else values
     _check(query, keys, values)
     which = select("attention", query)
-    mm = _precision.Products(*_precision.dtypes(query), query.device)
+    mm = _precision.Products.of(query)
     batch, steps = keys.shape[:2]
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
@@ -135,14 +135,12 @@ class _AttentionTriton(torch.autograd.Function):
     def forward(ctx, query, keys, values, lengths, scale):
         from ._triton import attention as kernels
 
-        low, acc = _precision.dtypes(query)
-        operand = (lambda t: t.to(low)) if low != acc else (lambda t: t)  # noqa: E731
-        q, k, v = (operand(t).contiguous() for t in (query, keys, values))
-        out = low if low != acc else acc
-        context, weights = kernels.forward(q, k, v, lengths, scale, out)
+        low = _precision.dtypes(query)[0]  # operands rounded to it, float32 sums, results in it
+        q, k, v = (t.to(low).contiguous() for t in (query, keys, values))
+        context, weights = kernels.forward(q, k, v, lengths, scale, low)
         ctx.save_for_backward(q, k, v, weights)  # the weights in float32 (float64)
         ctx.scale, ctx.dtypes = scale, (query.dtype, keys.dtype, values.dtype)
-        return context, weights.to(out)
+        return context, weights.to(low)
 
     @staticmethod
     @once_differentiable

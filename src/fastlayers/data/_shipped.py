@@ -39,9 +39,8 @@ def read_shipped(package: str, member: str) -> bytes:
         path = Path(list(spec.submodule_search_locations)[0]) / member
         if path.is_file():
             return path.read_bytes()
-    wheels = sorted(data_dir().glob(f"{module.replace('-', '_')}-{RELEASES[package]}-*.whl")) + \
-        sorted(data_dir().glob(f"{package.replace('-', '_')}-{RELEASES[package]}-*.whl"))
-    for wheel in wheels:
+    # a wheel's file name starts with the distribution name, '-' written '_' (scikit_learn-1.9.1-...)
+    for wheel in sorted(data_dir().glob(f"{package.replace('-', '_')}-{RELEASES[package]}-*.whl")):
         with zipfile.ZipFile(wheel) as z:
             try:
                 return z.read(f"{module}/{member}")

@@ -27,13 +27,6 @@ def _ln(v: Tensor, gain: Tensor, bias: Tensor | None = None) -> Tensor:
     return out + bias.to(v.dtype) if bias is not None else out
 
 
-def _products(x: Tensor) -> _precision.Products:
-    """Matrix products of a call on x: low-precision operands, float32 results for bf16/fp16 or
-    autocast calls (see :mod:`fastlayers._precision`); x's dtype otherwise."""
-    low, acc = _precision.dtypes(x)
-    return _precision.Products(low, acc, x.device)
-
-
 def lstm_cell_step(x_t, h, c, p, opt: CellOptions, mm: _precision.Products | None = None):
     """One LSTM step with options (before zoneout): returns (h_new (B, H_out), c_new (B, H)).
 
@@ -41,7 +34,7 @@ def lstm_cell_step(x_t, h, c, p, opt: CellOptions, mm: _precision.Products | Non
     clipped to [-proj_clip, proj_clip] if set; H_out = P. Matrix products by ``mm`` (default: as
     x_t's dtype and the autocast state say); the rest in their result dtype (float32 when mixed).
     """
-    mm = mm or _products(x_t)
+    mm = mm or _precision.Products.of(x_t)
     hidden = c.size(-1)
     c = c.to(mm.acc)
     xw = mm.matmul(x_t, p["weight_ih"].T)
@@ -79,7 +72,7 @@ def gru_cell_step(x_t, h, p, opt: CellOptions, h_in=None, mm: _precision.Product
     LN(W_hh h_in; gamma_hh) + b_hh replace the two affine parts. Matrix products by ``mm`` as in
     :func:`lstm_cell_step`.
     """
-    mm = mm or _products(x_t)
+    mm = mm or _precision.Products.of(x_t)
     h_in = h if h_in is None else h_in
     h = h.to(mm.acc)
     xw, hw = mm.matmul(x_t, p["weight_ih"].T), mm.matmul(h_in, p["weight_hh"].T)
@@ -115,8 +108,7 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
 
     Low-precision calls (see :mod:`fastlayers._precision`): states, gates and LayerNorm in float32,
     matrix-product operands in the low dtype, outputs and final states in the low dtype."""
-    mm = _products(input)
-    out_dtype = mm.low if mm.mixed else mm.acc
+    mm = _precision.Products.of(input)
     steps, batch, _ = input.shape
     if lengths is None:
         lengths = torch.full((batch,), steps, dtype=torch.int64)
@@ -151,9 +143,9 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
                     if i == 0:
                         ys[t] = torch.where(alive, upd, torch.zeros_like(upd))
                     states[i] = torch.where(alive, upd, old)
-            outs.append(torch.stack(ys).to(out_dtype))
+            outs.append(torch.stack(ys).to(mm.low))
             for acc, s in zip(finals, states):
-                acc.append(s.to(out_dtype))
+                acc.append(s.to(mm.low))
         x = torch.cat(outs, dim=-1)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)

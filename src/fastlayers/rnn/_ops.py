@@ -44,10 +44,6 @@ class _Context:
         self.saved_tensors = tensors
 
 
-def _acc(low: torch.dtype) -> torch.dtype:
-    return torch.float32 if low in _precision.LOW else low
-
-
 def _lstm_shapes(xs, w_ih, gx, h0, gh, gc, w_hr, zc, consts) -> dict[str, tuple | None]:
     """Shapes of the LSTM buffers (None: absent), as LSTMRecurrence allocates them."""
     dirs, rows = xs.shape[:2]
@@ -74,8 +70,7 @@ def _gru_shapes(xs, w_ih, gx, gh) -> dict[str, tuple | None]:
 
 def _fake_outputs(xs: Tensor, shapes: dict[str, tuple | None], results: list[tuple[int, ...]]) -> tuple[Tensor, ...]:
     low, acc = _precision.dtypes(xs)
-    out = low if low != acc else acc
-    return (*(xs.new_empty(s, dtype=out) for s in results),
+    return (*(xs.new_empty(s, dtype=low) for s in results),
             *(xs.new_empty(s, dtype=torch.bool if k == "keep" else acc) if s is not None else xs.new_empty(0)
               for k, s in shapes.items()))
 
@@ -116,7 +111,7 @@ def lstm_layer_backward(inputs: list[Optional[Tensor]], buffers: list[Optional[T
     a = dict(zip(_LSTM_INPUTS, inputs))
     buf = dict(zip(_LSTM_BUFFERS, buffers))
     steps = tuple(active.tolist())
-    ctx = _Context(buf=buf, mm=_precision.Products(low, _acc(low), a["xs"].device), active=steps,
+    ctx = _Context(buf=buf, mm=_precision.Products(low, _precision.accumulator(low), a["xs"].device), active=steps,
                    offsets=_offsets(steps), consts=tuple(consts), batch=a["h0"].size(1), has_bias=a["bias"] is not None,
                    dtypes=[t.dtype if t is not None else None for t in inputs[:12]],
                    needs_input_grad=(*needs, False, False, False, False, False), release=lambda: None)
@@ -168,7 +163,7 @@ def gru_layer_backward(inputs: list[Optional[Tensor]], buffers: list[Optional[Te
     """Gradients of the tensors of _GRU_INPUTS but the masks (empty where not needed)."""
     a = dict(zip(_GRU_INPUTS, inputs))
     steps = tuple(active.tolist())
-    ctx = _Context(buf=dict(zip(_GRU_BUFFERS, buffers)), mm=_precision.Products(low, _acc(low), a["xs"].device),
+    ctx = _Context(buf=dict(zip(_GRU_BUFFERS, buffers)), mm=_precision.Products(low, _precision.accumulator(low), a["xs"].device),
                    active=steps, offsets=_offsets(steps), consts=tuple(consts), batch=a["h0"].size(1),
                    has_bias=(a["b_ih"] is not None, a["b_hh"] is not None),
                    dtypes=[t.dtype if t is not None else None for t in inputs[:8]],

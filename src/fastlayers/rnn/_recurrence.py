@@ -99,11 +99,11 @@ class LSTMRecurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
-        low, acc = _precision.dtypes(xs)  # GEMM operands in low, the rest in acc (float32 or float64)
         ctx.dtypes = [t.dtype if t is not None else None for t in (xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep,
                                                                     w_hr)]
+        mm = _precision.Products.of(xs)  # GEMM operands in mm.low, the rest in mm.acc (read autocast first)
         with torch.autocast(xs.device.type, enabled=False):
-            return LSTMRecurrence._forward(ctx, _precision.Products(low, acc, xs.device), xs, w_ih, gx, bias, h0, c0,
+            return LSTMRecurrence._forward(ctx, mm, xs, w_ih, gx, bias, h0, c0,
                                            w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts)
 
     @staticmethod
@@ -175,8 +175,8 @@ class LSTMRecurrence(torch.autograd.Function):
         ctx.buf, ctx.release, ctx.mm = buf, _pool.hold(ctx, slab), mm
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = bias is not None
-        out = mm.low if mm.mixed else acc  # outputs in the low precision, as torch's RNNs under autocast
-        return y.to(out), h.to(out), c.to(out)
+        # outputs in the low precision (mm.low: the input's dtype unless mixed), as torch's RNNs under autocast
+        return y.to(mm.low), h.to(mm.low), c.to(mm.low)
 
     @staticmethod
     @once_differentiable
@@ -273,10 +273,10 @@ class GRURecurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
-        low, acc = _precision.dtypes(xs)  # GEMM operands in low, the rest in acc (float32 or float64)
         ctx.dtypes = [t.dtype if t is not None else None for t in (xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh)]
+        mm = _precision.Products.of(xs)  # GEMM operands in mm.low, the rest in mm.acc (read autocast first)
         with torch.autocast(xs.device.type, enabled=False):
-            return GRURecurrence._forward(ctx, _precision.Products(low, acc, xs.device), xs, w_ih, gx, b_ih, h0, w_hh,
+            return GRURecurrence._forward(ctx, mm, xs, w_ih, gx, b_ih, h0, w_hh,
                                           b_hh, gh, rmask, zh, active, consts)
 
     @staticmethod
@@ -321,8 +321,7 @@ class GRURecurrence(torch.autograd.Function):
         ctx.buf, ctx.release, ctx.mm = buf, _pool.hold(ctx, slab), mm
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = (b_ih is not None, b_hh is not None)
-        out = mm.low if mm.mixed else acc
-        return y.to(out), h.to(out)
+        return y.to(mm.low), h.to(mm.low)
 
     @staticmethod
     @once_differentiable

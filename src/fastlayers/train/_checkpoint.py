@@ -17,7 +17,7 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 import torch
@@ -56,25 +56,32 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"step-{step:08d}.pt"
 
 
-def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
-    """Write ``payload`` atomically as the checkpoint of ``step``, then delete all but the newest ``keep``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(directory, step)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
+def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """Create or replace ``path`` with what ``write`` writes to a binary file: into a temporary file
+    in the same directory, flushed and fsync'ed, renamed over ``path``, then the directory fsync'ed;
+    on any error the temporary file is removed and ``path`` is left as it was."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **payload}, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, final)
+        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(directory, os.O_RDONLY)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
+    """Write ``payload`` atomically as the checkpoint of ``step``, then delete all but the newest ``keep``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    write_atomic(final, lambda f: torch.save({"format": FORMAT, **payload}, f))
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return final

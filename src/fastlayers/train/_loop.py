@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -18,7 +16,7 @@ from tqdm import tqdm
 from .._system import cpu_name
 from ..data import batches, pad_batch
 from . import _distributed
-from ._checkpoint import CheckpointError, load_latest, rng_state, save_checkpoint, set_rng_state
+from ._checkpoint import CheckpointError, load_latest, rng_state, save_checkpoint, set_rng_state, write_atomic
 from ._config import TrainConfig
 from ._data import Splits, epoch_order, load_splits
 from ._model import SequenceClassifier
@@ -26,15 +24,6 @@ from ._model import SequenceClassifier
 
 def _autocast(cfg: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16" else contextlib.nullcontext()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def evaluate(model: nn.Module, data, cfg: TrainConfig, device: torch.device) -> tuple[float, float]:
@@ -72,10 +61,10 @@ def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
 
 
 class _Run:
@@ -179,7 +168,8 @@ class _Run:
         self.log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {row['train_loss']:.4f} acc {row['train_accuracy']:.2%} | "
                  f"val loss {val_loss:.4f} acc {val_acc:.2%} | lr {row['lr']:.2e} | {p['seconds']:.1f} s")
         if self.procs.main:
-            _write_atomic(cfg.out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in p["history"]).encode())
+            lines = "".join(json.dumps(h) + "\n" for h in p["history"]).encode()
+            write_atomic(cfg.out / "metrics.jsonl", lambda f: f.write(lines))
             plot_curves(p["history"], cfg.out / "curves.png", _title(cfg))
         self.checkpoint()
 
@@ -200,7 +190,7 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     try:
         if procs.main:
             cfg.out.mkdir(parents=True, exist_ok=True)
-            _write_atomic(cfg.out / "config.json", json.dumps(cfg.to_json(), indent=2).encode())
+            write_atomic(cfg.out / "config.json", lambda f: f.write(json.dumps(cfg.to_json(), indent=2).encode()))
         splits = load_splits(cfg.dataset, cfg.seed, cfg.max_samples)
         state = _Run(cfg, procs, splits, say)
         if cfg.resume:
@@ -220,11 +210,9 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         say(f"test: loss {test_loss:.4f}, accuracy {test_acc:.2%} ({len(splits.test.features)} sequences); "
             f"training {state.progress['seconds']:.1f} s")
         if procs.main:
-            buf = tempfile.SpooledTemporaryFile()
-            torch.save(state.model.state_dict(), buf)
-            buf.seek(0)
-            _write_atomic(cfg.out / "model.pt", buf.read())
-            _write_atomic(cfg.out / "summary.json", json.dumps(summary, indent=2).encode())
+            weights = state.model.state_dict()
+            write_atomic(cfg.out / "model.pt", lambda f: torch.save(weights, f))
+            write_atomic(cfg.out / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
         return summary
     finally:
         if state is not None:
