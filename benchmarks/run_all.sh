@@ -23,6 +23,7 @@ $fl bench blstm --size seed --repeats 3 --json "$out/blstm.json" --plot "$out/bl
 # GPU tables (issue: Triton kernels), only where a CUDA GPU is present
 if $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   $py benchmarks/bench_gpu_local.py --device cuda --repeats 20 > "$out/gpu_local.txt"
+  $py benchmarks/bench_gpu_engine.py --device cuda --repeats 7 > "$out/gpu_engine.txt"
   for w in attention local2d; do
     $fl bench "$w" --size seed --device cuda --repeats 20 --json "$out/$w-cuda.json" > "$out/$w-cuda.txt"
   done

@@ -1,7 +1,8 @@
 """On a CUDA GPU (``python3 -m pytest -m cuda``; skipped without one): the automatic backend picks the
-Triton kernels for the local layers and attention pooling, which equal the plain-torch reference in
-value and every gradient; every layer runs under CUDA autocast (fp16, bf16) and returns the low
-dtype, close to its float32 result."""
+Triton kernels for the local layers, attention pooling and the recurrent engine, which equal the
+plain-torch / float64 per-step reference in value and every gradient (the engine eagerly and with its
+time loops captured in CUDA graphs, replayed for new lengths); every layer runs under CUDA autocast
+(fp16, bf16) and returns the low dtype, close to its float32 result."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _grads(fn, *inputs):
 def test_automatic_backend_on_cuda():
     x = torch.zeros(2, device=DEV)
     assert select("local2d", x) == "triton" and select("attention", x) == "triton"
-    assert select("lstm", x) == "reference"  # the engine's GPU path is open work
+    assert select("lstm", x) == "triton" and select("gru", x) == "triton"
 
 
 @pytest.mark.parametrize("kernel,stride,padding,dilation", [(1, 1, 0, 1), (3, 1, 1, 1), (3, 2, 2, 2)])
@@ -92,3 +93,66 @@ def test_local_and_attention_under_cuda_autocast(dtype):
     torch.testing.assert_close(y.float(), m(x), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(c.float(), attention_pool(q, k, lengths=[10, 3, 6], score="scaled_dot")[0],
                                atol=3e-2, rtol=3e-2)
+
+
+ENGINE_MODULES = {
+    "lstm-ln-peephole-clip": lambda: fastlayers.LSTM(6, 5, num_layers=2, bidirectional=True, layer_norm=True,
+                                                     peephole=True, cell_clip=0.8),
+    "lstm-proj-zoneout": lambda: fastlayers.LSTM(6, 5, proj_size=3, bidirectional=True, zoneout=(0.1, 0.2),
+                                                 proj_clip=0.5, layer_norm=True),
+    "gru-ln-zoneout": lambda: fastlayers.GRU(6, 5, num_layers=2, bidirectional=True, layer_norm=True, zoneout=0.1),
+}
+
+
+def _module_grads(module, x, lengths):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    out, h = module(x, lengths=lengths)
+    states = h if isinstance(h, tuple) else (h,)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum()
+               for o in (out, *states))
+    loss.backward()
+    return [t.detach().cpu() for t in (out, *states, x.grad)] + [p.grad.cpu() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("graphs", ["eager", "cuda-graphs"])
+@pytest.mark.parametrize("name", list(ENGINE_MODULES))
+def test_engine_on_cuda_equals_the_float64_reference(name, graphs, monkeypatch):
+    from fastlayers.rnn import _graphs
+
+    monkeypatch.setenv(_graphs.ENV, "1" if graphs == "cuda-graphs" else "0")
+    torch.manual_seed(0)
+    module = ENGINE_MODULES[name]().double().eval()
+    x = torch.randn(7, 3, 6, dtype=torch.float64)
+    for lengths in ([4, 7, 1], [7, 2, 5]):  # a second lengths vector replays the same capture
+        want = _module_grads(module, x, lengths)  # CPU float64: the C engine; the reference below
+        with fastlayers.backend("reference"):
+            ref = _module_grads(module, x, lengths)
+        gpu = _module_grads(module.to(DEV), x.to(DEV), lengths)
+        module.cpu()
+        for a, b, c in zip(gpu, want, ref, strict=True):
+            torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
+            torch.testing.assert_close(b, c, atol=1e-10, rtol=1e-10)
+    if graphs == "cuda-graphs":
+        assert _graphs._entries, "no loop was captured"
+        _graphs.clear()
+
+
+def test_engine_on_cuda_runs_the_triton_layer_and_keeps_plain_layers_on_cudnn():
+    ours = fastlayers.LSTM(6, 5, layer_norm=True, device=DEV)
+    plain = fastlayers.LSTM(6, 5, device=DEV)
+    x = torch.randn(7, 3, 6, device=DEV)
+    assert type(ours(x, lengths=[7, 3, 5])[0].grad_fn).__name__ == "LSTMLayerBackward"
+    assert type(plain(x, lengths=[7, 3, 5])[0].grad_fn).__name__ != "LSTMLayerBackward"
+
+
+def test_engine_float32_on_cuda_honours_tf32_off():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    module = fastlayers.LSTM(64, 32, bidirectional=True, layer_norm=True, device=DEV)
+    x = torch.randn(20, 4, 64, device=DEV)
+    got = module(x, lengths=[20, 9, 14, 1])[0]
+    with fastlayers.backend("reference"):
+        want = module.double()(x.double(), lengths=[20, 9, 14, 1])[0]
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)

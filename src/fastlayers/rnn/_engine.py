@@ -83,6 +83,26 @@ def gru_engine(
     return _engine("GRU", input, hx, layers, lengths, options, dropout, training, masks)
 
 
+def input_bias(cell: str, dir_params: list[dict[str, Tensor]], stack) -> tuple[bool, Tensor | None]:
+    """(whether the layer has biases, the bias added with the input projection, (D, G) | None):
+    LSTM: b_ih + b_hh; GRU: b_ih (b_hh stays inside r * (W_hh h + b_hh))."""
+    has_bias = "bias_ih" in dir_params[0]
+    if not has_bias:
+        return False, None
+    return True, stack("bias_ih") + stack("bias_hh") if cell == "LSTM" else stack("bias_ih")
+
+
+def recurrent_mask(m: dict[str, Tensor], options: CellOptions, training: bool, shape: tuple[int, int, int],
+                   x: Tensor) -> Tensor | None:
+    """The recurrent-dropout mask (D, B, P) of a layer, in original batch order: the one passed in
+    ``m``, else one sampled in training (scaled by 1 / keep), else None."""
+    rmask = m.get("recurrent")
+    if rmask is None and training and options.recurrent_dropout > 0:
+        keep = 1 - options.recurrent_dropout
+        rmask = torch.bernoulli(torch.full(shape, keep, dtype=x.dtype, device=x.device)) / keep
+    return rmask
+
+
 def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks):
     gates = 4 if cell == "LSTM" else 3
     steps, batch, _ = input.shape
@@ -108,15 +128,10 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         stack = lambda name, use=True: torch.stack([p[name] for p in dir_params]) if use else None  # noqa: E731
         # the valid rows of both directions (one gather); the Function projects them (one batched GEMM)
         xs = x.reshape(steps * batch, -1).index_select(0, src.flatten()).view(dirs, rows, -1)
-        has_bias = "bias_ih" in dir_params[0]
-        # LSTM: both biases go with the input part; GRU: b_hh stays inside r * (W_hh h + b_hh)
-        bias = None if not has_bias else (stack("bias_ih") + stack("bias_hh") if cell == "LSTM" else stack("bias_ih"))
+        has_bias, bias = input_bias(cell, dir_params, stack)
         m = (masks[li] if masks is not None else None) or {}
-        rmask = m.get("recurrent")
-        if rmask is None and training and options.recurrent_dropout > 0:
-            keep = 1 - options.recurrent_dropout
-            rmask = torch.bernoulli(torch.full((dirs, batch, out_size), keep, dtype=x.dtype, device=dev)) / keep
-        elif rmask is not None:
+        rmask = recurrent_mask(m, options, training, (dirs, batch, out_size), x)
+        if rmask is not None and "recurrent" in m:
             rmask = rmask.index_select(1, order).contiguous()
         zmasks = []
         for key, prob, width in (("zoneout_c", z_c if cell == "LSTM" else 0.0, hidden), ("zoneout_h", z_h, out_size)):

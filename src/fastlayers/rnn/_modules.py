@@ -5,7 +5,8 @@ The classes subclass the torch modules, so constructor arguments, parameter name
 (padded Tensor, unbatched 2-D, PackedSequence, ``hx``) are torch's own, running torch's kernels.
 ``forward(input, hx=None, *, lengths=None)`` adds the lengths path (:mod:`._varlen`), and
 ``LSTM(..., layer_norm=, peephole=, cell_clip=, zoneout=, recurrent_dropout=)`` adds cell options,
-run by the engine (:mod:`._engine`; :mod:`._engine_reference` off CPU).
+run by the engine (:mod:`._engine` on CPU, :mod:`._engine_gpu` on CUDA; :mod:`._engine_reference`
+where neither runs).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .._checks import as_lengths, check_floating, check_rank, check_same_dtype_d
 from .. import _precision
 from .._backend import select
 from ._engine import gru_engine, lstm_engine
+from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._engine_reference import gru_cell_step, gru_reference, lstm_cell_step, lstm_reference
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
@@ -332,12 +334,15 @@ class _CellOptionsMixin:
         # lengths without options: the engine's kernels where they run (they skip padding in every
         # GEMM and beat the segment path, see BENCHMARKS.md); torch's kernels when nothing is padded,
         # or on the reference backend (segments on CPU, PackedSequence elsewhere)
+        # on CUDA, plain LSTM/GRU stay on cuDNN (PackedSequence with lengths): the Triton engine runs
+        # the cell options (issue 11: dispatch plain calls to it only once measured faster)
         which = select(self.mode.lower(), x)
         if self.options.plain and not self._engine_precision(x) and (
-                which == "reference" or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
+                which != "cpu" or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
             return super()._run(x, states, lengths)  # type: ignore[misc]
         impl = {("LSTM", "cpu"): lstm_engine, ("LSTM", "reference"): lstm_reference,
-                ("GRU", "cpu"): gru_engine, ("GRU", "reference"): gru_reference}[self.mode, which]
+                ("LSTM", "triton"): lstm_engine_gpu, ("GRU", "cpu"): gru_engine, ("GRU", "reference"): gru_reference,
+                ("GRU", "triton"): gru_engine_gpu}[self.mode, which]
         xt = x.transpose(0, 1) if self.batch_first else x
         out, final = impl(xt, states, self._layer_parameters(), lengths, self.options, dropout=self.dropout,
                           training=self.training)

@@ -1,0 +1,194 @@
+"""Issue 11: the recurrent engine on the GPU (Triton step kernels, cuBLAS GEMMs, CUDA graphs) vs cuDNN.
+
+Seed shape (seed 000): BLSTM 512 -> 256 x 2 directions, T=800, B=32, fp32. Candidates, one process,
+timed interleaved with CUDA events (median of --repeats after two warm-up rounds): torch.nn.LSTM /
+GRU (cuDNN) padded and packed with lengths U[400, 800]; fastlayers with each cell option, without
+and with lengths, each eagerly and with its time loops captured in CUDA graphs
+(FASTLAYERS_CUDA_GRAPHS=1); the seed's own way (one torch.lstm_cell call per step and direction).
+Columns: fwd ms, fwd+bwd ms (input and every parameter require grad), ratio of fwd+bwd to cuDNN
+padded, peak memory of fwd+bwd (max_memory_allocated, MiB), first call (capture / compile) ms.
+
+    python benchmarks/bench_gpu_engine.py [--device cuda] [--repeats 7] [--tf32] [--autocast bf16]
+                                          [--size seed|small]
+
+TF32 is off for every candidate unless --tf32 (then torch's default for cuDNN RNNs and
+torch.backends.cuda.matmul.allow_tf32 are on for all). ``TRITON_INTERPRET=1 python
+benchmarks/bench_gpu_engine.py --device cpu --size small`` runs the script on Triton's interpreter
+(a smoke test of the script only: its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import fastlayers
+from fastlayers.rnn import _graphs
+
+from bench_gpu_local import Timer  # CUDA events on the GPU, perf_counter elsewhere
+
+SIZES = {"seed": (512, 256, 800, 32), "small": (6, 5, 7, 3)}  # input_size, hidden, T, B
+OPTIONS = {  # label -> (cell, fastlayers kwargs)
+    "LSTM layer_norm": ("LSTM", dict(layer_norm=True)),
+    "LSTM layer_norm + peephole + cell_clip": ("LSTM", dict(layer_norm=True, peephole=True, cell_clip=3.0)),
+    "LSTM zoneout (0.1, 0.1)": ("LSTM", dict(zoneout=(0.1, 0.1))),
+    "LSTM recurrent_dropout 0.25 (training)": ("LSTM", dict(recurrent_dropout=0.25)),
+    "LSTM proj_size 128 + layer_norm": ("LSTM", dict(proj_size=128, layer_norm=True)),
+    "GRU layer_norm": ("GRU", dict(layer_norm=True)),
+    "GRU zoneout 0.1": ("GRU", dict(zoneout=0.1)),
+}
+
+
+def seed_loop(cells, x, lengths):
+    """The seed's per-step loop: one torch.lstm_cell per step and direction, frozen past each length."""
+    steps, batch, _ = x.shape
+    outs = []
+    for d, cell in enumerate(cells):
+        h = x.new_zeros(batch, cell.hidden_size)
+        c = x.new_zeros(batch, cell.hidden_size)
+        ys = [None] * steps
+        for t in (range(steps) if d == 0 else range(steps - 1, -1, -1)):
+            alive = (t < lengths).unsqueeze(1)
+            h1, c1 = cell(x[t], (h, c))
+            h, c = torch.where(alive, h1, h), torch.where(alive, c1, c)
+            ys[t] = torch.where(alive, h1, torch.zeros_like(h1))
+        outs.append(torch.stack(ys))
+    return torch.cat(outs, -1)
+
+
+def candidates(args, device):
+    features, hidden, steps, batch = SIZES[args.size]
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(steps // 2, steps + 1, (batch,), generator=g)
+    lengths[0] = steps
+    lengths_dev = lengths.to(device)
+    x = torch.randn(steps, batch, features, device=device)
+    out = {}
+    torch.manual_seed(0)
+    lstm = nn.LSTM(features, hidden, bidirectional=True, device=device)
+    gru = nn.GRU(features, hidden, bidirectional=True, device=device)
+
+    def packed(module):
+        def run(x):
+            p = pack_padded_sequence(x, lengths, enforce_sorted=False)
+            return pad_packed_sequence(module(p)[0], total_length=steps)[0]
+        return run
+
+    out["torch.nn.LSTM padded (cuDNN)"] = (lstm, lambda x: lstm(x)[0])
+    out["torch.nn.LSTM packed, lengths"] = (lstm, packed(lstm))
+    out["torch.nn.GRU padded (cuDNN)"] = (gru, lambda x: gru(x)[0])
+    for label, (cell, kwargs) in OPTIONS.items():
+        if args.only and args.only not in label:
+            continue
+        cls = fastlayers.LSTM if cell == "LSTM" else fastlayers.GRU
+        m = cls(features, hidden, bidirectional=True, device=device, **kwargs)
+        m.train("training" in label)
+        for use_lengths in (False, True):
+            for graphs in (False, True):
+                name = f"fastlayers {label}" + (", lengths" if use_lengths else "") + \
+                    (", CUDA graphs" if graphs else ", eager")
+                out[name] = (m, _engine_call(m, use_lengths, lengths, graphs))
+    cells = [nn.LSTMCell(features, hidden, device=device) for _ in range(2)]
+    out["seed's loop: torch.lstm_cell per step, lengths"] = (nn.ModuleList(cells),
+                                                             lambda x: seed_loop(cells, x, lengths_dev))
+    return out, x
+
+
+def _engine_call(m, use_lengths, lengths, graphs):
+    def run(x):
+        os.environ[_graphs.ENV] = "1" if graphs else "0"
+        return m(x, lengths=lengths if use_lengths else None)[0]
+    return run
+
+
+def measure(cands, x, timer, repeats, autocast):
+    names = list(cands)
+    res = {k: {"fwd": [], "both": [], "first": None, "peak": None} for k in names}
+    device = x.device
+
+    def ctx():
+        return torch.autocast(device.type, autocast) if autocast else _null()
+
+    for name in names:  # first call (Triton compile, CUDA graph capture)
+        module, fn = cands[name]
+        res[name]["first"] = timer(lambda: _both(fn, module, x, ctx))
+    for rep in range(-2, repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            module, fn = cands[name]
+            with torch.no_grad(), ctx():
+                f = timer(lambda: fn(x))
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            b = timer(lambda: _both(fn, module, x, ctx))
+            if rep >= 0:
+                res[name]["fwd"].append(f)
+                res[name]["both"].append(b)
+            if device.type == "cuda":
+                res[name]["peak"] = torch.cuda.max_memory_allocated() / 2**20
+    return res
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _both(fn, module, x, ctx):
+    xi = x.detach().requires_grad_(True)
+    module.zero_grad(set_to_none=True)
+    with ctx():
+        y = fn(xi)
+    y.float().sum().backward()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--size", choices=list(SIZES), default="seed")
+    p.add_argument("--tf32", action="store_true")
+    p.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
+    p.add_argument("--only", default="", help="run only the fastlayers rows whose label contains this")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
+    timer = Timer(device)
+    cands, x = candidates(args, device)
+    if device.type != "cuda":  # the interpreter: Triton kernels on CPU tensors need the backend forced
+        forced = {k: v for k, v in cands.items() if k.startswith("fastlayers")}
+        with fastlayers.backend("triton"):
+            res = measure(forced, x, timer, args.repeats, autocast)
+    else:
+        res = measure(cands, x, timer, args.repeats, autocast)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter: times mean nothing)"
+    features, hidden, steps, batch = SIZES[args.size]
+    print(f"# {name}; torch {torch.__version__}; BLSTM {features} -> {hidden}x2, T={steps}, B={batch}; "
+          f"TF32 {'on' if args.tf32 else 'off'}; autocast {args.autocast}; median of {args.repeats}")
+    base = res.get("torch.nn.LSTM padded (cuDNN)")
+    base_ms = statistics.median(base["both"]) if base else None
+    print("| candidate | fwd ms | fwd+bwd ms | fwd+bwd / cuDNN LSTM | peak MiB | first call ms |")
+    print("|---|---|---|---|---|---|")
+    for k, r in res.items():
+        f, b = statistics.median(r["fwd"]), statistics.median(r["both"])
+        ratio = f"{b / base_ms:.2f}" if base_ms else "-"
+        peak = f"{r['peak']:.0f}" if r["peak"] is not None else "-"
+        print(f"| {k} | {f:.1f} | {b:.1f} | {ratio} | {peak} | {r['first']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

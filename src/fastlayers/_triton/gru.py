@@ -1,0 +1,189 @@
+"""GRU step kernels in Triton (forward, backward), mirroring ``_native/gru.c``.
+
+One program per (direction d, sequence b), the gates r, z, n as three blocks of lanes; layouts
+and "active" as in :mod:`._cell`. Forward, one active row (torch.nn.GRU; haste's LayerNormGRU):
+  x = LN(xp; gx) + b_ih (with layer_norm; else xp, b_ih included)   hb = LN(r; gh) (else r) + b_hh
+  rg = sig(x_r + hb_r)   zg = sig(x_z + hb_z)   ng = tanh(x_n + rg hb_n)
+  h1 = (1 - zg) ng + zg h0   h = zh h0 + (1-zh) h1   y[t] = h; hd[:, s+1] = h * rmask.
+Saved (step layout): gates (rg, zg, ng), hb_n, h0, the LayerNorm statistics and r-hat.
+Backward: the chain rule; gradients of xp (time layout), of r (step layout) and of hb (for b_hh),
+and the per-row products whose sums are the LayerNorm gains' and biases' gradients.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._cell import (block, carried, finish_h, norm_backward_terms, norm_stats, present_or, row_time, sigmoid,
+                    store_blocks, tanh)
+
+
+@triton.jit
+def _forward_kernel(s, T, B, D, H, lengths, xp, b_ih, gx, r, h, rmask, b_hh, gh, zh,
+                    y, hd, gates, hbn, hist, xstat, rhat, rrstd, scalars,
+                    HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, HAS_BIH: tl.constexpr, HAS_BHH: tl.constexpr,
+                    ZH_MASK: tl.constexpr, RMASK: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
+    acc_t = tl.float64 if F64 else tl.float32
+    pid = tl.program_id(0).to(tl.int64)
+    d, b = pid // B, pid % B
+    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    zh_const, eps = tl.load(scalars).to(acc_t), tl.load(scalars + 1).to(acc_t)  # exact in float64
+    G = 3 * H
+    k = tl.arange(0, BLOCK_H)
+    km = k < H
+    step = (d * T + s) * B + b
+    state = d * B + b
+    xrow = xp + ((t * B + b) * D + d) * G
+    x0 = tl.load(xrow + k, mask=km & active, other=0.0).to(acc_t)
+    x1 = tl.load(xrow + H + k, mask=km & active, other=0.0).to(acc_t)
+    x2 = tl.load(xrow + 2 * H + k, mask=km & active, other=0.0).to(acc_t)
+    rrow = r + state * G
+    r0 = tl.load(rrow + k, mask=km, other=0.0).to(acc_t)
+    r1 = tl.load(rrow + H + k, mask=km, other=0.0).to(acc_t)
+    r2 = tl.load(rrow + 2 * H + k, mask=km, other=0.0).to(acc_t)
+    if LN:
+        mx, sx = norm_stats(x0, x1, x2, x2, km, G, eps, 3)
+        tl.store(xstat + 2 * step, mx)
+        tl.store(xstat + 2 * step + 1, sx)
+        gxd = gx + d * G
+        x0 = tl.load(gxd + k, mask=km, other=0.0) * ((x0 - mx) * sx)
+        x1 = tl.load(gxd + H + k, mask=km, other=0.0) * ((x1 - mx) * sx)
+        x2 = tl.load(gxd + 2 * H + k, mask=km, other=0.0) * ((x2 - mx) * sx)
+        if HAS_BIH:
+            x0 += tl.load(b_ih + d * G + k, mask=km, other=0.0)
+            x1 += tl.load(b_ih + d * G + H + k, mask=km, other=0.0)
+            x2 += tl.load(b_ih + d * G + 2 * H + k, mask=km, other=0.0)
+        mr, sr = norm_stats(r0, r1, r2, r2, km, G, eps, 3)
+        tl.store(rrstd + step, sr)
+        r0, r1, r2 = (r0 - mr) * sr, (r1 - mr) * sr, (r2 - mr) * sr
+        store_blocks(rhat + step * G, H, k, km, r0, r1, r2, r2, 3)
+        ghd = gh + d * G
+        r0 = r0 * tl.load(ghd + k, mask=km, other=0.0)
+        r1 = r1 * tl.load(ghd + H + k, mask=km, other=0.0)
+        r2 = r2 * tl.load(ghd + 2 * H + k, mask=km, other=0.0)
+    if HAS_BHH:
+        r0 += tl.load(b_hh + d * G + k, mask=km, other=0.0)
+        r1 += tl.load(b_hh + d * G + H + k, mask=km, other=0.0)
+        r2 += tl.load(b_hh + d * G + 2 * H + k, mask=km, other=0.0)
+    rg = sigmoid(x0 + r0)
+    zg = sigmoid(x1 + r1)
+    ng = tanh(x2 + rg * r2)
+    h0 = tl.load(h + state * H + k, mask=km, other=0.0).to(acc_t)
+    store_blocks(gates + step * G, H, k, km, rg, zg, ng, ng, 3)
+    tl.store(hbn + step * H + k, r2, mask=km)
+    tl.store(hist + step * H + k, h0, mask=km)
+    h1 = (1 - zg) * ng + zg * h0
+    finish_h(s, T, B, D, H, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
+
+
+@triton.jit
+def _backward_kernel(s, T, B, D, H, lengths, dy, dh, g, rmask, gates, hbn, hist, xp, xstat, gx, rhat, rrstd, gh, zh,
+                     dpre, dr, dhb, pgx, pb, pgh, scalars,
+                     HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, ZH_MASK: tl.constexpr, HAS_G: tl.constexpr,
+                     RMASK: tl.constexpr, NEED_HB: tl.constexpr, NEED_GX: tl.constexpr, NEED_B: tl.constexpr,
+                     NEED_GH: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
+    acc_t = tl.float64 if F64 else tl.float32
+    pid = tl.program_id(0).to(tl.int64)
+    d, b = pid // B, pid % B
+    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    zh_const, eps = tl.load(scalars).to(acc_t), tl.load(scalars + 1).to(acc_t)  # exact in float64
+    G = 3 * H
+    k = tl.arange(0, BLOCK_H)
+    km = k < H
+    step = (d * T + s) * B + b
+    state = d * B + b
+    dhv = carried(dh, g, rmask, state, H, k, km, HAS_G, RMASK, acc_t)
+    dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=km & active, other=0.0).to(acc_t)
+    kh = zh_const
+    if ZH_MASK:
+        kh = tl.load(zh + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
+    gr = gates + step * G
+    rg = tl.load(gr + k, mask=km, other=0.0)
+    zg = tl.load(gr + H + k, mask=km, other=0.0)
+    ng = tl.load(gr + 2 * H + k, mask=km, other=0.0)
+    hb2 = tl.load(hbn + step * H + k, mask=km, other=0.0)
+    h0 = tl.load(hist + step * H + k, mask=km, other=0.0)
+    dhout = dyv + dhv
+    dh1 = (1 - kh) * dhout
+    tl.store(dh + state * H + k, tl.where(active, kh * dhout + dh1 * zg, dhv), mask=km)
+    dn = tl.where(active, dh1 * (1 - zg) * (1 - ng * ng), 0.0)
+    dz = tl.where(active, dh1 * (h0 - ng) * zg * (1 - zg), 0.0)
+    drg = tl.where(active, dn * hb2 * rg * (1 - rg), 0.0)
+    dhn = dn * rg  # the gradient of hb_n
+    xrow = ((t * B + b) * D + d) * G
+    if LN:
+        if NEED_HB:
+            store_blocks(dhb + step * G, H, k, km, drg, dz, dhn, dhn, 3)
+        ghd = gh + d * G
+        e0, e1 = drg * tl.load(ghd + k, mask=km, other=0.0), dz * tl.load(ghd + H + k, mask=km, other=0.0)
+        e2 = dhn * tl.load(ghd + 2 * H + k, mask=km, other=0.0)
+        rh = rhat + step * G
+        q0, q1, q2 = tl.load(rh + k, mask=km, other=0.0), tl.load(rh + H + k, mask=km, other=0.0), \
+            tl.load(rh + 2 * H + k, mask=km, other=0.0)
+        m1, m2 = norm_backward_terms(e0, e1, e2, e2, q0, q1, q2, q2, km, G, 3)
+        sr = tl.load(rrstd + step)
+        store_blocks(dr + step * G, H, k, km, sr * (e0 - m1 - q0 * m2), sr * (e1 - m1 - q1 * m2),
+                     sr * (e2 - m1 - q2 * m2), e2, 3)
+        if NEED_GH:
+            store_blocks(pgh + step * G, H, k, km, drg * q0, dz * q1, dhn * q2, dhn, 3)
+        mx = tl.load(xstat + 2 * step)
+        sx = tl.load(xstat + 2 * step + 1)
+        xr = xp + xrow
+        q0 = (tl.load(xr + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
+        q1 = (tl.load(xr + H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
+        q2 = (tl.load(xr + 2 * H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
+        gxd = gx + d * G
+        e0, e1 = drg * tl.load(gxd + k, mask=km, other=0.0), dz * tl.load(gxd + H + k, mask=km, other=0.0)
+        e2 = dn * tl.load(gxd + 2 * H + k, mask=km, other=0.0)
+        m1, m2 = norm_backward_terms(e0, e1, e2, e2, q0, q1, q2, q2, km, G, 3)
+        store_blocks(dpre + xrow, H, k, km, sx * (e0 - m1 - q0 * m2), sx * (e1 - m1 - q1 * m2),
+                     sx * (e2 - m1 - q2 * m2), e2, 3)
+        if NEED_GX:
+            store_blocks(pgx + step * G, H, k, km, drg * q0, dz * q1, dn * q2, dn, 3)
+        if NEED_B:
+            store_blocks(pb + step * G, H, k, km, drg, dz, dn, dn, 3)
+    else:
+        store_blocks(dr + step * G, H, k, km, drg, dz, dhn, dhn, 3)
+        store_blocks(dpre + xrow, H, k, km, drg, dz, dn, dn, 3)
+
+
+def scalars(zh_const: float, eps: float, like: Tensor) -> Tensor:
+    """The kernels' float constants [z_h, eps] as a tensor in ``like``'s dtype and device."""
+    return like.new_tensor([zh_const, eps])
+
+
+def step_forward(s: int, lengths: Tensor | None, xp: Tensor, b_ih, gx, r: Tensor, h: Tensor, rmask, b_hh, gh, zh,
+                 y: Tensor, hd: Tensor, buf: dict, numbers: Tensor) -> None:
+    """Step s of every direction: xp (T, B, D, 3H) (b_ih included unless gx is given), r (D, B, 3H),
+    h (D, B, H) in place, y (T, B, D, H), hd (D, T, B, H); buf: step-layout ``gates``, ``hbn``,
+    ``hist``, ``xstat``, ``rhat``, ``rrstd`` (the last three with layer_norm); numbers from
+    :func:`scalars`."""
+    dirs, batch, hidden = h.shape
+    ln = gx is not None
+    _forward_kernel[(dirs * batch,)](
+        s, xp.size(0), batch, dirs, hidden, present_or(lengths, xp), xp, present_or(b_ih, xp), present_or(gx, xp), r,
+        h, present_or(rmask, h), present_or(b_hh, xp), present_or(gh, xp), present_or(zh, xp), y, hd, buf["gates"],
+        buf["hbn"], buf["hist"], *(present_or(buf.get(n), xp) for n in ("xstat", "rhat", "rrstd")), numbers,
+        HAS_LENGTHS=lengths is not None, LN=ln, HAS_BIH=b_ih is not None and ln, HAS_BHH=b_hh is not None,
+        ZH_MASK=zh is not None, RMASK=rmask is not None, F64=h.dtype.itemsize == 8, BLOCK_H=block(hidden))
+
+
+def step_backward(s: int, lengths: Tensor | None, dy: Tensor, dh: Tensor, g: Tensor | None, rmask, xp, gx, gh, zh,
+                  buf: dict, grads: dict, numbers: Tensor) -> None:
+    """Back through step s: dy (T, B, D, H); dh (D, B, H) in place; g the recurrent GEMM's gradient
+    of the step after (None at the last step); xp with layer_norm (else None). grads: ``dpre``
+    (T, B, D, 3H), ``dr`` (D, T, B, 3H), and, where needed, ``dhb`` (gradient of hb, for b_hh with
+    layer_norm), ``pgx``, ``pb``, ``pgh`` (D, T, B, 3H)."""
+    dirs, batch, hidden = dh.shape
+    _backward_kernel[(dirs * batch,)](
+        s, dy.size(0), batch, dirs, hidden, present_or(lengths, dh), dy, dh, present_or(g, dh), present_or(rmask, dh),
+        buf["gates"], buf["hbn"], buf["hist"], present_or(xp, dh), present_or(buf.get("xstat"), dh),
+        present_or(gx, dh), present_or(buf.get("rhat"), dh), present_or(buf.get("rrstd"), dh), present_or(gh, dh),
+        present_or(zh, dh), grads["dpre"], grads["dr"], *(present_or(grads.get(n), dh) for n in ("dhb", "pgx", "pb",
+                                                                                             "pgh")), numbers,
+        HAS_LENGTHS=lengths is not None, LN=gx is not None, ZH_MASK=zh is not None, HAS_G=g is not None,
+        RMASK=rmask is not None, NEED_HB=grads.get("dhb") is not None, NEED_GX=grads.get("pgx") is not None,
+        NEED_B=grads.get("pb") is not None, NEED_GH=grads.get("pgh") is not None, F64=dh.dtype.itemsize == 8,
+        BLOCK_H=block(hidden))

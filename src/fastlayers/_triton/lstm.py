@@ -1,0 +1,378 @@
+"""LSTM step kernels in Triton (forward, backward, projection), mirroring ``_native/lstm.c``.
+
+One program per (direction d, sequence b); the hidden units of the four gates i, f, g, o are four
+blocks of lanes. Layouts and the meaning of "active" are in :mod:`._cell`. Per step the caller
+runs the recurrent GEMM r = hd[:, s] @ W_hh^T (cuBLAS), then one of these kernels.
+
+Forward, one active row (the equations of ``_native/lstm.c``: haste's LayerNormLSTM, diagonal
+peepholes, cell clip, zoneout):
+  x = LN(xp; gx) + bias (with layer_norm; else xp, bias included)  a = LN(r; gh) (else r)
+  i, f, g = sig(x+a + p*c0), sig(.), tanh(.)   c1 = clip(f c0 + i g)   o = sig(x+a + p_o c1)
+  h1 = o tanh(LN(c1; gc, bc))   c = zc c0 + (1-zc) c1   h = zh h0 + (1-zh) h1
+  y[t] = h; hd[:, s+1] = h * rmask.
+With a projection the kernel stops at h1 (into y1) and :func:`project` finishes the step after the
+GEMM h1 @ W_hr^T (proj_clip, zoneout of h, output, next recurrent input).
+
+Backward, one active row: the chain rule of the above, writing the gradient of xp (time layout)
+and of r (step layout), updating dh, dc in place, and the per-row products whose sums over rows are
+the LayerNorm and peephole parameter gradients (reduced after the loop, no atomics). Sums in
+float32 (float64 for float64 buffers).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._cell import (block, carried, finish_h, norm_backward_terms, norm_stats, present_or, row_time, sigmoid,
+                    store_blocks, tanh)
+
+
+@triton.jit
+def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc, bc, peep, zc, zh,
+                    y, hd, gates, c1, chist, xstat, rhat, rrstd, cstat, y1, scalars,
+                    HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, PEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    CLIP: tl.constexpr, ZC_MASK: tl.constexpr, ZH_MASK: tl.constexpr, RMASK: tl.constexpr,
+                    PROJ: tl.constexpr, SAVE_CHIST: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
+    acc_t = tl.float64 if F64 else tl.float32
+    pid = tl.program_id(0).to(tl.int64)
+    d, b = pid // B, pid % B
+    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    clip, zc_const, zh_const, eps = _scalars(scalars, acc_t)
+    G = 4 * H
+    k = tl.arange(0, BLOCK_H)
+    km = k < H
+    step = (d * T + s) * B + b  # row of the step layout
+    state = d * B + b
+    xrow = xp + ((t * B + b) * D + d) * G
+    x0 = tl.load(xrow + k, mask=km & active, other=0.0).to(acc_t)
+    x1 = tl.load(xrow + H + k, mask=km & active, other=0.0).to(acc_t)
+    x2 = tl.load(xrow + 2 * H + k, mask=km & active, other=0.0).to(acc_t)
+    x3 = tl.load(xrow + 3 * H + k, mask=km & active, other=0.0).to(acc_t)
+    rrow = r + state * G
+    r0 = tl.load(rrow + k, mask=km, other=0.0).to(acc_t)
+    r1 = tl.load(rrow + H + k, mask=km, other=0.0).to(acc_t)
+    r2 = tl.load(rrow + 2 * H + k, mask=km, other=0.0).to(acc_t)
+    r3 = tl.load(rrow + 3 * H + k, mask=km, other=0.0).to(acc_t)
+    if LN:
+        mx, sx = norm_stats(x0, x1, x2, x3, km, G, eps, 4)
+        tl.store(xstat + 2 * step, mx)
+        tl.store(xstat + 2 * step + 1, sx)
+        gxd = gx + d * G
+        x0 = tl.load(gxd + k, mask=km, other=0.0) * ((x0 - mx) * sx)
+        x1 = tl.load(gxd + H + k, mask=km, other=0.0) * ((x1 - mx) * sx)
+        x2 = tl.load(gxd + 2 * H + k, mask=km, other=0.0) * ((x2 - mx) * sx)
+        x3 = tl.load(gxd + 3 * H + k, mask=km, other=0.0) * ((x3 - mx) * sx)
+        if HAS_BIAS:
+            bd = bias + d * G
+            x0 += tl.load(bd + k, mask=km, other=0.0)
+            x1 += tl.load(bd + H + k, mask=km, other=0.0)
+            x2 += tl.load(bd + 2 * H + k, mask=km, other=0.0)
+            x3 += tl.load(bd + 3 * H + k, mask=km, other=0.0)
+        mr, sr = norm_stats(r0, r1, r2, r3, km, G, eps, 4)
+        tl.store(rrstd + step, sr)
+        r0, r1, r2, r3 = (r0 - mr) * sr, (r1 - mr) * sr, (r2 - mr) * sr, (r3 - mr) * sr
+        rh = rhat + step * G
+        tl.store(rh + k, r0, mask=km)
+        tl.store(rh + H + k, r1, mask=km)
+        tl.store(rh + 2 * H + k, r2, mask=km)
+        tl.store(rh + 3 * H + k, r3, mask=km)
+        ghd = gh + d * G
+        r0 = r0 * tl.load(ghd + k, mask=km, other=0.0)
+        r1 = r1 * tl.load(ghd + H + k, mask=km, other=0.0)
+        r2 = r2 * tl.load(ghd + 2 * H + k, mask=km, other=0.0)
+        r3 = r3 * tl.load(ghd + 3 * H + k, mask=km, other=0.0)
+    c0 = tl.load(c + state * H + k, mask=km, other=0.0).to(acc_t)
+    if SAVE_CHIST:
+        tl.store(chist + step * H + k, c0, mask=km)
+    p0, p1, p3 = x0 + r0, x1 + r1, x3 + r3
+    if PEEP:
+        pd = peep + d * 3 * H
+        p0 += tl.load(pd + k, mask=km, other=0.0) * c0
+        p1 += tl.load(pd + H + k, mask=km, other=0.0) * c0
+    i, f, g = sigmoid(p0), sigmoid(p1), tanh(x2 + r2)
+    cn = f * c0 + i * g
+    if CLIP:
+        cn = tl.where(cn > clip, clip, tl.where(cn < -clip, -clip, cn))
+    if PEEP:
+        p3 += tl.load(pd + 2 * H + k, mask=km, other=0.0) * cn
+    o = sigmoid(p3)
+    gr = gates + step * G
+    tl.store(gr + k, i, mask=km)
+    tl.store(gr + H + k, f, mask=km)
+    tl.store(gr + 2 * H + k, g, mask=km)
+    tl.store(gr + 3 * H + k, o, mask=km)
+    tl.store(c1 + step * H + k, cn, mask=km)
+    nc = cn
+    if LN:
+        mc, sc = norm_stats(cn, cn, cn, cn, km, H, eps, 1)
+        tl.store(cstat + 2 * step, mc)
+        tl.store(cstat + 2 * step + 1, sc)
+        nc = tl.load(gc + d * H + k, mask=km, other=0.0) * ((cn - mc) * sc) + tl.load(bc + d * H + k, mask=km,
+                                                                                        other=0.0)
+    h1 = o * tanh(nc)
+    kc = zc_const
+    if ZC_MASK:
+        kc = tl.load(zc + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
+    tl.store(c + state * H + k, kc * c0 + (1 - kc) * cn, mask=km & active)
+    if PROJ:
+        tl.store(y1 + step * H + k, h1, mask=km)
+    else:
+        finish_h(s, T, B, D, H, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
+
+
+@triton.jit
+def _scalars(scalars, acc_t: tl.constexpr):
+    """(cell_clip, z_c, z_h, eps) from the float tensor [cell_clip, z_c, z_h, proj_clip, eps] (a tensor:
+    float arguments of a kernel are float32, and these must be exact in float64)."""
+    return (tl.load(scalars).to(acc_t), tl.load(scalars + 1).to(acc_t), tl.load(scalars + 2).to(acc_t),
+            tl.load(scalars + 4).to(acc_t))
+
+
+@triton.jit
+def _project_kernel(s, T, B, D, P, lengths, hp, h, rmask, zh, keep, y, hd, scalars,
+                    HAS_LENGTHS: tl.constexpr, PCLIP: tl.constexpr, ZH_MASK: tl.constexpr, RMASK: tl.constexpr,
+                    F64: tl.constexpr, BLOCK_P: tl.constexpr):
+    acc_t = tl.float64 if F64 else tl.float32
+    pid = tl.program_id(0).to(tl.int64)
+    d, b = pid // B, pid % B
+    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    k = tl.arange(0, BLOCK_P)
+    km = k < P
+    _, _, zh_const, _ = _scalars(scalars, acc_t)
+    pclip = tl.load(scalars + 3).to(acc_t)
+    v = tl.load(hp + (d * B + b) * P + k, mask=km, other=0.0).to(acc_t)
+    if PCLIP:
+        tl.store(keep + ((d * T + s) * B + b) * P + k, tl.where(tl.abs(v) <= pclip, 1.0, 0.0), mask=km)
+        v = tl.where(v > pclip, pclip, tl.where(v < -pclip, -pclip, v))
+    finish_h(s, T, B, D, P, b, d, t, active, k, km, v, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
+
+
+@triton.jit
+def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, rmask, zh, keep, dhp, scalars,
+                             HAS_LENGTHS: tl.constexpr, HAS_G: tl.constexpr, PCLIP: tl.constexpr,
+                             ZH_MASK: tl.constexpr, RMASK: tl.constexpr, F64: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Back through y = h, zoneout of h and proj_clip: dhp[:, s] = grad of h1 @ W_hr^T (0 when
+    not active); dh (+ the recurrent part g * rmask of the step after) becomes zh * its total."""
+    acc_t = tl.float64 if F64 else tl.float32
+    pid = tl.program_id(0).to(tl.int64)
+    d, b = pid // B, pid % B
+    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    k = tl.arange(0, BLOCK_P)
+    km = k < P
+    state = d * B + b
+    _, _, zh_const, _ = _scalars(scalars, acc_t)
+    dhv = carried(dh, g, rmask, state, P, k, km, HAS_G, RMASK, acc_t)
+    dtot = dhv + tl.load(dy + ((t * B + b) * D + d) * P + k, mask=km & active, other=0.0).to(acc_t)
+    kh = zh_const
+    if ZH_MASK:
+        kh = tl.load(zh + ((d * T + t) * B + b) * P + k, mask=km, other=0.0).to(acc_t)
+    ghp = (1 - kh) * dtot
+    if PCLIP:
+        ghp = ghp * tl.load(keep + ((d * T + s) * B + b) * P + k, mask=km, other=0.0)
+    tl.store(dhp + ((d * T + s) * B + b) * P + k, tl.where(active, ghp, 0.0), mask=km)
+    tl.store(dh + state * P + k, tl.where(active, kh * dtot, dhv), mask=km)
+
+
+@triton.jit
+def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, rmask, gates, c1, c0, chist, xp, xstat, gx, rhat,
+                     rrstd, cstat, gh, gc, bc, peep, zc, zh, dpre, dr, pgx, pb, pgh, pgc, pbc, ppeep, scalars,
+                     HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, PEEP: tl.constexpr, CLIP: tl.constexpr,
+                     ZC_MASK: tl.constexpr, ZH_MASK: tl.constexpr, HAS_G: tl.constexpr, RMASK: tl.constexpr,
+                     DY_STEP: tl.constexpr, SAVE_CHIST: tl.constexpr, NEED_GX: tl.constexpr, NEED_B: tl.constexpr,
+                     NEED_GH: tl.constexpr, NEED_GC: tl.constexpr, NEED_PEEP: tl.constexpr, F64: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    acc_t = tl.float64 if F64 else tl.float32
+    pid = tl.program_id(0).to(tl.int64)
+    d, b = pid // B, pid % B
+    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    G = 4 * H
+    k = tl.arange(0, BLOCK_H)
+    km = k < H
+    step = (d * T + s) * B + b
+    state = d * B + b
+    clip, zc_const, zh_const, _ = _scalars(scalars, acc_t)
+    if DY_STEP:  # with a projection, zoneout of h is behind it (project_backward)
+        zh_const = 0.0
+    dhv = carried(dh, g, rmask, state, H, k, km, HAS_G, RMASK, acc_t)
+    dcv = tl.load(dc + state * H + k, mask=km, other=0.0).to(acc_t)
+    if DY_STEP:
+        dyv = tl.load(dy + state * H + k, mask=km, other=0.0).to(acc_t)
+    else:
+        dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=km & active, other=0.0).to(acc_t)
+    kh = zh_const
+    if ZH_MASK:
+        kh = tl.load(zh + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
+    kc = zc_const
+    if ZC_MASK:
+        kc = tl.load(zc + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
+    gr = gates + step * G
+    i = tl.load(gr + k, mask=km, other=0.0)
+    f = tl.load(gr + H + k, mask=km, other=0.0)
+    gg = tl.load(gr + 2 * H + k, mask=km, other=0.0)
+    o = tl.load(gr + 3 * H + k, mask=km, other=0.0)
+    cn = tl.load(c1 + step * H + k, mask=km, other=0.0)
+    if SAVE_CHIST:
+        cb = tl.load(chist + step * H + k, mask=km, other=0.0)
+    else:  # the cell state before step s: the step before's c1, or c_0
+        cb = tl.load(c1 + (step - B) * H + k, mask=km & (s > 0), other=0.0) + \
+            tl.load(c0 + state * H + k, mask=km & (s == 0), other=0.0)
+    dhout = dyv + dhv
+    dh1 = (1 - kh) * dhout
+    if LN:
+        mc = tl.load(cstat + 2 * step)
+        sc = tl.load(cstat + 2 * step + 1)
+        chat = (cn - mc) * sc
+        gcd = tl.load(gc + d * H + k, mask=km, other=0.0)
+        th = tanh(gcd * chat + tl.load(bc + d * H + k, mask=km, other=0.0))
+    else:
+        th = tanh(cn)
+    do = dh1 * th * o * (1 - o)
+    dn = dh1 * o * (1 - th * th)
+    if LN:
+        dhat = dn * gcd
+        m1, m2 = norm_backward_terms(dhat, dhat, dhat, dhat, chat, chat, chat, chat, km, H, 1)
+        dc1 = sc * (dhat - m1 - chat * m2)
+        if NEED_GC:
+            tl.store(pgc + step * H + k, tl.where(active, dn * chat, 0.0), mask=km)
+            tl.store(pbc + step * H + k, tl.where(active, dn, 0.0), mask=km)
+    else:
+        dc1 = dn
+    dc1 += (1 - kc) * dcv
+    if PEEP:
+        pd = peep + d * 3 * H
+        dc1 += do * tl.load(pd + 2 * H + k, mask=km, other=0.0)
+    if CLIP:
+        v = f * cb + i * gg
+        dc1 = tl.where((v > clip) | (v < -clip), 0.0, dc1)
+    di = dc1 * gg * i * (1 - i)
+    df = dc1 * cb * f * (1 - f)
+    dg = dc1 * i * (1 - gg * gg)
+    dc0 = dc1 * f + kc * dcv
+    if PEEP:
+        dc0 += di * tl.load(pd + k, mask=km, other=0.0) + df * tl.load(pd + H + k, mask=km, other=0.0)
+        if NEED_PEEP:
+            pp = ppeep + step * 3 * H
+            tl.store(pp + k, tl.where(active, di * cb, 0.0), mask=km)
+            tl.store(pp + H + k, tl.where(active, df * cb, 0.0), mask=km)
+            tl.store(pp + 2 * H + k, tl.where(active, do * cn, 0.0), mask=km)
+    tl.store(dh + state * H + k, tl.where(active, kh * dhout, dhv), mask=km)
+    tl.store(dc + state * H + k, tl.where(active, dc0, dcv), mask=km)
+    di = tl.where(active, di, 0.0)
+    df = tl.where(active, df, 0.0)
+    dg = tl.where(active, dg, 0.0)
+    do = tl.where(active, do, 0.0)
+    xrow = ((t * B + b) * D + d) * G
+    if LN:
+        # through a = gh * r-hat: the gradient of r
+        ghd = gh + d * G
+        e0, e1 = di * tl.load(ghd + k, mask=km, other=0.0), df * tl.load(ghd + H + k, mask=km, other=0.0)
+        e2, e3 = dg * tl.load(ghd + 2 * H + k, mask=km, other=0.0), do * tl.load(ghd + 3 * H + k, mask=km, other=0.0)
+        rh = rhat + step * G
+        q0, q1 = tl.load(rh + k, mask=km, other=0.0), tl.load(rh + H + k, mask=km, other=0.0)
+        q2, q3 = tl.load(rh + 2 * H + k, mask=km, other=0.0), tl.load(rh + 3 * H + k, mask=km, other=0.0)
+        m1, m2 = norm_backward_terms(e0, e1, e2, e3, q0, q1, q2, q3, km, G, 4)
+        sr = tl.load(rrstd + step)
+        store_blocks(dr + step * G, H, k, km, sr * (e0 - m1 - q0 * m2), sr * (e1 - m1 - q1 * m2),
+                sr * (e2 - m1 - q2 * m2), sr * (e3 - m1 - q3 * m2), 4)
+        if NEED_GH:
+            store_blocks(pgh + step * G, H, k, km, di * q0, df * q1, dg * q2, do * q3, 4)
+        # through x = gx * x-hat + bias: the gradient of xp
+        mx = tl.load(xstat + 2 * step)
+        sx = tl.load(xstat + 2 * step + 1)
+        xr = xp + xrow
+        q0 = (tl.load(xr + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
+        q1 = (tl.load(xr + H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
+        q2 = (tl.load(xr + 2 * H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
+        q3 = (tl.load(xr + 3 * H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
+        gxd = gx + d * G
+        e0, e1 = di * tl.load(gxd + k, mask=km, other=0.0), df * tl.load(gxd + H + k, mask=km, other=0.0)
+        e2, e3 = dg * tl.load(gxd + 2 * H + k, mask=km, other=0.0), do * tl.load(gxd + 3 * H + k, mask=km, other=0.0)
+        m1, m2 = norm_backward_terms(e0, e1, e2, e3, q0, q1, q2, q3, km, G, 4)
+        # a row that is not active has zero upstream gradients, so zero here too (its x-hat is not used)
+        store_blocks(dpre + xrow, H, k, km, sx * (e0 - m1 - q0 * m2), sx * (e1 - m1 - q1 * m2),
+                sx * (e2 - m1 - q2 * m2), sx * (e3 - m1 - q3 * m2), 4)
+        if NEED_GX:
+            store_blocks(pgx + step * G, H, k, km, di * q0, df * q1, dg * q2, do * q3, 4)
+        if NEED_B:
+            store_blocks(pb + step * G, H, k, km, di, df, dg, do, 4)
+    else:
+        store_blocks(dr + step * G, H, k, km, di, df, dg, do, 4)
+        store_blocks(dpre + xrow, H, k, km, di, df, dg, do, 4)
+
+
+def scalars(consts: tuple[float, float, float, float], eps: float, like: Tensor) -> Tensor:
+    """The kernels' float constants as a tensor in ``like``'s dtype and device (made once per layer
+    call): [cell_clip, z_c, z_h, proj_clip, eps]; consts = (cell_clip or 0, z_c, z_h, proj_clip or 0)."""
+    return like.new_tensor([*consts, eps])
+
+
+def step_forward(s: int, lengths: Tensor | None, xp: Tensor, bias, gx, r: Tensor, h, c: Tensor, rmask, gh, gc, bc,
+                 peep, zc, zh, y, hd, buf: dict, consts: tuple[float, float, float, float], numbers: Tensor) -> None:
+    """Step s of every direction (see the module docstring). xp (T, B, D, 4H); r, c (D, B, 4H / H)
+    and, without a projection, h (D, B, H); y (T, B, D, H); hd (D, T, B, H) (h, y, hd: None with a
+    projection); buf: the step-layout buffers ``gates``, ``c1``, ``chist``, ``xstat``, ``rhat``,
+    ``rrstd``, ``cstat``, ``y1`` (None where unused); consts (cell_clip or 0, z_c, z_h, proj_clip or
+    0), the z used without masks, and ``numbers`` the same as :func:`scalars`."""
+    dirs, batch, hidden = c.shape
+    ln = gx is not None
+    _forward_kernel[(dirs * batch,)](
+        s, xp.size(0), batch, dirs, hidden, present_or(lengths, xp), xp, present_or(bias, xp), present_or(gx, xp), r,
+        present_or(h, c), c, present_or(rmask, c), present_or(gh, xp), present_or(gc, xp), present_or(bc, xp),
+        present_or(peep, xp), present_or(zc, xp), present_or(zh, xp), present_or(y, xp), present_or(hd, xp),
+        buf["gates"], buf["c1"], *(present_or(buf.get(n), xp) for n in ("chist", "xstat", "rhat", "rrstd", "cstat",
+                                                                         "y1")), numbers,
+        HAS_LENGTHS=lengths is not None, LN=ln, PEEP=peep is not None, HAS_BIAS=bias is not None and ln,
+        CLIP=consts[0] > 0, ZC_MASK=zc is not None, ZH_MASK=zh is not None, RMASK=rmask is not None,
+        PROJ=buf.get("y1") is not None, SAVE_CHIST=buf.get("chist") is not None, F64=c.dtype.itemsize == 8,
+        BLOCK_H=block(hidden))
+
+
+def project(s: int, lengths: Tensor | None, hp: Tensor, h: Tensor, rmask, zh, keep, y: Tensor, hd: Tensor,
+            numbers: Tensor) -> None:
+    """Finish step s with a projection: hp = h1 @ W_hr^T (D, B, P), state h (D, B, P); keep
+    (D, T, B, P) | None (no proj_clip) records |hp| <= proj_clip for the backward."""
+    dirs, batch, size = h.shape
+    _project_kernel[(dirs * batch,)](
+        s, y.size(0), batch, dirs, size, present_or(lengths, hp), hp, h, present_or(rmask, hp), present_or(zh, hp),
+        present_or(keep, hp), y, hd, numbers, HAS_LENGTHS=lengths is not None, PCLIP=keep is not None,
+        ZH_MASK=zh is not None, RMASK=rmask is not None, F64=h.dtype.itemsize == 8, BLOCK_P=block(size))
+
+
+def project_backward(s: int, lengths: Tensor | None, dy: Tensor, dh: Tensor, g: Tensor | None, rmask, zh, keep,
+                     dhp: Tensor, numbers: Tensor) -> None:
+    """Back through :func:`project` at step s: dhp (D, T, B, P), dh (D, B, P) in place, g the
+    recurrent GEMM's gradient of the step after (None at the last step)."""
+    dirs, batch, size = dh.shape
+    _project_backward_kernel[(dirs * batch,)](
+        s, dy.size(0), batch, dirs, size, present_or(lengths, dh), dy, dh, present_or(g, dh), present_or(rmask, dh),
+        present_or(zh, dh), present_or(keep, dh), dhp, numbers, HAS_LENGTHS=lengths is not None, HAS_G=g is not None,
+        PCLIP=keep is not None, ZH_MASK=zh is not None, RMASK=rmask is not None, F64=dh.dtype.itemsize == 8,
+        BLOCK_P=block(size))
+
+
+def step_backward(s: int, lengths: Tensor | None, dy: Tensor, dh: Tensor, dc: Tensor, g: Tensor | None, rmask, c0,
+                  xp, gx, gh, gc, bc, peep, zc, zh, buf: dict, grads: dict, consts, numbers: Tensor,
+                  steps: int) -> None:
+    """Back through step s: dy the output gradient (T, B, D, H), or with a projection the
+    gradient of h1 at this step (D, B, H); dh, dc (D, B, H) in place; g as in
+    :func:`project_backward` (None with a projection: that kernel adds it); xp (T, B, D, 4H) with
+    layer_norm (else None). grads: ``dpre`` (T, B, D, 4H), ``dr`` (D, T, B, 4H), and the per-row
+    products ``pgx``, ``pb``, ``pgh`` (D, T, B, 4H), ``pgc``, ``pbc`` (D, T, B, H), ``ppeep``
+    (D, T, B, 3H), None where not needed."""
+    dirs, batch, hidden = dc.shape
+    dy_step = dy.dim() == 3
+    _backward_kernel[(dirs * batch,)](
+        s, steps, batch, dirs, hidden, present_or(lengths, dc), dy, dh, dc, present_or(g, dc), present_or(rmask, dc),
+        buf["gates"], buf["c1"], c0, present_or(buf.get("chist"), dc), present_or(xp, dc),
+        present_or(buf.get("xstat"), dc), present_or(gx, dc), present_or(buf.get("rhat"), dc),
+        present_or(buf.get("rrstd"), dc), present_or(buf.get("cstat"), dc), present_or(gh, dc), present_or(gc, dc),
+        present_or(bc, dc), present_or(peep, dc), present_or(zc, dc), present_or(zh, dc), grads["dpre"], grads["dr"],
+        *(present_or(grads.get(n), dc) for n in ("pgx", "pb", "pgh", "pgc", "pbc", "ppeep")), numbers,
+        HAS_LENGTHS=lengths is not None, LN=gx is not None, PEEP=peep is not None, CLIP=consts[0] > 0,
+        ZC_MASK=zc is not None, ZH_MASK=zh is not None and not dy_step, HAS_G=g is not None,
+        RMASK=rmask is not None, DY_STEP=dy_step, SAVE_CHIST=buf.get("chist") is not None,
+        NEED_GX=grads.get("pgx") is not None, NEED_B=grads.get("pb") is not None, NEED_GH=grads.get("pgh") is not None,
+        NEED_GC=grads.get("pgc") is not None, NEED_PEEP=grads.get("ppeep") is not None, F64=dc.dtype.itemsize == 8,
+        BLOCK_H=block(hidden))

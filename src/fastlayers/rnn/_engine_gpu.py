@@ -1,0 +1,380 @@
+"""The recurrent engine on the GPU: LSTM / GRU with cell options, Triton step kernels, cuBLAS GEMMs.
+
+Legend: T time, B batch, F input features, H hidden size, G gates (4H LSTM, 3H GRU), P output
+size (proj_size, or H), D directions, L layers.
+
+Same math and signatures as the CPU engine (:mod:`._engine`), another layout: the CPU engine packs
+the valid rows, this one keeps the padded batch and takes the lengths as data. Per layer, all
+directions at once:
+
+* the input projection of every (t, b) for every direction is one GEMM, x (T*B, F) @ W_ih^T
+  (F, D*G), before the time loop; its gradients dX and dW_ih are one GEMM each after the backward
+  loop (the gradient rows of padding positions are zero);
+* per step s: one batched recurrent GEMM (D, B, P) @ (D, P, G) and one Triton kernel
+  (:mod:`fastlayers._triton.lstm` / ``gru``) that runs, for each (direction, sequence), time
+  t = s (forward) or len_b - 1 - s (reverse) while s < len_b, and otherwise leaves the state as
+  it is and writes zeros at time s; with a projection, one more GEMM and kernel;
+* the backward runs the step kernels and the recurrent GEMM in reverse; dW_hh (dW_hr) is one GEMM
+  after the loop, the LayerNorm and peephole parameter gradients are sums over the per-row
+  products the kernels wrote (deterministic: no atomics).
+
+Nothing in the time loop depends on the lengths' values on the host, so the loop can be captured
+once in a CUDA graph and replayed for any lengths (:mod:`._graphs`). The GEMMs are torch's (cuBLAS)
+and follow torch's precision flags: float32 GEMMs use TF32 only where
+``torch.backends.cuda.matmul.allow_tf32`` allows it. Precision (:mod:`fastlayers._precision`):
+float32 and float64 run in their dtype; bfloat16 / float16, and float32 under
+``torch.autocast("cuda")``, take low-precision GEMM operands with float32 accumulation, and keep
+the cell state, gates and LayerNorm statistics in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .. import _precision
+from . import _graphs
+from ._engine import input_bias, recurrent_mask
+from ._options import CellOptions
+
+EPS = 1e-5
+
+
+def lstm_engine_gpu(input: Tensor, hx: tuple[Tensor, Tensor], layers: list[list[dict[str, Tensor]]],
+                    lengths: Tensor | None, options: CellOptions, *, dropout: float = 0.0, training: bool = False,
+                    masks: list[dict[str, Tensor]] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """As :func:`fastlayers.rnn._engine.lstm_engine` (same arguments, results and masks), on the
+    Triton backend (CUDA tensors; CPU tensors under Triton's interpreter)."""
+    return _engine("LSTM", input, hx, layers, lengths, options, dropout, training, masks)
+
+
+def gru_engine_gpu(input: Tensor, hx: tuple[Tensor], layers: list[list[dict[str, Tensor]]], lengths: Tensor | None,
+                   options: CellOptions, *, dropout: float = 0.0, training: bool = False,
+                   masks: list[dict[str, Tensor]] | None = None) -> tuple[Tensor, tuple[Tensor]]:
+    """As :func:`fastlayers.rnn._engine.gru_engine`, on the Triton backend."""
+    return _engine("GRU", input, hx, layers, lengths, options, dropout, training, masks)
+
+
+def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks):
+    steps, batch, _ = input.shape
+    dirs = len(layers[0])
+    gates = 4 if cell == "LSTM" else 3
+    hidden = layers[0][0]["weight_hh"].size(0) // gates
+    out_size = layers[0][0]["weight_hr"].size(0) if "weight_hr" in layers[0][0] else hidden
+    dev = input.device
+    # lengths (validated, CPU int64) are data of the kernels: all full needs no lengths at all
+    lens = None if lengths is None or bool((lengths == steps).all()) else lengths.to(dev, non_blocking=True)
+    z_h, z_c = options.zoneout
+    ln, peep = options.layer_norm, options.peephole
+    finals: list[list[Tensor]] = [[] for _ in hx]
+    x = input
+    if lens is not None:  # padding is never read: zeros there keep NaN / inf out of dW_ih = dpre^T x
+        x = input.masked_fill((torch.arange(steps, device=dev).unsqueeze(1) >= lens).unsqueeze(2), 0)
+    for li, dir_params in enumerate(layers):
+        stack = lambda name, use=True: torch.stack([p[name] for p in dir_params]) if use else None  # noqa: E731
+        has_bias, bias = input_bias(cell, dir_params, stack)
+        m = (masks[li] if masks is not None else None) or {}
+        rmask = recurrent_mask(m, options, training, (dirs, batch, out_size), x)
+        zmasks = []
+        for key, prob, width in (("zoneout_c", z_c if cell == "LSTM" else 0.0, hidden), ("zoneout_h", z_h, out_size)):
+            zm = m.get(key)  # (D, T, B, width), original time and batch order, as the kernels read it
+            if zm is None and training and prob > 0:
+                zm = torch.bernoulli(torch.full((dirs, steps, batch, width), prob, dtype=x.dtype, device=dev))
+            zmasks.append(zm)
+        k = slice(li * dirs, (li + 1) * dirs)
+        if cell == "LSTM":
+            consts = (options.cell_clip or 0.0, 0.0 if training else z_c, 0.0 if training else z_h,
+                      options.proj_clip or 0.0)
+            y, *last = LSTMLayer.apply(
+                x, stack("weight_ih"), stack("ln_ih_weight", ln), bias, hx[0][k], hx[1][k], stack("weight_hh"),
+                stack("ln_hh_weight", ln), stack("ln_cell_weight", ln), stack("ln_cell_bias", ln),
+                stack("weight_peephole", peep), stack("weight_hr", "weight_hr" in dir_params[0]),
+                rmask, zmasks[0], zmasks[1], lens, consts)
+        else:
+            y, *last = GRULayer.apply(x, stack("weight_ih"), stack("ln_ih_weight", ln), bias, hx[0][k],
+                                      stack("weight_hh"), stack("bias_hh", has_bias), stack("ln_hh_weight", ln), rmask,
+                                      zmasks[1], lens, (0.0 if training else z_h,))
+        x = y
+        if dropout > 0 and training and li < len(layers) - 1:
+            x = F.dropout(x, dropout, True)
+        for acc, s in zip(finals, last):
+            acc.append(s)
+    return x, tuple(torch.cat(f) for f in finals)
+
+
+def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if t is None else t.to(dtype).contiguous()
+
+
+def _in_dtypes(grads, dtypes) -> tuple[Tensor | None, ...]:
+    return tuple(g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes))
+
+
+def _project_input(mm: _precision.Products, x: Tensor, w_ih: Tensor, bias: Tensor | None) -> Tensor:
+    """x (T, B, F) @ W_ih^T for every direction, one GEMM: (T, B, D, G) in mm.acc, + bias if given."""
+    steps, batch, features = x.shape
+    dirs, gsize, _ = w_ih.shape
+    xp = mm.matmul(x.reshape(steps * batch, features), w_ih.reshape(dirs * gsize, features).t())
+    if bias is not None:
+        xp += bias.reshape(1, dirs * gsize).to(xp.dtype)
+    return xp.view(steps, batch, dirs, gsize)
+
+
+def _input_grads(mm, dpre: Tensor, x: Tensor, w_ih: Tensor, need_x: bool, need_w: bool):
+    """dX (T, B, F) and dW_ih (D, G, F) from dpre (T, B, D, G): one GEMM each."""
+    steps, batch, dirs, gsize = dpre.shape
+    flat = dpre.view(steps * batch, dirs * gsize)
+    d_x = mm.matmul(flat, w_ih.reshape(dirs * gsize, -1)).view(steps, batch, -1) if need_x else None
+    d_w = mm.matmul(flat.t(), x.reshape(steps * batch, -1)).view(dirs, gsize, -1) if need_w else None
+    return d_x, d_w
+
+
+def _outer(mm, a: Tensor, b: Tensor) -> Tensor:
+    """sum over (T, B) of a^T b per direction: a (D, T, B, X), b (D, T, B, Y) -> (D, X, Y)."""
+    dirs = a.size(0)
+    return mm.bmm(a.reshape(dirs, -1, a.size(-1)).transpose(1, 2), b.reshape(dirs, -1, b.size(-1)))
+
+
+def _rows_sum(t: Tensor | None) -> Tensor | None:
+    """Sum of per-row products (D, T, B, X) over the rows: (D, X)."""
+    return None if t is None else t.sum((1, 2))
+
+
+class LSTMLayer(torch.autograd.Function):
+    """One LSTM layer, all directions, padded layout with lengths as data.
+
+    Inputs: x (T, B, F); w_ih (D, G, F); gx (D, G) | None input LayerNorm gain; bias (D, G) | None
+    (b_ih + b_hh); h0 (D, B, P), c0 (D, B, H); w_hh (D, G, P); gh (D, G) | None; gc, bc (D, H) |
+    None; peep (D, 3H) | None (i, f, o); w_hr (D, P, H) | None; rmask (D, B, P) | None (scaled);
+    zc (D, T, B, H), zh (D, T, B, P) | None zoneout keep-masks in original order; lengths (B,) int64
+    on x's device | None (all T); consts (cell_clip or 0, z_c, z_h, proj_clip or 0). Returns
+    y (T, B, D*P) (zeros at padding), h_n (D, B, P), c_n (D, B, H).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, lengths, consts):
+        from .._triton import lstm as kernels
+
+        ctx.dtypes = [t.dtype if t is not None else None for t in (x, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep,
+                                                                    w_hr)]
+        mm = _precision.Products.of(x)  # read the autocast state before switching it off
+        with torch.autocast(x.device.type, enabled=False):
+            acc = mm.acc
+            steps, batch, _ = x.shape
+            dirs, gsize, _ = w_ih.shape
+            hidden, out_size = gsize // 4, h0.size(2)
+            _, zc_const, _, pclip = consts
+            ln, proj = gx is not None, w_hr is not None
+            gx, bias, gh, gc, bc, peep, rmask, zc, zh = (_as(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc,
+                                                                               zh))
+            xp = _project_input(mm, x, w_ih, None if ln else bias)  # with LayerNorm the kernel adds the bias
+            step = (dirs, steps, batch)
+            ins = dict(xp=xp, bias=bias, gx=gx, h=h0.to(acc, copy=True), c=c0.to(acc, copy=True),
+                       w_t=mm.operand(w_hh.transpose(1, 2)), w_hr_t=mm.operand(w_hr.transpose(1, 2)) if proj else None,
+                       gh=gh, gc=gc, bc=bc, peep=peep, rmask=rmask, zc=zc, zh=zh, lengths=lengths,
+                       numbers=kernels.scalars(consts, EPS, xp))
+            outs = dict(
+                gates=(*step, gsize), c1=(*step, hidden), hd=(*step, out_size),
+                chist=(*step, hidden) if zc is not None or zc_const else None,
+                xstat=(*step, 2) if ln else None, rhat=(*step, gsize) if ln else None, rrstd=step if ln else None,
+                cstat=(*step, 2) if ln else None, y1=(*step, hidden) if proj else None,
+                keep=(*step, out_size) if proj and pclip else None, y=(steps, batch, dirs, out_size),
+                r=(dirs, batch, gsize), hp=(dirs, batch, out_size) if proj else None)
+            st, ctx.release = _graphs.run(ctx, ("LSTM", "forward", consts, mm.low), ins, outs,
+                                          lambda st: _lstm_forward_loop(kernels, mm, st, consts))
+        ctx.save_for_backward(x, w_ih, gx, st["xp"] if ln else None, c0.to(acc), w_hh, gh, gc, bc, peep, w_hr,
+                              st["rmask"], st["zc"], st["zh"], st["lengths"], *(st[k] for k in _LSTM_SAVED))
+        ctx.mm, ctx.consts, ctx.numbers, ctx.has_bias = mm, consts, st["numbers"], bias is not None
+        # the state and output are copies (a captured graph's replay writes the same memory next time)
+        return (st["y"].view(steps, batch, dirs * out_size).to(mm.low, copy=True), st["h"].to(mm.low, copy=True),
+                st["c"].to(mm.low, copy=True))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dh_n, dc_n):
+        from .._triton import lstm as kernels
+
+        x, w_ih, gx, xp, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, lengths, *saved = ctx.saved_tensors
+        buf = dict(zip(_LSTM_SAVED, saved))
+        mm, need = ctx.mm, ctx.needs_input_grad
+        dirs, steps, batch, gsize = buf["gates"].shape
+        hidden, out_size = gsize // 4, buf["hd"].size(3)
+        ln, proj = gx is not None, w_hr is not None
+        like = buf["gates"]
+        acc = like.dtype
+        with torch.autocast(like.device.type, enabled=False):
+            dy = (dy.to(acc).contiguous() if dy is not None else like.new_zeros(steps, batch, dirs * out_size)
+                  ).view(steps, batch, dirs, out_size)
+            dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else like.new_zeros(dirs, batch, out_size)
+            dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else like.new_zeros(dirs, batch, hidden)
+            step = (dirs, steps, batch)
+            ins = dict(dy=dy, dh=dh, dc=dc, lengths=lengths, rmask=rmask, zh=zh, zc=zc, c0=c0, xp=xp, gx=gx, gh=gh,
+                       gc=gc, bc=bc, peep=peep, numbers=ctx.numbers, w_hh=mm.operand(w_hh),
+                       w_hr=mm.operand(w_hr) if proj else None, **buf)
+            outs = dict(
+                dpre=(steps, batch, dirs, gsize), dr=(*step, gsize),
+                pgx=(*step, gsize) if ln and need[2] else None, pb=(*step, gsize) if ln and ctx.has_bias and need[3]
+                else None, pgh=(*step, gsize) if ln and need[7] else None,
+                pgc=(*step, hidden) if ln and (need[8] or need[9]) else None,
+                pbc=(*step, hidden) if ln and (need[8] or need[9]) else None,
+                ppeep=(*step, 3 * hidden) if peep is not None and need[10] else None,
+                dhp=(*step, out_size) if proj else None, g=(dirs, batch, out_size),
+                dy1=(dirs, batch, hidden) if proj else None, dhk=(dirs, batch, hidden) if proj else None)
+            grads, release = _graphs.run(None, ("LSTM", "backward", ctx.consts, mm.low, tuple(need)), ins, outs,
+                                         lambda st: _lstm_backward_loop(kernels, mm, st, ctx.consts))
+            dh, dc = grads["dh"].clone(), grads["dc"].clone()
+            d_x, d_w_ih = _input_grads(mm, grads["dpre"], x, w_ih, need[0], need[1])
+            d_bias = None
+            if ctx.has_bias and need[3]:
+                d_bias = _rows_sum(grads["pb"]) if ln else grads["dpre"].sum((0, 1))
+            d_w_hh = _outer(mm, grads["dr"], buf["hd"]) if need[6] else None
+            d_w_hr = _outer(mm, grads["dhp"], buf["y1"]) if proj and need[11] else None
+            out = (d_x, d_w_ih, _rows_sum(grads["pgx"]), d_bias, dh if need[4] else None, dc if need[5] else None,
+                   d_w_hh, _rows_sum(grads["pgh"]), _rows_sum(grads["pgc"]) if need[8] else None,
+                   _rows_sum(grads["pbc"]) if need[9] else None, _rows_sum(grads["ppeep"]), d_w_hr)
+        release()
+        _graphs.backward_done(ctx)
+        return (*_in_dtypes(out, ctx.dtypes), None, None, None, None, None)
+
+
+_LSTM_SAVED = ("gates", "c1", "hd", "chist", "xstat", "rhat", "rrstd", "cstat", "y1", "keep")
+
+
+def _lstm_backward_loop(kernels, mm, st: dict, consts) -> None:
+    """The backward time loop on the tensors of ``st`` only; leaves dh, dc as the gradients of h_0, c_0."""
+    proj, lengths, dh, rmask = st["w_hr"] is not None, st["lengths"], st["dh"], st["rmask"]
+    steps = st["gates"].size(1)
+    if proj:
+        st["dhk"].zero_()
+    g = None
+    for s in range(steps - 1, -1, -1):
+        if proj:  # back through the projection first; the kernel's own h gradient stays 0
+            kernels.project_backward(s, lengths, st["dy"], dh, g, rmask, st["zh"], st["keep"], st["dhp"],
+                                     st["numbers"])
+            mm.bmm_prepared(st["dhp"][:, s], st["w_hr"], out=st["dy1"])
+            kernels.step_backward(s, lengths, st["dy1"], st["dhk"], st["dc"], None, None, st["c0"], st["xp"],
+                                  st["gx"], st["gh"], st["gc"], st["bc"], st["peep"], st["zc"], None, st, st, consts,
+                                  st["numbers"], steps)
+        else:
+            kernels.step_backward(s, lengths, st["dy"], dh, st["dc"], g, rmask, st["c0"], st["xp"], st["gx"],
+                                  st["gh"], st["gc"], st["bc"], st["peep"], st["zc"], st["zh"], st, st, consts,
+                                  st["numbers"], steps)
+        g = mm.bmm_prepared(st["dr"][:, s], st["w_hh"], out=st["g"])
+    dh += g * rmask if rmask is not None else g
+
+
+def _lstm_forward_loop(kernels, mm, st: dict, consts) -> None:
+    """The forward time loop on the tensors of ``st`` only (so that it can be captured and replayed)."""
+    proj, hd, lengths = st["w_hr_t"] is not None, st["hd"], st["lengths"]
+    hd[:, 0] = st["h"] * st["rmask"] if st["rmask"] is not None else st["h"]
+    for s in range(hd.size(1)):
+        mm.bmm_prepared(hd[:, s], st["w_t"], out=st["r"])
+        kernels.step_forward(s, lengths, st["xp"], st["bias"], st["gx"], st["r"], None if proj else st["h"], st["c"],
+                             None if proj else st["rmask"], st["gh"], st["gc"], st["bc"], st["peep"], st["zc"],
+                             None if proj else st["zh"], None if proj else st["y"], None if proj else hd, st, consts,
+                             st["numbers"])
+        if proj:
+            mm.bmm_prepared(st["y1"][:, s], st["w_hr_t"], out=st["hp"])
+            kernels.project(s, lengths, st["hp"], st["h"], st["rmask"], st["zh"], st["keep"], st["y"], hd,
+                            st["numbers"])
+
+
+class GRULayer(torch.autograd.Function):
+    """One GRU layer, all directions, padded layout with lengths as data.
+
+    Inputs: x (T, B, F); w_ih (D, G, F); gx (D, G) | None; b_ih (D, G) | None; h0 (D, B, H); w_hh
+    (D, G, H); b_hh (D, G) | None; gh (D, G) | None; rmask (D, B, H) | None; zh (D, T, B, H) |
+    None; lengths (B,) | None; consts (z_h,). Returns y (T, B, D*H), h_n (D, B, H).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, lengths, consts):
+        from .._triton import gru as kernels
+
+        ctx.dtypes = [t.dtype if t is not None else None for t in (x, w_ih, gx, b_ih, h0, w_hh, b_hh, gh)]
+        mm = _precision.Products.of(x)
+        with torch.autocast(x.device.type, enabled=False):
+            acc = mm.acc
+            steps, batch, _ = x.shape
+            dirs, gsize, _ = w_ih.shape
+            hidden = gsize // 3
+            ln = gx is not None
+            gx, b_ih, b_hh, gh, rmask, zh = (_as(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
+            xp = _project_input(mm, x, w_ih, None if ln else b_ih)
+            step = (dirs, steps, batch)
+            ins = dict(xp=xp, b_ih=b_ih, gx=gx, h=h0.to(acc, copy=True), w_t=mm.operand(w_hh.transpose(1, 2)),
+                       b_hh=b_hh, gh=gh, rmask=rmask, zh=zh, lengths=lengths,
+                       numbers=kernels.scalars(consts[0], EPS, xp))
+            outs = dict(gates=(*step, gsize), hbn=(*step, hidden), hist=(*step, hidden), hd=(*step, hidden),
+                        xstat=(*step, 2) if ln else None, rhat=(*step, gsize) if ln else None,
+                        rrstd=step if ln else None, y=(steps, batch, dirs, hidden), r=(dirs, batch, gsize))
+            st, ctx.release = _graphs.run(ctx, ("GRU", "forward", mm.low), ins, outs,
+                                          lambda st: _gru_forward_loop(kernels, mm, st))
+        ctx.save_for_backward(x, w_ih, gx, st["xp"] if ln else None, w_hh, gh, st["rmask"], st["zh"], st["lengths"],
+                              *(st[k] for k in _GRU_SAVED))
+        ctx.mm, ctx.numbers, ctx.has_bias = mm, st["numbers"], (b_ih is not None, b_hh is not None)
+        return st["y"].view(steps, batch, dirs * hidden).to(mm.low, copy=True), st["h"].to(mm.low, copy=True)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dh_n):
+        from .._triton import gru as kernels
+
+        x, w_ih, gx, xp, w_hh, gh, rmask, zh, lengths, *saved = ctx.saved_tensors
+        buf = dict(zip(_GRU_SAVED, saved))
+        mm, need = ctx.mm, ctx.needs_input_grad
+        dirs, steps, batch, gsize = buf["gates"].shape
+        hidden = gsize // 3
+        ln = gx is not None
+        like = buf["gates"]
+        acc = like.dtype
+        with torch.autocast(like.device.type, enabled=False):
+            dy = (dy.to(acc).contiguous() if dy is not None else like.new_zeros(steps, batch, dirs * hidden)
+                  ).view(steps, batch, dirs, hidden)
+            dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else like.new_zeros(dirs, batch, hidden)
+            step = (dirs, steps, batch, gsize)
+            ins = dict(dy=dy, dh=dh, lengths=lengths, rmask=rmask, zh=zh, xp=xp, gx=gx, gh=gh, numbers=ctx.numbers,
+                       w_hh=mm.operand(w_hh), **buf)
+            outs = dict(dpre=(steps, batch, dirs, gsize), dr=step,
+                        dhb=step if ln and ctx.has_bias[1] and need[6] else None,
+                        pgx=step if ln and need[2] else None,
+                        pb=step if ln and ctx.has_bias[0] and need[3] else None,
+                        pgh=step if ln and need[7] else None, g=(dirs, batch, hidden))
+            grads, release = _graphs.run(None, ("GRU", "backward", mm.low, tuple(need)), ins, outs,
+                                         lambda st: _gru_backward_loop(kernels, mm, st))
+            dh = grads["dh"].clone()
+            d_x, d_w_ih = _input_grads(mm, grads["dpre"], x, w_ih, need[0], need[1])
+            d_b_ih = (_rows_sum(grads["pb"]) if ln else grads["dpre"].sum((0, 1))) if ctx.has_bias[0] and need[3] \
+                else None
+            d_w_hh = _outer(mm, grads["dr"], buf["hd"]) if need[5] else None
+            d_b_hh = (_rows_sum(grads["dhb"]) if ln else _rows_sum(grads["dr"])) if ctx.has_bias[1] and need[6] \
+                else None
+            out = (d_x, d_w_ih, _rows_sum(grads["pgx"]), d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh,
+                   _rows_sum(grads["pgh"]))
+        release()
+        _graphs.backward_done(ctx)
+        return (*_in_dtypes(out, ctx.dtypes), None, None, None, None)
+
+
+_GRU_SAVED = ("gates", "hbn", "hist", "hd", "xstat", "rhat", "rrstd")
+
+
+def _gru_forward_loop(kernels, mm, st: dict) -> None:
+    hd, rmask = st["hd"], st["rmask"]
+    hd[:, 0] = st["h"] * rmask if rmask is not None else st["h"]
+    for s in range(hd.size(1)):
+        mm.bmm_prepared(hd[:, s], st["w_t"], out=st["r"])
+        kernels.step_forward(s, st["lengths"], st["xp"], st["b_ih"], st["gx"], st["r"], st["h"], rmask, st["b_hh"],
+                             st["gh"], st["zh"], st["y"], hd, st, st["numbers"])
+
+
+def _gru_backward_loop(kernels, mm, st: dict) -> None:
+    dh, rmask = st["dh"], st["rmask"]
+    g = None
+    for s in range(st["gates"].size(1) - 1, -1, -1):
+        kernels.step_backward(s, st["lengths"], st["dy"], dh, g, rmask, st["xp"], st["gx"], st["gh"], st["zh"], st, st,
+                              st["numbers"])
+        g = mm.bmm_prepared(st["dr"][:, s], st["w_hh"], out=st["g"])
+    dh += g * rmask if rmask is not None else g

@@ -1,0 +1,242 @@
+"""The recurrent engine's Triton path (fastlayers.rnn._engine_gpu, kernels in fastlayers._triton.lstm /
+gru) on CPU tensors through Triton's interpreter: values, final states and every gradient against
+the float64 per-step reference (every cell option, training masks passed in, eval-mode zoneout,
+unsorted lengths with a length-1 sequence, hx, both directions, 2 layers, projection), torch.nn
+equality with the options off, and the modules as constructed with the backend forced."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fastlayers  # noqa: E402
+from fastlayers.rnn._engine_gpu import gru_engine_gpu, lstm_engine_gpu  # noqa: E402
+from fastlayers.rnn._engine_reference import gru_reference, lstm_reference  # noqa: E402
+from fastlayers.rnn._options import CellOptions  # noqa: E402
+
+from rnn_helpers import assert_close_all, make_hx, make_pair, run_and_grad, torch_packed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="no GPU and Triton's interpreter is off")
+
+T, B, F, H, D, L = 5, 3, 4, 5, 2, 2
+LENGTHS = torch.tensor([3, 5, 1])  # unsorted, one sequence of length 1
+ENGINES = {"LSTM": (lstm_engine_gpu, lstm_reference), "GRU": (gru_engine_gpu, gru_reference)}
+
+
+def _parameters(cell, opts, proj, layers=L, dirs=D, bias=True, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.3, shift=0.0):
+        return shift + scale * torch.randn(*shape, generator=g, dtype=dtype)
+
+    gsize = (4 if cell == "LSTM" else 3) * H
+    out = proj or H
+    result = []
+    for li in range(layers):
+        per_dir = []
+        for _ in range(dirs):
+            p = {"weight_ih": rand(gsize, F if li == 0 else dirs * out), "weight_hh": rand(gsize, out)}
+            if bias:
+                p.update(bias_ih=rand(gsize, scale=0.1), bias_hh=rand(gsize, scale=0.1))
+            if opts.layer_norm:
+                p.update(ln_ih_weight=rand(gsize, scale=0.1, shift=1.0), ln_hh_weight=rand(gsize, scale=0.1, shift=1.0))
+                if cell == "LSTM":
+                    p.update(ln_cell_weight=rand(H, scale=0.1, shift=1.0), ln_cell_bias=rand(H, scale=0.1))
+            if opts.peephole:
+                p["weight_peephole"] = rand(3 * H, scale=0.2)
+            if proj:
+                p["weight_hr"] = rand(proj, H)
+            per_dir.append(p)
+        result.append(per_dir)
+    return result
+
+
+def _masks(cell, proj, layers=L, dirs=D, dtype=torch.float64):
+    g = torch.Generator().manual_seed(3)
+    out = proj or H
+    keep = lambda *shape, p: torch.bernoulli(torch.full(shape, p, dtype=dtype), generator=g)  # noqa: E731
+    masks = []
+    for _ in range(layers):
+        m = {"recurrent": keep(dirs, B, out, p=0.7) / 0.7, "zoneout_h": keep(dirs, T, B, out, p=0.3)}
+        if cell == "LSTM":
+            m["zoneout_c"] = keep(dirs, T, B, H, p=0.4)
+        masks.append(m)
+    return masks
+
+
+def _run(fn, x, hx, layers, lengths, opts, training=False, masks=None, needs=None):
+    """Outputs and gradients of a random linear function of (y, final states)."""
+    x = x.clone().requires_grad_(needs is None or needs[0])
+    hx = tuple(h.clone().requires_grad_(needs is None) for h in hx)
+    layers = [[{k: v.clone().requires_grad_(needs is None or needs[1]) for k, v in p.items()} for p in d]
+              for d in layers]
+    y, final = fn(x, hx, layers, lengths, opts, training=training, masks=masks)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in (y, *final))
+    loss.backward()
+    leaves = [x, *hx, *(p[k] for d in layers for p in d for k in sorted(p))]
+    return [y.detach(), *(f.detach() for f in final)], [t.grad for t in leaves]
+
+
+def _inputs(cell, proj, dtype=torch.float64, layers=L, dirs=D):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, B, F, generator=g, dtype=dtype)
+    hx = (torch.randn(layers * dirs, B, proj or H, generator=g, dtype=dtype),)
+    if cell == "LSTM":
+        hx += (torch.randn(layers * dirs, B, H, generator=g, dtype=dtype),)
+    return x, hx
+
+
+def _assert_same(got, want, tol):
+    (outs, grads), (ref_outs, ref_grads) = got, want
+    for a, b in zip(outs + grads, ref_outs + ref_grads, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert a is not None
+        torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol)
+
+
+CASES = [  # (cell, options, proj_size, training with masks)
+    ("LSTM", CellOptions(), None, False),
+    ("LSTM", CellOptions.make(layer_norm=True, peephole=True, cell_clip=0.5), None, False),
+    ("LSTM", CellOptions.make(zoneout=(0.2, 0.3), recurrent_dropout=0.3, proj_clip=0.3), 3, True),
+    ("LSTM", CellOptions.make(layer_norm=True, peephole=True, zoneout=(0.1, 0.2)), 3, False),  # eval zoneout
+    ("LSTM", CellOptions.make(layer_norm=True, cell_clip=0.4, zoneout=(0.2, 0.3), recurrent_dropout=0.2), None, True),
+    ("GRU", CellOptions(), None, False),
+    ("GRU", CellOptions.make(layer_norm=True, zoneout=(0.2, 0.0), recurrent_dropout=0.2), None, True),
+    ("GRU", CellOptions.make(layer_norm=True, zoneout=(0.3, 0.0)), None, False),
+]
+
+
+@pytest.mark.parametrize("cell, opts, proj, training", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_engine_matches_the_float64_reference(cell, opts, proj, training):
+    engine, reference = ENGINES[cell]
+    layers = _parameters(cell, opts, proj)
+    x, hx = _inputs(cell, proj)
+    masks = _masks(cell, proj) if training else None
+    want = _run(reference, x, hx, layers, LENGTHS, opts, training, masks)
+    got = _run(engine, x, hx, layers, LENGTHS, opts, training, masks)
+    _assert_same(got, want, 1e-10)
+    y = got[0][0]
+    assert torch.equal(y[3:, 0], torch.zeros_like(y[3:, 0])) and torch.equal(y[1:, 2], torch.zeros_like(y[1:, 2]))
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_float32_engine_matches_the_float64_reference(cell):
+    opts = CellOptions.make(layer_norm=True, peephole=cell == "LSTM", zoneout=(0.1, 0.1))
+    engine, reference = ENGINES[cell]
+    layers = _parameters(cell, opts, None)
+    x, hx = _inputs(cell, None)
+    want = _run(reference, x, hx, layers, LENGTHS, opts)
+    f32 = [[{k: v.float() for k, v in p.items()} for p in d] for d in layers]
+    got = _run(engine, x.float(), tuple(h.float() for h in hx), f32, LENGTHS, opts)
+    assert got[0][0].dtype == torch.float32 and got[1][0].dtype == torch.float32
+    _assert_same(got, want, 2e-5)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_one_direction_no_bias_no_lengths(cell):
+    opts = CellOptions.make(layer_norm=True)
+    engine, reference = ENGINES[cell]
+    layers = _parameters(cell, opts, None, layers=1, dirs=1, bias=False)
+    x, hx = _inputs(cell, None, layers=1, dirs=1)
+    _assert_same(_run(engine, x, hx, layers, None, opts), _run(reference, x, hx, layers, None, opts), 1e-10)
+
+
+@pytest.mark.parametrize("needs", [(True, False), (False, True)], ids=["input-only", "parameters-only"])
+def test_gradient_subsets(needs):
+    opts = CellOptions.make(layer_norm=True, peephole=True)
+    layers = _parameters("LSTM", opts, 3)
+    x, hx = _inputs("LSTM", 3)
+    got = _run(lstm_engine_gpu, x, hx, layers, LENGTHS, opts, needs=needs)
+    want = _run(lstm_reference, x, hx, layers, LENGTHS, opts)
+    for a, b in zip(got[1], want[1], strict=True):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    assert (got[1][0] is not None) == needs[0] and (got[1][-1] is not None) == needs[1]
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "LSTM-proj", "GRU"])
+def test_options_off_equal_torch_nn_with_lengths(mode):
+    torch.manual_seed(0)
+    ours, ref = make_pair(mode, F, H, dtype=torch.float64, num_layers=2, bidirectional=True)
+    x = torch.randn(T, B, F, dtype=torch.float64)
+    hx = make_hx(ref, B, dtype=torch.float64)
+    engine = lstm_engine_gpu if mode.startswith("LSTM") else gru_engine_gpu
+    states = hx if isinstance(hx, tuple) else (hx,)
+
+    def fastlayers_engine(x, h):
+        out, final = engine(x, h if isinstance(h, tuple) else (h,), ours._layer_parameters(), LENGTHS, ours.options)
+        return out, (final if len(final) == 2 else final[0])
+
+    got = run_and_grad(fastlayers_engine, ours, x, states if len(states) == 2 else states[0])
+    want = run_and_grad(lambda x, h: torch_packed(ref, x, h, LENGTHS), ref, x, hx)
+    assert_close_all(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("cls, kwargs", [
+    (fastlayers.LSTM, dict(layer_norm=True, peephole=True, cell_clip=1.0, batch_first=True, bidirectional=True)),
+    (fastlayers.LSTM, dict(layer_norm=True, proj_size=3, num_layers=2, zoneout=0.1)),
+    (fastlayers.GRU, dict(layer_norm=True, batch_first=True, bidirectional=True, num_layers=2)),
+], ids=["lstm-ln-peephole-bf", "lstm-proj-2layer", "gru-ln-bi"])
+def test_module_as_constructed_forced_triton_equals_reference(cls, kwargs):
+    torch.manual_seed(0)
+    module = cls(F, H, **kwargs).double().eval()
+    shape = (B, T, F) if kwargs.get("batch_first") else (T, B, F)
+    x = torch.randn(*shape, dtype=torch.float64)
+    with fastlayers.backend("triton"):
+        got = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
+        assert type(module(x, lengths=LENGTHS)[0].grad_fn).__name__ != "NoneType"
+    with fastlayers.backend("reference"):
+        want = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
+    assert_close_all(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_module_forced_triton_runs_the_triton_layer():
+    module = fastlayers.LSTM(F, H, layer_norm=True).double()
+    x = torch.randn(T, B, F, dtype=torch.float64)
+    with fastlayers.backend("triton"):
+        out, _ = module(x, lengths=LENGTHS)
+    assert type(out.grad_fn).__name__ == "LSTMLayerBackward"
+
+
+def test_plain_module_with_lengths_stays_on_torch_when_triton_is_forced():
+    ours, ref = make_pair("LSTM", F, H, dtype=torch.float64)
+    x = torch.randn(T, B, F, dtype=torch.float64)
+    with fastlayers.backend("triton"):
+        out, _ = ours(x, lengths=LENGTHS)
+    torch.testing.assert_close(out, torch_packed(ref, x, None, LENGTHS)[0], atol=1e-12, rtol=1e-12)
+    assert type(out.grad_fn).__name__ != "LSTMLayerBackward"
+
+
+def test_dropout_between_layers_is_drawn_from_the_seed():
+    """dropout between layers in training: F.dropout of the layer output (the global generator)."""
+    module = fastlayers.GRU(F, H, num_layers=2, dropout=0.5, layer_norm=True).double().train()
+    x = torch.randn(T, B, F, dtype=torch.float64)
+    with fastlayers.backend("triton"):
+        torch.manual_seed(5)
+        a, _ = module(x, lengths=LENGTHS)
+        torch.manual_seed(5)
+        b, _ = module(x, lengths=LENGTHS)
+        c, _ = module.eval()(x, lengths=LENGTHS)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert not torch.allclose(a, c)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_values_at_padded_steps_are_never_read(cell):
+    opts = CellOptions.make(layer_norm=True)
+    engine, reference = ENGINES[cell]
+    layers = _parameters(cell, opts, None)
+    x, hx = _inputs(cell, None)
+    padded = torch.arange(T).unsqueeze(1) >= LENGTHS
+    want = _run(reference, x.masked_fill(padded.unsqueeze(2), 0), hx, layers, LENGTHS, opts)
+    got = _run(engine, x.masked_fill(padded.unsqueeze(2), float("nan")), hx, layers, LENGTHS, opts)
+    _assert_same(got, want, 1e-10)
