@@ -31,15 +31,18 @@ def tanh(v):
 
 
 @triton.jit
-def row_time(s, b, d, T, lengths, HAS_LENGTHS: tl.constexpr):
-    """(active, t): whether step s of direction d runs for sequence b, and the time it reads
-    (s for a row that is not active: its padding position)."""
+def locate(s, T, B, lengths, HAS_LENGTHS: tl.constexpr):
+    """The row of this program (one per (direction d, sequence b)) at step s: (d, b, active, t,
+    step, state): whether step s runs for it, the time it reads (s for a row that is not active:
+    its padding position), its row in the step layout and in the state."""
+    pid = tl.program_id(0).to(tl.int64)
+    d, b = pid // B, pid % B
     length = T
     if HAS_LENGTHS:
         length = tl.load(lengths + b)
     active = s < length
     t = tl.where(d == 0, s, length - 1 - s)
-    return active, tl.where(active, t, s)
+    return d, b, active, tl.where(active, t, s), (d * T + s) * B + b, d * B + b
 
 
 @triton.jit
@@ -83,6 +86,58 @@ def norm_backward_terms(g0, g1, g2, g3, x0, x1, x2, x3, km, n, BLOCKS: tl.conste
         s += tl.sum(tl.where(km, g3, 0.0), axis=0)
         p += tl.sum(tl.where(km, g3 * x3, 0.0), axis=0)
     return s / n, p / n
+
+
+@triton.jit
+def load_blocks(ptr, H, k, mask, acc_t: tl.constexpr, BLOCKS: tl.constexpr):
+    """The first BLOCKS (3 or 4) gate blocks of a row at ptr (block j at ptr + j * H) in acc_t; with
+    three, the fourth value returned is the third again."""
+    v0 = tl.load(ptr + k, mask=mask, other=0.0).to(acc_t)
+    v1 = tl.load(ptr + H + k, mask=mask, other=0.0).to(acc_t)
+    v2 = tl.load(ptr + 2 * H + k, mask=mask, other=0.0).to(acc_t)
+    v3 = v2
+    if BLOCKS > 3:
+        v3 = tl.load(ptr + 3 * H + k, mask=mask, other=0.0).to(acc_t)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def input_norm(x0, x1, x2, x3, gain, bias, xstat, step, H, k, km, eps, acc_t: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BLOCKS: tl.constexpr):
+    """gain * x-hat (+ bias) over the gate blocks of the input projection, x-hat = (x - mean) * rstd
+    over all of them; (mean, rstd) stored at xstat[step]."""
+    mx, sx = norm_stats(x0, x1, x2, x3, km, BLOCKS * H, eps, BLOCKS)
+    tl.store(xstat + 2 * step, mx)
+    tl.store(xstat + 2 * step + 1, sx)
+    g0, g1, g2, g3 = load_blocks(gain, H, k, km, acc_t, BLOCKS)
+    x0, x1, x2, x3 = g0 * ((x0 - mx) * sx), g1 * ((x1 - mx) * sx), g2 * ((x2 - mx) * sx), g3 * ((x3 - mx) * sx)
+    if HAS_BIAS:
+        b0, b1, b2, b3 = load_blocks(bias, H, k, km, acc_t, BLOCKS)
+        x0, x1, x2, x3 = x0 + b0, x1 + b1, x2 + b2, x3 + b3
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def recurrent_norm(r0, r1, r2, r3, gain, rhat, rrstd, step, H, k, km, eps, acc_t: tl.constexpr,
+                   BLOCKS: tl.constexpr):
+    """gain * r-hat over the gate blocks of the recurrent product; r-hat and rstd stored at step."""
+    mr, sr = norm_stats(r0, r1, r2, r3, km, BLOCKS * H, eps, BLOCKS)
+    tl.store(rrstd + step, sr)
+    r0, r1, r2, r3 = (r0 - mr) * sr, (r1 - mr) * sr, (r2 - mr) * sr, (r3 - mr) * sr
+    store_blocks(rhat + step * BLOCKS * H, H, k, km, r0, r1, r2, r3, BLOCKS)
+    g0, g1, g2, g3 = load_blocks(gain, H, k, km, acc_t, BLOCKS)
+    return r0 * g0, r1 * g1, r2 * g2, r3 * g3
+
+
+@triton.jit
+def norm_backward(e0, e1, e2, e3, gain, q0, q1, q2, q3, rstd, H, k, km, acc_t: tl.constexpr, BLOCKS: tl.constexpr):
+    """Back through gain * v-hat, v-hat = q = (v - mean) * rstd over the blocks: the gradient of v
+    from the gradient e of the output."""
+    g0, g1, g2, g3 = load_blocks(gain, H, k, km, acc_t, BLOCKS)
+    a0, a1, a2, a3 = e0 * g0, e1 * g1, e2 * g2, e3 * g3
+    m1, m2 = norm_backward_terms(a0, a1, a2, a3, q0, q1, q2, q3, km, BLOCKS * H, BLOCKS)
+    return (rstd * (a0 - m1 - q0 * m2), rstd * (a1 - m1 - q1 * m2), rstd * (a2 - m1 - q2 * m2),
+            rstd * (a3 - m1 - q3 * m2))
 
 
 @triton.jit

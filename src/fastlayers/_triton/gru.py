@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._cell import (block, carried, finish_h, norm_backward_terms, norm_stats, present_or, row_time, sigmoid,
-                    store_blocks, tanh)
+from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, present_or,
+                    recurrent_norm, sigmoid, store_blocks, tanh)
 
 
 @triton.jit
@@ -26,47 +26,20 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, b_ih, gx, r, h, rmask, b_hh, gh,
                     HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, HAS_BIH: tl.constexpr, HAS_BHH: tl.constexpr,
                     ZH_MASK: tl.constexpr, RMASK: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    pid = tl.program_id(0).to(tl.int64)
-    d, b = pid // B, pid % B
-    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
     zh_const, eps = tl.load(scalars).to(acc_t), tl.load(scalars + 1).to(acc_t)  # exact in float64
     G = 3 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
-    step = (d * T + s) * B + b
-    state = d * B + b
-    xrow = xp + ((t * B + b) * D + d) * G
-    x0 = tl.load(xrow + k, mask=km & active, other=0.0).to(acc_t)
-    x1 = tl.load(xrow + H + k, mask=km & active, other=0.0).to(acc_t)
-    x2 = tl.load(xrow + 2 * H + k, mask=km & active, other=0.0).to(acc_t)
-    rrow = r + state * G
-    r0 = tl.load(rrow + k, mask=km, other=0.0).to(acc_t)
-    r1 = tl.load(rrow + H + k, mask=km, other=0.0).to(acc_t)
-    r2 = tl.load(rrow + 2 * H + k, mask=km, other=0.0).to(acc_t)
+    x0, x1, x2, _ = load_blocks(xp + ((t * B + b) * D + d) * G, H, k, km & active, acc_t, 3)
+    r0, r1, r2, _ = load_blocks(r + state * G, H, k, km, acc_t, 3)
     if LN:
-        mx, sx = norm_stats(x0, x1, x2, x2, km, G, eps, 3)
-        tl.store(xstat + 2 * step, mx)
-        tl.store(xstat + 2 * step + 1, sx)
-        gxd = gx + d * G
-        x0 = tl.load(gxd + k, mask=km, other=0.0) * ((x0 - mx) * sx)
-        x1 = tl.load(gxd + H + k, mask=km, other=0.0) * ((x1 - mx) * sx)
-        x2 = tl.load(gxd + 2 * H + k, mask=km, other=0.0) * ((x2 - mx) * sx)
-        if HAS_BIH:
-            x0 += tl.load(b_ih + d * G + k, mask=km, other=0.0)
-            x1 += tl.load(b_ih + d * G + H + k, mask=km, other=0.0)
-            x2 += tl.load(b_ih + d * G + 2 * H + k, mask=km, other=0.0)
-        mr, sr = norm_stats(r0, r1, r2, r2, km, G, eps, 3)
-        tl.store(rrstd + step, sr)
-        r0, r1, r2 = (r0 - mr) * sr, (r1 - mr) * sr, (r2 - mr) * sr
-        store_blocks(rhat + step * G, H, k, km, r0, r1, r2, r2, 3)
-        ghd = gh + d * G
-        r0 = r0 * tl.load(ghd + k, mask=km, other=0.0)
-        r1 = r1 * tl.load(ghd + H + k, mask=km, other=0.0)
-        r2 = r2 * tl.load(ghd + 2 * H + k, mask=km, other=0.0)
+        x0, x1, x2, _ = input_norm(x0, x1, x2, x2, gx + d * G, b_ih + d * G, xstat, step, H, k, km, eps, acc_t,
+                                   HAS_BIH, 3)
+        r0, r1, r2, _ = recurrent_norm(r0, r1, r2, r2, gh + d * G, rhat, rrstd, step, H, k, km, eps, acc_t, 3)
     if HAS_BHH:
-        r0 += tl.load(b_hh + d * G + k, mask=km, other=0.0)
-        r1 += tl.load(b_hh + d * G + H + k, mask=km, other=0.0)
-        r2 += tl.load(b_hh + d * G + 2 * H + k, mask=km, other=0.0)
+        b0, b1, b2, _ = load_blocks(b_hh + d * G, H, k, km, acc_t, 3)
+        r0, r1, r2 = r0 + b0, r1 + b1, r2 + b2
     rg = sigmoid(x0 + r0)
     zg = sigmoid(x1 + r1)
     ng = tanh(x2 + rg * r2)
@@ -85,15 +58,11 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, g, rmask, gates, hbn, hist,
                      RMASK: tl.constexpr, NEED_HB: tl.constexpr, NEED_GX: tl.constexpr, NEED_B: tl.constexpr,
                      NEED_GH: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    pid = tl.program_id(0).to(tl.int64)
-    d, b = pid // B, pid % B
-    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
     zh_const, eps = tl.load(scalars).to(acc_t), tl.load(scalars + 1).to(acc_t)  # exact in float64
     G = 3 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
-    step = (d * T + s) * B + b
-    state = d * B + b
     dhv = carried(dh, g, rmask, state, H, k, km, HAS_G, RMASK, acc_t)
     dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=km & active, other=0.0).to(acc_t)
     kh = zh_const
@@ -116,30 +85,18 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, g, rmask, gates, hbn, hist,
     if LN:
         if NEED_HB:
             store_blocks(dhb + step * G, H, k, km, drg, dz, dhn, dhn, 3)
-        ghd = gh + d * G
-        e0, e1 = drg * tl.load(ghd + k, mask=km, other=0.0), dz * tl.load(ghd + H + k, mask=km, other=0.0)
-        e2 = dhn * tl.load(ghd + 2 * H + k, mask=km, other=0.0)
-        rh = rhat + step * G
-        q0, q1, q2 = tl.load(rh + k, mask=km, other=0.0), tl.load(rh + H + k, mask=km, other=0.0), \
-            tl.load(rh + 2 * H + k, mask=km, other=0.0)
-        m1, m2 = norm_backward_terms(e0, e1, e2, e2, q0, q1, q2, q2, km, G, 3)
-        sr = tl.load(rrstd + step)
-        store_blocks(dr + step * G, H, k, km, sr * (e0 - m1 - q0 * m2), sr * (e1 - m1 - q1 * m2),
-                     sr * (e2 - m1 - q2 * m2), e2, 3)
+        q0, q1, q2, _ = load_blocks(rhat + step * G, H, k, km, acc_t, 3)
+        v0, v1, v2, _ = norm_backward(drg, dz, dhn, dhn, gh + d * G, q0, q1, q2, q2, tl.load(rrstd + step), H, k, km,
+                                      acc_t, 3)
+        store_blocks(dr + step * G, H, k, km, v0, v1, v2, v2, 3)
         if NEED_GH:
             store_blocks(pgh + step * G, H, k, km, drg * q0, dz * q1, dhn * q2, dhn, 3)
         mx = tl.load(xstat + 2 * step)
         sx = tl.load(xstat + 2 * step + 1)
-        xr = xp + xrow
-        q0 = (tl.load(xr + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
-        q1 = (tl.load(xr + H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
-        q2 = (tl.load(xr + 2 * H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
-        gxd = gx + d * G
-        e0, e1 = drg * tl.load(gxd + k, mask=km, other=0.0), dz * tl.load(gxd + H + k, mask=km, other=0.0)
-        e2 = dn * tl.load(gxd + 2 * H + k, mask=km, other=0.0)
-        m1, m2 = norm_backward_terms(e0, e1, e2, e2, q0, q1, q2, q2, km, G, 3)
-        store_blocks(dpre + xrow, H, k, km, sx * (e0 - m1 - q0 * m2), sx * (e1 - m1 - q1 * m2),
-                     sx * (e2 - m1 - q2 * m2), e2, 3)
+        q0, q1, q2, _ = load_blocks(xp + xrow, H, k, km & active, acc_t, 3)
+        q0, q1, q2 = (q0 - mx) * sx, (q1 - mx) * sx, (q2 - mx) * sx
+        v0, v1, v2, _ = norm_backward(drg, dz, dn, dn, gx + d * G, q0, q1, q2, q2, sx, H, k, km, acc_t, 3)
+        store_blocks(dpre + xrow, H, k, km, v0, v1, v2, v2, 3)
         if NEED_GX:
             store_blocks(pgx + step * G, H, k, km, drg * q0, dz * q1, dn * q2, dn, 3)
         if NEED_B:

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._cell import (block, carried, finish_h, norm_backward_terms, norm_stats, present_or, row_time, sigmoid,
-                    store_blocks, tanh)
+from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, norm_backward_terms,
+                    norm_stats, present_or, recurrent_norm, sigmoid, store_blocks, tanh)
 
 
 @triton.jit
@@ -36,53 +36,17 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc
                     CLIP: tl.constexpr, ZC_MASK: tl.constexpr, ZH_MASK: tl.constexpr, RMASK: tl.constexpr,
                     PROJ: tl.constexpr, SAVE_CHIST: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    pid = tl.program_id(0).to(tl.int64)
-    d, b = pid // B, pid % B
-    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
-    clip, zc_const, zh_const, eps = _scalars(scalars, acc_t)
+    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
+    clip, zc_const, zh_const, _, eps = _scalars(scalars, acc_t)
     G = 4 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
-    step = (d * T + s) * B + b  # row of the step layout
-    state = d * B + b
-    xrow = xp + ((t * B + b) * D + d) * G
-    x0 = tl.load(xrow + k, mask=km & active, other=0.0).to(acc_t)
-    x1 = tl.load(xrow + H + k, mask=km & active, other=0.0).to(acc_t)
-    x2 = tl.load(xrow + 2 * H + k, mask=km & active, other=0.0).to(acc_t)
-    x3 = tl.load(xrow + 3 * H + k, mask=km & active, other=0.0).to(acc_t)
-    rrow = r + state * G
-    r0 = tl.load(rrow + k, mask=km, other=0.0).to(acc_t)
-    r1 = tl.load(rrow + H + k, mask=km, other=0.0).to(acc_t)
-    r2 = tl.load(rrow + 2 * H + k, mask=km, other=0.0).to(acc_t)
-    r3 = tl.load(rrow + 3 * H + k, mask=km, other=0.0).to(acc_t)
+    x0, x1, x2, x3 = load_blocks(xp + ((t * B + b) * D + d) * G, H, k, km & active, acc_t, 4)
+    r0, r1, r2, r3 = load_blocks(r + state * G, H, k, km, acc_t, 4)
     if LN:
-        mx, sx = norm_stats(x0, x1, x2, x3, km, G, eps, 4)
-        tl.store(xstat + 2 * step, mx)
-        tl.store(xstat + 2 * step + 1, sx)
-        gxd = gx + d * G
-        x0 = tl.load(gxd + k, mask=km, other=0.0) * ((x0 - mx) * sx)
-        x1 = tl.load(gxd + H + k, mask=km, other=0.0) * ((x1 - mx) * sx)
-        x2 = tl.load(gxd + 2 * H + k, mask=km, other=0.0) * ((x2 - mx) * sx)
-        x3 = tl.load(gxd + 3 * H + k, mask=km, other=0.0) * ((x3 - mx) * sx)
-        if HAS_BIAS:
-            bd = bias + d * G
-            x0 += tl.load(bd + k, mask=km, other=0.0)
-            x1 += tl.load(bd + H + k, mask=km, other=0.0)
-            x2 += tl.load(bd + 2 * H + k, mask=km, other=0.0)
-            x3 += tl.load(bd + 3 * H + k, mask=km, other=0.0)
-        mr, sr = norm_stats(r0, r1, r2, r3, km, G, eps, 4)
-        tl.store(rrstd + step, sr)
-        r0, r1, r2, r3 = (r0 - mr) * sr, (r1 - mr) * sr, (r2 - mr) * sr, (r3 - mr) * sr
-        rh = rhat + step * G
-        tl.store(rh + k, r0, mask=km)
-        tl.store(rh + H + k, r1, mask=km)
-        tl.store(rh + 2 * H + k, r2, mask=km)
-        tl.store(rh + 3 * H + k, r3, mask=km)
-        ghd = gh + d * G
-        r0 = r0 * tl.load(ghd + k, mask=km, other=0.0)
-        r1 = r1 * tl.load(ghd + H + k, mask=km, other=0.0)
-        r2 = r2 * tl.load(ghd + 2 * H + k, mask=km, other=0.0)
-        r3 = r3 * tl.load(ghd + 3 * H + k, mask=km, other=0.0)
+        x0, x1, x2, x3 = input_norm(x0, x1, x2, x3, gx + d * G, bias + d * G, xstat, step, H, k, km, eps, acc_t,
+                                    HAS_BIAS, 4)
+        r0, r1, r2, r3 = recurrent_norm(r0, r1, r2, r3, gh + d * G, rhat, rrstd, step, H, k, km, eps, acc_t, 4)
     c0 = tl.load(c + state * H + k, mask=km, other=0.0).to(acc_t)
     if SAVE_CHIST:
         tl.store(chist + step * H + k, c0, mask=km)
@@ -124,10 +88,10 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc
 
 @triton.jit
 def _scalars(scalars, acc_t: tl.constexpr):
-    """(cell_clip, z_c, z_h, eps) from the float tensor [cell_clip, z_c, z_h, proj_clip, eps] (a tensor:
+    """(cell_clip, z_c, z_h, proj_clip, eps) from the float tensor :func:`scalars` made (a tensor:
     float arguments of a kernel are float32, and these must be exact in float64)."""
     return (tl.load(scalars).to(acc_t), tl.load(scalars + 1).to(acc_t), tl.load(scalars + 2).to(acc_t),
-            tl.load(scalars + 4).to(acc_t))
+            tl.load(scalars + 3).to(acc_t), tl.load(scalars + 4).to(acc_t))
 
 
 @triton.jit
@@ -135,16 +99,13 @@ def _project_kernel(s, T, B, D, P, lengths, hp, h, rmask, zh, keep, y, hd, scala
                     HAS_LENGTHS: tl.constexpr, PCLIP: tl.constexpr, ZH_MASK: tl.constexpr, RMASK: tl.constexpr,
                     F64: tl.constexpr, BLOCK_P: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    pid = tl.program_id(0).to(tl.int64)
-    d, b = pid // B, pid % B
-    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
     k = tl.arange(0, BLOCK_P)
     km = k < P
-    _, _, zh_const, _ = _scalars(scalars, acc_t)
-    pclip = tl.load(scalars + 3).to(acc_t)
-    v = tl.load(hp + (d * B + b) * P + k, mask=km, other=0.0).to(acc_t)
+    _, _, zh_const, pclip, _ = _scalars(scalars, acc_t)
+    v = tl.load(hp + state * P + k, mask=km, other=0.0).to(acc_t)
     if PCLIP:
-        tl.store(keep + ((d * T + s) * B + b) * P + k, tl.where(tl.abs(v) <= pclip, 1.0, 0.0), mask=km)
+        tl.store(keep + step * P + k, tl.where(tl.abs(v) <= pclip, 1.0, 0.0), mask=km)
         v = tl.where(v > pclip, pclip, tl.where(v < -pclip, -pclip, v))
     finish_h(s, T, B, D, P, b, d, t, active, k, km, v, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
 
@@ -156,13 +117,10 @@ def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, rmask, zh, keep,
     """Back through y = h, zoneout of h and proj_clip: dhp[:, s] = grad of h1 @ W_hr^T (0 when
     not active); dh (+ the recurrent part g * rmask of the step after) becomes zh * its total."""
     acc_t = tl.float64 if F64 else tl.float32
-    pid = tl.program_id(0).to(tl.int64)
-    d, b = pid // B, pid % B
-    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
     k = tl.arange(0, BLOCK_P)
     km = k < P
-    state = d * B + b
-    _, _, zh_const, _ = _scalars(scalars, acc_t)
+    _, _, zh_const, _, _ = _scalars(scalars, acc_t)
     dhv = carried(dh, g, rmask, state, P, k, km, HAS_G, RMASK, acc_t)
     dtot = dhv + tl.load(dy + ((t * B + b) * D + d) * P + k, mask=km & active, other=0.0).to(acc_t)
     kh = zh_const
@@ -170,8 +128,8 @@ def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, rmask, zh, keep,
         kh = tl.load(zh + ((d * T + t) * B + b) * P + k, mask=km, other=0.0).to(acc_t)
     ghp = (1 - kh) * dtot
     if PCLIP:
-        ghp = ghp * tl.load(keep + ((d * T + s) * B + b) * P + k, mask=km, other=0.0)
-    tl.store(dhp + ((d * T + s) * B + b) * P + k, tl.where(active, ghp, 0.0), mask=km)
+        ghp = ghp * tl.load(keep + step * P + k, mask=km, other=0.0)
+    tl.store(dhp + step * P + k, tl.where(active, ghp, 0.0), mask=km)
     tl.store(dh + state * P + k, tl.where(active, kh * dtot, dhv), mask=km)
 
 
@@ -184,15 +142,11 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, rmask, gates, c1, c0
                      NEED_GH: tl.constexpr, NEED_GC: tl.constexpr, NEED_PEEP: tl.constexpr, F64: tl.constexpr,
                      BLOCK_H: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    pid = tl.program_id(0).to(tl.int64)
-    d, b = pid // B, pid % B
-    active, t = row_time(s, b, d, T, lengths, HAS_LENGTHS)
+    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
     G = 4 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
-    step = (d * T + s) * B + b
-    state = d * B + b
-    clip, zc_const, zh_const, _ = _scalars(scalars, acc_t)
+    clip, zc_const, zh_const, _, _ = _scalars(scalars, acc_t)
     if DY_STEP:  # with a projection, zoneout of h is behind it (project_backward)
         zh_const = 0.0
     dhv = carried(dh, g, rmask, state, H, k, km, HAS_G, RMASK, acc_t)
@@ -266,33 +220,20 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, rmask, gates, c1, c0
     xrow = ((t * B + b) * D + d) * G
     if LN:
         # through a = gh * r-hat: the gradient of r
-        ghd = gh + d * G
-        e0, e1 = di * tl.load(ghd + k, mask=km, other=0.0), df * tl.load(ghd + H + k, mask=km, other=0.0)
-        e2, e3 = dg * tl.load(ghd + 2 * H + k, mask=km, other=0.0), do * tl.load(ghd + 3 * H + k, mask=km, other=0.0)
-        rh = rhat + step * G
-        q0, q1 = tl.load(rh + k, mask=km, other=0.0), tl.load(rh + H + k, mask=km, other=0.0)
-        q2, q3 = tl.load(rh + 2 * H + k, mask=km, other=0.0), tl.load(rh + 3 * H + k, mask=km, other=0.0)
-        m1, m2 = norm_backward_terms(e0, e1, e2, e3, q0, q1, q2, q3, km, G, 4)
-        sr = tl.load(rrstd + step)
-        store_blocks(dr + step * G, H, k, km, sr * (e0 - m1 - q0 * m2), sr * (e1 - m1 - q1 * m2),
-                sr * (e2 - m1 - q2 * m2), sr * (e3 - m1 - q3 * m2), 4)
+        q0, q1, q2, q3 = load_blocks(rhat + step * G, H, k, km, acc_t, 4)
+        v0, v1, v2, v3 = norm_backward(di, df, dg, do, gh + d * G, q0, q1, q2, q3, tl.load(rrstd + step), H, k, km,
+                                       acc_t, 4)
+        store_blocks(dr + step * G, H, k, km, v0, v1, v2, v3, 4)
         if NEED_GH:
             store_blocks(pgh + step * G, H, k, km, di * q0, df * q1, dg * q2, do * q3, 4)
-        # through x = gx * x-hat + bias: the gradient of xp
+        # through x = gx * x-hat + bias: the gradient of xp (zero for a row that is not active: its
+        # upstream gradients are zero and its x-hat is read as zeros)
         mx = tl.load(xstat + 2 * step)
         sx = tl.load(xstat + 2 * step + 1)
-        xr = xp + xrow
-        q0 = (tl.load(xr + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
-        q1 = (tl.load(xr + H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
-        q2 = (tl.load(xr + 2 * H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
-        q3 = (tl.load(xr + 3 * H + k, mask=km & active, other=0.0).to(acc_t) - mx) * sx
-        gxd = gx + d * G
-        e0, e1 = di * tl.load(gxd + k, mask=km, other=0.0), df * tl.load(gxd + H + k, mask=km, other=0.0)
-        e2, e3 = dg * tl.load(gxd + 2 * H + k, mask=km, other=0.0), do * tl.load(gxd + 3 * H + k, mask=km, other=0.0)
-        m1, m2 = norm_backward_terms(e0, e1, e2, e3, q0, q1, q2, q3, km, G, 4)
-        # a row that is not active has zero upstream gradients, so zero here too (its x-hat is not used)
-        store_blocks(dpre + xrow, H, k, km, sx * (e0 - m1 - q0 * m2), sx * (e1 - m1 - q1 * m2),
-                sx * (e2 - m1 - q2 * m2), sx * (e3 - m1 - q3 * m2), 4)
+        q0, q1, q2, q3 = load_blocks(xp + xrow, H, k, km & active, acc_t, 4)
+        q0, q1, q2, q3 = (q0 - mx) * sx, (q1 - mx) * sx, (q2 - mx) * sx, (q3 - mx) * sx
+        v0, v1, v2, v3 = norm_backward(di, df, dg, do, gx + d * G, q0, q1, q2, q3, sx, H, k, km, acc_t, 4)
+        store_blocks(dpre + xrow, H, k, km, v0, v1, v2, v3, 4)
         if NEED_GX:
             store_blocks(pgx + step * G, H, k, km, di * q0, df * q1, dg * q2, do * q3, 4)
         if NEED_B:

@@ -38,6 +38,7 @@ from .. import _precision
 from . import _graphs
 from ._engine import input_bias, recurrent_mask
 from ._options import CellOptions
+from ._recurrence import _as, _in_dtypes
 
 EPS = 1e-5
 
@@ -102,14 +103,6 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         for acc, s in zip(finals, last):
             acc.append(s)
     return x, tuple(torch.cat(f) for f in finals)
-
-
-def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    return None if t is None else t.to(dtype).contiguous()
-
-
-def _in_dtypes(grads, dtypes) -> tuple[Tensor | None, ...]:
-    return tuple(g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes))
 
 
 def _project_input(mm: _precision.Products, x: Tensor, w_ih: Tensor, bias: Tensor | None) -> Tensor:

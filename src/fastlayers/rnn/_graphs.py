@@ -15,6 +15,7 @@ same key meanwhile captures a second entry.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -92,10 +93,8 @@ def run(owner: object | None, key: tuple, ins: dict[str, Tensor | None], outs: d
         if v is not None:
             st[k].copy_(v)
     entry.graph.replay()
-    release = _Release(entry)
-    if owner is not None:
-        weakref.finalize(owner, release)
-    return st, release
+    # weakref.finalize runs once, whether called or when the owner is collected
+    return st, weakref.finalize(owner, _free, entry) if owner is not None else functools.partial(_free, entry)
 
 
 def backward_done(ctx: Any) -> None:
@@ -106,16 +105,8 @@ def backward_done(ctx: Any) -> None:
         release()
 
 
-class _Release:
-    """Marks an entry free once (later calls do nothing)."""
-
-    def __init__(self, entry: _Entry) -> None:
-        self.entry: _Entry | None = entry
-
-    def __call__(self) -> None:
-        if self.entry is not None:
-            self.entry.busy = False
-            self.entry = None
+def _free(entry: _Entry) -> None:
+    entry.busy = False
 
 
 def _nothing() -> None:
