@@ -1,20 +1,22 @@
-"""Issue: every layer under autocast — the LayerNorm-LSTM engine in bfloat16 on CPU, seed shape.
+"""Issue: the CPU engine at torch's bfloat16 speed — the LayerNorm LSTM / GRU in bf16, seed shape.
 
 Candidates (bidirectional, 1 layer, 512 -> 256x2, T=800, B=32, x requires grad), timed
 interleaved in one process (check=False: the candidates compute in different precisions):
 
-* ``fastlayers.LSTM(layer_norm=True)`` in float32 (the anchor);
+* ``fastlayers.{LSTM,GRU}(layer_norm=True)`` in float32 (the anchor);
 * the same module under ``torch.autocast("cpu", torch.bfloat16)``;
 * the same module with bfloat16 parameters and input;
-* ``torch.nn.LSTM`` under the same autocast (oneDNN's bf16 LSTM: needs AVX512-BF16 or AMX; where
-  it fails the row says so and the next one stands in);
-* ``torch.nn.LSTM`` with bfloat16 parameters and input;
-* ``torch.nn.LSTM`` in float32.
+* with ``--lengths``: the float32 and autocast rows again with lengths U[400, 800] (seeded);
+* ``torch.nn.{LSTM,GRU}`` under the same autocast (oneDNN's bf16 kernels: need AVX512-BF16 or
+  AMX; where a candidate fails the row says so and it is left out);
+* ``torch.nn.{LSTM,GRU}`` with bfloat16 parameters and input;
+* ``torch.nn.{LSTM,GRU}`` in float32.
 
 Prints whether this CPU has bf16 instructions (torch.cpu._is_avx512_bf16_supported /
-_is_amx_tile_supported) and the bf16 vs float32 GEMM throughput at the input-projection shape.
+_is_amx_tile_supported), the bf16 vs float32 GEMM throughput at the input-projection shape, and
+the issue's ratios (fwd+bwd medians).
 
-    python benchmarks/bench_mixed_precision.py [--repeats 3] [--size seed|small]
+    python benchmarks/bench_mixed_precision.py [--cell lstm|gru] [--repeats 5] [--lengths] [--size seed|small]
 """
 
 from __future__ import annotations
@@ -32,15 +34,31 @@ from fastlayers.bench import compare
 
 
 class Call(nn.Module):
-    """module(x)[0] in ``dtype`` (the module converted once), optionally under CPU bf16 autocast."""
+    """module(x)[0] in ``dtype`` (the module converted once), optionally under CPU bf16 autocast,
+    optionally with per-sequence lengths."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, autocast: bool) -> None:
+    def __init__(self, module: nn.Module, dtype: torch.dtype, autocast: bool, lengths: torch.Tensor | None = None):
         super().__init__()
-        self.rnn, self.dtype, self.autocast = module.to(dtype), dtype, autocast
+        self.rnn, self.dtype, self.autocast, self.lengths = module.to(dtype), dtype, autocast, lengths
 
     def forward(self, x):
         with torch.autocast("cpu", torch.bfloat16, enabled=self.autocast):
-            return self.rnn(x.to(self.dtype))[0]
+            if self.lengths is None:
+                return self.rnn(x.to(self.dtype))[0]
+            return self.rnn(x.to(self.dtype), lengths=self.lengths)[0]
+
+
+def cpu_model() -> str:
+    """'family F model M' from /proc/cpuinfo: tells AMD Zen 3 (19h model 1) from Zen 4 (19h model 11h), say."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown"
+    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
 
 
 def gemm_rate(dtype: torch.dtype, rows: int = 25600) -> float:
@@ -54,51 +72,68 @@ def gemm_rate(dtype: torch.dtype, rows: int = 25600) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cell", default="lstm", choices=["lstm", "gru"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--lengths", action="store_true", help="add rows with lengths U[T/2, T]")
     p.add_argument("--size", default="seed", choices=["seed", "small"])
     args = p.parse_args()
     d, h, t, b = (512, 256, 800, 32) if args.size == "seed" else (16, 8, 20, 4)
+    name = args.cell.upper()
+    ours_cls, torch_cls = getattr(fastlayers, name), getattr(nn, name)
     print(f"CPU bf16 instructions: avx512_bf16={torch.cpu._is_avx512_bf16_supported()}, "
           f"amx={torch.cpu._is_amx_tile_supported()} -> fastlayers multiplies bf16 operands "
           f"{'with bf16 GEMMs' if _precision.native('cpu', torch.bfloat16) else 'in float32 arithmetic'}")
     print(f"GEMM (25600 x 512) @ (512 x 1024): float32 {gemm_rate(torch.float32):.0f} GFLOP/s, "
           f"bfloat16 {gemm_rate(torch.bfloat16):.0f} GFLOP/s (torch.matmul)")
     torch.manual_seed(0)
-    ours = fastlayers.LSTM(d, h, bidirectional=True, layer_norm=True)
-    vendor = nn.LSTM(d, h, bidirectional=True)
+    ours = ours_cls(d, h, bidirectional=True, layer_norm=True)
+    vendor = torch_cls(d, h, bidirectional=True)
     vendor.load_state_dict(ours.state_dict(), strict=False)
+    lengths = torch.randint(t // 2, t + 1, (b,), generator=torch.Generator().manual_seed(1))
+    anchor = f"fastlayers LN-{name} float32"
     candidates = {
-        "fastlayers LN-LSTM float32": Call(ours, torch.float32, False),
-        "fastlayers LN-LSTM autocast bf16": Call(ours, torch.float32, True),
-        "fastlayers LN-LSTM bf16 parameters": Call(type(ours)(d, h, bidirectional=True, layer_norm=True), torch.bfloat16,
-                                                   False),
-        "torch.nn.LSTM autocast bf16": Call(vendor, torch.float32, True),
-        "torch.nn.LSTM bf16 parameters": Call(nn.LSTM(d, h, bidirectional=True), torch.bfloat16, False),
-        "torch.nn.LSTM float32": Call(nn.LSTM(d, h, bidirectional=True), torch.float32, False),
+        anchor: Call(ours, torch.float32, False),
+        f"fastlayers LN-{name} autocast bf16": Call(ours, torch.float32, True),
+        f"fastlayers LN-{name} bf16 parameters": Call(ours_cls(d, h, bidirectional=True, layer_norm=True),
+                                                     torch.bfloat16, False),
     }
+    if args.lengths:
+        candidates[f"fastlayers LN-{name} float32, lengths"] = Call(ours, torch.float32, False, lengths)
+        candidates[f"fastlayers LN-{name} autocast bf16, lengths"] = Call(ours, torch.float32, True, lengths)
+    candidates.update({
+        f"torch.nn.{name} autocast bf16": Call(vendor, torch.float32, True),
+        f"torch.nn.{name} bf16 parameters": Call(torch_cls(d, h, bidirectional=True), torch.bfloat16, False),
+        f"torch.nn.{name} float32": Call(torch_cls(d, h, bidirectional=True), torch.float32, False),
+    })
     x = torch.rand(t, b, d)
-    for name in list(candidates):
+    for cand in list(candidates):
         try:
-            candidates[name](x[:3, :2])
+            if candidates[cand].lengths is None:  # (the lengths rows run the same module as a row above)
+                candidates[cand](x[:3, :2])
         except RuntimeError as e:
-            print(f"{name}: fails on this CPU ({str(e).splitlines()[0][:120]}); left out")
-            del candidates[name]
+            print(f"{cand}: fails on this CPU ({str(e).splitlines()[0][:120]}); left out")
+            del candidates[cand]
 
     def make_inputs():
         return {"x": torch.rand(t, b, d, generator=torch.Generator().manual_seed(0)).requires_grad_(True)}
 
     rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=False,
-                  workload=f"LN-LSTM precision (BLSTM {d} -> {h}x2, T={t}, B={b})",
+                  workload=f"LN-{name} precision (B{name} {d} -> {h}x2, T={t}, B={b})",
                   progress=lambda m: print("  ..", m, file=sys.stderr, flush=True))
-    print(rep.markdown("fastlayers LN-LSTM float32"))
-    anchor = "fastlayers LN-LSTM float32"
-    for name in rep.results[1:]:
-        print(f"{name.name}: fwd+bwd {rep.ratio(name.name, anchor):.2f}x fastlayers float32")
-    for ours_name in ("fastlayers LN-LSTM autocast bf16", "fastlayers LN-LSTM bf16 parameters"):
-        for torch_name in ("torch.nn.LSTM autocast bf16", "torch.nn.LSTM bf16 parameters"):
-            if torch_name in candidates:
-                print(f"{ours_name} / {torch_name}: {rep.ratio(ours_name, torch_name):.2f}x (fwd+bwd)")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rep.cpu}")
+    print(rep.markdown(anchor))
+    auto, low_params = f"fastlayers LN-{name} autocast bf16", f"fastlayers LN-{name} bf16 parameters"
+    torch_auto = f"torch.nn.{name} autocast bf16"
+    print(f"{auto}: {1 / rep.ratio(auto, anchor):.2f}x faster than {anchor} (fwd+bwd)")
+    print(f"{low_params}: {rep.ratio(low_params, auto):.2f}x the autocast call (fwd+bwd)")
+    if torch_auto in candidates:
+        print(f"{auto} / {torch_auto}: {rep.ratio(auto, torch_auto):.2f}x (fwd+bwd), "
+              f"{rep.ratio(auto, torch_auto, 'forward'):.2f}x (fwd)")
+    if args.lengths:
+        for precision in ("float32", "autocast bf16"):
+            padded = f"fastlayers LN-{name} {precision}"
+            print(f"{padded}, lengths U[{t // 2}, {t}] / padded: {rep.ratio(padded + ', lengths', padded):.2f}x "
+                  f"(fwd+bwd), {rep.ratio(padded + ', lengths', padded, 'forward'):.2f}x (fwd)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rep.cpu} ({cpu_model()})")
     return 0
 
 

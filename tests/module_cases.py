@@ -99,6 +99,32 @@ def _attention_inputs(dq: int, dk: int, dv: int):
 
 LSTM, GRU, RNN = fastlayers.LSTM, fastlayers.GRU, fastlayers.RNN
 
+
+def _cell_case(id, cls, torch_cls, *, stochastic=False, repr_has=(), counterpart=True, unbatched=False, **kwargs):
+    """A cell module: one step on (B, F) input (or unbatched (F,)) from the zero state."""
+    base = {k: v for k, v in kwargs.items() if k in ("bias", "nonlinearity")}
+
+    def inputs(dtype):
+        x = _randn(BATCH, F_IN, g=_gen(), dtype=dtype)
+        return ((x[0],) if unbatched else (x,)), {}
+
+    return Case(id, lambda **f: cls(F_IN, HIDDEN, **kwargs, **f), inputs, _rnn_init, (cls.__name__ + "(", *repr_has),
+                (lambda **f: torch_cls(F_IN, HIDDEN, **base, **f)) if counterpart else None, stochastic)
+
+
+CELL_CASES: list[Case] = [
+    _cell_case("LSTMCell", fastlayers.LSTMCell, nn.LSTMCell),
+    _cell_case("LSTMCell-unbatched-nobias", fastlayers.LSTMCell, nn.LSTMCell, unbatched=True, bias=False,
+               repr_has=("bias=False",)),
+    _cell_case("LSTMCell-all+proj", fastlayers.LSTMCell, nn.LSTMCell, counterpart=False, proj_size=5, layer_norm=True,
+               peephole=True, cell_clip=1.5, zoneout=(0.2, 0.1), proj_clip=0.7, stochastic=True,
+               repr_has=("proj_size=5", "layer_norm=True", "peephole=True", "proj_clip=0.7")),
+    _cell_case("GRUCell", fastlayers.GRUCell, nn.GRUCell),
+    _cell_case("GRUCell-layer_norm-zoneout", fastlayers.GRUCell, nn.GRUCell, layer_norm=True, zoneout=0.2,
+               stochastic=True, repr_has=("layer_norm=True", "zoneout=0.2")),
+    _cell_case("RNNCell-relu", fastlayers.RNNCell, nn.RNNCell, nonlinearity="relu", repr_has=("nonlinearity=relu",)),
+]
+
 CASES: list[Case] = [
     _rnn_case("LSTM", LSTM, nn.LSTM, lengths=False, num_layers=2, bidirectional=True),
     _rnn_case("LSTM-lengths", LSTM, nn.LSTM, num_layers=2, bidirectional=True, dropout=0.25),
@@ -145,6 +171,7 @@ CASES: list[Case] = [
     Case("AttentionPooling-additive-nobias",
          lambda **f: fastlayers.AttentionPooling(4, score="additive", bias=False, **f),
          _attention_inputs(4, 4, 3), _attention_init, ("score='additive'",)),
+    *CELL_CASES,
 ]
 CASE_IDS = [c.id for c in CASES]
 BY_ID = {c.id: c for c in CASES}

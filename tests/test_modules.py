@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from module_cases import CASE_IDS, CASES, Case, run
+from module_cases import CASE_IDS, CASES, Case, flat, run
 
 each_case = pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 _params = [c for c in CASES if any(True for _ in c.build(device="meta").parameters())]
@@ -204,3 +204,13 @@ def test_train_eval_switches(case):
         assert not same_train and not same_as_eval
     else:
         assert same_train and same_as_eval
+
+
+@each_case
+def test_second_derivatives_as_constructed(case):
+    """Every module's gradient is differentiable again (create_graph): gradgradcheck in float64 with
+    respect to the first input (fast mode: random projections of the Jacobians), eval mode."""
+    module = _build(case).double()
+    args, kwargs = case.inputs(torch.float64)
+    x = args[0].detach().clone().requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda x: tuple(flat(module(x, *args[1:], **kwargs))), (x,), fast_mode=True)

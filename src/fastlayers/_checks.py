@@ -6,6 +6,26 @@ import torch
 from torch import Tensor
 
 
+# Errors are instances of the class torch.nn raises for the same bad input *and* of the class our
+# messages have always used, so code that catches either one keeps working (issue: drop-in contract).
+class ShapeError(ValueError, RuntimeError):
+    """A size or shape other than expected (torch.nn's RNNs raise RuntimeError for these)."""
+
+
+class DtypeError(TypeError, RuntimeError):
+    """A tensor of another dtype than the one it must match (torch.nn's RNNs: RuntimeError for hx)."""
+
+
+class InputDtypeError(TypeError, ValueError, RuntimeError):
+    """Input of another dtype than the parameters, or not floating point (torch.nn's RNNs: ValueError;
+    its cells: RuntimeError from the matrix product)."""
+
+
+class StateTypeError(TypeError, IndexError):
+    """An LSTM state that is not a pair (h_0, c_0) (torch.nn.LSTM indexes it: IndexError)."""
+
+
+
 def check_tensor(name: str, value: object) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
@@ -14,7 +34,7 @@ def check_tensor(name: str, value: object) -> Tensor:
 
 def check_floating(name: str, value: Tensor) -> None:
     if not value.is_floating_point():
-        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {value.dtype}")
+        raise InputDtypeError(f"{name}: expected a floating-point tensor, got dtype {value.dtype}")
 
 
 def check_rank(name: str, value: Tensor, allowed: tuple[int, ...], legend: str) -> None:
@@ -26,12 +46,12 @@ def check_rank(name: str, value: Tensor, allowed: tuple[int, ...], legend: str) 
 def check_shape(name: str, value: Tensor, expected: tuple[int, ...], legend: str = "") -> None:
     if tuple(value.shape) != tuple(expected):
         extra = f" {legend}" if legend else ""
-        raise ValueError(f"{name}: expected shape {tuple(expected)}{extra}, got {tuple(value.shape)}")
+        raise ShapeError(f"{name}: expected shape {tuple(expected)}{extra}, got {tuple(value.shape)}")
 
 
 def check_same_dtype_device(name: str, value: Tensor, ref_name: str, ref: Tensor) -> None:
     if value.dtype != ref.dtype:
-        raise TypeError(f"{name}: expected dtype {ref.dtype} (that of {ref_name}), got {value.dtype}")
+        raise DtypeError(f"{name}: expected dtype {ref.dtype} (that of {ref_name}), got {value.dtype}")
     if value.device != ref.device:
         raise ValueError(f"{name}: expected device {ref.device} (that of {ref_name}), got {value.device}")
 

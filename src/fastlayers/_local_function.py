@@ -12,9 +12,8 @@ import ctypes
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-from . import _native, _precision
+from . import _native, _precision, _twice
 from ._native import address
 
 Pair = tuple[int, int]
@@ -145,12 +144,28 @@ def _(grad, input, weight, stride, padding, dilation, low, needs):
 
 def _setup_context(ctx, inputs, output):
     input, weight, bias, stride, padding, dilation = inputs
-    ctx.save_for_backward(input, weight)
+    ctx.save_for_backward(input, weight, bias)
     ctx.geometry, ctx.has_bias, ctx.low = (stride, padding, dilation), bias is not None, _precision.dtypes(input)[0]
 
 
+def _recorded(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    """The backward while it is recorded (create_graph): the vector-Jacobian product of
+    :func:`locally_connected2d_reference` in the forward's precision (:mod:`fastlayers._twice`)."""
+    input, weight, bias = ctx.saved_tensors
+    stride, padding, dilation = ctx.geometry
+
+    def reference(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        with torch.autocast(x.device.type, dtype=ctx.low, enabled=ctx.low in _precision.LOW and x.dtype != ctx.low):
+            return locally_connected2d_reference(x, w, b, stride, padding, dilation)
+
+    grads = _twice.recorded_vjp(reference, (input, weight, bias), (grad,), ctx.needs_input_grad[:3])
+    return (*grads, None, None, None)
+
+
 def _backward(ctx, grad):
-    input, weight = ctx.saved_tensors
+    if _twice.recording():
+        return _recorded(ctx, grad)
+    input, weight, _ = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     needs = [need_x, need_w, need_b and ctx.has_bias]
     dx, dw, db = _backward_op(grad, input, weight, *ctx.geometry, ctx.low, needs)
@@ -172,16 +187,17 @@ class LocallyConnected2dTriton(torch.autograd.Function):
 
         low = _precision.dtypes(input)[0]  # operands rounded to it, float32 sums, output in it
         x, w = _pad(input, list(padding)).to(low).contiguous(), weight.to(low).contiguous()
-        ctx.save_for_backward(input, weight)
+        ctx.save_for_backward(input, weight, bias)
         ctx.geometry, ctx.low, ctx.has_bias = (stride, padding, dilation), low, bias is not None
         return kernels.forward(x, w, bias.contiguous() if bias is not None else None, stride, dilation, low)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: Tensor):
         from ._triton import local as kernels
 
-        input, weight = ctx.saved_tensors
+        if _twice.recording():
+            return _recorded(ctx, grad)
+        input, weight, _ = ctx.saved_tensors
         (stride, padding, dilation), low = ctx.geometry, ctx.low
         dy = grad.to(low).contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

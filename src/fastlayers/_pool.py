@@ -61,24 +61,33 @@ def empty_cache() -> None:
         _free.clear()
 
 
-def views(shapes: dict[str, tuple[int, ...] | None], dtype: torch.dtype, device: torch.device,
+Shape = tuple[int, ...]
+
+
+def views(shapes: dict[str, Shape | tuple[Shape, torch.dtype] | None], dtype: torch.dtype, device: torch.device,
           fresh: bool = False) -> tuple[Tensor | None, dict[str, Tensor | None]]:
     """One slab from the pool cut into contiguous views of the given shapes (None stays None).
-    Returns (slab, views). ``fresh``: separate new tensors instead (slab None), for buffers that
-    leave their owner, e.g. as outputs of a custom operator."""
+    A value ``(shape, other_dtype)`` gives a view of that dtype (e.g. the bfloat16 copies of GEMM
+    operands inside a float32 slab). Returns (slab, views). ``fresh``: separate new tensors
+    instead (slab None), for buffers that leave their owner, e.g. as outputs of a custom operator."""
+    typed = {k: (v if v is None or (len(v) == 2 and isinstance(v[1], torch.dtype)) else (v, dtype))
+             for k, v in shapes.items()}
     if fresh:
-        return None, {k: torch.empty(s, dtype=dtype, device=device) if s is not None else None
-                      for k, s in shapes.items()}
-    sizes = {k: math.prod(s) if s is not None else 0 for k, s in shapes.items()}
+        return None, {k: torch.empty(v[0], dtype=v[1], device=device) if v is not None else None
+                      for k, v in typed.items()}
+    item = torch.empty(0, dtype=dtype).element_size()
+    sizes = {k: -(-math.prod(v[0]) * v[1].itemsize // item) if v is not None else 0 for k, v in typed.items()}
     total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
     slab = _take(max(total, 1), dtype, device)
     out: dict[str, Tensor | None] = {}
     offset = 0
-    for k, shape in shapes.items():
-        if shape is None:
+    for k, v in typed.items():
+        if v is None:
             out[k] = None
             continue
-        out[k] = slab[offset:offset + sizes[k]].view(shape)
+        shape, dt = v
+        region = slab[offset:offset + sizes[k]]
+        out[k] = (region if dt == dtype else region.view(dt)[:math.prod(shape)]).view(shape)
         offset += -(-sizes[k] // _ALIGN) * _ALIGN
     return slab, out
 

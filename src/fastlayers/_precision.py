@@ -81,6 +81,8 @@ class Products:
         self.low, self.acc = low, acc
         self.mixed = low != acc
         self.native = native(device.type, low)
+        # operands multiplied in hardware low precision: worth keeping low copies of the ones used twice
+        self.lowered = self.mixed and self.native
 
     @classmethod
     def of(cls, x: Tensor) -> "Products":
@@ -105,17 +107,18 @@ class Products:
         with torch.autocast(a.device.type, enabled=False):
             return torch.einsum(equation, a, b).to(self.acc)
 
-    def bmm(self, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
-        """a @ b, both operands raw."""
-        return self.bmm_prepared(a, self.operand(b), out)
+    def bmm(self, a: Tensor, b: Tensor, out: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+        """a @ b, both operands raw. ``dtype``: the dtype wanted for the result when not ``out``
+        (default ``acc``); a low ``dtype`` takes a hardware low-precision GEMM's result as it is."""
+        return self.bmm_prepared(a, self.operand(b), out, dtype)
 
-    def bmm_prepared(self, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    def bmm_prepared(self, a: Tensor, b: Tensor, out: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
         """a @ b with ``b`` from :meth:`operand` (prepared once, used every step)."""
         a = self.operand(a)
         with torch.autocast(a.device.type, enabled=False):
             if self.mixed and self.native:
                 r = torch.bmm(a, b)
-                return out.copy_(r) if out is not None else r.to(self.acc)
+                return out.copy_(r) if out is not None else r.to(dtype or self.acc)
             return torch.bmm(a, b, out=out) if out is not None else torch.bmm(a, b)
 
     def baddbmm(self, bias: Tensor, a: Tensor, b: Tensor, out: Tensor) -> Tensor:

@@ -20,10 +20,9 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
-from . import _precision
-from ._backend import select
+from . import _precision, _twice
+from ._backend import backend, select
 from ._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
 
 SCORES = ("dot", "scaled_dot", "additive")
@@ -138,22 +137,37 @@ class _AttentionTriton(torch.autograd.Function):
         low = _precision.dtypes(query)[0]  # operands rounded to it, float32 sums, results in it
         q, k, v = (t.to(low).contiguous() for t in (query, keys, values))
         context, weights = kernels.forward(q, k, v, lengths, scale, low)
-        ctx.save_for_backward(q, k, v, weights)  # the weights in float32 (float64)
-        ctx.scale, ctx.dtypes = scale, (query.dtype, keys.dtype, values.dtype)
+        ctx.save_for_backward(q, k, v, weights, query, keys, values, lengths)  # the weights in float32 (float64)
+        ctx.scale, ctx.dtypes, ctx.low = scale, (query.dtype, keys.dtype, values.dtype), low
         return context, weights.to(low)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, d_context, d_weights):
         from ._triton import attention as kernels
 
-        q, k, v, weights = ctx.saved_tensors
+        if _twice.recording():  # create_graph: the torch ops' gradient, differentiable again
+            return _AttentionTriton._recorded(ctx, d_context, d_weights)
+        q, k, v, weights = ctx.saved_tensors[:4]
         need = ctx.needs_input_grad
         d_context = d_context.contiguous() if d_context is not None else q.new_zeros(q.size(0), v.size(2))
         dq, dk, dv = kernels.backward(q, k, v, weights, d_context,
                                       d_weights.contiguous() if d_weights is not None else None, ctx.scale, need[2])
         grads = (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None)
         return (*(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)), None, None)
+
+
+    @staticmethod
+    def _recorded(ctx, d_context, d_weights):
+        query, keys, values, lengths = ctx.saved_tensors[4:]
+        low = ctx.low
+
+        def reference(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            with backend("reference"), torch.autocast(q.device.type, dtype=low,
+                                                      enabled=low in _precision.LOW and q.dtype != low):
+                return attention_pool(q, k, v, lengths, score="dot" if ctx.scale == 1.0 else "scaled_dot")
+
+        grads = _twice.recorded_vjp(reference, (query, keys, values), (d_context, d_weights), ctx.needs_input_grad[:3])
+        return (*grads, None, None)
 
 
 class AttentionPooling(nn.Module):

@@ -46,8 +46,10 @@ static inline float fl_tanh_f32(float x) { return 2.0f / (1.0f + fl_exp_f32(-2.0
 #define FL_DEFINE_LAYER_NORM(T, SUFFIX, SQRT)                                                        \
 static void fl_layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_out) {            \
     T mean = 0, var = 0;                                                                             \
+    _Pragma("omp simd reduction(+:mean)")                                                          \
     for (int64_t k = 0; k < len; k++) mean += v[k];                                                  \
     mean /= len;                                                                                     \
+    _Pragma("omp simd reduction(+:var)")                                                           \
     for (int64_t k = 0; k < len; k++) { T dv = v[k] - mean; var += dv * dv; }                       \
     T rstd = 1 / SQRT(var / len + eps);                                                             \
     for (int64_t k = 0; k < len; k++) hat[k] = (v[k] - mean) * rstd;                                 \
@@ -55,14 +57,17 @@ static void fl_layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rs
 }                                                                                                    \
 static void fl_layer_norm_backward_##SUFFIX(const T* dhat, const T* hat, T rstd, int64_t len, T* dv) { \
     T m1 = 0, m2 = 0;                                                                                \
+    _Pragma("omp simd reduction(+:m1, m2)")                                                         \
     for (int64_t k = 0; k < len; k++) { m1 += dhat[k]; m2 += dhat[k] * hat[k]; }                     \
     m1 /= len; m2 /= len;                                                                            \
     for (int64_t k = 0; k < len; k++) dv[k] = rstd * (dhat[k] - m1 - hat[k] * m2);                   \
 }                                                                                                    \
 static inline void fl_row_stats_##SUFFIX(const T* v, int64_t len, T eps, T* stat) {                 \
     T mean = 0, var = 0;                                                                             \
+    _Pragma("omp simd reduction(+:mean)")                                                          \
     for (int64_t k = 0; k < len; k++) mean += v[k];                                                  \
     mean /= len;                                                                                     \
+    _Pragma("omp simd reduction(+:var)")                                                           \
     for (int64_t k = 0; k < len; k++) { T dv = v[k] - mean; var += dv * dv; }                       \
     stat[0] = mean; stat[1] = 1 / SQRT(var / len + eps);                                             \
 }                                                                                                    \
@@ -76,6 +81,7 @@ static void fl_layer_norm_backward_stat_##SUFFIX(const T* dhat, const T* v, cons
                                                  T* dv) {                                            \
     const T mean = stat[0], rstd = stat[1];                                                          \
     T m1 = 0, m2 = 0;                                                                                \
+    _Pragma("omp simd reduction(+:m1, m2)")                                                         \
     for (int64_t k = 0; k < len; k++) { m1 += dhat[k]; m2 += dhat[k] * ((v[k] - mean) * rstd); }    \
     m1 /= len; m2 /= len;                                                                            \
     for (int64_t k = 0; k < len; k++) dv[k] = rstd * (dhat[k] - m1 - ((v[k] - mean) * rstd) * m2);  \

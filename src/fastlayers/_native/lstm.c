@@ -76,7 +76,8 @@ void lstm_step_forward_##SUFFIX(                                                
             for (int64_t k = 0; k < G; k++) gr[k] += xr[k];                                          \
         }                                                                                            \
         if (pi) for (int64_t k = 0; k < H; k++) { gr[k] += pi[k] * cr[k]; gr[H + k] += pi[H + k] * cr[k]; } \
-        for (int64_t k = 0; k < 3 * H; k++) gr[k] = k < 2 * H ? sig_##SUFFIX(gr[k]) : TANH(gr[k]); \
+        for (int64_t k = 0; k < 2 * H; k++) gr[k] = sig_##SUFFIX(gr[k]); /* two loops: one exp each */ \
+        for (int64_t k = 2 * H; k < 3 * H; k++) gr[k] = TANH(gr[k]);                               \
         for (int64_t k = 0; k < H; k++) c1r[k] = gr[H + k] * cr[k] + gr[k] * gr[2 * H + k];         \
         if (clip > 0)                                                                                \
             for (int64_t k = 0; k < H; k++) c1r[k] = c1r[k] > clip ? clip : (c1r[k] < -clip ? -clip : c1r[k]); \

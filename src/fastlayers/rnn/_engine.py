@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _precision
 from ._lengths import full_plan, make_plan
 from ._options import CellOptions
 from ._ops import run_layer
@@ -124,6 +125,9 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     z_h, z_c = options.zoneout
     finals: list[list[Tensor]] = [[] for _ in states]
     x = input
+    mm = _precision.Products.of(input)
+    if mm.lowered and x.dtype != mm.low:  # float32 under autocast with hardware bf16/fp16 GEMMs: convert
+        x = x.to(mm.low)  # once, before the gather (half the bytes gathered; later layers get low inputs)
     for li, dir_params in enumerate(layers):
         stack = lambda name, use=True: torch.stack([p[name] for p in dir_params]) if use else None  # noqa: E731
         # the valid rows of both directions (one gather); the Function projects them (one batched GEMM)

@@ -32,11 +32,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-from .. import _precision
+from .. import _precision, _twice
 from . import _graphs
 from ._engine import input_bias, recurrent_mask
+from ._engine_reference import layer_reference, recorded_layer_backward
 from ._options import CellOptions
 from ._recurrence import _as, _in_dtypes
 
@@ -152,6 +152,7 @@ class LSTMLayer(torch.autograd.Function):
 
         ctx.dtypes = [t.dtype if t is not None else None for t in (x, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep,
                                                                     w_hr)]
+        originals = (x, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, lengths)  # see backward
         mm = _precision.Products.of(x)  # read the autocast state before switching it off
         with torch.autocast(x.device.type, enabled=False):
             acc = mm.acc
@@ -177,7 +178,7 @@ class LSTMLayer(torch.autograd.Function):
                 r=(dirs, batch, gsize), hp=(dirs, batch, out_size) if proj else None)
             st, ctx.release = _graphs.run(ctx, ("LSTM", "forward", consts, mm.low), ins, outs,
                                           lambda st: _lstm_forward_loop(kernels, mm, st, consts))
-        ctx.save_for_backward(x, w_ih, gx, st["xp"] if ln else None, c0.to(acc), w_hh, gh, gc, bc, peep, w_hr,
+        ctx.save_for_backward(*originals, x, w_ih, gx, st["xp"] if ln else None, c0.to(acc), w_hh, gh, gc, bc, peep, w_hr,
                               st["rmask"], st["zc"], st["zh"], st["lengths"], *(st[k] for k in _LSTM_SAVED))
         ctx.mm, ctx.consts, ctx.numbers, ctx.has_bias = mm, consts, st["numbers"], bias is not None
         # the state and output are copies (a captured graph's replay writes the same memory next time)
@@ -185,11 +186,12 @@ class LSTMLayer(torch.autograd.Function):
                 st["c"].to(mm.low, copy=True))
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy, dh_n, dc_n):
         from .._triton import lstm as kernels
 
-        x, w_ih, gx, xp, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, lengths, *saved = ctx.saved_tensors
+        if _twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+            return _recorded_backward("LSTM", ctx, (dy, dh_n, dc_n))
+        x, w_ih, gx, xp, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, lengths, *saved = ctx.saved_tensors[16:]
         buf = dict(zip(_LSTM_SAVED, saved))
         mm, need = ctx.mm, ctx.needs_input_grad
         dirs, steps, batch, gsize = buf["gates"].shape
@@ -287,6 +289,7 @@ class GRULayer(torch.autograd.Function):
         from .._triton import gru as kernels
 
         ctx.dtypes = [t.dtype if t is not None else None for t in (x, w_ih, gx, b_ih, h0, w_hh, b_hh, gh)]
+        originals = (x, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, lengths)  # see backward
         mm = _precision.Products.of(x)
         with torch.autocast(x.device.type, enabled=False):
             acc = mm.acc
@@ -305,17 +308,19 @@ class GRULayer(torch.autograd.Function):
                         rrstd=step if ln else None, y=(steps, batch, dirs, hidden), r=(dirs, batch, gsize))
             st, ctx.release = _graphs.run(ctx, ("GRU", "forward", mm.low), ins, outs,
                                           lambda st: _gru_forward_loop(kernels, mm, st))
-        ctx.save_for_backward(x, w_ih, gx, st["xp"] if ln else None, w_hh, gh, st["rmask"], st["zh"], st["lengths"],
+        ctx.save_for_backward(*originals, x, w_ih, gx, st["xp"] if ln else None, w_hh, gh, st["rmask"], st["zh"],
+                              st["lengths"],
                               *(st[k] for k in _GRU_SAVED))
-        ctx.mm, ctx.numbers, ctx.has_bias = mm, st["numbers"], (b_ih is not None, b_hh is not None)
+        ctx.mm, ctx.numbers, ctx.has_bias, ctx.consts = mm, st["numbers"], (b_ih is not None, b_hh is not None), consts
         return st["y"].view(steps, batch, dirs * hidden).to(mm.low, copy=True), st["h"].to(mm.low, copy=True)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy, dh_n):
         from .._triton import gru as kernels
 
-        x, w_ih, gx, xp, w_hh, gh, rmask, zh, lengths, *saved = ctx.saved_tensors
+        if _twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+            return _recorded_backward("GRU", ctx, (dy, dh_n))
+        x, w_ih, gx, xp, w_hh, gh, rmask, zh, lengths, *saved = ctx.saved_tensors[11:]
         buf = dict(zip(_GRU_SAVED, saved))
         mm, need = ctx.mm, ctx.needs_input_grad
         dirs, steps, batch, gsize = buf["gates"].shape
@@ -371,3 +376,17 @@ def _gru_backward_loop(kernels, mm, st: dict) -> None:
                               st["numbers"])
         g = mm.bmm_prepared(st["dr"][:, s], st["w_hh"], out=st["g"])
     dh += g * rmask if rmask is not None else g
+
+
+def _recorded_backward(cell: str, ctx, grads: tuple) -> tuple[Tensor | None, ...]:
+    """The backward of a layer while it is being recorded (create_graph): the vector-Jacobian product
+    of :func:`~._engine_reference.layer_reference` (padded layout, lengths as data) on the saved
+    inputs (:mod:`fastlayers._twice`)."""
+    count = 15 if cell == "LSTM" else 10
+    inputs, lengths = ctx.saved_tensors[:count], ctx.saved_tensors[count]
+
+    def layout(x, params, states, options, masks):
+        y, *finals = layer_reference(cell, x, params, states, lengths, options, masks)
+        return (y, *finals)
+
+    return (*recorded_layer_backward(cell, ctx, grads, inputs, layout), None, None)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _precision
+from .. import _precision, _twice
 from ._options import CellOptions
 
 EPS = 1e-5
@@ -135,8 +135,10 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
                 new = step(x[t], states, h_in, p, mm)
                 for i, (old, upd) in enumerate(zip(states, new)):
                     key = ("zoneout_h", "zoneout_c")[i]
-                    if training:
-                        keep_mask = m[key][d, t] if key in m else torch.bernoulli(torch.full_like(old, probs[i]))
+                    if key in m:  # given masks apply in any mode (as in the engine)
+                        keep_mask = m[key][d, t]
+                    elif training:
+                        keep_mask = torch.bernoulli(torch.full_like(old, probs[i]))
                     else:
                         keep_mask = probs[i]
                     upd = keep_mask * old + (1 - keep_mask) * upd
@@ -150,3 +152,85 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
     return x, tuple(torch.stack(f) for f in finals)
+
+
+def layer_options(consts: tuple[float, ...], *, cell: str, layer_norm: bool, peephole: bool = False) -> CellOptions:
+    """The options one engine layer ran with, from its Function's constants: LSTM (cell_clip or 0,
+    z_c, z_h, proj_clip or 0), GRU (z_h,). The z are the eval-mode constants (0 in training, where
+    the masks are inputs); recurrent dropout comes as a mask, never sampled here."""
+    if cell == "LSTM":
+        clip, z_c, z_h, pclip = consts
+        return CellOptions(layer_norm, peephole, clip or None, (z_h, z_c), 0.0, pclip or None)
+    return CellOptions(layer_norm, False, None, (consts[0], 0.0), 0.0, None)
+
+
+def layer_reference(cell: str, x: Tensor, params: list[dict[str, Tensor]], states: tuple[Tensor, ...],
+                    lengths: Tensor | None, options: CellOptions, masks: dict[str, Tensor]) -> tuple[Tensor, ...]:
+    """One layer, all directions, padded layout (the GPU engine's Functions): x (T, B, F), states
+    (D, B, *), masks as :func:`lstm_reference`'s for one layer. Returns (y (T, B, D*P), *finals)."""
+    run = lstm_reference if cell == "LSTM" else gru_reference
+    y, finals = run(x, states, [params], lengths, options, masks=[masks])
+    return (y, *finals)
+
+
+def packed_layer_reference(cell: str, xs: Tensor, params: list[dict[str, Tensor]], states: tuple[Tensor, ...],
+                           active: tuple[int, ...], options: CellOptions, masks: dict[str, Tensor | None]
+                           ) -> tuple[Tensor, ...]:
+    """One layer, all directions, on the CPU engine's packed rows (:mod:`._recurrence`): xs (D, N, F),
+    each direction's rows in its own time order (step t's rows are the active prefix of the sorted
+    batch, ``active[t]`` of them); states (D, B, *) in sorted batch order; masks ``recurrent`` (D, B, P)
+    and the zoneout keep-masks ``zoneout_h`` (D, N, P), ``zoneout_c`` (D, N, H) on packed rows.
+    Every direction runs forward over its rows laid out padded (differentiable index ops around
+    :func:`lstm_reference` / :func:`gru_reference`). Returns (y (D, N, P), *finals (D, B, *))."""
+    steps, batch = len(active), states[0].size(1)
+    dev = xs.device
+    pos = torch.cat([t * batch + torch.arange(n, device=dev) for t, n in enumerate(active)])
+    lengths = (torch.tensor(active, device=dev).unsqueeze(1) > torch.arange(batch, device=dev)).sum(0)
+
+    def padded(t: Tensor) -> Tensor:  # packed rows (N, X) -> (T, B, X), zeros at padding
+        return t.new_zeros(steps * batch, t.size(-1)).index_copy(0, pos, t).view(steps, batch, -1)
+
+    ys, finals = [], []
+    for d, p in enumerate(params):
+        m = {}
+        if masks.get("recurrent") is not None:
+            m["recurrent"] = masks["recurrent"][d:d + 1]
+        for key in ("zoneout_h", "zoneout_c"):
+            if masks.get(key) is not None:
+                m[key] = padded(masks[key][d]).unsqueeze(0)
+        y, *last = layer_reference(cell, padded(xs[d]), [p], tuple(s[d:d + 1] for s in states), lengths,
+                                   options, m)
+        ys.append(y.reshape(steps * batch, -1).index_select(0, pos))
+        finals.append(last)
+    return (torch.stack(ys), *(torch.cat(f) for f in zip(*finals)))
+
+
+def recorded_layer_backward(cell: str, ctx, grads: tuple, inputs: tuple, layout) -> tuple[Tensor | None, ...]:
+    """Gradients of an engine layer's autograd Function while its backward is recorded (create_graph):
+    the vector-Jacobian product of this module's differentiable step loop on the saved ``inputs``
+    (the Functions' tensor inputs, in their order: LSTM xs, w_ih, gx, bias (b_ih + b_hh), h0, c0,
+    w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh; GRU xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask,
+    zh), in the forward's precision (``ctx.mm``) and with its constants (``ctx.consts``).
+    ``layout(xs, params, states, options, masks)`` runs the loop in the Function's layout."""
+    needs = ctx.needs_input_grad[:len(inputs)]
+    low, device = ctx.mm.low, inputs[0].device
+
+    def layer(*tensors: Tensor | None) -> tuple[Tensor, ...]:
+        if cell == "LSTM":
+            xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh = tensors
+            named = dict(weight_ih=w_ih, weight_hh=w_hh, bias_ih=bias, ln_ih_weight=gx, ln_hh_weight=gh,
+                         ln_cell_weight=gc, ln_cell_bias=bc, weight_peephole=peep, weight_hr=w_hr)
+            states, masks = (h0, c0), dict(recurrent=rmask, zoneout_c=zc, zoneout_h=zh)
+        else:
+            xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh = tensors
+            named = dict(weight_ih=w_ih, weight_hh=w_hh, bias_ih=b_ih, bias_hh=b_hh, ln_ih_weight=gx, ln_hh_weight=gh)
+            states, masks = (h0,), dict(recurrent=rmask, zoneout_h=zh)
+        params = [{k: v[d] for k, v in named.items() if v is not None} for d in range(w_ih.size(0))]
+        if cell == "LSTM" and bias is not None:  # the LSTM Functions take b_ih + b_hh as one bias
+            params = [{**p, "bias_hh": torch.zeros_like(p["bias_ih"])} for p in params]
+        options = layer_options(ctx.consts, cell=cell, layer_norm=gx is not None,
+                                peephole=cell == "LSTM" and peep is not None)
+        with torch.autocast(device.type, dtype=low, enabled=low in _precision.LOW and xs.dtype != low):
+            return layout(xs, params, states, options, {k: v for k, v in masks.items() if v is not None})
+
+    return _twice.recorded_vjp(layer, inputs, grads, needs)

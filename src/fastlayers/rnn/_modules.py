@@ -17,12 +17,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from .._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
+from .._checks import (InputDtypeError, ShapeError, StateTypeError, as_lengths, check_floating, check_rank,
+                       check_same_dtype_device, check_shape, check_tensor)
 from .. import _precision
 from .._backend import select
 from ._engine import gru_engine, lstm_engine
 from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
-from ._engine_reference import gru_cell_step, gru_reference, lstm_cell_step, lstm_reference
+from ._cells import check_step_input, check_step_states, step
+from ._engine_reference import gru_reference, lstm_reference
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
 from ._varlen import varlen_rnn
@@ -56,10 +58,11 @@ class _LengthsMixin:
         check_rank("input", input, (2, 3), _SHAPES)
         check_floating("input", input)
         weight = self._flat_weights[0]
-        if input.dtype != weight.dtype:
-            raise TypeError(f"input: expected dtype {weight.dtype} (the parameters' dtype), got {input.dtype}")
+        if input.dtype != weight.dtype:  # (torch's hint kept: it names both ways out)
+            raise InputDtypeError(f"input: expected dtype {weight.dtype} (the parameters' dtype), got {input.dtype}. "
+                                  f"Convert input: input.to({weight.dtype}), or convert model: model.to({input.dtype})")
         if input.size(-1) != self.input_size:
-            raise ValueError(
+            raise ShapeError(
                 f"input: expected feature size input_size = {self.input_size} in the last dimension, "
                 f"got {input.size(-1)} (shape {tuple(input.shape)})"
             )
@@ -72,7 +75,7 @@ class _LengthsMixin:
         names = ("hx[0] (h_0)", "hx[1] (c_0)") if self.mode == "LSTM" else ("hx",)
         if self.mode == "LSTM":
             if not isinstance(hx, (tuple, list)) or len(hx) != 2:
-                raise TypeError(f"hx: expected a tuple (h_0, c_0) of two tensors, got {type(hx).__name__}")
+                raise StateTypeError(f"hx: expected a tuple (h_0, c_0) of two tensors, got {type(hx).__name__}")
             states = tuple(hx)
         else:
             states = (hx,)
@@ -183,10 +186,13 @@ _COMMON_DOC = """
     padding takes torch's padded kernel; other devices use torch's packed path (cuDNN's
     variable-length kernel on CUDA).
 
-    Errors: TypeError for a non-tensor or integer ``input``, float ``lengths``, or ``hx`` of the
-    wrong dtype; ValueError for a wrong rank, a feature size other than input_size, lengths of
-    the wrong size or outside [1, T], ``hx`` of the wrong shape, or ``lengths`` with PackedSequence
-    input.
+    Errors (each also an instance of the class torch.nn.{name} raises for the same input, so
+    code catching torch's class catches ours): TypeError for a non-tensor ``input`` or float
+    ``lengths``; TypeError and ValueError for an ``input`` dtype other than the parameters' (or
+    integer), with torch's hint; TypeError and RuntimeError for ``hx`` of another dtype than the
+    input; ValueError and RuntimeError for a feature size other than input_size or ``hx`` of the
+    wrong shape or rank; ValueError for a wrong input rank, lengths of the wrong size or outside
+    [1, T], or ``lengths`` with PackedSequence input.
 
     Non-finite input: no kernel assumes finite values. A NaN in ``input`` at (t, b) makes NaN
     exactly the outputs and final states that depend on it, as the float64 reference does:
@@ -398,7 +404,8 @@ class CellView(nn.Module):
 
     LSTM: ``forward(input (B, F_l) or (F_l,), hx=None) -> (h (B, H_out), c (B, H))``; GRU:
     ``forward(input, hx=None) -> h (B, H)`` (unbatched: no B). Eval semantics for zoneout (the
-    expectation) and no recurrent dropout.
+    expectation) and no recurrent dropout. Runs :func:`._cells.step`, as :class:`fastlayers.LSTMCell`
+    / ``GRUCell`` do (bitwise-equal steps for the same parameters); errors as theirs.
     """
 
     def __init__(self, rnn: "LSTM | GRU", layer: int, direction: int) -> None:
@@ -408,31 +415,16 @@ class CellView(nn.Module):
 
     def forward(self, input: Tensor, hx: Any = None) -> Any:
         rnn = self._rnn[0]
-        lstm = rnn.mode == "LSTM"
         params = rnn._layer_parameters()[self.layer][self.direction]
-        check_tensor("input", input)
-        check_floating("input", input)
-        width = params["weight_ih"].size(1)
-        if input.size(-1) != width or input.dim() not in (1, 2):
-            raise ValueError(f"input: expected shape (B, {width}) or ({width},), got {tuple(input.shape)}")
-        batched = input.dim() == 2
-        x = input if batched else input.unsqueeze(0)
-        sizes = ((rnn.proj_size or rnn.hidden_size, "(B, H_out)", "hx[0] (h)"), (rnn.hidden_size, "(B, H)", "hx[1] (c)")
-                 ) if lstm else ((rnn.hidden_size, "(B, H)", "hx"),)
-        if hx is None:
-            states = [x.new_zeros(x.size(0), size) for size, _, _ in sizes]
-        else:
-            states = [s if batched else s.unsqueeze(0) for s in (hx if lstm else (hx,))]
-        for (size, legend, name), s in zip(sizes, states):
-            check_shape(name, s, (x.size(0), size), legend)
-        z_h, z_c = rnn.options.zoneout
-        if lstm:
-            h1, c1 = lstm_cell_step(x, states[0], states[1], params, rnn.options)
-            new = (z_h * states[0] + (1 - z_h) * h1, z_c * states[1] + (1 - z_c) * c1)
-        else:
-            new = (z_h * states[0] + (1 - z_h) * gru_cell_step(x, states[0], params, rnn.options),)
+        w = params["weight_ih"]
+        x = check_step_input("input", input, w.size(1), w.dtype)
+        sizes = (rnn.proj_size or rnn.hidden_size, rnn.hidden_size) if rnn.mode == "LSTM" else (rnn.hidden_size,)
+        states = check_step_states(rnn.mode, hx, x, sizes)
+        batched = x.dim() == 2
+        # the step function of fastlayers.LSTMCell / GRUCell: bitwise-equal steps for equal parameters
+        new = step(rnn.mode, x if batched else x.unsqueeze(0), states, params, rnn.options)
         new = new if batched else tuple(s.squeeze(0) for s in new)
-        return new if lstm else new[0]
+        return new if rnn.mode == "LSTM" else new[0]
 
 
 class GRU(_CellOptionsMixin, _LengthsMixin, nn.GRU):
@@ -447,9 +439,7 @@ class GRU(_CellOptionsMixin, _LengthsMixin, nn.GRU):
 
     def __init__(self, *args: Any, layer_norm: bool = False, zoneout: float | None = None,
                  recurrent_dropout: float = 0.0, **kwargs: Any) -> None:
-        if zoneout is not None and (isinstance(zoneout, bool) or not isinstance(zoneout, (int, float))):
-            raise TypeError(f"zoneout: expected one probability (a GRU has one state), got {zoneout!r}")
-        options = CellOptions.make(layer_norm, False, None, (zoneout or 0.0, 0.0), recurrent_dropout)
+        options = CellOptions.make_gru(layer_norm, zoneout, recurrent_dropout)
         super().__init__(*args, **kwargs)
         self._init_options(options)
 

@@ -115,8 +115,7 @@ def lstm_layer_backward(inputs: list[Optional[Tensor]], buffers: list[Optional[T
                    offsets=_offsets(steps), consts=tuple(consts), batch=a["h0"].size(1), has_bias=a["bias"] is not None,
                    dtypes=[t.dtype if t is not None else None for t in inputs[:12]],
                    needs_input_grad=(*needs, False, False, False, False, False), release=lambda: None)
-    ctx.saved_tensors = tuple(a[k] for k in ("xs", "w_ih", "gx", "c0", "w_hh", "gh", "gc", "bc", "peep", "w_hr",
-                                             "rmask", "zc", "zh")) + (buf["keep"],)
+    ctx.saved_tensors = tuple(a[k] for k in _LSTM_INPUTS) + (buf["keep"],)
     grads = LSTMRecurrence.backward(ctx, dy, dh_n, dc_n)[:12]
     return [g if g is not None else a["xs"].new_empty(0) for g in grads]
 
@@ -168,7 +167,7 @@ def gru_layer_backward(inputs: list[Optional[Tensor]], buffers: list[Optional[Te
                    has_bias=(a["b_ih"] is not None, a["b_hh"] is not None),
                    dtypes=[t.dtype if t is not None else None for t in inputs[:8]],
                    needs_input_grad=(*needs, False, False, False, False), release=lambda: None)
-    ctx.saved_tensors = tuple(a[k] for k in ("xs", "w_ih", "gx", "w_hh", "gh", "rmask", "zh"))
+    ctx.saved_tensors = tuple(a[k] for k in _GRU_INPUTS)
     grads = GRURecurrence.backward(ctx, dy, dh_n)[:8]
     return [g if g is not None else a["xs"].new_empty(0) for g in grads]
 

@@ -37,6 +37,13 @@ class CellOptions:
         return self == CellOptions()
 
     @classmethod
+    def make_gru(cls, layer_norm=False, zoneout=None, recurrent_dropout=0.0) -> "CellOptions":
+        """The GRU's options (layer_norm, one zoneout probability for its one state, recurrent_dropout)."""
+        if zoneout is not None and (isinstance(zoneout, bool) or not isinstance(zoneout, (int, float))):
+            raise TypeError(f"zoneout: expected one probability (a GRU has one state), got {zoneout!r}")
+        return cls.make(layer_norm, False, None, (zoneout or 0.0, 0.0), recurrent_dropout)
+
+    @classmethod
     def make(cls, layer_norm=False, peephole=False, cell_clip=None, zoneout=None, recurrent_dropout=0.0,
              proj_clip=None) -> "CellOptions":
         if not isinstance(layer_norm, bool):

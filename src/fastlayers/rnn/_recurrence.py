@@ -15,10 +15,9 @@ import itertools
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
-
-from .. import _native, _pool, _precision
+from .. import _native, _pool, _precision, _twice
 from .._native import address
+from ._engine_reference import packed_layer_reference, recorded_layer_backward
 
 EPS = 1e-5
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -75,6 +74,51 @@ def _steps(buf: Tensor | None, offsets: tuple[int, ...]) -> list[int | None]:
     return [buf.data_ptr() + o * row for o in offsets]
 
 
+def _low_copies(mm: _precision.Products, ctx, xs: Tensor, hd: tuple[int, ...]) -> dict:
+    """Forward buffers for the low-precision copies of GEMM operands the backward reads again, when
+    the products run in hardware bf16/fp16 (pooled calls only): the packed input (unless it is low
+    already) and the recurrent inputs, converted once each instead of once per GEMM."""
+    if not mm.lowered or getattr(ctx, "fresh", False):
+        return {}
+    return {"xs_low": (tuple(xs.shape), mm.low) if xs.dtype != mm.low else None, "hd_low": (hd, mm.low)}
+
+
+def _low_grads(mm: _precision.Products, shape: tuple[int, ...], separate: bool) -> dict:
+    """Backward work space for the low-precision copies of the gate gradients: ``dr_low`` (filled
+    step by step for the recurrent GEMM, reused by dW_hh) and ``dpre_low`` when dpre is another
+    buffer (converted once for dX and dW_ih)."""
+    if not mm.lowered:
+        return {"dr_low": None, "dpre_low": None}
+    return {"dr_low": (shape, mm.low), "dpre_low": (shape, mm.low) if separate else None}
+
+
+def _into(low: Tensor | None, t: Tensor, offset: int | None = None) -> Tensor:
+    """``t`` as a GEMM operand: copied into the low-precision buffer ``low`` (at packed row
+    ``offset`` of dim 1 when given) where there is one, else ``t`` itself (the GEMM converts it)."""
+    if low is None:
+        return t
+    part = low if offset is None else low[:, offset:offset + t.size(1)]
+    return part.copy_(t)
+
+
+def _copied(g: Tensor | None, acc: torch.dtype, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Work-space shape for an upstream gradient that needs a copy (another dtype, or not contiguous)."""
+    return shape if g is not None and (g.dtype != acc or not g.is_contiguous()) else None
+
+
+def _acc_grad(g: Tensor | None, space: Tensor | None, like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """The upstream gradient ``g`` contiguous in the accumulator dtype: itself, copied into the pooled
+    ``space``, or zeros where autograd passed None."""
+    if g is None:
+        return like.new_zeros(shape)
+    return g if space is None else space.copy_(g)
+
+
+def _either(low: Tensor | None, t: Tensor) -> Tensor:
+    """The low-precision copy where one was made, else ``t``."""
+    return t if low is None else low
+
+
 class LSTMRecurrence(torch.autograd.Function):
     """One layer, all directions, on packed rows: the input projection and the time loop.
 
@@ -109,6 +153,7 @@ class LSTMRecurrence(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, mm, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
         acc = mm.acc
+        originals = (xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh)  # for the backward
         dirs, rows, _ = xs.shape
         gsize = w_ih.size(1)
         hidden = gsize // 4
@@ -120,7 +165,6 @@ class LSTMRecurrence(torch.autograd.Function):
         gx, bias, gh, gc, bc, peep, rmask, zc, zh = (_as(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc, zh))
         c0 = _as(c0, acc)
         h, c = h0.to(acc, copy=True).contiguous(), c0.clone()
-        y = xs.new_empty(dirs, rows, out_size, dtype=acc)
         # every row of these gets written; the cell state before each step needs its own copy only
         # when zoneout mixes in c0 (otherwise it is the previous step's c1)
         slab, buf = _pool.views(dict(
@@ -128,21 +172,25 @@ class LSTMRecurrence(torch.autograd.Function):
             hd=(dirs, rows, out_size), xstat=(dirs, rows, 2) if gx is not None else None,
             rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
             cstat=(dirs, rows, 2) if gc is not None else None,
-            chist=(dirs, rows, hidden) if zc is not None or zc_const else None, y1=(dirs, rows, hidden) if proj else None),
+            chist=(dirs, rows, hidden) if zc is not None or zc_const else None, y1=(dirs, rows, hidden) if proj else None,
+            **_low_copies(mm, ctx, xs, hd=(dirs, rows, out_size))),
             acc, xs.device, fresh=getattr(ctx, "fresh", False))
         # the forward's own work space: the recurrent product, and the projection unless the backward
         # needs it (it does with the input LayerNorm)
-        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)),
-                                    acc, xs.device)
+        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
+                                         y=(dirs, rows, out_size) if mm.mixed else None), acc, xs.device)
         xp, r = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"]
+        # the output in acc; with a low output dtype only the converted copy leaves (the float32 one is pooled)
+        y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, out_size, dtype=acc)
+        xs_op = _into(buf.get("xs_low"), xs)
         if gx is None and bias is not None:
-            mm.baddbmm(bias.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
+            mm.baddbmm(bias.unsqueeze(1), xs_op, w_ih.transpose(1, 2), out=xp)
         else:  # with LayerNorm the kernel normalises W_ih x, then adds the bias
-            mm.bmm(xs, w_ih.transpose(1, 2), out=xp)
+            mm.bmm(xs_op, w_ih.transpose(1, 2), out=xp)
         # with a projection the kernel writes h1 into y1 and keeps scratch state hk
         y1, hk = (buf["y1"], xs.new_zeros(dirs, batch, hidden)) if proj else (y, h)
         keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
-        hd = buf["hd"]
+        hd, hd_low = buf["hd"], buf.get("hd_low")
         hd[:, :first] = h * rmask if rmask is not None else h
         w_t = mm.operand(w_hh.transpose(1, 2))
         w_hr_t = mm.operand(w_hr.transpose(1, 2)) if proj else None
@@ -152,7 +200,8 @@ class LSTMRecurrence(torch.autograd.Function):
         last = len(active) - 1
         for t, n in enumerate(active):
             o = offsets[t]
-            rt = mm.bmm_prepared(hd[:, o:o + n], w_t, out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
+            rt = mm.bmm_prepared(_into(hd_low, hd[:, o:o + n], o), w_t,
+                                 out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
             n_next = active[t + 1] if t < last else 0
             fwd(dirs, batch, n, n_next, hidden, rows, P_["xp"][t], P_["xstat"][t], address(gx), address(bias),
                 rt.data_ptr(), c.data_ptr(), hk.data_ptr(), None if proj else address(rmask), P_["y1"][t],
@@ -170,18 +219,20 @@ class LSTMRecurrence(torch.autograd.Function):
                 if t < last:
                     nxt = h[:, :n_next] * rmask[:, :n_next] if rmask is not None else h[:, :n_next]
                     hd[:, o + n:o + n + n_next] = nxt
+        y = y.to(mm.low)
         _pool.give(tmp_slab)
-        ctx.save_for_backward(xs, w_ih, gx, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep)
+        ctx.save_for_backward(*originals, keep)
         ctx.buf, ctx.release, ctx.mm = buf, _pool.hold(ctx, slab), mm
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = bias is not None
         # outputs in the low precision (mm.low: the input's dtype unless mixed), as torch's RNNs under autocast
-        return y.to(mm.low), h.to(mm.low), c.to(mm.low)
+        return y, h.to(mm.low), c.to(mm.low)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy, dh_n, dc_n):
-        xs, w_ih, gx, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep = ctx.saved_tensors
+        if _twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+            return _recorded_backward("LSTM", ctx, (dy, dh_n, dc_n))
+        xs, w_ih, gx, _, _, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep = ctx.saved_tensors
         buf, mm = ctx.buf, ctx.mm
         gates, hd, y1 = buf["gates"], buf["hd"], buf["y1"]
         dirs, rows, gsize = gates.shape
@@ -193,16 +244,19 @@ class LSTMRecurrence(torch.autograd.Function):
         need = ctx.needs_input_grad
         acc = gates.dtype
         gx, c0, gh, gc, bc, peep, rmask, zc, zh = (_as(t, acc) for t in (gx, c0, gh, gc, bc, peep, rmask, zc, zh))
-        dy = dy.to(acc).contiguous() if dy is not None else gates.new_zeros(dirs, rows, out_size)
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, out_size)
         dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
         # with a projection: the kernel's output gradient is d h1 (dy1), its own state gradient stays 0
+        separate_dr = gh is not None or gx is not None
         slab, tmp = _pool.views(dict(
-            dpre=(dirs, rows, gsize), dr=(dirs, rows, gsize) if gh is not None or gx is not None else None,
+            dpre=(dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr else None,
             dn=(dirs, batch, hidden), g=(dirs * ctx.active[0] * out_size,), dy1=(dirs, rows, hidden) if proj else None,
-            dhp=(dirs, rows, out_size) if proj else None), acc, gates.device)
+            dhp=(dirs, rows, out_size) if proj else None, **_low_grads(mm, (dirs, rows, gsize), separate_dr),
+            dy=_copied(dy, acc, (dirs, rows, out_size))), acc, gates.device)
+        dy = _acc_grad(dy, tmp["dy"], gates, (dirs, rows, out_size))
         dpre, dn, g = tmp["dpre"], tmp["dn"], tmp["g"]
         dr = dpre if tmp["dr"] is None else tmp["dr"]
+        dr_low = tmp["dr_low"]
         # the kernel sums the bias gradient next to the input gain's (acc_b needs acc_gx)
         acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
         acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias and need[3] else None
@@ -239,16 +293,18 @@ class LSTMRecurrence(torch.autograd.Function):
                 P_["cstat"][t], address(gh), address(gc), address(bc), address(peep), clip, P_["zc"][t],
                 None if proj else P_["zh"][t], zc_const, 0.0 if proj else zh_const, P_["dpre"][t], P_["dr"][t],
                 *fixed)
-            gn = mm.bmm_prepared(dr[:, o:o + n], w_hh_p, out=g[:dirs * n * out_size].view(dirs, n, out_size))
+            gn = mm.bmm_prepared(_into(dr_low, dr[:, o:o + n], o), w_hh_p,
+                                 out=g[:dirs * n * out_size].view(dirs, n, out_size))
             if rmask is not None:
                 gn.mul_(rmask[:, :n])
             dh[:, :n] += gn
         # one GEMM each over all packed rows: dX[d] = dpre[d] W_ih[d], dW_ih[d] = dpre[d]^T X[d],
         # dW_hh[d] = dr[d]^T hd[d], dW_hr[d] = dhp[d]^T y1[d]
-        d_xs = mm.bmm(dpre, w_ih) if need[0] else None
-        d_w_ih = mm.bmm(dpre.transpose(1, 2), xs) if need[1] else None
+        dp_op = _into(tmp["dpre_low"], dpre) if separate_dr else _either(dr_low, dpre)  # (dr_low: dpre's copy)
+        d_xs = mm.bmm(dp_op, w_ih, dtype=ctx.dtypes[0]) if need[0] else None
+        d_w_ih = mm.bmm(dp_op.transpose(1, 2), _either(buf.get("xs_low"), xs), dtype=ctx.dtypes[1]) if need[1] else None
         d_bias = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias and need[3] else None
-        d_w_hh = mm.bmm(dr.transpose(1, 2), hd) if need[6] else None
+        d_w_hh = mm.bmm(_either(dr_low, dr).transpose(1, 2), _either(buf.get("hd_low"), hd)) if need[6] else None
         d_w_hr = mm.bmm(dhp.transpose(1, 2), y1) if proj and need[11] else None
         _pool.give(slab)
         if not getattr(ctx, "fresh", False) and _pool.graph_freed_after_this_backward():
@@ -282,6 +338,7 @@ class GRURecurrence(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, mm, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
         acc = mm.acc
+        originals = (xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh)  # for the backward
         dirs, rows, _ = xs.shape
         gsize = w_ih.size(1)
         hidden, batch, first = gsize // 3, h0.size(1), active[0]
@@ -290,20 +347,22 @@ class GRURecurrence(torch.autograd.Function):
         threads = torch.get_num_threads()
         gx, b_ih, b_hh, gh, rmask, zh = (_as(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
         h = h0.to(acc, copy=True).contiguous()
-        y = xs.new_empty(dirs, rows, hidden, dtype=acc)
         slab, buf = _pool.views(dict(  # every row of these gets written
             xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), hbn=(dirs, rows, hidden),
             hist=(dirs, rows, hidden), hd=(dirs, rows, hidden), xstat=(dirs, rows, 2) if gx is not None else None,
-            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None),
+            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
+            **_low_copies(mm, ctx, xs, hd=(dirs, rows, hidden))),
             acc, xs.device, fresh=getattr(ctx, "fresh", False))
         # the forward's own work space (the projection is saved only for the input LayerNorm's backward)
-        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,)),
-                                    acc, xs.device)
-        xp, r, hd = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"]
+        tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
+                                         y=(dirs, rows, hidden) if mm.mixed else None), acc, xs.device)
+        y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, hidden, dtype=acc)  # as in LSTMRecurrence
+        xp, r, hd, hd_low = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"], buf.get("hd_low")
+        xs_op = _into(buf.get("xs_low"), xs)
         if gx is None and b_ih is not None:
-            mm.baddbmm(b_ih.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
+            mm.baddbmm(b_ih.unsqueeze(1), xs_op, w_ih.transpose(1, 2), out=xp)
         else:  # with LayerNorm the kernel normalises W_ih x, then adds b_ih
-            mm.bmm(xs, w_ih.transpose(1, 2), out=xp)
+            mm.bmm(xs_op, w_ih.transpose(1, 2), out=xp)
         hd[:, :first] = h * rmask if rmask is not None else h
         w_t = mm.operand(w_hh.transpose(1, 2))
         offsets = _offsets(active)
@@ -311,22 +370,25 @@ class GRURecurrence(torch.autograd.Function):
         last = len(active) - 1
         for t, n in enumerate(active):
             o = offsets[t]
-            rt = mm.bmm_prepared(hd[:, o:o + n], w_t, out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
+            rt = mm.bmm_prepared(_into(hd_low, hd[:, o:o + n], o), w_t,
+                                 out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
             fwd(dirs, batch, n, active[t + 1] if t < last else 0, hidden, rows, P_["xp"][t], P_["xstat"][t],
                 address(gx), address(b_ih), rt.data_ptr(), h.data_ptr(), address(rmask), address(b_hh), P_["y"][t],
                 P_["gates"][t], P_["hbn"][t], P_["hist"][t], P_["hd"][t + 1] if t < last else None, P_["rhat"][t],
                 P_["rrstd"][t], address(gh), EPS, P_["zh"][t], zh_const, threads)
+        y = y.to(mm.low)
         _pool.give(tmp_slab)
-        ctx.save_for_backward(xs, w_ih, gx, w_hh, gh, rmask, zh)
+        ctx.save_for_backward(*originals)
         ctx.buf, ctx.release, ctx.mm = buf, _pool.hold(ctx, slab), mm
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = (b_ih is not None, b_hh is not None)
-        return y.to(mm.low), h.to(mm.low)
+        return y, h.to(mm.low)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy, dh_n):
-        xs, w_ih, gx, w_hh, gh, rmask, zh = ctx.saved_tensors
+        if _twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+            return _recorded_backward("GRU", ctx, (dy, dh_n))
+        xs, w_ih, gx, _, _, w_hh, _, gh, rmask, zh = ctx.saved_tensors
         buf, mm = ctx.buf, ctx.mm
         gates, hd = buf["gates"], buf["hd"]
         dirs, rows, gsize = gates.shape
@@ -337,13 +399,15 @@ class GRURecurrence(torch.autograd.Function):
         need = ctx.needs_input_grad
         acc = gates.dtype
         gx, gh, rmask, zh = (_as(t, acc) for t in (gx, gh, rmask, zh))
-        dy = dy.to(acc).contiguous() if dy is not None else gates.new_zeros(dirs, rows, hidden)
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
         slab, tmp = _pool.views(dict(dpre=(dirs, rows, gsize), dhb=(dirs, rows, gsize),
                                      dr=(dirs, rows, gsize) if gh is not None else None,
-                                     g=(dirs * ctx.active[0] * hidden,)), acc, gates.device)
+                                     g=(dirs * ctx.active[0] * hidden,), **_low_grads(mm, (dirs, rows, gsize), True),
+                                     dy=_copied(dy, acc, (dirs, rows, hidden))), acc, gates.device)
+        dy = _acc_grad(dy, tmp["dy"], gates, (dirs, rows, hidden))
         dpre, dhb, g = tmp["dpre"], tmp["dhb"], tmp["g"]
         dr = dhb if tmp["dr"] is None else tmp["dr"]
+        dr_low = tmp["dr_low"]
         acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
         acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias[0] and need[3] else None
         acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
@@ -356,15 +420,17 @@ class GRURecurrence(torch.autograd.Function):
                 P_["xp"][t], P_["xstat"][t], address(gx), P_["rhat"][t], P_["rrstd"][t], address(gh), P_["zh"][t],
                 zh_const, P_["dpre"][t], P_["dhb"][t], P_["dr"][t], address(acc_gx), address(acc_b), address(acc_gh),
                 threads)
-            gn = mm.bmm_prepared(dr[:, o:o + n], w_hh_p, out=g[:dirs * n * hidden].view(dirs, n, hidden))
+            gn = mm.bmm_prepared(_into(dr_low, dr[:, o:o + n], o), w_hh_p,
+                                 out=g[:dirs * n * hidden].view(dirs, n, hidden))
             if rmask is not None:
                 gn.mul_(rmask[:, :n])
             dh[:, :n] += gn
         # one GEMM each over all packed rows: dX, dW_ih, dW_hh = dr^T hd
-        d_xs = mm.bmm(dpre, w_ih) if need[0] else None
-        d_w_ih = mm.bmm(dpre.transpose(1, 2), xs) if need[1] else None
+        dp_op = _into(tmp["dpre_low"], dpre)
+        d_xs = mm.bmm(dp_op, w_ih, dtype=ctx.dtypes[0]) if need[0] else None
+        d_w_ih = mm.bmm(dp_op.transpose(1, 2), _either(buf.get("xs_low"), xs), dtype=ctx.dtypes[1]) if need[1] else None
         d_b_ih = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias[0] and need[3] else None
-        d_w_hh = mm.bmm(dr.transpose(1, 2), hd) if need[5] else None
+        d_w_hh = mm.bmm(_either(dr_low, dr).transpose(1, 2), _either(buf.get("hd_low"), hd)) if need[5] else None
         d_b_hh = dhb.sum(1) if ctx.has_bias[1] and need[6] else None
         _pool.give(slab)
         if not getattr(ctx, "fresh", False) and _pool.graph_freed_after_this_backward():
@@ -372,3 +438,14 @@ class GRURecurrence(torch.autograd.Function):
             del ctx.buf
         grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh, acc_gh)
         return (*_in_dtypes(grads, ctx.dtypes), None, None, None, None)
+
+
+def _recorded_backward(cell: str, ctx, grads: tuple) -> tuple[Tensor | None, ...]:
+    """The backward of a layer while it is being recorded (create_graph): the vector-Jacobian product
+    of :func:`~._engine_reference.packed_layer_reference` on the saved inputs (:mod:`fastlayers._twice`)."""
+    inputs = ctx.saved_tensors[:15 if cell == "LSTM" else 10]
+
+    def layout(xs, params, states, options, masks):
+        return packed_layer_reference(cell, xs, params, states, ctx.active, options, masks)
+
+    return (*recorded_layer_backward(cell, ctx, grads, inputs, layout), None, None)

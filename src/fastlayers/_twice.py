@@ -1,0 +1,45 @@
+"""Second derivatives of the hand-written backwards: recompute with a differentiable formulation.
+
+The kernels' backwards (C, Triton) compute first derivatives only. When a backward is itself being
+recorded (``create_graph=True``: ``torch.autograd.grad(..., create_graph=True)``, ``hvp``,
+``gradgradcheck``, a gradient penalty), autograd runs it with grad mode on; the binding then calls
+:func:`recorded_vjp` instead of its kernels: the layer's plain-PyTorch reference (the same
+function, written with differentiable torch ops) is run again on the saved inputs, and its
+vector-Jacobian product is taken with ``create_graph=True``. The result is the same first
+derivative (up to rounding) and is differentiable again, to any order, in the inputs and in the
+incoming gradients. The fast path is unchanged when the backward is not recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+
+def recording() -> bool:
+    """Inside an autograd Function's backward: True when the backward itself is being recorded."""
+    return torch.is_grad_enabled()
+
+
+def recorded_vjp(fn: Callable[..., Sequence[Tensor] | Tensor], inputs: Sequence[Tensor | None],
+                 grad_outputs: Sequence[Tensor | None], needs: Sequence[bool]) -> tuple[Tensor | None, ...]:
+    """Gradients of ``fn(*inputs)`` with respect to the inputs flagged in ``needs`` (None for the
+    others, and for one the outputs do not depend on), weighted by ``grad_outputs`` (None: that
+    output gets no gradient), with ``create_graph=True``."""
+    with torch.enable_grad():
+        inputs = list(inputs)
+        for i, (t, need) in enumerate(zip(inputs, needs)):
+            if need and t is not None and not t.requires_grad:  # a leaf the caller differentiates: track it here
+                inputs[i] = t.detach().requires_grad_(True)
+        outs = fn(*inputs)
+        outs = (outs,) if isinstance(outs, Tensor) else tuple(outs)
+        pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+        targets = [t for t, need in zip(inputs, needs) if need and t is not None]
+        if not pairs or not targets:
+            return tuple(None for _ in inputs)
+        grads = torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], create_graph=True,
+                                    allow_unused=True)
+    it = iter(grads)
+    return tuple(next(it) if need and t is not None else None for t, need in zip(inputs, needs))

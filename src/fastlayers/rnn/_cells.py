@@ -1,0 +1,266 @@
+"""Step-wise cells: drop-in torch.nn.LSTMCell / GRUCell / RNNCell, plus the layers' cell options.
+
+Legend: B batch, F = input_size, H = hidden_size, P = proj_size if > 0 else H (LSTM's h size).
+
+:func:`step` is the one step shared by the cell modules and the layers' ``cell(layer, direction)``
+views, so both give bitwise-equal steps for equal parameters: options off, torch's fused cell
+kernels (``torch._VF.lstm_cell`` / ``gru_cell`` / ``rnn_*_cell``, what torch.nn's cells run);
+any option on, the engine's per-step equations (:func:`._engine_reference.lstm_cell_step` /
+``gru_cell_step``, written from the papers) and zoneout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import _precision
+from .._checks import (InputDtypeError, ShapeError, StateTypeError, check_floating, check_rank, check_same_dtype_device,
+                       check_tensor)
+from ._engine_reference import gru_cell_step, lstm_cell_step
+from ._options import CellOptions
+
+
+def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Tensor], options: CellOptions, *,
+         training: bool = False, recurrent_mask: Tensor | None = None, nonlinearity: str = "tanh"
+         ) -> tuple[Tensor, ...]:
+    """One step: x (B, F), states (h (B, P), c (B, H)) for LSTM or (h (B, H),) -> the new states.
+
+    ``params``: weight_ih, weight_hh, optional bias_ih / bias_hh and the option parameters
+    (ln_ih_weight, ln_hh_weight, ln_cell_weight, ln_cell_bias, weight_peephole, weight_hr).
+    Zoneout: in training each unit keeps its previous value with probability z (a fresh mask);
+    otherwise the expectation z * prev + (1 - z) * new. ``recurrent_mask`` (B, P) multiplies h
+    before W_hh (recurrent dropout: draw it once per sequence, see :meth:`LSTMCell.recurrent_mask`).
+    """
+    if options.plain and "weight_hr" not in params and recurrent_mask is None:
+        args = (params["weight_ih"], params["weight_hh"], params.get("bias_ih"), params.get("bias_hh"))
+        if mode == "LSTM":
+            return tuple(torch._VF.lstm_cell(x, states, *args))
+        if mode == "GRU":
+            return (torch._VF.gru_cell(x, states[0], *args),)
+        cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
+        return (cell(x, states[0], *args),)
+    mm = _precision.Products.of(x)
+    h_in = states[0] * recurrent_mask if recurrent_mask is not None else states[0]
+    if mode == "LSTM":
+        new = lstm_cell_step(x, h_in, states[1], params, options, mm)
+    else:
+        new = (gru_cell_step(x, states[0], params, options, h_in, mm),)
+    out = []
+    for z, old, upd in zip(options.zoneout, states, new):
+        if z:
+            keep = torch.bernoulli(torch.full_like(upd, z)) if training else z
+            upd = keep * old.to(upd.dtype) + (1 - keep) * upd
+        out.append(upd.to(mm.low))
+    return tuple(out)
+
+
+def check_step_input(name: str, input: object, width: int, dtype: torch.dtype) -> Tensor:
+    """A cell's input: a floating tensor (B, width) or (width,) of the parameters' dtype."""
+    check_tensor(name, input)
+    assert isinstance(input, Tensor)
+    check_floating(name, input)
+    check_rank(name, input, (1, 2), f"(B, {width}) or ({width},)")
+    if input.dtype != dtype:
+        raise InputDtypeError(f"{name}: expected dtype {dtype} (the parameters' dtype), got {input.dtype}. "
+                              f"Convert input: input.to({dtype}), or convert model: model.to({input.dtype})")
+    if input.size(-1) != width:
+        raise ShapeError(f"{name}: expected feature size {width} in the last dimension, got {input.size(-1)} "
+                         f"(shape {tuple(input.shape)})")
+    return input
+
+
+def check_step_states(mode: str, hx: Any, x: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+    """A cell's state: None (zeros), a tensor (GRU/RNN) or a pair (h, c) (LSTM), shaped (B, size)
+    (or (size,) for unbatched x), x's dtype and device. Returns batched 2-D states."""
+    batched = x.dim() == 2
+    batch = x.size(0) if batched else 1
+    if hx is None:
+        return tuple(x.new_zeros(batch, size) for size in sizes)
+    if mode == "LSTM":
+        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+            raise StateTypeError(f"hx: expected a tuple (h, c) of two tensors, got {type(hx).__name__}")
+        names, states = ("hx[0] (h)", "hx[1] (c)"), tuple(hx)
+    else:
+        names, states = ("hx",), (hx,)
+    out = []
+    for name, state, size in zip(names, states, sizes):
+        check_tensor(name, state)
+        expected = (batch, size) if batched else (size,)
+        if tuple(state.shape) != expected:
+            raise ShapeError(f"{name}: expected shape {expected} ({'(B, H)' if batched else '(H,)'}), "
+                             f"got {tuple(state.shape)}")
+        check_same_dtype_device(name, state, "input", x)
+        out.append(state if batched else state.unsqueeze(0))
+    return tuple(out)
+
+
+class _Cell:
+    """Validation, options and the shared step of the three cells (mixed into torch's classes)."""
+
+    mode: str
+    input_size: int
+    hidden_size: int
+    options: CellOptions
+    training: bool
+    weight_ih: Tensor
+
+    def _state_sizes(self) -> tuple[int, ...]:
+        return (self.hidden_size,)
+
+    def _params(self) -> dict[str, Tensor]:
+        return {name: p for name, p in self.named_parameters(recurse=False)}  # type: ignore[attr-defined]
+
+    def forward(self, input: Any, hx: Any = None, *, recurrent_mask: Tensor | None = None) -> Any:  # noqa: D102
+        x = check_step_input("input", input, self.input_size, self.weight_ih.dtype)
+        states = check_step_states(self.mode, hx, x, self._state_sizes())
+        batched = x.dim() == 2
+        xb = x if batched else x.unsqueeze(0)
+        if recurrent_mask is not None:
+            check_tensor("recurrent_mask", recurrent_mask)
+            width = self._state_sizes()[0]
+            expected = (xb.size(0), width)
+            if tuple(recurrent_mask.shape) != (expected if batched else (width,)):
+                raise ShapeError(f"recurrent_mask: expected shape {expected if batched else (width,)}, got "
+                                 f"{tuple(recurrent_mask.shape)}")
+            recurrent_mask = recurrent_mask if batched else recurrent_mask.unsqueeze(0)
+        new = step(self.mode, xb, states, self._params(), self.options, training=self.training,
+                   recurrent_mask=recurrent_mask, nonlinearity=getattr(self, "nonlinearity", "tanh"))
+        new = new if batched else tuple(s.squeeze(0) for s in new)
+        return new if self.mode == "LSTM" else new[0]
+
+    def recurrent_mask(self, batch: int) -> Tensor | None:
+        """One recurrent-dropout mask (batch, P) for a whole sequence: Bernoulli(1 - p) / (1 - p) in
+        training with ``recurrent_dropout=p > 0``, else None. Pass it to every step of the sequence."""
+        p = self.options.recurrent_dropout
+        if not (self.training and p > 0):
+            return None
+        w = self.weight_ih
+        return torch.bernoulli(torch.full((batch, self._state_sizes()[0]), 1 - p, dtype=w.dtype, device=w.device)) / (1 - p)
+
+    def _register_options(self, options: CellOptions, proj_size: int = 0) -> None:
+        self.options = options
+        factory = {"device": self.weight_ih.device, "dtype": self.weight_ih.dtype}
+        gates = self.weight_ih.size(0)
+        hidden = self.hidden_size
+        if proj_size:  # h has P features: W_hh (G, P) and the projection W_hr (P, H), as torch.nn.LSTM's
+            self.weight_hh = nn.Parameter(torch.empty(gates, proj_size, **factory))
+            self.weight_hr = nn.Parameter(torch.empty(proj_size, hidden, **factory))
+        if options.layer_norm:
+            self.ln_ih_weight = nn.Parameter(torch.empty(gates, **factory))
+            self.ln_hh_weight = nn.Parameter(torch.empty(gates, **factory))
+            if self.mode == "LSTM":
+                self.ln_cell_weight = nn.Parameter(torch.empty(hidden, **factory))
+                self.ln_cell_bias = nn.Parameter(torch.empty(hidden, **factory))
+        if options.peephole:
+            self.weight_peephole = nn.Parameter(torch.empty(3 * hidden, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """torch.nn's cell rule, uniform(-1/sqrt(H), 1/sqrt(H)), for every weight and bias (and
+        peephole); LayerNorm gains 1 and the cell LayerNorm bias 0. With the options off, the
+        parameters torch.nn's cell draws after the same ``torch.manual_seed``."""
+        if getattr(self, "options", None) is None:
+            return  # torch's __init__: the option parameters are not registered yet
+        super().reset_parameters()  # type: ignore[misc]
+        with torch.no_grad():
+            for name, p in self._params().items():
+                if name.startswith("ln_"):
+                    p.fill_(0.0 if name == "ln_cell_bias" else 1.0)
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()  # type: ignore[misc]
+        opts = {k: v for k, v in vars(self.options).items() if v != getattr(CellOptions(), k)}
+        if self.mode == "GRU" and "zoneout" in opts:
+            opts["zoneout"] = self.options.zoneout[0]
+        return extra + "".join(f", {k}={v!r}" for k, v in opts.items())
+
+
+_CELL_DOC = """
+    Forward: ``forward(input, hx=None, *, recurrent_mask=None)``; ``input`` (B, F) or unbatched
+    (F,); {forward_doc} Dtype: that of the parameters (float32, float64, bfloat16, float16; float32
+    under ``torch.autocast`` runs the low-precision rule of :mod:`fastlayers._precision` when an
+    option is on). Options off: torch's cell kernel, exactly torch.nn.{name}. Options on: the
+    fastlayers engine's step equations (see :class:`fastlayers.{layer}`), the same function as
+    ``fastlayers.{layer}(...).cell(layer, direction)``.
+
+    Errors (each also an instance of the class torch.nn.{name} raises for the same input):
+    TypeError for a non-tensor input or state; TypeError, ValueError and RuntimeError for an
+    input dtype other than the parameters' or an integer input; ValueError for an input of rank
+    other than 1 or 2; ValueError and RuntimeError for a feature size other than input_size or a
+    state of the wrong shape; TypeError and RuntimeError for a state of another dtype.
+"""
+
+
+class LSTMCell(_Cell, nn.LSTMCell):
+    __doc__ = (
+        "LSTM cell (Hochreiter & Schmidhuber 1997) as :class:`torch.nn.LSTMCell`, plus the cell options "
+        "of :class:`fastlayers.LSTM` (keyword-only: ``proj_size``, ``layer_norm``, ``peephole``, "
+        "``cell_clip``, ``zoneout``, ``recurrent_dropout``, ``proj_clip``; same equations and "
+        "parameter names without the ``_l{k}`` suffix).\n"
+        + _CELL_DOC.format(name="LSTMCell", layer="LSTM", forward_doc=(
+            "``hx`` = (h (B, P), c (B, H)), zeros if omitted. Returns (h_1, c_1)."))
+    )
+
+    mode = "LSTM"
+
+    def __init__(self, input_size: int, hidden_size: int, bias: bool = True, device=None, dtype=None, *,
+                 proj_size: int = 0, layer_norm: bool = False, peephole: bool = False, cell_clip: float | None = None,
+                 zoneout: float | tuple[float, float] | None = None, recurrent_dropout: float = 0.0,
+                 proj_clip: float | None = None) -> None:
+        options = CellOptions.make(layer_norm, peephole, cell_clip, zoneout, recurrent_dropout, proj_clip)
+        if isinstance(proj_size, bool) or not isinstance(proj_size, int) or not 0 <= proj_size < hidden_size:
+            raise ValueError(f"proj_size: expected an int in [0, hidden_size = {hidden_size}), got {proj_size!r}")
+        if options.proj_clip is not None and proj_size == 0:
+            raise ValueError(f"proj_clip: clips the projection, so it needs proj_size > 0; got proj_clip="
+                             f"{options.proj_clip} with proj_size=0")
+        super().__init__(input_size, hidden_size, bias, device, dtype)
+        self.proj_size = proj_size
+        self._register_options(options, proj_size)
+
+    def _state_sizes(self) -> tuple[int, ...]:
+        return (self.proj_size or self.hidden_size, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        if not self.proj_size:
+            return extra
+        head, _, tail = extra.partition(", ")  # "F, H, ..." -> "F, H, proj_size=P, ..."
+        size, _, rest = tail.partition(", ")
+        return ", ".join(part for part in (head, size, f"proj_size={self.proj_size}", rest) if part)
+
+
+class GRUCell(_Cell, nn.GRUCell):
+    __doc__ = (
+        "GRU cell (Cho et al. 2014, torch's form) as :class:`torch.nn.GRUCell`, plus the cell options of "
+        ":class:`fastlayers.GRU` (keyword-only: ``layer_norm``, ``zoneout``, ``recurrent_dropout``).\n"
+        + _CELL_DOC.format(name="GRUCell", layer="GRU", forward_doc="``hx`` h (B, H), zeros if omitted. Returns h_1.")
+    )
+
+    mode = "GRU"
+
+    def __init__(self, input_size: int, hidden_size: int, bias: bool = True, device=None, dtype=None, *,
+                 layer_norm: bool = False, zoneout: float | None = None, recurrent_dropout: float = 0.0) -> None:
+        options = CellOptions.make_gru(layer_norm, zoneout, recurrent_dropout)
+        super().__init__(input_size, hidden_size, bias, device, dtype)
+        self._register_options(options)
+
+
+class RNNCell(_Cell, nn.RNNCell):
+    __doc__ = (
+        "Elman RNN cell with tanh or ReLU nonlinearity as :class:`torch.nn.RNNCell` (torch's kernel; "
+        "fastlayers' validation).\n"
+        + _CELL_DOC.format(name="RNNCell", layer="RNN", forward_doc="``hx`` h (B, H), zeros if omitted. Returns h_1.")
+    )
+
+    mode = "RNN"
+
+    def __init__(self, input_size: int, hidden_size: int, bias: bool = True, nonlinearity: str = "tanh", device=None,
+                 dtype=None) -> None:
+        super().__init__(input_size, hidden_size, bias, nonlinearity, device, dtype)
+        self._register_options(CellOptions())
+
+
+__all__ = ["LSTMCell", "GRUCell", "RNNCell"]

@@ -1,0 +1,169 @@
+"""fastlayers.LSTMCell / GRUCell / RNNCell: drop-ins for torch.nn's cells (options off: the same
+kernel, bitwise), the layers' cell options (the layer's ``cell(layer, direction)`` gives bitwise the
+same step; one step equals the engine's layer over one time step), errors of torch's classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd import gradcheck
+
+import fastlayers
+
+KINDS = [("LSTMCell", {}), ("GRUCell", {}), ("RNNCell", {}), ("RNNCell", {"nonlinearity": "relu"})]
+
+
+def _pair(name, kwargs, bias=True):
+    torch.manual_seed(0)
+    ours = getattr(fastlayers, name)(4, 5, bias=bias, **kwargs)
+    torch.manual_seed(0)
+    theirs = getattr(nn, name)(4, 5, bias=bias, **kwargs)
+    return ours, theirs
+
+
+def _state(name, batch, dtype=torch.float32):
+    g = torch.Generator().manual_seed(2)
+    shape = (batch, 5) if batch else (5,)
+    h = torch.randn(shape, generator=g).to(dtype)
+    return (h, torch.randn(shape, generator=g).to(dtype)) if name == "LSTMCell" else h
+
+
+@pytest.mark.parametrize("name,kwargs", KINDS)
+@pytest.mark.parametrize("batch", [3, None], ids=["batched", "unbatched"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_options_off_equals_torch_bitwise(name, kwargs, batch, bias):
+    ours, theirs = _pair(name, kwargs, bias)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))  # same draws
+    theirs.load_state_dict(ours.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn((batch, 4) if batch else (4,), requires_grad=True)
+    for hx in (None, _state(name, batch)):
+        a, b = ours(x, hx), theirs(x, hx)
+        for s, t in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(s, t)
+        ga = torch.autograd.grad(sum(s.sum() for s in (a if isinstance(a, tuple) else (a,))), [x, *ours.parameters()])
+        gb = torch.autograd.grad(sum(s.sum() for s in (b if isinstance(b, tuple) else (b,))),
+                                 [x, *theirs.parameters()])
+        assert all(torch.equal(u, v) for u, v in zip(ga, gb))
+
+
+OPTION_SETS = {
+    "LSTM": [dict(layer_norm=True), dict(peephole=True, cell_clip=0.5), dict(zoneout=(0.2, 0.3)),
+             dict(proj_size=3, proj_clip=0.4, layer_norm=True, peephole=True)],
+    "GRU": [dict(layer_norm=True), dict(zoneout=0.25)],
+}
+
+
+def _layer_and_cell(mode, opts, direction):
+    torch.manual_seed(0)
+    layer = getattr(fastlayers, mode)(4, 5, bidirectional=True, **opts).double().eval()
+    cell = getattr(fastlayers, mode + "Cell")(4, 5, **opts).double().eval()
+    sfx = "_l0_reverse" if direction else "_l0"
+    cell.load_state_dict({k[:-len(sfx)]: v for k, v in layer.state_dict().items() if k.endswith(sfx)}, strict=True)
+    return layer, cell
+
+
+@pytest.mark.parametrize("mode,opts", [(m, o) for m, sets in OPTION_SETS.items() for o in sets])
+@pytest.mark.parametrize("direction", [0, 1])
+def test_layer_cell_view_and_cell_module_are_bitwise_equal(mode, opts, direction):
+    layer, cell = _layer_and_cell(mode, opts, direction)
+    x = torch.randn(3, 4, dtype=torch.double)
+    states = cell(x)
+    for _ in range(3):  # a few steps of decoding
+        a, b = layer.cell(0, direction)(x, states), cell(x, states)
+        for s, t in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(s, t)
+        states = b
+
+
+@pytest.mark.parametrize("mode,opts", [(m, o) for m, sets in OPTION_SETS.items() for o in sets])
+def test_one_step_equals_the_engine_layer_over_one_time_step(mode, opts):
+    layer, cell = _layer_and_cell(mode, opts, 0)
+    x = torch.randn(1, 3, 4, dtype=torch.double)
+    out, final = layer(x, lengths=[1, 1, 1])
+    step = cell(x[0])
+    if mode == "LSTM":
+        torch.testing.assert_close(step[0], final[0][0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(step[1], final[1][0], rtol=1e-10, atol=1e-12)
+    else:
+        torch.testing.assert_close(step, final[0], rtol=1e-10, atol=1e-12)
+    p = step[0].size(-1) if mode == "LSTM" else 5
+    torch.testing.assert_close(out[0, :, :p], step[0] if mode == "LSTM" else step, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode,opts", [(m, o) for m, sets in OPTION_SETS.items() for o in sets])
+def test_option_cell_gradcheck(mode, opts):
+    torch.manual_seed(0)
+    cell = getattr(fastlayers, mode + "Cell")(3, 4, **{**opts, **({"proj_size": 2} if "proj_size" in opts else {})})
+    cell = cell.double().eval()
+    x = torch.randn(2, 3, dtype=torch.double, requires_grad=True)
+    w = cell.weight_hh.detach().clone().requires_grad_(True)
+    assert gradcheck(lambda x, w: torch.func.functional_call(cell, {"weight_hh": w}, (x,)), (x, w))
+
+
+def test_training_zoneout_and_recurrent_mask():
+    torch.manual_seed(0)
+    cell = fastlayers.LSTMCell(4, 5, zoneout=0.5, recurrent_dropout=0.5).train()
+    x, hx = torch.randn(3, 4), (torch.randn(3, 5), torch.randn(3, 5))
+    mask = cell.recurrent_mask(3)
+    assert mask.shape == (3, 5) and set(mask.unique().tolist()) <= {0.0, 2.0}
+    a, b = cell(x, hx, recurrent_mask=mask), cell(x, hx, recurrent_mask=mask)
+    assert not torch.equal(a[0], b[0])  # fresh zoneout masks every step
+    kept = (a[0] == hx[0]).float().mean()
+    assert 0.2 < kept < 0.8
+    cell.eval()
+    assert cell.recurrent_mask(3) is None
+    plain = fastlayers.LSTMCell(4, 5).eval()
+    plain.load_state_dict(cell.state_dict())
+    h, c = plain(x, hx)  # eval: the expectation z * prev + (1 - z) * new
+    torch.testing.assert_close(cell(x, hx), (0.5 * hx[0] + 0.5 * h, 0.5 * hx[1] + 0.5 * c))
+    with pytest.raises(ValueError, match=r"recurrent_mask: expected shape \(3, 5\)"):
+        cell(x, hx, recurrent_mask=torch.ones(3, 4))
+
+
+def _error_cases(name):
+    lstm = name == "LSTMCell"
+
+    def st(*shape, dtype=torch.float32):
+        z = torch.zeros(*shape, dtype=dtype)
+        return (z, z.clone()) if lstm else z
+
+    x = torch.randn(3, 4)
+    cases = {
+        "input dtype": (x.double(), None), "feature size": (torch.randn(3, 7), None),
+        "integer input": (torch.ones(3, 4, dtype=torch.int64), None), "hx batch": (x, st(2, 5)),
+        "hx rank": (x, st(1, 3, 5)), "hx dtype": (x, st(3, 5, dtype=torch.float64)), "hx size": (x, st(3, 6)),
+        "input rank": (torch.randn(2, 3, 4), None), "unbatched input, batched hx": (torch.randn(4), st(3, 5)),
+    }
+    if lstm:
+        cases["hx as one tensor"] = (x, torch.zeros(3, 5))
+    return cases
+
+
+@pytest.mark.parametrize("name,case", [(n, c) for n in ("LSTMCell", "GRUCell", "RNNCell") for c in _error_cases(n)])
+def test_errors_are_instances_of_torchs_classes(name, case):
+    x, hx = _error_cases(name)[case]
+    ours, theirs = _pair(name, {})
+    with pytest.raises(Exception) as expected:
+        theirs(x, hx)
+    with pytest.raises(Exception, match=r"^(input|hx)") as got:
+        ours(x, hx)
+    assert isinstance(got.value, type(expected.value)), (type(got.value).__mro__, type(expected.value))
+
+
+def test_readme_decoding_example_runs():
+    """The README's greedy decoding loop (shapes as written there)."""
+    torch.manual_seed(0)
+    vocab, emb = 10, 8
+    embed = nn.Embedding(vocab, emb)
+    cell = fastlayers.LSTMCell(emb, 16, layer_norm=True, zoneout=0.1).eval()
+    head = nn.Linear(16, vocab)
+    token, state = torch.zeros(2, dtype=torch.long), None
+    out = []
+    with torch.no_grad():
+        for _ in range(5):
+            state = cell(embed(token), state)
+            token = head(state[0]).argmax(-1)
+            out.append(token)
+    assert torch.stack(out).shape == (5, 2)

@@ -1,0 +1,210 @@
+"""Second derivatives on every kernel path (fastlayers._twice): a backward that is itself recorded
+(create_graph=True) recomputes with the differentiable reference instead of returning zeros.
+
+gradgradcheck in float64 on tiny shapes for the CPU engine (LSTM / GRU, lengths, every cell
+option, training masks, projection), the Triton engine, local layers and attention pooling under
+Triton's interpreter; hvp equal to torch's PackedSequence path; mixed precision against float64;
+a gradient-penalty training step."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.autograd import gradcheck, gradgradcheck
+from torch.autograd.functional import hvp
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import fastlayers
+from fastlayers.rnn import _recurrence
+
+LENGTHS = [4, 2, 3]
+OPTIONS = {
+    "plain": {},
+    "layer_norm": {"layer_norm": True},
+    "peephole+clip": {"peephole": True, "cell_clip": 0.5},
+    "zoneout": {"zoneout": (0.2, 0.3)},
+    "proj+clip": {"proj_size": 2, "proj_clip": 0.4},
+}
+triton = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                            reason="no GPU and Triton's interpreter is off")
+
+
+def _module(cls, options, seed=0, **kw):
+    torch.manual_seed(seed)
+    return cls(3, 3, **options, **kw).double()
+
+
+def _check(fn, *inputs, fast_mode=False):
+    """gradcheck and gradgradcheck in float64; ``fast_mode`` (a random projection of the Jacobians:
+    a few evaluations instead of one per element) for the kernels run by Triton's interpreter."""
+    assert gradcheck(fn, inputs, fast_mode=fast_mode)
+    assert gradgradcheck(fn, inputs, fast_mode=fast_mode)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_lstm_engine_gradgradcheck(name, bidirectional):
+    m = _module(fastlayers.LSTM, OPTIONS[name], bidirectional=bidirectional).eval()
+    x = torch.randn(4, 3, 3, dtype=torch.double, requires_grad=True)
+    weight = m.weight_hh_l0
+
+    def f(x, w):
+        out, (h, c) = torch.func.functional_call(m, {"weight_hh_l0": w}, (x,), {"lengths": LENGTHS})
+        return out, h, c
+
+    _check(f, x, weight.detach().clone().requires_grad_(True))
+
+
+@pytest.mark.parametrize("name", ["plain", "layer_norm", "zoneout"])
+def test_gru_engine_gradgradcheck(name):
+    opts = dict(OPTIONS[name])
+    if "zoneout" in opts:
+        opts["zoneout"] = 0.25
+    layers = 2 if name == "plain" else 1
+    m = _module(fastlayers.GRU, opts, bidirectional=True, num_layers=layers).eval()
+    x = torch.randn(4, 3, 3, dtype=torch.double, requires_grad=True)
+    key = f"weight_ih_l{layers - 1}"
+    w = getattr(m, key).detach().clone().requires_grad_(True)
+
+    def f(x, w):
+        out, h = torch.func.functional_call(m, {key: w}, (x,), {"lengths": LENGTHS})
+        return out, h
+
+    _check(f, x, w)
+
+
+@pytest.mark.parametrize("cls", ["LSTM", "GRU"])
+def test_training_masks_gradgradcheck(cls):
+    """Training: recurrent dropout and zoneout masks are sampled once per call; the recorded
+    backward reuses the call's masks (seeded so that every gradcheck call draws the same)."""
+    opts = {"recurrent_dropout": 0.3, "zoneout": 0.2 if cls == "GRU" else (0.2, 0.3)}
+    m = _module(getattr(fastlayers, cls), opts, bidirectional=True).train()
+    x = torch.randn(4, 3, 3, dtype=torch.double, requires_grad=True)
+
+    def f(x):
+        torch.manual_seed(5)
+        return m(x, lengths=LENGTHS)[0]
+
+    _check(f, x)
+
+
+def test_engine_takes_the_recorded_path_only_when_recording(monkeypatch):
+    calls = []
+    original = _recurrence._recorded_backward
+    monkeypatch.setattr(_recurrence, "_recorded_backward", lambda *a: calls.append(1) or original(*a))
+    m = _module(fastlayers.LSTM, {"layer_norm": True})
+    x = torch.randn(4, 3, 3, dtype=torch.double, requires_grad=True)
+    m(x, lengths=LENGTHS)[0].sum().backward()
+    assert calls == []
+    g, = torch.autograd.grad(m(x, lengths=LENGTHS)[0].pow(2).sum(), x, create_graph=True)
+    assert calls == [1] and g.requires_grad
+
+
+@pytest.mark.parametrize("cls", ["LSTM", "GRU"])
+def test_hvp_equals_torch_packed_path(cls):
+    torch.manual_seed(0)
+    ours = getattr(fastlayers, cls)(3, 4, bidirectional=True).double()
+    ref = getattr(torch.nn, cls)(3, 4, bidirectional=True).double()
+    ref.load_state_dict(ours.state_dict())
+    x, v = torch.randn(4, 3, 3, dtype=torch.double), torch.randn(4, 3, 3, dtype=torch.double)
+    lengths = [4, 2, 1]
+
+    def f_torch(x):
+        out = ref(pack_padded_sequence(x, lengths))[0]
+        return pad_packed_sequence(out, total_length=4)[0].pow(2).sum()
+
+    def f_ours(x):
+        return ours(x, lengths=lengths)[0].pow(2).sum()
+
+    expected, got = hvp(f_torch, x, v)[1], hvp(f_ours, x, v)[1]
+    assert expected.norm() > 0
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_bf16_second_derivative_close_to_float64():
+    """Low precision (bf16 parameters and input, the engine): the Hessian-vector product is the
+    float64 one within bf16 rounding, not zero."""
+    torch.manual_seed(0)
+    m = fastlayers.LSTM(3, 4, layer_norm=True).double()
+    x, v = torch.randn(6, 2, 3, dtype=torch.double), torch.randn(6, 2, 3, dtype=torch.double)
+    lengths = [6, 3]
+    expected = hvp(lambda x: m(x, lengths=lengths)[0].pow(2).sum(), x, v)[1]
+    low = m.to(torch.bfloat16)
+    got = hvp(lambda x: low(x, lengths=lengths)[0].float().pow(2).sum(), x.bfloat16(), v.bfloat16())[1]
+    assert got.dtype == torch.bfloat16
+    err = (got.double() - expected).norm() / expected.norm()
+    assert err < 0.1, err
+
+
+def test_gradient_penalty_training_step():
+    """WGAN-GP style: loss + ||d loss / d x||^2 trains the weights through the second derivative; the
+    step equals the same step through torch's PackedSequence path."""
+    torch.manual_seed(0)
+    ours = fastlayers.LSTM(3, 4).double()
+    ref = torch.nn.LSTM(3, 4).double()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(5, 3, 3, dtype=torch.double)
+    lengths = [5, 2, 4]
+
+    def step(model, run):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        xi = x.clone().requires_grad_(True)
+        loss = run(model, xi).sum()
+        g, = torch.autograd.grad(loss, xi, create_graph=True)
+        (loss + g.pow(2).sum()).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        return grads
+
+    def run_ref(model, xi):
+        out = model(pack_padded_sequence(xi, lengths, enforce_sorted=False))[0]
+        return pad_packed_sequence(out, total_length=5)[0].tanh()
+
+    g_ours = step(ours, lambda model, xi: model(xi, lengths=lengths)[0].tanh())
+    g_ref = step(ref, run_ref)
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(dict(ours.named_parameters())["weight_hh_l0"], ref.weight_hh_l0, rtol=1e-9, atol=1e-11)
+
+
+def test_local_gradgradcheck_cpu_kernel():
+    torch.manual_seed(0)
+    m = fastlayers.LocallyConnected2d(2, 2, (4, 4), kernel_size=2, stride=1, padding=1).double()
+    x = torch.randn(2, 2, 4, 4, dtype=torch.double, requires_grad=True)
+    w = m.weight.detach().clone().requires_grad_(True)
+    b = m.bias.detach().clone().requires_grad_(True)
+    with fastlayers.backend("cpu"):
+        _check(lambda x, w, b: torch.func.functional_call(m, {"weight": w, "bias": b}, (x,)), x, w, b)
+
+
+@triton
+def test_local_gradgradcheck_triton():
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 3, 3, dtype=torch.double, requires_grad=True)
+    m = fastlayers.LocallyConnected2d(2, 2, (3, 3), kernel_size=1).double()
+    w = m.weight.detach().clone().requires_grad_(True)
+    with fastlayers.backend("triton"):
+        _check(lambda x, w: torch.func.functional_call(m, {"weight": w}, (x,)), x, w, fast_mode=True)
+
+
+@triton
+@pytest.mark.parametrize("score", ["dot", "scaled_dot"])
+def test_attention_gradgradcheck_triton(score):
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, dtype=torch.double, requires_grad=True)
+    k = torch.randn(2, 4, 3, dtype=torch.double, requires_grad=True)
+    v = torch.randn(2, 4, 2, dtype=torch.double, requires_grad=True)
+    with fastlayers.backend("triton"):
+        _check(lambda q, k, v: fastlayers.attention_pool(q, k, v, [4, 2], score=score), q, k, v, fast_mode=True)
+
+
+@triton
+@pytest.mark.parametrize("cls", ["LSTM", "GRU"])
+def test_triton_engine_gradgradcheck(cls):
+    opts = {"layer_norm": True}
+    m = _module(getattr(fastlayers, cls), opts, bidirectional=True).eval()
+    x = torch.randn(3, 2, 3, dtype=torch.double, requires_grad=True)
+    with fastlayers.backend("triton"):
+        _check(lambda x: m(x, lengths=[3, 2])[0], x, fast_mode=True)
