@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fastlayers-installed
+TRITON_NEWEST := 3.9.0
+TRITON_NEWEST_DIR := $(VENV)/triton-$(TRITON_NEWEST)
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench gpu-static clean
 
 setup: $(STAMP)
 
@@ -29,9 +31,12 @@ demo: setup
 
 # The suite twice: as is, then with uninitialised memory poisoned (torch.empty & co. filled with NaN,
 # deterministic algorithms on), so a kernel or module that reads memory nobody wrote fails a test.
-test: setup $(VENV)/.triton-installed
+test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
 	$(BIN)/python -m pytest
-	$(BIN)/python -m pytest --poison-memory -m "not subprocess and not compile"
+	$(BIN)/python -m pytest --poison-memory -m "not subprocess and not compile and not reference_only"
+	$(BIN)/python benchmarks/gpu_static.py --set ci
+	PYTHONPATH=$(TRITON_NEWEST_DIR) $(BIN)/python -m pytest tests/test_triton.py tests/test_rnn_triton.py
+	PYTHONPATH=$(TRITON_NEWEST_DIR) $(BIN)/python benchmarks/gpu_static.py --set ci --arch sm_90a
 
 # Triton for the tests only (never for make demo): they run the Triton kernels on CPU tensors
 # through Triton's interpreter. 3.6.0 is the release on the project's GPU machines. Its interpreter
@@ -41,6 +46,19 @@ $(VENV)/.triton-installed: $(STAMP)
 	$(BIN)/python -m pip install --quiet triton==3.6.0 'numpy<2.4'
 	$(BIN)/python -m pip check
 	touch $@
+
+# Triton's newest release, for a second run of the interpreter tests and of the static GPU check
+# (the oldest supported, 3.6.0, is the tests' own). Installed beside the venv (--target, taken in
+# through PYTHONPATH) with the NumPy its interpreter needs, so the venv keeps one Triton.
+$(TRITON_NEWEST_DIR)/.installed: $(STAMP)
+	rm -rf $(TRITON_NEWEST_DIR)
+	$(BIN)/python -m pip install --quiet --no-deps --target $(TRITON_NEWEST_DIR) triton==$(TRITON_NEWEST) 'numpy>=2.4,<2.5'
+	touch $@
+
+# Every Triton kernel the layers launch compiled for sm_90a and sm_80 without a GPU: the full table
+# of BENCHMARKS.md (make test checks a subset).
+gpu-static: $(VENV)/.triton-installed
+	$(BIN)/python benchmarks/gpu_static.py --set full
 
 bench: setup
 	$(BIN)/python benchmarks/bench_rnn_lengths.py

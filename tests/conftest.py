@@ -27,9 +27,16 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
+    lines = []
+    try:
+        import triton
+
+        lines.append(f"triton {triton.__version__} ({'interpreter' if os.environ.get('TRITON_INTERPRET') == '1' else 'GPU'})")
+    except ImportError:
+        lines.append("triton: not installed")
     if config.getoption("--poison-memory"):
-        return "fastlayers: uninitialised memory poisoned (NaN), deterministic algorithms on"
-    return None
+        lines.append("fastlayers: uninitialised memory poisoned (NaN), deterministic algorithms on")
+    return lines
 
 
 @pytest.fixture(autouse=True)

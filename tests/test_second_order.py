@@ -19,6 +19,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import fastlayers
 from fastlayers.rnn import _recurrence
 
+pytestmark = pytest.mark.reference_only  # (see pyproject's markers)
+
 LENGTHS = [4, 2, 3]
 OPTIONS = {
     "plain": {},

@@ -10,9 +10,12 @@ import torch
 from torch import nn
 
 import fastlayers
+from torch.testing._internal import common_modules  # (imports expecttest: in the [test] extra)
+
 from module_cases import flat
 
-common_modules = pytest.importorskip("torch.testing._internal.common_modules")  # needs expecttest ([test] extra)
+pytestmark = pytest.mark.reference_only  # (see pyproject's markers)
+
 
 OURS = {nn.LSTM: fastlayers.LSTM, nn.GRU: fastlayers.GRU, nn.RNN: fastlayers.RNN, nn.LSTMCell: fastlayers.LSTMCell,
         nn.GRUCell: fastlayers.GRUCell, nn.RNNCell: fastlayers.RNNCell}

@@ -46,45 +46,36 @@ def locate(s, T, B, lengths, HAS_LENGTHS: tl.constexpr):
 
 
 @triton.jit
+def _blocks_sum(a0, a1, a2, a3, km, BLOCKS: tl.constexpr):
+    """The valid lanes of the first BLOCKS blocks summed elementwise (one block: the reductions
+    below then take one tl.sum per statistic instead of one per block)."""
+    v = a0
+    if BLOCKS > 1:
+        v += a1
+    if BLOCKS > 2:
+        v += a2
+    if BLOCKS > 3:
+        v += a3
+    return tl.where(km, v, 0.0)
+
+
+@triton.jit
 def norm_stats(a0, a1, a2, a3, km, n, eps, BLOCKS: tl.constexpr):
-    """Mean and 1/sqrt(var + eps) of the ``n`` valid entries of up to four blocks (lanes km)."""
-    total = tl.sum(tl.where(km, a0, 0.0), axis=0)
-    if BLOCKS > 1:
-        total += tl.sum(tl.where(km, a1, 0.0), axis=0)
-    if BLOCKS > 2:
-        total += tl.sum(tl.where(km, a2, 0.0), axis=0)
-    if BLOCKS > 3:
-        total += tl.sum(tl.where(km, a3, 0.0), axis=0)
-    mean = total / n
-    e0 = tl.where(km, a0 - mean, 0.0)
-    var = tl.sum(e0 * e0, axis=0)
-    if BLOCKS > 1:
-        e1 = tl.where(km, a1 - mean, 0.0)
-        var += tl.sum(e1 * e1, axis=0)
-    if BLOCKS > 2:
-        e2 = tl.where(km, a2 - mean, 0.0)
-        var += tl.sum(e2 * e2, axis=0)
-    if BLOCKS > 3:
-        e3 = tl.where(km, a3 - mean, 0.0)
-        var += tl.sum(e3 * e3, axis=0)
+    """Mean and 1/sqrt(var + eps) of the ``n`` valid entries of up to four blocks (lanes km): one
+    reduction for the mean, one for the variance (of the centred values, as two-pass LayerNorm)."""
+    mean = tl.sum(_blocks_sum(a0, a1, a2, a3, km, BLOCKS), axis=0) / n
+    e0, e1, e2, e3 = a0 - mean, a1 - mean, a2 - mean, a3 - mean
+    var = tl.sum(_blocks_sum(e0 * e0, e1 * e1, e2 * e2, e3 * e3, km, BLOCKS), axis=0)
     return mean, 1 / tl.sqrt(var / n + eps)
 
 
 @triton.jit
 def norm_backward_terms(g0, g1, g2, g3, x0, x1, x2, x3, km, n, BLOCKS: tl.constexpr):
     """mean(g) and mean(g * x-hat) over the valid entries of the blocks, for the LayerNorm
-    backward dx = rstd * (g - mean(g) - x-hat * mean(g * x-hat)), g = upstream * gain."""
-    s = tl.sum(tl.where(km, g0, 0.0), axis=0)
-    p = tl.sum(tl.where(km, g0 * x0, 0.0), axis=0)
-    if BLOCKS > 1:
-        s += tl.sum(tl.where(km, g1, 0.0), axis=0)
-        p += tl.sum(tl.where(km, g1 * x1, 0.0), axis=0)
-    if BLOCKS > 2:
-        s += tl.sum(tl.where(km, g2, 0.0), axis=0)
-        p += tl.sum(tl.where(km, g2 * x2, 0.0), axis=0)
-    if BLOCKS > 3:
-        s += tl.sum(tl.where(km, g3, 0.0), axis=0)
-        p += tl.sum(tl.where(km, g3 * x3, 0.0), axis=0)
+    backward dx = rstd * (g - mean(g) - x-hat * mean(g * x-hat)), g = upstream * gain; one
+    reduction each."""
+    s = tl.sum(_blocks_sum(g0, g1, g2, g3, km, BLOCKS), axis=0)
+    p = tl.sum(_blocks_sum(g0 * x0, g1 * x1, g2 * x2, g3 * x3, km, BLOCKS), axis=0)
     return s / n, p / n
 
 
@@ -165,7 +156,7 @@ def finish_h(s, T, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, 
     tl.store(y + ((t * B + b) * D + d) * P + k, tl.where(active, hn, 0.0), mask=km)
     if RMASK:
         hn = hn * tl.load(rmask + state * P + k, mask=km, other=0.0)
-    tl.store(hd + ((d * T + s + 1) * B + b) * P + k, hn, mask=km & (s + 1 < T))
+    tl.store(hd + ((d * T + s + 1) * B + b) * P + k, hn, mask=tl.where(s + 1 < T, km, False))
 
 
 @triton.jit

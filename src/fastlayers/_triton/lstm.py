@@ -29,7 +29,7 @@ from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, n
                     norm_stats, present_or, recurrent_norm, sigmoid, store_blocks, tanh)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s"])
 def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc, bc, peep, zc, zh,
                     y, hd, gates, c1, chist, xstat, rhat, rrstd, cstat, y1, scalars,
                     HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, PEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -41,7 +41,7 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc
     G = 4 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
-    x0, x1, x2, x3 = load_blocks(xp + ((t * B + b) * D + d) * G, H, k, km & active, acc_t, 4)
+    x0, x1, x2, x3 = load_blocks(xp + ((t * B + b) * D + d) * G, H, k, tl.where(active, km, False), acc_t, 4)
     r0, r1, r2, r3 = load_blocks(r + state * G, H, k, km, acc_t, 4)
     if LN:
         x0, x1, x2, x3 = input_norm(x0, x1, x2, x3, gx + d * G, bias + d * G, xstat, step, H, k, km, eps, acc_t,
@@ -79,7 +79,7 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc
     kc = zc_const
     if ZC_MASK:
         kc = tl.load(zc + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
-    tl.store(c + state * H + k, kc * c0 + (1 - kc) * cn, mask=km & active)
+    tl.store(c + state * H + k, kc * c0 + (1 - kc) * cn, mask=tl.where(active, km, False))
     if PROJ:
         tl.store(y1 + step * H + k, h1, mask=km)
     else:
@@ -94,7 +94,7 @@ def _scalars(scalars, acc_t: tl.constexpr):
             tl.load(scalars + 3).to(acc_t), tl.load(scalars + 4).to(acc_t))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s"])
 def _project_kernel(s, T, B, D, P, lengths, hp, h, rmask, zh, keep, y, hd, scalars,
                     HAS_LENGTHS: tl.constexpr, PCLIP: tl.constexpr, ZH_MASK: tl.constexpr, RMASK: tl.constexpr,
                     F64: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -110,7 +110,7 @@ def _project_kernel(s, T, B, D, P, lengths, hp, h, rmask, zh, keep, y, hd, scala
     finish_h(s, T, B, D, P, b, d, t, active, k, km, v, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s"])
 def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, rmask, zh, keep, dhp, scalars,
                              HAS_LENGTHS: tl.constexpr, HAS_G: tl.constexpr, PCLIP: tl.constexpr,
                              ZH_MASK: tl.constexpr, RMASK: tl.constexpr, F64: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -122,7 +122,7 @@ def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, rmask, zh, keep,
     km = k < P
     _, _, zh_const, _, _ = _scalars(scalars, acc_t)
     dhv = carried(dh, g, rmask, state, P, k, km, HAS_G, RMASK, acc_t)
-    dtot = dhv + tl.load(dy + ((t * B + b) * D + d) * P + k, mask=km & active, other=0.0).to(acc_t)
+    dtot = dhv + tl.load(dy + ((t * B + b) * D + d) * P + k, mask=tl.where(active, km, False), other=0.0).to(acc_t)
     kh = zh_const
     if ZH_MASK:
         kh = tl.load(zh + ((d * T + t) * B + b) * P + k, mask=km, other=0.0).to(acc_t)
@@ -133,7 +133,7 @@ def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, rmask, zh, keep,
     tl.store(dh + state * P + k, tl.where(active, kh * dtot, dhv), mask=km)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s"])
 def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, rmask, gates, c1, c0, chist, xp, xstat, gx, rhat,
                      rrstd, cstat, gh, gc, bc, peep, zc, zh, dpre, dr, pgx, pb, pgh, pgc, pbc, ppeep, scalars,
                      HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, PEEP: tl.constexpr, CLIP: tl.constexpr,
@@ -154,7 +154,7 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, rmask, gates, c1, c0
     if DY_STEP:
         dyv = tl.load(dy + state * H + k, mask=km, other=0.0).to(acc_t)
     else:
-        dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=km & active, other=0.0).to(acc_t)
+        dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=tl.where(active, km, False), other=0.0).to(acc_t)
     kh = zh_const
     if ZH_MASK:
         kh = tl.load(zh + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
@@ -170,8 +170,8 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, rmask, gates, c1, c0
     if SAVE_CHIST:
         cb = tl.load(chist + step * H + k, mask=km, other=0.0)
     else:  # the cell state before step s: the step before's c1, or c_0
-        cb = tl.load(c1 + (step - B) * H + k, mask=km & (s > 0), other=0.0) + \
-            tl.load(c0 + state * H + k, mask=km & (s == 0), other=0.0)
+        cb = tl.load(c1 + (step - B) * H + k, mask=tl.where(s > 0, km, False), other=0.0) + \
+            tl.load(c0 + state * H + k, mask=tl.where(s == 0, km, False), other=0.0)
     dhout = dyv + dhv
     dh1 = (1 - kh) * dhout
     if LN:
@@ -230,7 +230,7 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, rmask, gates, c1, c0
         # upstream gradients are zero and its x-hat is read as zeros)
         mx = tl.load(xstat + 2 * step)
         sx = tl.load(xstat + 2 * step + 1)
-        q0, q1, q2, q3 = load_blocks(xp + xrow, H, k, km & active, acc_t, 4)
+        q0, q1, q2, q3 = load_blocks(xp + xrow, H, k, tl.where(active, km, False), acc_t, 4)
         q0, q1, q2, q3 = (q0 - mx) * sx, (q1 - mx) * sx, (q2 - mx) * sx, (q3 - mx) * sx
         v0, v1, v2, v3 = norm_backward(di, df, dg, do, gx + d * G, q0, q1, q2, q3, sx, H, k, km, acc_t, 4)
         store_blocks(dpre + xrow, H, k, km, v0, v1, v2, v3, 4)

@@ -18,6 +18,19 @@ directions at once:
   after the loop, the LayerNorm and peephole parameter gradients are sums over the per-row
   products the kernels wrote (deterministic: no atomics).
 
+Grid of the step kernels (decided from the static facts of ``benchmarks/gpu_static.py``, Triton 3.6,
+sm_90a; to be measured on the GPU): one 4-warp program per (direction, sequence), i.e. 64 programs
+at the seed shape (D=2, B=32) on the H100's 132 SMs. Kept because (1) the LayerNorms need the
+statistics of a whole row (4H pre-activations, H cell values): splitting a row over programs would
+need a cross-program reduction per step (a second launch or atomics plus a grid barrier); (2) the
+kernels are small next to the step's recurrent GEMM: 40-64 registers at H=256 without spills, six
+reductions (one per LayerNorm statistic) and 11-17 barriers per step kernel, every step compiled
+once (the step index is not specialised); (3) B*D programs fill the GPU from B=64 on (D=2). To
+measure first on the GPU: the step kernel's share of a step next to the GEMM (bench_gpu_engine.py
+under the profiler); if it matters at H=1024 (105-146 registers, no spills, see the table) or small B, try 8
+warps per program at H >= 1024, and rows split over 2-4 programs for the kernels without
+LayerNorm (no row statistics), which need no cross-program reduction.
+
 Nothing in the time loop depends on the lengths' values on the host, so the loop can be captured
 once in a CUDA graph and replayed for any lengths (:mod:`._graphs`). The GEMMs are torch's (cuBLAS)
 and follow torch's precision flags: float32 GEMMs use TF32 only where
