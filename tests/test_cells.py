@@ -136,8 +136,10 @@ def _error_cases(name):
         "hx rank": (x, st(1, 3, 5)), "hx dtype": (x, st(3, 5, dtype=torch.float64)), "hx size": (x, st(3, 6)),
         "input rank": (torch.randn(2, 3, 4), None), "unbatched input, batched hx": (torch.randn(4), st(3, 5)),
     }
+    cases["input not a tensor"] = ([[1.0] * 4] * 3, None)
     if lstm:
         cases["hx as one tensor"] = (x, torch.zeros(3, 5))
+    cases["hx not a tensor"] = (x, "h")
     return cases
 
 

@@ -26,8 +26,14 @@ def _cases(mode: str) -> dict[str, tuple]:
         "hx of another dtype": (x, state(1, 3, 5, dtype=torch.float64), "expected dtype torch.float32"),
         "input of rank 4": (torch.randn(2, 6, 3, 4), None, "input: expected a 2-D or 3-D tensor"),
     }
+    cases["input not a tensor"] = ([[1.0] * 4] * 3, None, "input: expected a torch.Tensor")
     if lstm:
         cases["LSTM hx as one tensor"] = (x, torch.zeros(1, 3, 5), "hx: expected a tuple")
+        cases["LSTM hx of three tensors"] = (x, (torch.zeros(1, 3, 5),) * 3, "hx: expected a tuple")
+        cases["LSTM hx not a tensor"] = (x, "h", "hx: expected a tuple")
+    else:
+        cases["hx not a tensor"] = (x, "h", "hx: expected a torch.Tensor")
+        cases["hx a tuple"] = (x, (torch.zeros(1, 3, 5),), "hx: expected a torch.Tensor")
     return cases
 
 

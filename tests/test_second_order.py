@@ -210,3 +210,32 @@ def test_triton_engine_gradgradcheck(cls):
     x = torch.randn(3, 2, 3, dtype=torch.double, requires_grad=True)
     with fastlayers.backend("triton"):
         _check(lambda x: m(x, lengths=[3, 2])[0], x, fast_mode=True)
+
+
+def test_rnn_with_lengths_gradgradcheck():
+    """RNN with lengths runs torch's fused kernels per segment: differentiable twice as they are."""
+    m = _module(fastlayers.RNN, {}, bidirectional=True)
+    x = torch.randn(4, 3, 3, dtype=torch.double, requires_grad=True)
+    _check(lambda x: m(x, lengths=LENGTHS), x)
+
+
+@pytest.mark.parametrize("cls", ["LSTM", "GRU"])
+def test_reference_backend_gradgradcheck(cls):
+    m = _module(getattr(fastlayers, cls), {"layer_norm": True}).eval()
+    x = torch.randn(4, 3, 3, dtype=torch.double, requires_grad=True)
+    with fastlayers.backend("reference"):
+        _check(lambda x: m(x, lengths=LENGTHS)[0], x)
+
+
+@pytest.mark.parametrize("cls", ["LSTM", "GRU"])
+def test_bf16_plain_call_without_lengths_has_second_derivatives(cls):
+    """A plain bf16 call on CPU runs the engine (float32 cell state): its Hessian-vector product is
+    float64's within bf16 rounding."""
+    torch.manual_seed(0)
+    m = getattr(fastlayers, cls)(3, 4).double()
+    x, v = torch.randn(5, 2, 3, dtype=torch.double), torch.randn(5, 2, 3, dtype=torch.double)
+    expected = hvp(lambda x: m(x)[0].pow(2).sum(), x, v)[1]
+    low = m.to(torch.bfloat16)
+    got = hvp(lambda x: low(x)[0].float().pow(2).sum(), x.bfloat16(), v.bfloat16())[1]
+    err = (got.double() - expected).norm() / expected.norm()
+    assert err < 0.1, err

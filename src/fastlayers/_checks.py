@@ -21,14 +21,19 @@ class InputDtypeError(TypeError, ValueError, RuntimeError):
     its cells: RuntimeError from the matrix product)."""
 
 
-class StateTypeError(TypeError, IndexError):
-    """An LSTM state that is not a pair (h_0, c_0) (torch.nn.LSTM indexes it: IndexError)."""
+class StateTypeError(TypeError, IndexError, RuntimeError, AttributeError):
+    """An LSTM state that is not a pair (h_0, c_0) (torch.nn.LSTM: IndexError for one tensor,
+    RuntimeError for three, AttributeError for a non-tensor)."""
+
+
+class NotATensorError(TypeError, AttributeError):
+    """A non-tensor where a tensor goes (torch.nn's RNNs call .dim() on it: AttributeError)."""
 
 
 
 def check_tensor(name: str, value: object) -> Tensor:
     if not isinstance(value, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+        raise NotATensorError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     return value
 
 

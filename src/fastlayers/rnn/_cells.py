@@ -187,7 +187,8 @@ _CELL_DOC = """
     ``fastlayers.{layer}(...).cell(layer, direction)``.
 
     Errors (each also an instance of the class torch.nn.{name} raises for the same input):
-    TypeError for a non-tensor input or state; TypeError, ValueError and RuntimeError for an
+    TypeError and AttributeError for a non-tensor input or state (TypeError, IndexError,
+    RuntimeError and AttributeError for an LSTM state that is not a pair); TypeError, ValueError and RuntimeError for an
     input dtype other than the parameters' or an integer input; ValueError for an input of rank
     other than 1 or 2; ValueError and RuntimeError for a feature size other than input_size or a
     state of the wrong shape; TypeError and RuntimeError for a state of another dtype.

@@ -187,8 +187,9 @@ _COMMON_DOC = """
     variable-length kernel on CUDA).
 
     Errors (each also an instance of the class torch.nn.{name} raises for the same input, so
-    code catching torch's class catches ours): TypeError for a non-tensor ``input`` or float
-    ``lengths``; TypeError and ValueError for an ``input`` dtype other than the parameters' (or
+    code catching torch's class catches ours): TypeError and AttributeError for a non-tensor
+    ``input`` or ``hx``; TypeError, IndexError, RuntimeError and AttributeError for an LSTM ``hx``
+    that is not a pair (h_0, c_0); TypeError for float ``lengths``; TypeError and ValueError for an ``input`` dtype other than the parameters' (or
     integer), with torch's hint; TypeError and RuntimeError for ``hx`` of another dtype than the
     input; ValueError and RuntimeError for a feature size other than input_size or ``hx`` of the
     wrong shape or rank; ValueError for a wrong input rank, lengths of the wrong size or outside
