@@ -6,7 +6,7 @@ STAMP := $(VENV)/.fastlayers-installed
 TRITON_NEWEST := 3.9.0
 TRITON_NEWEST_DIR := $(VENV)/triton-$(TRITON_NEWEST)
 
-.PHONY: setup demo test bench gpu-static clean
+.PHONY: setup demo test bench gpu-static gpu-check clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,7 @@ test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
 	$(BIN)/python benchmarks/gpu_static.py --set ci
 	PYTHONPATH=$(TRITON_NEWEST_DIR) $(BIN)/python -m pytest tests/test_triton.py tests/test_rnn_triton.py
 	PYTHONPATH=$(TRITON_NEWEST_DIR) $(BIN)/python benchmarks/gpu_static.py --set ci --arch sm_90a
+	PYTHON=$(BIN)/python benchmarks/gpu_check.sh "$$(mktemp -d)" --dry-run
 
 # Triton for the tests only (never for make demo): they run the Triton kernels on CPU tensors
 # through Triton's interpreter. 3.6.0 is the release on the project's GPU machines. Its interpreter
@@ -59,6 +60,11 @@ $(TRITON_NEWEST_DIR)/.installed: $(STAMP)
 # of BENCHMARKS.md (make test checks a subset).
 gpu-static: $(VENV)/.triton-installed
 	$(BIN)/python benchmarks/gpu_static.py --set full
+
+# On the GPU machine (from source, no set-up): the cuda tests and every GPU benchmark, logs and
+# summary.json in OUT (make gpu-check OUT=$$OUT); make test runs its --dry-run.
+gpu-check:
+	benchmarks/gpu_check.sh $(or $(OUT),gpu-check)
 
 bench: setup
 	$(BIN)/python benchmarks/bench_rnn_lengths.py

@@ -39,7 +39,7 @@ OPTIONS = {  # label -> (cell, fastlayers kwargs)
     "LSTM layer_norm + peephole + cell_clip": ("LSTM", dict(layer_norm=True, peephole=True, cell_clip=3.0)),
     "LSTM zoneout (0.1, 0.1)": ("LSTM", dict(zoneout=(0.1, 0.1))),
     "LSTM recurrent_dropout 0.25 (training)": ("LSTM", dict(recurrent_dropout=0.25)),
-    "LSTM proj_size 128 + layer_norm": ("LSTM", dict(proj_size=128, layer_norm=True)),
+    "LSTM proj_size H/2 + layer_norm": ("LSTM", dict(proj_size=0.5, layer_norm=True)),  # 128 at the seed
     "GRU layer_norm": ("GRU", dict(layer_norm=True)),
     "GRU zoneout 0.1": ("GRU", dict(zoneout=0.1)),
 }
@@ -87,6 +87,8 @@ def candidates(args, device):
         if args.only and args.only not in label:
             continue
         cls = fastlayers.LSTM if cell == "LSTM" else fastlayers.GRU
+        if "proj_size" in kwargs:  # a fraction of the hidden size (so that --size small runs too)
+            kwargs = {**kwargs, "proj_size": max(1, int(hidden * kwargs["proj_size"]))}
         m = cls(features, hidden, bidirectional=True, device=device, **kwargs)
         m.train("training" in label)
         for use_lengths in (False, True):

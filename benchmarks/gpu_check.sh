@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One command for a GPU session (issue: every GPU path run on the H100): the cuda-marked tests, then
+# every GPU benchmark, each with its own time limit so that the whole ends inside 9 minutes, every
+# log and one JSON summary written into OUTDIR (on the device machine: $OUT). Runs from source:
+#
+#     benchmarks/gpu_check.sh OUTDIR            # on the GPU machine (torch 2.11, Triton 3.6)
+#     benchmarks/gpu_check.sh OUTDIR --dry-run  # anywhere: Triton's interpreter, tiny shapes, CPU
+#
+# The dry run (make test runs it) checks that every step still starts and finishes; its times
+# mean nothing. Steps and limits (seconds, 530 in all): versions and nvidia-smi (30);
+# tests/test_cuda.py (120); bench_gpu_engine.py fp32 TF32 off, every option set (170), TF32 on
+# and autocast bf16 for the layer_norm sets (60 each); bench_gpu_local.py,
+# every shape with its copy floor, then attention pooling (60); gpu_static.py's CI set compiled
+# for this machine's Triton (30). A step that fails or runs out of time is recorded in
+# summary.json (rc 124 for a timeout) and the next one runs.
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu_check.sh OUTDIR [--dry-run]}
+mode=${2:-}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+if [ "$mode" = "--dry-run" ]; then
+    export TRITON_INTERPRET=1
+    # one option set per engine step: the interpreter runs every step kernel in Python
+    device=cpu size=small local_size=small repeats=1 only_all="LSTM zoneout" only_ln="GRU zoneout"
+else
+    device=cuda size=seed local_size=seed repeats=5 only_all="" only_ln="layer_norm"
+fi
+steps=()
+
+step() {  # step NAME LIMIT_S COMMAND...: run it with a time limit, log to OUTDIR/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local start end rc
+    start=$(date +%s.%N)
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    end=$(date +%s.%N)
+    steps+=("$name $rc $start $end")
+    awk -v n="$name" -v r="$rc" -v s="$start" -v e="$end" 'BEGIN { printf "%-16s rc=%-3s %6.1f s\n", n, r, e - s }'
+}
+
+step versions 30 "$py" -c "import torch, triton, platform; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'triton', triton.__version__, 'python', platform.python_version()); \
+print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
+if command -v nvidia-smi >/dev/null; then nvidia-smi >"$out/nvidia-smi.txt" 2>&1; fi
+step cuda_tests 120 "$py" -m pytest -p no:cacheprovider -m cuda tests/test_cuda.py
+step engine_fp32 170 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
+    --only "$only_all"
+step engine_tf32 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
+    --tf32 --only "$only_ln"
+step engine_bf16 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
+    --autocast bf16 --only "$only_ln"
+step local_attention 60 "$py" benchmarks/bench_gpu_local.py --device "$device" --size "$local_size" \
+    --repeats "$((repeats * 4))"
+if [ "$mode" != "--dry-run" ]; then  # (make test runs the static check itself)
+    step static 30 "$py" benchmarks/gpu_static.py --set ci --arch sm_90a --json "$out/static.json"
+fi
+
+"$py" - "$out" "${steps[@]}" <<'EOF'
+import json, sys
+out, *rows = sys.argv[1:]
+summary = []
+for row in rows:
+    name, rc, start, end = row.split()
+    with open(f"{out}/{name}.log", errors="replace") as f:
+        tail = f.read()[-2000:]
+    summary.append({"step": name, "rc": int(rc), "timed_out": rc == "124", "seconds": round(float(end) - float(start), 1),
+                    "log": f"{name}.log", "tail": tail})
+with open(f"{out}/summary.json", "w") as f:
+    json.dump(summary, f, indent=1)
+failed = [s["step"] for s in summary if s["rc"] != 0]
+print(f"summary: {out}/summary.json; {len(summary)} steps, failed: {', '.join(failed) or 'none'}")
+sys.exit(1 if failed else 0)
+EOF
