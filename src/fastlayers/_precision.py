@@ -116,13 +116,13 @@ class Products:
         """a @ b with ``b`` from :meth:`operand` (prepared once, used every step)."""
         a = self.operand(a)
         with torch.autocast(a.device.type, enabled=False):
-            if self.mixed and self.native:
+            if self.lowered:
                 r = torch.bmm(a, b)
                 return out.copy_(r) if out is not None else r.to(dtype or self.acc)
             return torch.bmm(a, b, out=out) if out is not None else torch.bmm(a, b)
 
     def baddbmm(self, bias: Tensor, a: Tensor, b: Tensor, out: Tensor) -> Tensor:
-        if self.mixed and self.native:
+        if self.lowered:
             return self.bmm(a, b, out=out).add_(bias.to(self.acc))
         with torch.autocast(a.device.type, enabled=False):
             return torch.baddbmm(bias.to(self.acc), self.operand(a), self.operand(b), out=out)

@@ -29,10 +29,6 @@ def recorded_vjp(fn: Callable[..., Sequence[Tensor] | Tensor], inputs: Sequence[
     others, and for one the outputs do not depend on), weighted by ``grad_outputs`` (None: that
     output gets no gradient), with ``create_graph=True``."""
     with torch.enable_grad():
-        inputs = list(inputs)
-        for i, (t, need) in enumerate(zip(inputs, needs)):
-            if need and t is not None and not t.requires_grad:  # a leaf the caller differentiates: track it here
-                inputs[i] = t.detach().requires_grad_(True)
         outs = fn(*inputs)
         outs = (outs,) if isinstance(outs, Tensor) else tuple(outs)
         pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]

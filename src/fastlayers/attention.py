@@ -155,7 +155,6 @@ class _AttentionTriton(torch.autograd.Function):
         grads = (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None)
         return (*(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)), None, None)
 
-
     @staticmethod
     def _recorded(ctx, d_context, d_weights):
         query, keys, values, lengths = ctx.saved_tensors[4:]

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _precision
-from .._checks import (InputDtypeError, ShapeError, StateTypeError, check_floating, check_rank, check_same_dtype_device,
-                       check_tensor)
+from .._checks import (ShapeError, check_floating, check_parameters_dtype, check_rank, check_same_dtype_device,
+                       check_shape, check_state_pair, check_tensor)
 from ._engine_reference import gru_cell_step, lstm_cell_step
 from ._options import CellOptions
 
@@ -63,9 +63,7 @@ def check_step_input(name: str, input: object, width: int, dtype: torch.dtype) -
     assert isinstance(input, Tensor)
     check_floating(name, input)
     check_rank(name, input, (1, 2), f"(B, {width}) or ({width},)")
-    if input.dtype != dtype:
-        raise InputDtypeError(f"{name}: expected dtype {dtype} (the parameters' dtype), got {input.dtype}. "
-                              f"Convert input: input.to({dtype}), or convert model: model.to({input.dtype})")
+    check_parameters_dtype(name, input, dtype)
     if input.size(-1) != width:
         raise ShapeError(f"{name}: expected feature size {width} in the last dimension, got {input.size(-1)} "
                          f"(shape {tuple(input.shape)})")
@@ -80,18 +78,13 @@ def check_step_states(mode: str, hx: Any, x: Tensor, sizes: tuple[int, ...]) -> 
     if hx is None:
         return tuple(x.new_zeros(batch, size) for size in sizes)
     if mode == "LSTM":
-        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
-            raise StateTypeError(f"hx: expected a tuple (h, c) of two tensors, got {type(hx).__name__}")
-        names, states = ("hx[0] (h)", "hx[1] (c)"), tuple(hx)
+        names, states = ("hx[0] (h)", "hx[1] (c)"), check_state_pair("hx", hx, "(h, c)")
     else:
         names, states = ("hx",), (hx,)
     out = []
     for name, state, size in zip(names, states, sizes):
         check_tensor(name, state)
-        expected = (batch, size) if batched else (size,)
-        if tuple(state.shape) != expected:
-            raise ShapeError(f"{name}: expected shape {expected} ({'(B, H)' if batched else '(H,)'}), "
-                             f"got {tuple(state.shape)}")
+        check_shape(name, state, (batch, size) if batched else (size,), "(B, H)" if batched else "(H,)")
         check_same_dtype_device(name, state, "input", x)
         out.append(state if batched else state.unsqueeze(0))
     return tuple(out)
@@ -121,10 +114,8 @@ class _Cell:
         if recurrent_mask is not None:
             check_tensor("recurrent_mask", recurrent_mask)
             width = self._state_sizes()[0]
-            expected = (xb.size(0), width)
-            if tuple(recurrent_mask.shape) != (expected if batched else (width,)):
-                raise ShapeError(f"recurrent_mask: expected shape {expected if batched else (width,)}, got "
-                                 f"{tuple(recurrent_mask.shape)}")
+            check_shape("recurrent_mask", recurrent_mask, (xb.size(0), width) if batched else (width,),
+                        "(B, P)" if batched else "(P,)")
             recurrent_mask = recurrent_mask if batched else recurrent_mask.unsqueeze(0)
         new = step(self.mode, xb, states, self._params(), self.options, training=self.training,
                    recurrent_mask=recurrent_mask, nonlinearity=getattr(self, "nonlinearity", "tanh"))

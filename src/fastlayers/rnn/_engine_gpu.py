@@ -399,7 +399,6 @@ def _recorded_backward(cell: str, ctx, grads: tuple) -> tuple[Tensor | None, ...
     inputs, lengths = ctx.saved_tensors[:count], ctx.saved_tensors[count]
 
     def layout(x, params, states, options, masks):
-        y, *finals = layer_reference(cell, x, params, states, lengths, options, masks)
-        return (y, *finals)
+        return layer_reference(cell, x, params, states, lengths, options, masks)
 
     return (*recorded_layer_backward(cell, ctx, grads, inputs, layout), None, None)

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from .._checks import (InputDtypeError, ShapeError, StateTypeError, as_lengths, check_floating, check_rank,
-                       check_same_dtype_device, check_shape, check_tensor)
+from .._checks import (ShapeError, as_lengths, check_floating, check_parameters_dtype, check_rank,
+                       check_same_dtype_device, check_shape, check_state_pair, check_tensor)
 from .. import _precision
 from .._backend import select
 from ._engine import gru_engine, lstm_engine
@@ -57,10 +57,7 @@ class _LengthsMixin:
         assert isinstance(input, Tensor)
         check_rank("input", input, (2, 3), _SHAPES)
         check_floating("input", input)
-        weight = self._flat_weights[0]
-        if input.dtype != weight.dtype:  # (torch's hint kept: it names both ways out)
-            raise InputDtypeError(f"input: expected dtype {weight.dtype} (the parameters' dtype), got {input.dtype}. "
-                                  f"Convert input: input.to({weight.dtype}), or convert model: model.to({input.dtype})")
+        check_parameters_dtype("input", input, self._flat_weights[0].dtype)
         if input.size(-1) != self.input_size:
             raise ShapeError(
                 f"input: expected feature size input_size = {self.input_size} in the last dimension, "
@@ -73,12 +70,7 @@ class _LengthsMixin:
         if hx is None:
             return None
         names = ("hx[0] (h_0)", "hx[1] (c_0)") if self.mode == "LSTM" else ("hx",)
-        if self.mode == "LSTM":
-            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
-                raise StateTypeError(f"hx: expected a tuple (h_0, c_0) of two tensors, got {type(hx).__name__}")
-            states = tuple(hx)
-        else:
-            states = (hx,)
+        states = check_state_pair("hx", hx, "(h_0, c_0)") if self.mode == "LSTM" else (hx,)
         batched = input.dim() == 3
         batch = input.size(0 if self.batch_first else 1) if batched else 1
         layers = self.num_layers * (2 if self.bidirectional else 1)
