@@ -4,12 +4,15 @@ Seed shape (seed 000): BLSTM 512 -> 256 x 2 directions, T=800, B=32, fp32. Candi
 timed interleaved with CUDA events (median of --repeats after two warm-up rounds): torch.nn.LSTM /
 GRU (cuDNN) padded and packed with lengths U[400, 800]; fastlayers with each cell option, without
 and with lengths, each eagerly and with its time loops captured in CUDA graphs
-(FASTLAYERS_CUDA_GRAPHS=1); the seed's own way (one torch.lstm_cell call per step and direction).
-Columns: fwd ms, fwd+bwd ms (input and every parameter require grad), ratio of fwd+bwd to cuDNN
-padded, peak memory of fwd+bwd (max_memory_allocated, MiB), first call (capture / compile) ms.
+(FASTLAYERS_CUDA_GRAPHS=1; 0 for eager); the seed's own way (one torch.lstm_cell call per step and direction).
+The engine without options is called directly (plain modules dispatch to cuDNN). Columns: fwd ms,
+fwd+bwd ms (input and every parameter require grad), ratio of fwd+bwd to cuDNN padded, peak memory
+of fwd+bwd above what was allocated before the call (max_memory_allocated, MiB), first call
+(compile / capture) ms. The CUDA-graph rows capture from the first call (FASTLAYERS_CUDA_GRAPHS=1);
+the default captures from the second, so its later calls take the CUDA-graph rows' time.
 
     python benchmarks/bench_gpu_engine.py [--device cuda] [--repeats 7] [--tf32] [--autocast bf16]
-                                          [--size seed|small]
+                                          [--size seed|small] [--only LABEL] [--profile]
 
 TF32 is off for every candidate unless --tf32 (then torch's default for cuDNN RNNs and
 torch.backends.cuda.matmul.allow_tf32 are on for all). ``TRITON_INTERPRET=1 python
@@ -30,6 +33,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import fastlayers
 from fastlayers.rnn import _graphs
+from fastlayers.rnn._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 
 from bench_gpu_local import Timer  # CUDA events on the GPU, perf_counter elsewhere
 
@@ -42,6 +46,10 @@ OPTIONS = {  # label -> (cell, fastlayers kwargs)
     "LSTM proj_size H/2 + layer_norm": ("LSTM", dict(proj_size=0.5, layer_norm=True)),  # 128 at the seed
     "GRU layer_norm": ("GRU", dict(layer_norm=True)),
     "GRU zoneout 0.1": ("GRU", dict(zoneout=0.1)),
+    # the engine without options, called directly (plain LSTM/GRU dispatch to cuDNN): issue 19 asks
+    # whether plain calls on CUDA should run the engine instead
+    "LSTM no options (engine called directly)": ("LSTM", dict()),
+    "GRU no options (engine called directly)": ("GRU", dict()),
 }
 
 
@@ -103,9 +111,17 @@ def candidates(args, device):
 
 
 def _engine_call(m, use_lengths, lengths, graphs):
+    direct = m.options.plain  # plain modules dispatch to cuDNN: call the engine itself
+    engine = lstm_engine_gpu if m.mode == "LSTM" else gru_engine_gpu
+
     def run(x):
         os.environ[_graphs.ENV] = "1" if graphs else "0"
-        return m(x, lengths=lengths if use_lengths else None)[0]
+        if not direct:
+            return m(x, lengths=lengths if use_lengths else None)[0]
+        dirs = 2 if m.bidirectional else 1
+        states = tuple(x.new_zeros(m.num_layers * dirs, x.size(1), size) for size in m._state_sizes())
+        return engine(x, states, m._layer_parameters(), lengths if use_lengths else None, m.options,
+                      dropout=m.dropout, training=m.training)[0]
     return run
 
 
@@ -127,12 +143,13 @@ def measure(cands, x, timer, repeats, autocast):
                 f = timer(lambda: fn(x))
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
             b = timer(lambda: _both(fn, module, x, ctx))
             if rep >= 0:
                 res[name]["fwd"].append(f)
                 res[name]["both"].append(b)
-            if device.type == "cuda":
-                res[name]["peak"] = torch.cuda.max_memory_allocated() / 2**20
+            if device.type == "cuda":  # above what was allocated before (earlier candidates' captures included)
+                res[name]["peak"] = (torch.cuda.max_memory_allocated() - before) / 2**20
     return res
 
 
@@ -152,6 +169,33 @@ def _both(fn, module, x, ctx):
     y.float().sum().backward()
 
 
+def profile(cands, x, device, autocast) -> int:
+    """Per candidate (eager rows only: a replayed graph hides its kernels' names; not the seed's
+    loop), the top kernels by device time in one fwd+bwd after a warm-up call, and their total."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    ctx = (lambda: torch.autocast(device.type, autocast)) if autocast else _null
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    for name, (module, fn) in cands.items():
+        if "CUDA graphs" in name or name.startswith("seed's loop"):
+            continue
+        with fastlayers.backend("triton") if device.type != "cuda" and name.startswith("fastlayers") else _null():
+            _both(fn, module, x, ctx)
+            with torch_profile(activities=[activity]) as prof:
+                _both(fn, module, x, ctx)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+        events = prof.key_averages()
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        rows = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)
+        total = sum(getattr(e, key, 0.0) for e in events) / 1e3
+        print(f"\n## {name}: {total:.1f} ms {'device' if device.type == 'cuda' else 'CPU'} time in all")
+        print("| kernel / op | calls | ms |\n|---|---:|---:|")
+        for e in rows[:12]:
+            print(f"| {e.key[:90]} | {e.count} | {getattr(e, key, 0.0) / 1e3:.2f} |")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -160,6 +204,9 @@ def main() -> int:
     p.add_argument("--tf32", action="store_true")
     p.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
     p.add_argument("--only", default="", help="run only the fastlayers rows whose label contains this")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing: the device time per kernel of one eager fwd+bwd of each candidate "
+                        "(torch.profiler), e.g. to see where a lengths row spends more than its no-lengths row")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -169,7 +216,13 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = args.tf32
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
     timer = Timer(device)
+    if device.type == "cuda" and not os.environ.get(_graphs.MAX_MB):
+        # every candidate keeps its captures between the interleaved rounds (30 GiB in all at the seed
+        # shape on 2026-11-23): above the default limit, the oldest would be dropped and captured again
+        os.environ[_graphs.MAX_MB] = str(torch.cuda.get_device_properties(device).total_memory * 3 // 4 // 2**20)
     cands, x = candidates(args, device)
+    if args.profile:
+        return profile(cands, x, device, autocast)
     if device.type != "cuda":  # the interpreter: Triton kernels on CPU tensors need the backend forced
         forced = {k: v for k, v in cands.items() if k.startswith("fastlayers")}
         with fastlayers.backend("triton"):
@@ -182,13 +235,16 @@ def main() -> int:
           f"TF32 {'on' if args.tf32 else 'off'}; autocast {args.autocast}; median of {args.repeats}")
     base = res.get("torch.nn.LSTM padded (cuDNN)")
     base_ms = statistics.median(base["both"]) if base else None
-    print("| candidate | fwd ms | fwd+bwd ms | fwd+bwd / cuDNN LSTM | peak MiB | first call ms |")
+    print("| candidate | fwd ms | fwd+bwd ms | fwd+bwd / cuDNN LSTM | peak extra MiB | first call ms |")
     print("|---|---|---|---|---|---|")
     for k, r in res.items():
         f, b = statistics.median(r["fwd"]), statistics.median(r["both"])
         ratio = f"{b / base_ms:.2f}" if base_ms else "-"
         peak = f"{r['peak']:.0f}" if r["peak"] is not None else "-"
         print(f"| {k} | {f:.1f} | {b:.1f} | {ratio} | {peak} | {r['first']:.0f} |")
+    print(f"CUDA graphs: {_graphs.stats['captures']} captures, {_graphs.stats['evicted']} dropped at the "
+          f"{os.environ.get(_graphs.MAX_MB, 'default')} MiB limit (dropped ones were captured again: their rows "
+          "include captures)")
     return 0
 
 

@@ -7,7 +7,8 @@ bias do): fastlayers (the Triton kernels), its plain-torch reference (one einsum
 offset), broadcast-and-sum (1x1) or einsum over F.unfold (3x3). The memory floor: bytes that
 must move (forward: read x, W, b, write y; backward: read x and dy, write dW and db) over the
 device-to-device copy bandwidth measured in the same run. Also: the forward's extra memory
-(max_memory_allocated) against the output's size, and the first call's time (Triton's compile).
+(max_memory_allocated) against the output's size, the host's time per forward call (Python and
+launches, not waiting for the GPU), and the first call's time (Triton's compile).
 Then attention pooling at seed 001's shape (T=256, B=128, 32-d keys, 100-d values, lengths) for
 each score, values requiring grad or not: fwd, fwd+bwd and their ratio.
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import fastlayers
+from fastlayers._triton import local as triton_local
 from fastlayers.functional import locally_connected2d
 
 # attention pooling candidates: the Triton kernels (the additive score runs torch ops under either),
@@ -67,12 +69,13 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int = 1 << 30) ->
 
 
 def interleaved(candidates: dict, make, timer: Timer, repeats: int) -> dict[str, tuple[float, float]]:
-    """name -> (median fwd ms, median fwd+bwd ms), candidates interleaved, order rotated."""
+    """name -> (median fwd ms, median fwd+bwd ms), candidates interleaved, order rotated; the inputs
+    are made once (the 1 GiB shape took minutes when they were drawn on the host every call)."""
     times = {k: ([], []) for k in candidates}
     names = list(candidates)
+    x, w, b = make()
     for rep in range(-2, repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            x, w, b = make()
             fn = candidates[name]
             fwd = timer(lambda: fn(x, w, b))
             w.grad = b.grad = None
@@ -100,16 +103,23 @@ def local_section(args, device, timer, bandwidth) -> None:
         pad = k // 2
         elem = 4
 
-        def make():
-            g = torch.Generator().manual_seed(0)
-            x = torch.rand(batch, chans, hw, hw, generator=g).to(device)
-            w = (torch.rand(out, chans, k, k, hw, hw, generator=g) - 0.5).to(device).requires_grad_(True)
-            b = (torch.rand(out, hw, hw, generator=g) - 0.5).to(device).requires_grad_(True)
+        def make():  # drawn on the device
+            g = torch.Generator(device).manual_seed(0)
+            x = torch.rand(batch, chans, hw, hw, generator=g, device=device)
+            w = (torch.rand(out, chans, k, k, hw, hw, generator=g, device=device) - 0.5).requires_grad_(True)
+            b = (torch.rand(out, hw, hw, generator=g, device=device) - 0.5).requires_grad_(True)
             return x, w, b
 
         def ours(x, w, b):
             with fastlayers.backend("triton"):
                 return locally_connected2d(x, w, b, 1, pad)
+
+        def one_channel(x, w, b):  # the forward kernel as first measured: one output channel per program
+            previous, triton_local.OUT_BLOCK = triton_local.OUT_BLOCK, 1
+            try:
+                return ours(x, w, b)
+            finally:
+                triton_local.OUT_BLOCK = previous
 
         x, w, b = make()
         with fastlayers.backend("reference"):
@@ -117,6 +127,8 @@ def local_section(args, device, timer, bandwidth) -> None:
         torch.testing.assert_close(ours(x, w, b), reference, atol=1e-4, rtol=1e-4)
         candidates = {"fastlayers (Triton)": ours, ("broadcast-and-sum" if k == 1 else "einsum over unfold"):
                       broadcast_sum if k == 1 else unfold_einsum}
+        if triton_local.out_block(out) > 1:
+            candidates["fastlayers (Triton), one output channel per program"] = one_channel
 
         def plain_reference(x, w, b):
             with fastlayers.backend("reference"):
@@ -142,6 +154,16 @@ def local_section(args, device, timer, bandwidth) -> None:
             torch.cuda.synchronize()
             extra = torch.cuda.max_memory_allocated() - start
             print(f"forward extra memory {extra / 2**20:.1f} MiB, output {y.numel() * y.element_size() / 2**20:.1f} MiB")
+        # the host's share: a forward's Python and launch time without waiting for the GPU; near the
+        # fwd ms above, the small shapes measure the host, not the kernel
+        with torch.no_grad():
+            start_host = time.perf_counter()
+            for _ in range(10):
+                ours(x, w, b)
+            host = (time.perf_counter() - start_host) / 10 * 1e3
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"host time per forward call (no wait for the GPU): {host:.3f} ms")
 
 
 def attention_section(args, device, timer) -> None:

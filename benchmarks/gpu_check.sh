@@ -8,10 +8,12 @@
 #
 # The dry run (make test runs it) checks that every step still starts and finishes; its times
 # mean nothing. Steps and limits (seconds, 540 in all; on the H100 with torch 2.11 the steps took
-# 7, 41, 83, 46, 57, >60 and 28 s): versions and nvidia-smi (20); tests/test_cuda.py (80);
-# bench_gpu_engine.py fp32 TF32 off, every option set (140), TF32 on and autocast bf16 for the
-# layer_norm sets (70 each); bench_gpu_local.py,
-# every shape with its copy floor, then attention pooling (130); gpu_static.py's CI set compiled
+# 7, 41, 83, 46, 57, >60 and 28 s, before the engine bench had its no-options rows and its profile
+# step, and before the local bench drew its inputs once per shape instead of once per call):
+# versions and nvidia-smi (20); tests/test_cuda.py (60); bench_gpu_engine.py fp32 TF32 off, every
+# option set (150), TF32 on (60) and autocast bf16 (70) for the layer_norm sets, the device time
+# per kernel of the LSTM layer_norm rows, eager, with and without lengths (30); bench_gpu_local.py,
+# every shape with its copy floor, then attention pooling (120); gpu_static.py's CI set compiled
 # for this machine's Triton (30). A step that fails or runs out of time is recorded in
 # summary.json (rc 124 for a timeout) and the next one runs.
 set -uo pipefail
@@ -24,9 +26,11 @@ py=${PYTHON:-python3}
 if [ "$mode" = "--dry-run" ]; then
     export TRITON_INTERPRET=1
     # one option set per engine step: the interpreter runs every step kernel in Python
-    device=cpu size=small local_size=small repeats=1 only_all="LSTM zoneout" only_ln="GRU zoneout"
+    device=cpu size=small local_size=small repeats=1 only_all="LSTM zoneout" only_ln="GRU zoneout" \
+        only_profile="GRU zoneout"
 else
-    device=cuda size=seed local_size=seed repeats=5 only_all="" only_ln="layer_norm"
+    device=cuda size=seed local_size=seed repeats=5 only_all="" only_ln="layer_norm" \
+        only_profile="LSTM layer_norm"
 fi
 steps=()
 
@@ -46,14 +50,16 @@ step versions 20 "$py" -c "import torch, triton, platform; print('torch', torch.
 torch.version.cuda, 'triton', triton.__version__, 'python', platform.python_version()); \
 print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 if command -v nvidia-smi >/dev/null; then nvidia-smi >"$out/nvidia-smi.txt" 2>&1; fi
-step cuda_tests 80 "$py" -m pytest -p no:cacheprovider -m cuda tests/test_cuda.py
-step engine_fp32 140 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
+step cuda_tests 60 "$py" -m pytest -p no:cacheprovider -m cuda tests/test_cuda.py
+step engine_fp32 150 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
     --only "$only_all"
-step engine_tf32 70 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
+step engine_tf32 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
     --tf32 --only "$only_ln"
 step engine_bf16 70 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
     --autocast bf16 --only "$only_ln"
-step local_attention 130 "$py" benchmarks/bench_gpu_local.py --device "$device" --size "$local_size" \
+step engine_profile 30 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --only "$only_profile" \
+    --profile
+step local_attention 120 "$py" benchmarks/bench_gpu_local.py --device "$device" --size "$local_size" \
     --repeats "$((repeats * 4))"
 if [ "$mode" != "--dry-run" ]; then  # (make test runs the static check itself)
     step static 30 "$py" benchmarks/gpu_static.py --set ci --arch sm_90a --json "$out/static.json"

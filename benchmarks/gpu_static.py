@@ -264,7 +264,7 @@ def clear_caches() -> None:
         pass
 
 
-def run_arch(arch: str, which: str) -> tuple[Record, dict[str, float], list[str]]:
+def run_arch(arch: str, which: str, only: str = "") -> tuple[Record, dict[str, float], list[str]]:
     record = Record(arch)
     target = GPUTarget("cuda", ARCH[arch][5], 32)
     driver.set_active(CompileOnlyDriver(target))
@@ -273,6 +273,8 @@ def run_arch(arch: str, which: str) -> tuple[Record, dict[str, float], list[str]
     times, errors = {}, []
     try:
         for name, work in workloads(which).items():
+            if only not in name:
+                continue
             clear_caches()
             record.workload = name
             start = time.perf_counter()
@@ -308,11 +310,12 @@ def main() -> int:
     p.add_argument("--set", dest="which", default="ci", choices=["ci", "full"])
     p.add_argument("--arch", default="sm_90a,sm_80")
     p.add_argument("--json", default=None)
+    p.add_argument("--only", default="", help="only the workloads whose name contains this, e.g. 'local'")
     args = p.parse_args()
     print(f"triton {triton.__version__}, torch {torch.__version__}; compile-only, no GPU needed")
     failures, summary = [], {}
     for arch in args.arch.split(","):
-        record, times, errors = run_arch(arch, args.which)
+        record, times, errors = run_arch(arch, args.which, args.only)
         failures += errors
         print(table(record))
         print(f"\nfirst call (compile) per workload, {arch}, this CPU: " +

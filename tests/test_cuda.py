@@ -152,6 +152,26 @@ def test_engine_on_cuda_equals_the_float64_reference(name, graphs, monkeypatch):
         _graphs.clear()
 
 
+def test_cuda_graphs_by_default_warm_up_capture_then_replay(monkeypatch):
+    from fastlayers.rnn import _graphs
+
+    monkeypatch.delenv(_graphs.ENV, raising=False)  # the default: auto
+    _graphs.clear()
+    torch.manual_seed(0)
+    module = fastlayers.GRU(6, 5, bidirectional=True, layer_norm=True, device=DEV).double()
+    x = torch.randn(7, 3, 6, dtype=torch.float64, device=DEV)
+    with fastlayers.backend("reference"):
+        want = _module_grads(module, x, [4, 7, 1])
+    runs = []
+    for call in range(3):  # eager, capture, replay
+        runs.append(_module_grads(module, x, [4, 7, 1]))
+        assert bool(_graphs._entries) == (call > 0), f"call {call}: captured entries {list(_graphs._entries)}"
+    for run in runs:
+        for a, b in zip(run, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    _graphs.clear()
+
+
 def test_engine_on_cuda_runs_the_triton_layer_and_keeps_plain_layers_on_cudnn():
     ours = fastlayers.LSTM(6, 5, layer_norm=True, device=DEV)
     plain = fastlayers.LSTM(6, 5, device=DEV)

@@ -47,6 +47,20 @@ def test_locally_connected2d_matches_the_float64_loop(geometry, dtype):
     _assert_close_all(got, want, 1e-5 if dtype == torch.float32 else 1e-10)
 
 
+@pytest.mark.parametrize("out_block", [1, 4])
+@pytest.mark.parametrize("geometry", GEOMETRIES[1:3])
+def test_locally_connected2d_output_channel_blocks(geometry, out_block, monkeypatch):
+    """7 output channels (blocks of 4 leave 3 masked) and 11 sequences (a partial batch chunk)."""
+    from fastlayers._triton import local as kernels
+
+    monkeypatch.setattr(kernels, "OUT_BLOCK", out_block)
+    x, w, b, s, p, d = _random(geometry, c_in=2, c_out=7, batch=11)
+    with fastlayers.backend("triton"):
+        got = _grads(lambda x, w, b: locally_connected2d(x, w, b, s, p, d), x, w, b)
+    want = _grads(lambda x, w, b: loop_reference(x, w, b, s, p, d), x, w, b)
+    _assert_close_all(got, want, 1e-10)
+
+
 def test_locally_connected2d_runs_the_triton_function():
     x, w, b, s, p, d = _random(GEOMETRIES[1], dtype=torch.float32)
     with fastlayers.backend("triton"):

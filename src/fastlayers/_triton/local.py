@@ -10,8 +10,9 @@ Every kernel takes a block of output (or input) positions and sums in float32 (f
 float64 tensors) whatever the storage dtype; each output element is written by one program, in a
 fixed order (no atomics), so results do not depend on scheduling:
 
-* forward: one program per (block of OH*OW positions, output channel, batch chunk); the C*KH*KW
-  (filter, input) pairs are summed for each sequence of the chunk;
+* forward: one program per (block of BLOCK / OB OH*OW positions, block of OB <= OUT_BLOCK output
+  channels, batch chunk); the C*KH*KW (filter, input) pairs are summed for each sequence of the chunk, every
+  input value loaded once for the channels of the block;
 * input gradient: a gather: one program per (block of Hp*Wp input positions, input channel,
   sequence) sums w * dy over the (o, p, q) whose output position reads that input;
 * weight gradient: one program per (block of OH*OW positions, output channel, filter pair
@@ -27,22 +28,31 @@ from torch import Tensor
 
 BLOCK = 256
 BATCH_CHUNK = 8
+# output channels per forward program (at most): the first H100 run (one channel per program) read
+# x once per output channel, 2.17x the copy floor at 1024x4x256^2 1x1 -> 2; bench_gpu_local.py
+# measures 1 against this
+OUT_BLOCK = 4
 
 
 @triton.jit
 def _forward_kernel(x, w, bias, y, B, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
                     KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, F64: tl.constexpr,
-                    BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                    BLOCK: tl.constexpr, CHUNK: tl.constexpr, OB: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    o = tl.program_id(1).to(tl.int64)
+    # the input row is loaded as an [OB, BLOCK] tile with the same address in every row (one memory
+    # transaction, cached): a [BLOCK] load broadcast over the rows compiled to a layout conversion
+    # through shared memory with barriers (gpu_static.py, sm_90a)
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    o = (tl.program_id(1).to(tl.int64) * OB + tl.arange(0, OB))[:, None]  # OB channels: x read once for all
     ohw = OH * OW
     inside = offs < ohw
+    tile = (o < O) & inside
+    row0 = o * 0  # [OB, 1] zeros: x's addresses as an [OB, BLOCK] tile (the rows share them)
     i = offs // OW
     j = offs % OW
-    base = tl.zeros([BLOCK], dtype=acc_t)
+    base = tl.zeros([OB, BLOCK], dtype=acc_t)
     if HAS_BIAS:
-        base += tl.load(bias + o * ohw + offs, mask=inside, other=0.0).to(acc_t)
+        base += tl.load(bias + o * ohw + offs, mask=tile, other=0.0).to(acc_t)
     for n in range(CHUNK):
         b = tl.program_id(2).to(tl.int64) * CHUNK + n
         if b < B:
@@ -50,11 +60,11 @@ def _forward_kernel(x, w, bias, y, B, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
             for c in range(C):
                 for p in tl.static_range(KH):
                     for q in tl.static_range(KW):
-                        wv = tl.load(w + (((o * C + c) * KH + p) * KW + q) * ohw + offs, mask=inside, other=0.0)
-                        xv = tl.load(x + ((b * C + c) * Hp + i * sh + p * dh) * Wp + j * sw + q * dw, mask=inside,
-                                     other=0.0)
+                        xv = tl.load(x + ((b * C + c) * Hp + i * sh + p * dh) * Wp + j * sw + q * dw + row0,
+                                     mask=tile, other=0.0)
+                        wv = tl.load(w + (((o * C + c) * KH + p) * KW + q) * ohw + offs, mask=tile, other=0.0)
                         acc += wv.to(acc_t) * xv.to(acc_t)
-            tl.store(y + (b * O + o) * ohw + offs, acc.to(y.dtype.element_ty), mask=inside)
+            tl.store(y + (b * O + o) * ohw + offs, acc.to(y.dtype.element_ty), mask=tile)
 
 
 @triton.jit
@@ -117,11 +127,20 @@ def forward(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], 
     batch, chans, hp, wp = x.shape
     out_ch, _, kh, kw, oh, ow = w.shape
     y = x.new_empty(batch, out_ch, oh, ow, dtype=out_dtype)
-    grid = (triton.cdiv(oh * ow, BLOCK), out_ch, triton.cdiv(batch, BATCH_CHUNK))
+    ob = out_block(out_ch)
+    block = BLOCK // ob  # a tile of BLOCK elements, as one channel per program had
+    grid = (triton.cdiv(oh * ow, block), triton.cdiv(out_ch, ob), triton.cdiv(batch, BATCH_CHUNK))
     _forward_kernel[grid](x, w, bias if bias is not None else w, y, batch, chans, hp, wp, out_ch, oh, ow, stride[0],
                           stride[1], dilation[0], dilation[1], KH=kh, KW=kw, HAS_BIAS=bias is not None,
-                          F64=x.dtype == torch.float64, BLOCK=BLOCK, CHUNK=BATCH_CHUNK)
+                          F64=x.dtype == torch.float64, BLOCK=block, CHUNK=BATCH_CHUNK, OB=ob)
     return y
+
+
+def out_block(out_ch: int) -> int:
+    """Output channels per forward program: all of them up to OUT_BLOCK (rounded up to a power of
+    two), so that each program reads its input positions once for every channel it writes instead
+    of once per channel. ``OUT_BLOCK = 1`` gives the earlier one-channel-per-program kernel."""
+    return min(triton.next_power_of_2(out_ch), OUT_BLOCK)
 
 
 def input_grad(dy: Tensor, w: Tensor, padded_shape: tuple[int, ...], stride: tuple[int, int],

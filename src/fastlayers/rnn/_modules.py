@@ -232,6 +232,10 @@ _OPTIONS_DOC = """
     Not with PackedSequence input (ValueError: pass the padded batch and lengths=). Bad option values raise
     ValueError/TypeError naming the option. ``cell(layer, direction)`` returns a step-wise cell
     sharing the weights (eval semantics) for decoding one step at a time.
+
+    Devices: on CPU the engine's C kernels; on CUDA the GPU engine (:mod:`._engine_gpu`, Triton
+    step kernels, cuBLAS GEMMs) whose time loops are captured in CUDA graphs from the second call
+    with the same shapes on (:mod:`._graphs`; ``FASTLAYERS_CUDA_GRAPHS=0`` keeps them eager).
 """
 
 
@@ -334,7 +338,8 @@ class _CellOptionsMixin:
         # GEMM and beat the segment path, see BENCHMARKS.md); torch's kernels when nothing is padded,
         # or on the reference backend (segments on CPU, PackedSequence elsewhere)
         # on CUDA, plain LSTM/GRU stay on cuDNN (PackedSequence with lengths): the Triton engine runs
-        # the cell options (issue 11: dispatch plain calls to it only once measured faster)
+        # the cell options (issue 19: dispatch plain calls to it only once measured faster; the
+        # "plain" rows of benchmarks/bench_gpu_engine.py measure it)
         which = select(self.mode.lower(), x)
         if self.options.plain and not self._engine_precision(x) and (
                 which != "cpu" or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
