@@ -37,6 +37,13 @@ def test_a_bad_mode_is_an_error_naming_the_variable(monkeypatch):
         _graphs.mode()
 
 
+@pytest.mark.parametrize("value", ["lots", "-1", "nan"])
+def test_a_bad_memory_limit_is_an_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv(_graphs.MAX_MB, value)
+    with pytest.raises(ValueError, match=f"FASTLAYERS_CUDA_GRAPHS_MAX_MB must be a number of MiB >= 0, got '{value}'"):
+        _graphs.limit_bytes(torch.device("cpu"))
+
+
 def test_cpu_tensors_never_capture(monkeypatch):
     monkeypatch.setenv(_graphs.ENV, "1")
     assert not _graphs.enabled(torch.zeros(1))

@@ -84,9 +84,15 @@ def clear() -> None:
 def limit_bytes(device: torch.device) -> int:
     """The most bytes the captured entries of ``device`` keep (``FASTLAYERS_CUDA_GRAPHS_MAX_MB``,
     default a quarter of the device's memory)."""
-    value = os.environ.get(MAX_MB)
+    value = os.environ.get(MAX_MB, "").strip()
     if value:
-        return int(float(value) * 2**20)
+        try:
+            mb = float(value)
+        except ValueError:
+            mb = -1.0
+        if not mb >= 0:
+            raise ValueError(f"{MAX_MB} must be a number of MiB >= 0, got {value!r}")
+        return int(mb * 2**20)
     return torch.cuda.get_device_properties(device).total_memory // 4
 
 
