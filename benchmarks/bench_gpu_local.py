@@ -68,12 +68,12 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int = 1 << 30) ->
     return 2 * nbytes / (statistics.median(timer(lambda: dst.copy_(src)) for _ in range(10)) / 1e3)
 
 
-def interleaved(candidates: dict, make, timer: Timer, repeats: int) -> dict[str, tuple[float, float]]:
-    """name -> (median fwd ms, median fwd+bwd ms), candidates interleaved, order rotated; the inputs
-    are made once (the 1 GiB shape took minutes when they were drawn on the host every call)."""
+def interleaved(candidates: dict, inputs: tuple, timer: Timer, repeats: int) -> dict[str, tuple[float, float]]:
+    """name -> (median fwd ms, median fwd+bwd ms), candidates interleaved, order rotated, all on the
+    same inputs (the 1 GiB shape took minutes when they were drawn on the host for every call)."""
     times = {k: ([], []) for k in candidates}
     names = list(candidates)
-    x, w, b = make()
+    x, w, b = inputs
     for rep in range(-2, repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             fn = candidates[name]
@@ -103,13 +103,6 @@ def local_section(args, device, timer, bandwidth) -> None:
         pad = k // 2
         elem = 4
 
-        def make():  # drawn on the device
-            g = torch.Generator(device).manual_seed(0)
-            x = torch.rand(batch, chans, hw, hw, generator=g, device=device)
-            w = (torch.rand(out, chans, k, k, hw, hw, generator=g, device=device) - 0.5).requires_grad_(True)
-            b = (torch.rand(out, hw, hw, generator=g, device=device) - 0.5).requires_grad_(True)
-            return x, w, b
-
         def ours(x, w, b):
             with fastlayers.backend("triton"):
                 return locally_connected2d(x, w, b, 1, pad)
@@ -121,7 +114,10 @@ def local_section(args, device, timer, bandwidth) -> None:
             finally:
                 triton_local.OUT_BLOCK = previous
 
-        x, w, b = make()
+        g = torch.Generator(device).manual_seed(0)  # inputs drawn once per shape, on the device
+        x = torch.rand(batch, chans, hw, hw, generator=g, device=device)
+        w = (torch.rand(out, chans, k, k, hw, hw, generator=g, device=device) - 0.5).requires_grad_(True)
+        b = (torch.rand(out, hw, hw, generator=g, device=device) - 0.5).requires_grad_(True)
         with fastlayers.backend("reference"):
             reference = locally_connected2d(x, w, b, 1, pad)
         torch.testing.assert_close(ours(x, w, b), reference, atol=1e-4, rtol=1e-4)
@@ -135,7 +131,7 @@ def local_section(args, device, timer, bandwidth) -> None:
                 return locally_connected2d(x, w, b, 1, pad)
 
         candidates["fastlayers reference (einsum per offset)"] = plain_reference
-        results = interleaved(candidates, make, timer, args.repeats)
+        results = interleaved(candidates, (x, w, b), timer, args.repeats)
         x_b, w_b = batch * chans * hw * hw * elem, out * chans * k * k * hw * hw * elem
         y_b, b_b = batch * out * hw * hw * elem, out * hw * hw * elem
         fwd_floor = (x_b + w_b + b_b + y_b) / bandwidth * 1e3
@@ -147,7 +143,6 @@ def local_section(args, device, timer, bandwidth) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            x, w, b = make()
             start = torch.cuda.memory_allocated()
             with torch.no_grad():
                 y = ours(x, w, b)
