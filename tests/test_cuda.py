@@ -13,6 +13,7 @@ from torch import nn
 import fastlayers
 from fastlayers._backend import select
 from fastlayers.functional import attention_pool, locally_connected2d
+from rnn_helpers import torch_packed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
@@ -61,19 +62,13 @@ def test_attention_triton_equals_reference(score):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def _packed(m, x, lengths):
-    """torch's own way to run a padded batch with lengths (the counterpart of ``lengths=``)."""
-    out = m(nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False))[0]
-    return nn.utils.rnn.pad_packed_sequence(out, total_length=x.size(0))[0]
-
-
 LAYERS = {  # name -> (module, call, torch.nn counterpart call or None: the engine's own path)
     "LSTM options": lambda: (fastlayers.LSTM(8, 16, bidirectional=True, layer_norm=True, peephole=True, device=DEV),
                              lambda m, x: m(x, lengths=torch.tensor([9, 4, 7]))[0], None),
     "LSTM plain": lambda: (fastlayers.LSTM(8, 16, bidirectional=True, device=DEV), lambda m, x: m(x)[0],
                            lambda m, x: nn.LSTM.forward(m, x)[0]),
     "GRU lengths": lambda: (fastlayers.GRU(8, 16, device=DEV), lambda m, x: m(x, lengths=[9, 4, 7])[0],
-                            lambda m, x: _packed(lambda p: nn.GRU.forward(m, p), x, [9, 4, 7])),
+                            lambda m, x: torch_packed(m, x, None, [9, 4, 7])[0]),  # PackedSequence: torch's GRU
     "RNN": lambda: (fastlayers.RNN(8, 16, device=DEV), lambda m, x: m(x)[0], lambda m, x: nn.RNN.forward(m, x)[0]),
 }
 

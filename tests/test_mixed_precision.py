@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import fastlayers
 from fastlayers import _precision
 from fastlayers.rnn._engine_reference import gru_cell_step, lstm_cell_step
+from rnn_helpers import torch_packed
 
 BF16 = torch.bfloat16
 LENGTHS = [12, 5, 9, 1, 12, 7]
@@ -104,11 +104,8 @@ def test_lengths_against_torch_packed(cls, torch_cls, mode):
     ours, theirs = _rnn_pair(cls, torch_cls)
     lengths = torch.tensor(LENGTHS)
 
-    def packed(m, x):
-        out, _ = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
-        return pad_packed_sequence(out, total_length=x.size(0))[0]
-
-    _check(lambda m, x: m(x, lengths=lengths)[0], ours, packed, theirs, [_x(12, 6, 8)], mode)
+    _check(lambda m, x: m(x, lengths=lengths)[0], ours, lambda m, x: torch_packed(m, x, None, lengths)[0], theirs,
+           [_x(12, 6, 8)], mode)
 
 
 class _NaiveLoop(nn.Module):
