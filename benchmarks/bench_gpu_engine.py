@@ -5,7 +5,8 @@ timed interleaved with CUDA events (median of --repeats after two warm-up rounds
 GRU (cuDNN) padded and packed with lengths U[400, 800]; fastlayers with each cell option, without
 and with lengths, each eagerly and with its time loops captured in CUDA graphs
 (FASTLAYERS_CUDA_GRAPHS=1; 0 for eager); the seed's own way (one torch.lstm_cell call per step and direction).
-The engine without options is called directly (plain modules dispatch to cuDNN). Columns: fwd ms,
+The engine without options is called directly (the modules send plain calls to it only with CUDA
+graphs and at some shapes, see --sweep). Columns: fwd ms,
 fwd+bwd ms (input and every parameter require grad), ratio of fwd+bwd to cuDNN padded, peak memory
 of fwd+bwd above what was allocated before the call (max_memory_allocated, MiB), first call
 (compile / capture) ms. The CUDA-graph rows capture from the first call (FASTLAYERS_CUDA_GRAPHS=1);
@@ -13,6 +14,11 @@ the default captures from the second, so its later calls take the CUDA-graph row
 
     python benchmarks/bench_gpu_engine.py [--device cuda] [--repeats 7] [--tf32] [--autocast bf16]
                                           [--size seed|small] [--only LABEL] [--profile]
+    python benchmarks/bench_gpu_engine.py --sweep [--autocast bf16]
+
+``--sweep``: plain 2-direction LSTM and GRU (no cell options), the engine called directly with
+CUDA graphs against torch.nn (cuDNN) at several shapes: the measurement behind the modules'
+dispatch of plain calls on CUDA (fastlayers.rnn._modules, ``_plain_on_engine``).
 
 TF32 is off for every candidate unless --tf32 (then torch's default for cuDNN RNNs and
 torch.backends.cuda.matmul.allow_tf32 are on for all). ``TRITON_INTERPRET=1 python
@@ -46,8 +52,8 @@ OPTIONS = {  # label -> (cell, fastlayers kwargs)
     "LSTM proj_size H/2 + layer_norm": ("LSTM", dict(proj_size=0.5, layer_norm=True)),  # 128 at the seed
     "GRU layer_norm": ("GRU", dict(layer_norm=True)),
     "GRU zoneout 0.1": ("GRU", dict(zoneout=0.1)),
-    # the engine without options, called directly (plain LSTM/GRU dispatch to cuDNN): issue 19 asks
-    # whether plain calls on CUDA should run the engine instead
+    # the engine without options, called directly (eagerly too: plain modules dispatch to the engine
+    # only with CUDA graphs and only at some shapes, see --sweep)
     "LSTM no options (engine called directly)": ("LSTM", dict()),
     "GRU no options (engine called directly)": ("GRU", dict()),
 }
@@ -123,6 +129,33 @@ def _engine_call(m, use_lengths, lengths, graphs):
         return engine(x, states, m._layer_parameters(), lengths if use_lengths else None, m.options,
                       dropout=m.dropout, training=m.training)[0]
     return run
+
+
+SWEEP = [  # (T, B, input_size, hidden): the seed, then smaller and larger batches and hidden sizes
+    (800, 32, 512, 256), (100, 16, 64, 64), (200, 64, 256, 128), (200, 128, 512, 512), (100, 256, 1024, 1024),
+    (50, 512, 256, 256), (400, 8, 1024, 1024)]
+
+
+def sweep(args, device, timer, autocast) -> int:
+    """Plain LSTM / GRU: torch.nn (cuDNN) against the engine (CUDA graphs)."""
+    shapes = SWEEP if device.type == "cuda" else [(7, 3, 6, 5)]
+    os.environ[_graphs.ENV] = "1"
+    print("| cell | T, B, F, H | cuDNN fwd ms | fastlayers fwd ms | cuDNN fwd+bwd ms | fastlayers fwd+bwd ms | "
+          "fwd+bwd ratio |\n|---|---|---:|---:|---:|---:|---:|")
+    for steps, batch, features, hidden in shapes:
+        x = torch.randn(steps, batch, features, device=device)
+        for cell in ("LSTM", "GRU"):
+            torch.manual_seed(0)
+            theirs = getattr(nn, cell)(features, hidden, bidirectional=True, device=device)
+            ours = getattr(fastlayers, cell)(features, hidden, bidirectional=True, device=device)
+            # the engine called directly: the module dispatches to it only where this measured it faster
+            cands = {"cudnn": (theirs, lambda x, m=theirs: m(x)[0]), "ours": (ours, _engine_call(ours, False, None, True))}
+            with fastlayers.backend("triton") if device.type != "cuda" else _null():
+                res = measure(cands, x, timer, args.repeats, autocast)
+            med = {k: (statistics.median(r["fwd"]), statistics.median(r["both"])) for k, r in res.items()}
+            print(f"| {cell} | {steps}, {batch}, {features}, {hidden} | {med['cudnn'][0]:.2f} | {med['ours'][0]:.2f} | "
+                  f"{med['cudnn'][1]:.2f} | {med['ours'][1]:.2f} | {med['ours'][1] / med['cudnn'][1]:.2f} |")
+    return 0
 
 
 def measure(cands, x, timer, repeats, autocast):
@@ -204,6 +237,7 @@ def main() -> int:
     p.add_argument("--tf32", action="store_true")
     p.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
     p.add_argument("--only", default="", help="run only the fastlayers rows whose label contains this")
+    p.add_argument("--sweep", action="store_true", help="plain LSTM / GRU, cuDNN against the engine, several shapes")
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: the device time per kernel of one eager fwd+bwd of each candidate "
                         "(torch.profiler), e.g. to see where a lengths row spends more than its no-lengths row")
@@ -220,6 +254,8 @@ def main() -> int:
         # every candidate keeps its captures between the interleaved rounds (30 GiB in all at the seed
         # shape on 2026-11-23): above the default limit, the oldest would be dropped and captured again
         os.environ[_graphs.MAX_MB] = str(torch.cuda.get_device_properties(device).total_memory * 3 // 4 // 2**20)
+    if args.sweep:
+        return sweep(args, device, timer, autocast)
     cands, x = candidates(args, device)
     if args.profile:
         return profile(cands, x, device, autocast)

@@ -7,14 +7,14 @@
 #     benchmarks/gpu_check.sh OUTDIR --dry-run  # anywhere: Triton's interpreter, tiny shapes, CPU
 #
 # The dry run (make test runs it) checks that every step still starts and finishes; its times
-# mean nothing. Steps and limits (seconds, 540 in all; on the H100 with torch 2.11 the steps took
-# 7, 41, 83, 46, 57, >60 and 28 s, before the engine bench had its no-options rows and its profile
-# step, and before the local bench drew its inputs once per shape instead of once per call):
+# mean nothing. Steps and limits (seconds, 540 in all; on the H100 with torch 2.11 on 2026-11-24,
+# before the sweep step, the steps took 8, 42, 101, 53, 65, 28, 22 and >30 s):
 # versions and nvidia-smi (20); tests/test_cuda.py (60); bench_gpu_engine.py fp32 TF32 off, every
-# option set (150), TF32 on (60) and autocast bf16 (70) for the layer_norm sets, the device time
-# per kernel of the LSTM layer_norm rows, eager, with and without lengths (30); bench_gpu_local.py,
-# every shape with its copy floor, then attention pooling (120); gpu_static.py's CI set compiled
-# for this machine's Triton (30). A step that fails or runs out of time is recorded in
+# option set (120), TF32 on (60) and autocast bf16 (70) for the layer_norm sets, the device time
+# per kernel of the LSTM layer_norm rows, eager, with and without lengths (30); plain LSTM / GRU
+# against cuDNN at several shapes (--sweep, 60); bench_gpu_local.py, every shape with its copy
+# floor, then attention pooling (60); gpu_static.py's CI set compiled for this machine's Triton
+# (60; 30 ran out on 2026-11-24). A step that fails or runs out of time is recorded in
 # summary.json (rc 124 for a timeout) and the next one runs.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR [--dry-run]}
@@ -51,7 +51,7 @@ torch.version.cuda, 'triton', triton.__version__, 'python', platform.python_vers
 print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 if command -v nvidia-smi >/dev/null; then nvidia-smi >"$out/nvidia-smi.txt" 2>&1; fi
 step cuda_tests 60 "$py" -m pytest -p no:cacheprovider -m cuda tests/test_cuda.py
-step engine_fp32 150 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
+step engine_fp32 120 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
     --only "$only_all"
 step engine_tf32 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
     --tf32 --only "$only_ln"
@@ -59,10 +59,11 @@ step engine_bf16 70 "$py" benchmarks/bench_gpu_engine.py --device "$device" --si
     --autocast bf16 --only "$only_ln"
 step engine_profile 30 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --only "$only_profile" \
     --profile
-step local_attention 120 "$py" benchmarks/bench_gpu_local.py --device "$device" --size "$local_size" \
+step engine_sweep 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" --repeats "$repeats" --sweep
+step local_attention 60 "$py" benchmarks/bench_gpu_local.py --device "$device" --size "$local_size" \
     --repeats "$((repeats * 4))"
 if [ "$mode" != "--dry-run" ]; then  # (make test runs the static check itself)
-    step static 30 "$py" benchmarks/gpu_static.py --set ci --arch sm_90a --json "$out/static.json"
+    step static 60 "$py" benchmarks/gpu_static.py --set ci --arch sm_90a --json "$out/static.json"
 fi
 
 "$py" - "$out" "${steps[@]}" <<'EOF'

@@ -252,7 +252,7 @@ def workloads(which: str) -> dict[str, Callable[[], None]]:
 
 def clear_caches() -> None:
     """Forget every compiled kernel (in memory and on disk): the next workload's first call compiles."""
-    for module in ("lstm", "gru", "local", "attention"):
+    for module in ("lstm", "gru", "step_matmul", "local", "attention"):
         mod = sys.modules.get(f"fastlayers._triton.{module}")
         for obj in vars(mod).values() if mod else ():
             if isinstance(obj, JITFunction):

@@ -62,13 +62,13 @@ def test_attention_triton_equals_reference(score):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-LAYERS = {  # name -> (module, call, torch.nn counterpart call or None: the engine's own path)
+LAYERS = {  # name -> (module, call, torch.nn counterpart call or None: the engine's own path, plain ones too)
     "LSTM options": lambda: (fastlayers.LSTM(8, 16, bidirectional=True, layer_norm=True, peephole=True, device=DEV),
                              lambda m, x: m(x, lengths=torch.tensor([9, 4, 7]))[0], None),
-    "LSTM plain": lambda: (fastlayers.LSTM(8, 16, bidirectional=True, device=DEV), lambda m, x: m(x)[0],
-                           lambda m, x: nn.LSTM.forward(m, x)[0]),
-    "GRU lengths": lambda: (fastlayers.GRU(8, 16, device=DEV), lambda m, x: m(x, lengths=[9, 4, 7])[0],
-                            lambda m, x: torch_packed(m, x, None, [9, 4, 7])[0]),  # PackedSequence: torch's GRU
+    "LSTM plain": lambda: (fastlayers.LSTM(8, 256, bidirectional=True, device=DEV), lambda m, x: m(x)[0], None),
+    "GRU lengths": lambda: (fastlayers.GRU(8, 256, device=DEV), lambda m, x: m(x, lengths=[9, 4, 7])[0], None),
+    "GRU small (cuDNN)": lambda: (fastlayers.GRU(8, 16, device=DEV), lambda m, x: m(x, lengths=[9, 4, 7])[0],
+                                  lambda m, x: torch_packed(m, x, None, [9, 4, 7])[0]),  # PackedSequence: torch's GRU
     "RNN": lambda: (fastlayers.RNN(8, 16, device=DEV), lambda m, x: m(x)[0], lambda m, x: nn.RNN.forward(m, x)[0]),
 }
 
@@ -167,12 +167,61 @@ def test_cuda_graphs_by_default_warm_up_capture_then_replay(monkeypatch):
     _graphs.clear()
 
 
-def test_engine_on_cuda_runs_the_triton_layer_and_keeps_plain_layers_on_cudnn():
+def test_plain_layers_on_cuda_run_the_engine_where_loops_are_captured_else_cudnn(monkeypatch):
+    from fastlayers.rnn import _graphs
+
     ours = fastlayers.LSTM(6, 5, layer_norm=True, device=DEV)
-    plain = fastlayers.LSTM(6, 5, device=DEV)
+    plain = fastlayers.LSTM(6, 256, device=DEV)
     x = torch.randn(7, 3, 6, device=DEV)
     assert type(ours(x, lengths=[7, 3, 5])[0].grad_fn).__name__ == "LSTMLayerBackward"
-    assert type(plain(x, lengths=[7, 3, 5])[0].grad_fn).__name__ != "LSTMLayerBackward"
+    for lengths in ([7, 3, 5], None):
+        assert type(plain(x, lengths=lengths)[0].grad_fn).__name__ == "LSTMLayerBackward"
+        assert type(plain.double()(x.double(), lengths=lengths)[0].grad_fn).__name__ != "LSTMLayerBackward"
+        plain.float()
+        monkeypatch.setenv(_graphs.ENV, "0")  # eager loops: cuDNN is faster
+        assert type(plain(x, lengths=lengths)[0].grad_fn).__name__ != "LSTMLayerBackward"
+        monkeypatch.delenv(_graphs.ENV)
+    gru = fastlayers.GRU(6, 256, device=DEV)
+    assert type(gru(x)[0].grad_fn).__name__ == "GRULayerBackward"
+    with fastlayers.backend("reference"):
+        assert type(gru(x)[0].grad_fn).__name__ != "GRULayerBackward"
+    # where cuDNN measured faster: hidden_size < 256, or batch * hidden_size > 2**17
+    assert type(fastlayers.GRU(6, 128, device=DEV)(x)[0].grad_fn).__name__ != "GRULayerBackward"
+    assert type(gru(torch.randn(7, 513, 6, device=DEV))[0].grad_fn).__name__ != "GRULayerBackward"
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("lengths", [None, [40, 17, 33, 1, 40]], ids=["padded", "lengths"])
+def test_plain_layers_on_cuda_equal_torch_nn_as_constructed(cell, lengths):
+    """Plain modules as constructed (the engine, captured after the first call) against torch.nn
+    (cuDNN; PackedSequence with lengths) with the same weights, float32 TF32 off: outputs, final
+    states and every gradient; hidden 256, so the backward's recurrent product runs in slices.
+    Both are float32: gradients summed over T*B rows in different orders differ by ~1e-5."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        torch.manual_seed(0)
+        ours = getattr(fastlayers, cell)(48, 256, num_layers=2, bidirectional=True, device=DEV)
+        theirs = getattr(nn, cell)(48, 256, num_layers=2, bidirectional=True, device=DEV)
+        theirs.load_state_dict(ours.state_dict())
+        x = torch.randn(40, 5, 48, device=DEV)
+
+        def grads(module, fn):
+            module.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            out, h = fn(module, xi)
+            states = h if isinstance(h, tuple) else (h,)
+            g = torch.Generator(device=DEV).manual_seed(1)
+            sum((o * torch.randn(o.shape, generator=g, device=DEV)).sum() for o in (out, *states)).backward()
+            return [t.detach().clone() for t in (out, *states, xi.grad, *(p.grad for p in module.parameters()))]
+
+        for _ in range(3):  # eager, capture, replay
+            got = grads(ours, lambda m, x: m(x, lengths=lengths))
+        want = grads(theirs, (lambda m, x: m(x)) if lengths is None else (lambda m, x: torch_packed(m, x, None, lengths)))
+        assert type(ours(x, lengths=lengths)[0].grad_fn).__name__ == f"{cell}LayerBackward"
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def test_engine_float32_on_cuda_honours_tf32_off():

@@ -142,6 +142,46 @@ def test_float32_engine_matches_the_float64_reference(cell):
 
 
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_float32_engine_with_the_recurrent_product_in_slices(cell, monkeypatch):
+    """The backward's product split into partial sums over slices of its inner size (the step
+    kernels add them): 4H = 20 in two non-empty slices of 16 and an empty one; 3H = 15 in one
+    slice and an empty one (16 is the least tile of tl.dot)."""
+    from fastlayers._triton import step_matmul
+
+    monkeypatch.setattr(step_matmul, "BLOCK_K", 16)
+    monkeypatch.setattr(step_matmul, "K_PER_SLICE", 8)
+    assert step_matmul.slices((4 if cell == "LSTM" else 3) * H) == (3 if cell == "LSTM" else 2)
+    opts = CellOptions.make(layer_norm=True, zoneout=(0.1, 0.1), recurrent_dropout=0.2)
+    engine, reference = ENGINES[cell]
+    layers = _parameters(cell, opts, None)
+    x, hx = _inputs(cell, None)
+    masks = _masks(cell, None)
+    want = _run(reference, x, hx, layers, LENGTHS, opts, True, masks)
+    f32 = [[{k: v.float() for k, v in p.items()} for p in d] for d in layers]
+    m32 = [{k: v.float() for k, v in m.items()} for m in masks]
+    got = _run(engine, x.float(), tuple(h.float() for h in hx), f32, LENGTHS, opts, True, m32)
+    _assert_same(got, want, 2e-5)
+
+
+@pytest.mark.parametrize("slices, dtype", [(1, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
+def test_step_matmul_partial_sums_add_up_to_the_product(slices, dtype):
+    """out (S, D, M, N): S partial products of a step of a (D, T, M, K) buffer and w (D, K, N),
+    M and N not multiples of the tiles, every slice non-empty; a bfloat16 w takes a in bfloat16
+    (a holds bfloat16 values here: Triton 3.6's interpreter rounds float32 to bfloat16 toward
+    zero, the GPU to nearest; test_cuda checks the engine's bfloat16 results on the GPU)."""
+    from fastlayers._triton import step_matmul
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 4, 35, 400, generator=g).to(dtype).float()[:, 2]
+    w = torch.randn(2, 400, 70, generator=g).to(dtype)
+    out = torch.full((slices, 2, 35, 70), float("nan"))
+    step_matmul.matmul(a, w, out)
+    want = torch.bmm(a.to(dtype).double(), w.double())
+    torch.testing.assert_close(out.double().sum(0), want, atol=1e-3, rtol=1e-5)
+    assert bool((out.abs().sum((1, 2, 3)) > 0).all())
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
 def test_one_direction_no_bias_no_lengths(cell):
     opts = CellOptions.make(layer_norm=True)
     engine, reference = ENGINES[cell]

@@ -160,12 +160,16 @@ def finish_h(s, T, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, 
 
 
 @triton.jit
-def carried(dh, g, rmask, state, P, k, km, HAS_G: tl.constexpr, RMASK: tl.constexpr, acc_t: tl.constexpr):
+def carried(dh, g, g_parts, rmask, state, P, k, km, HAS_G: tl.constexpr, G_PARTS: tl.constexpr, RMASK: tl.constexpr,
+            acc_t: tl.constexpr):
     """The gradient of the state after this step: dh plus the recurrent GEMM's part of the step
-    after it, g * rmask."""
+    after it, g * rmask; g (G_PARTS, D, B, P) holds that product's partial sums over slices of its
+    inner size (:mod:`.step_matmul`), ``g_parts`` apart, summed here in order."""
     dhv = tl.load(dh + state * P + k, mask=km, other=0.0).to(acc_t)
     if HAS_G:
         gv = tl.load(g + state * P + k, mask=km, other=0.0).to(acc_t)
+        for j in tl.static_range(1, G_PARTS):
+            gv += tl.load(g + j * g_parts + state * P + k, mask=km, other=0.0).to(acc_t)
         if RMASK:
             gv = gv * tl.load(rmask + state * P + k, mask=km, other=0.0)
         dhv += gv
@@ -180,3 +184,13 @@ def present_or(t, fallback):
 def block(hidden: int) -> int:
     """Lanes per gate block: the hidden size rounded up to a power of two."""
     return triton.next_power_of_2(hidden)
+
+
+def parts(g) -> int:
+    """How many partial sums a recurrent-product buffer g (S, D, B, P) holds (1 when absent)."""
+    return g.size(0) if g is not None else 1
+
+
+def parts_stride(g) -> int:
+    """Elements between g's partial sums (0 when absent)."""
+    return g[0].numel() if g is not None else 0

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, present_or,
-                    recurrent_norm, sigmoid, store_blocks, tanh)
+from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, parts, parts_stride,
+                    present_or, recurrent_norm, sigmoid, store_blocks, tanh)
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -52,9 +52,10 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, b_ih, gx, r, h, rmask, b_hh, gh,
 
 
 @triton.jit(do_not_specialize=["s"])
-def _backward_kernel(s, T, B, D, H, lengths, dy, dh, g, rmask, gates, hbn, hist, xp, xstat, gx, rhat, rrstd, gh, zh,
-                     dpre, dr, dhb, pgx, pb, pgh, scalars,
+def _backward_kernel(s, T, B, D, H, lengths, dy, dh, g, g_parts, rmask, gates, hbn, hist, xp, xstat, gx, rhat, rrstd, gh,
+                     zh, dpre, dr, dhb, pgx, pb, pgh, scalars,
                      HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, ZH_MASK: tl.constexpr, HAS_G: tl.constexpr,
+                     G_PARTS: tl.constexpr,
                      RMASK: tl.constexpr, NEED_HB: tl.constexpr, NEED_GX: tl.constexpr, NEED_B: tl.constexpr,
                      NEED_GH: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
@@ -63,7 +64,7 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, g, rmask, gates, hbn, hist,
     G = 3 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
-    dhv = carried(dh, g, rmask, state, H, k, km, HAS_G, RMASK, acc_t)
+    dhv = carried(dh, g, g_parts, rmask, state, H, k, km, HAS_G, G_PARTS, RMASK, acc_t)
     dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=tl.where(active, km, False), other=0.0).to(acc_t)
     kh = zh_const
     if ZH_MASK:
@@ -135,12 +136,14 @@ def step_backward(s: int, lengths: Tensor | None, dy: Tensor, dh: Tensor, g: Ten
     layer_norm), ``pgx``, ``pb``, ``pgh`` (D, T, B, 3H)."""
     dirs, batch, hidden = dh.shape
     _backward_kernel[(dirs * batch,)](
-        s, dy.size(0), batch, dirs, hidden, present_or(lengths, dh), dy, dh, present_or(g, dh), present_or(rmask, dh),
+        s, dy.size(0), batch, dirs, hidden, present_or(lengths, dh), dy, dh, present_or(g, dh), parts_stride(g),
+        present_or(rmask, dh),
         buf["gates"], buf["hbn"], buf["hist"], present_or(xp, dh), present_or(buf.get("xstat"), dh),
         present_or(gx, dh), present_or(buf.get("rhat"), dh), present_or(buf.get("rrstd"), dh), present_or(gh, dh),
         present_or(zh, dh), grads["dpre"], grads["dr"], *(present_or(grads.get(n), dh) for n in ("dhb", "pgx", "pb",
                                                                                              "pgh")), numbers,
         HAS_LENGTHS=lengths is not None, LN=gx is not None, ZH_MASK=zh is not None, HAS_G=g is not None,
+        G_PARTS=parts(g),
         RMASK=rmask is not None, NEED_HB=grads.get("dhb") is not None, NEED_GX=grads.get("pgx") is not None,
         NEED_B=grads.get("pb") is not None, NEED_GH=grads.get("pgh") is not None, F64=dh.dtype.itemsize == 8,
         BLOCK_H=block(hidden))

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, norm_backward_terms,
-                    norm_stats, present_or, recurrent_norm, sigmoid, store_blocks, tanh)
+                    norm_stats, parts, parts_stride, present_or, recurrent_norm, sigmoid, store_blocks, tanh)
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -111,8 +111,9 @@ def _project_kernel(s, T, B, D, P, lengths, hp, h, rmask, zh, keep, y, hd, scala
 
 
 @triton.jit(do_not_specialize=["s"])
-def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, rmask, zh, keep, dhp, scalars,
-                             HAS_LENGTHS: tl.constexpr, HAS_G: tl.constexpr, PCLIP: tl.constexpr,
+def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, g_parts, rmask, zh, keep, dhp, scalars,
+                             HAS_LENGTHS: tl.constexpr, HAS_G: tl.constexpr, G_PARTS: tl.constexpr,
+                             PCLIP: tl.constexpr,
                              ZH_MASK: tl.constexpr, RMASK: tl.constexpr, F64: tl.constexpr, BLOCK_P: tl.constexpr):
     """Back through y = h, zoneout of h and proj_clip: dhp[:, s] = grad of h1 @ W_hr^T (0 when
     not active); dh (+ the recurrent part g * rmask of the step after) becomes zh * its total."""
@@ -121,7 +122,7 @@ def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, rmask, zh, keep,
     k = tl.arange(0, BLOCK_P)
     km = k < P
     _, _, zh_const, _, _ = _scalars(scalars, acc_t)
-    dhv = carried(dh, g, rmask, state, P, k, km, HAS_G, RMASK, acc_t)
+    dhv = carried(dh, g, g_parts, rmask, state, P, k, km, HAS_G, G_PARTS, RMASK, acc_t)
     dtot = dhv + tl.load(dy + ((t * B + b) * D + d) * P + k, mask=tl.where(active, km, False), other=0.0).to(acc_t)
     kh = zh_const
     if ZH_MASK:
@@ -134,10 +135,11 @@ def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, rmask, zh, keep,
 
 
 @triton.jit(do_not_specialize=["s"])
-def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, rmask, gates, c1, c0, chist, xp, xstat, gx, rhat,
+def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, g_parts, rmask, gates, c1, c0, chist, xp, xstat, gx, rhat,
                      rrstd, cstat, gh, gc, bc, peep, zc, zh, dpre, dr, pgx, pb, pgh, pgc, pbc, ppeep, scalars,
                      HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, PEEP: tl.constexpr, CLIP: tl.constexpr,
-                     ZC_MASK: tl.constexpr, ZH_MASK: tl.constexpr, HAS_G: tl.constexpr, RMASK: tl.constexpr,
+                     ZC_MASK: tl.constexpr, ZH_MASK: tl.constexpr, HAS_G: tl.constexpr, G_PARTS: tl.constexpr,
+                     RMASK: tl.constexpr,
                      DY_STEP: tl.constexpr, SAVE_CHIST: tl.constexpr, NEED_GX: tl.constexpr, NEED_B: tl.constexpr,
                      NEED_GH: tl.constexpr, NEED_GC: tl.constexpr, NEED_PEEP: tl.constexpr, F64: tl.constexpr,
                      BLOCK_H: tl.constexpr):
@@ -149,7 +151,7 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, rmask, gates, c1, c0
     clip, zc_const, zh_const, _, _ = _scalars(scalars, acc_t)
     if DY_STEP:  # with a projection, zoneout of h is behind it (project_backward)
         zh_const = 0.0
-    dhv = carried(dh, g, rmask, state, H, k, km, HAS_G, RMASK, acc_t)
+    dhv = carried(dh, g, g_parts, rmask, state, H, k, km, HAS_G, G_PARTS, RMASK, acc_t)
     dcv = tl.load(dc + state * H + k, mask=km, other=0.0).to(acc_t)
     if DY_STEP:
         dyv = tl.load(dy + state * H + k, mask=km, other=0.0).to(acc_t)
@@ -287,8 +289,9 @@ def project_backward(s: int, lengths: Tensor | None, dy: Tensor, dh: Tensor, g: 
     recurrent GEMM's gradient of the step after (None at the last step)."""
     dirs, batch, size = dh.shape
     _project_backward_kernel[(dirs * batch,)](
-        s, dy.size(0), batch, dirs, size, present_or(lengths, dh), dy, dh, present_or(g, dh), present_or(rmask, dh),
-        present_or(zh, dh), present_or(keep, dh), dhp, numbers, HAS_LENGTHS=lengths is not None, HAS_G=g is not None,
+        s, dy.size(0), batch, dirs, size, present_or(lengths, dh), dy, dh, present_or(g, dh), parts_stride(g),
+        present_or(rmask, dh), present_or(zh, dh), present_or(keep, dh), dhp, numbers, HAS_LENGTHS=lengths is not None,
+        HAS_G=g is not None, G_PARTS=parts(g),
         PCLIP=keep is not None, ZH_MASK=zh is not None, RMASK=rmask is not None, F64=dh.dtype.itemsize == 8,
         BLOCK_P=block(size))
 
@@ -305,14 +308,15 @@ def step_backward(s: int, lengths: Tensor | None, dy: Tensor, dh: Tensor, dc: Te
     dirs, batch, hidden = dc.shape
     dy_step = dy.dim() == 3
     _backward_kernel[(dirs * batch,)](
-        s, steps, batch, dirs, hidden, present_or(lengths, dc), dy, dh, dc, present_or(g, dc), present_or(rmask, dc),
+        s, steps, batch, dirs, hidden, present_or(lengths, dc), dy, dh, dc, present_or(g, dc), parts_stride(g),
+        present_or(rmask, dc),
         buf["gates"], buf["c1"], c0, present_or(buf.get("chist"), dc), present_or(xp, dc),
         present_or(buf.get("xstat"), dc), present_or(gx, dc), present_or(buf.get("rhat"), dc),
         present_or(buf.get("rrstd"), dc), present_or(buf.get("cstat"), dc), present_or(gh, dc), present_or(gc, dc),
         present_or(bc, dc), present_or(peep, dc), present_or(zc, dc), present_or(zh, dc), grads["dpre"], grads["dr"],
         *(present_or(grads.get(n), dc) for n in ("pgx", "pb", "pgh", "pgc", "pbc", "ppeep")), numbers,
         HAS_LENGTHS=lengths is not None, LN=gx is not None, PEEP=peep is not None, CLIP=consts[0] > 0,
-        ZC_MASK=zc is not None, ZH_MASK=zh is not None and not dy_step, HAS_G=g is not None,
+        ZC_MASK=zc is not None, ZH_MASK=zh is not None and not dy_step, HAS_G=g is not None, G_PARTS=parts(g),
         RMASK=rmask is not None, DY_STEP=dy_step, SAVE_CHIST=buf.get("chist") is not None,
         NEED_GX=grads.get("pgx") is not None, NEED_B=grads.get("pb") is not None, NEED_GH=grads.get("pgh") is not None,
         NEED_GC=grads.get("pgc") is not None, NEED_PEEP=grads.get("ppeep") is not None, F64=dc.dtype.itemsize == 8,

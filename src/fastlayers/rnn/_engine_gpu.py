@@ -143,6 +143,25 @@ def _outer(mm, a: Tensor, b: Tensor) -> Tensor:
     return mm.bmm(a.reshape(dirs, -1, a.size(-1)).transpose(1, 2), b.reshape(dirs, -1, b.size(-1)))
 
 
+def _slices(mm, w: Tensor) -> int:
+    """S: the partial sums a step's recurrent product a @ w (w (D, K, N), prepared) is split into
+    (:mod:`fastlayers._triton.step_matmul`; 1 where torch.bmm runs it)."""
+    from .._triton import step_matmul
+
+    return step_matmul.slices(w.size(1)) if step_matmul.supported(w, mm.mixed) else 1
+
+
+def _recurrent(mm, a: Tensor, w: Tensor, out: Tensor) -> Tensor:
+    """out (S, D, B, N), or (D, B, N) = S partial sums of a step's recurrent product a (D, B, K) @
+    w (D, K, N): the Triton kernel where it takes w, else one torch.bmm (S = 1)."""
+    from .._triton import step_matmul
+
+    if step_matmul.supported(w, mm.mixed):
+        return step_matmul.matmul(a, w, out)
+    mm.bmm_prepared(a, w, out=out if out.dim() == 3 else out[0])
+    return out
+
+
 def _rows_sum(t: Tensor | None) -> Tensor | None:
     """Sum of per-row products (D, T, B, X) over the rows: (D, X)."""
     return None if t is None else t.sum((1, 2))
@@ -179,7 +198,7 @@ class LSTMLayer(torch.autograd.Function):
             xp = _project_input(mm, x, w_ih, None if ln else bias)  # with LayerNorm the kernel adds the bias
             step = (dirs, steps, batch)
             ins = dict(xp=xp, bias=bias, gx=gx, h=h0.to(acc, copy=True), c=c0.to(acc, copy=True),
-                       w_t=mm.operand(w_hh.transpose(1, 2)), w_hr_t=mm.operand(w_hr.transpose(1, 2)) if proj else None,
+                       w_t=mm.operand(w_hh.transpose(1, 2)).contiguous(), w_hr_t=mm.operand(w_hr.transpose(1, 2)) if proj else None,
                        gh=gh, gc=gc, bc=bc, peep=peep, rmask=rmask, zc=zc, zh=zh, lengths=lengths,
                        numbers=kernels.scalars(consts, EPS, xp))
             outs = dict(
@@ -228,7 +247,7 @@ class LSTMLayer(torch.autograd.Function):
                 pgc=(*step, hidden) if ln and (need[8] or need[9]) else None,
                 pbc=(*step, hidden) if ln and (need[8] or need[9]) else None,
                 ppeep=(*step, 3 * hidden) if peep is not None and need[10] else None,
-                dhp=(*step, out_size) if proj else None, g=(dirs, batch, out_size),
+                dhp=(*step, out_size) if proj else None, g=(_slices(mm, ins["w_hh"]), dirs, batch, out_size),
                 dy1=(dirs, batch, hidden) if proj else None, dhk=(dirs, batch, hidden) if proj else None)
             grads, release = _graphs.run(None, ("LSTM", "backward", ctx.consts, mm.low, tuple(need)), ins, outs,
                                          lambda st: _lstm_backward_loop(kernels, mm, st, ctx.consts))
@@ -269,7 +288,8 @@ def _lstm_backward_loop(kernels, mm, st: dict, consts) -> None:
             kernels.step_backward(s, lengths, st["dy"], dh, st["dc"], g, rmask, st["c0"], st["xp"], st["gx"],
                                   st["gh"], st["gc"], st["bc"], st["peep"], st["zc"], st["zh"], st, st, consts,
                                   st["numbers"], steps)
-        g = mm.bmm_prepared(st["dr"][:, s], st["w_hh"], out=st["g"])
+        g = _recurrent(mm, st["dr"][:, s], st["w_hh"], st["g"])
+    g = g.sum(0)
     dh += g * rmask if rmask is not None else g
 
 
@@ -278,7 +298,7 @@ def _lstm_forward_loop(kernels, mm, st: dict, consts) -> None:
     proj, hd, lengths = st["w_hr_t"] is not None, st["hd"], st["lengths"]
     hd[:, 0] = st["h"] * st["rmask"] if st["rmask"] is not None else st["h"]
     for s in range(hd.size(1)):
-        mm.bmm_prepared(hd[:, s], st["w_t"], out=st["r"])
+        _recurrent(mm, hd[:, s], st["w_t"], st["r"])
         kernels.step_forward(s, lengths, st["xp"], st["bias"], st["gx"], st["r"], None if proj else st["h"], st["c"],
                              None if proj else st["rmask"], st["gh"], st["gc"], st["bc"], st["peep"], st["zc"],
                              None if proj else st["zh"], None if proj else st["y"], None if proj else hd, st, consts,
@@ -313,7 +333,7 @@ class GRULayer(torch.autograd.Function):
             gx, b_ih, b_hh, gh, rmask, zh = (_as(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
             xp = _project_input(mm, x, w_ih, None if ln else b_ih)
             step = (dirs, steps, batch)
-            ins = dict(xp=xp, b_ih=b_ih, gx=gx, h=h0.to(acc, copy=True), w_t=mm.operand(w_hh.transpose(1, 2)),
+            ins = dict(xp=xp, b_ih=b_ih, gx=gx, h=h0.to(acc, copy=True), w_t=mm.operand(w_hh.transpose(1, 2)).contiguous(),
                        b_hh=b_hh, gh=gh, rmask=rmask, zh=zh, lengths=lengths,
                        numbers=kernels.scalars(consts[0], EPS, xp))
             outs = dict(gates=(*step, gsize), hbn=(*step, hidden), hist=(*step, hidden), hd=(*step, hidden),
@@ -352,7 +372,7 @@ class GRULayer(torch.autograd.Function):
                         dhb=step if ln and ctx.has_bias[1] and need[6] else None,
                         pgx=step if ln and need[2] else None,
                         pb=step if ln and ctx.has_bias[0] and need[3] else None,
-                        pgh=step if ln and need[7] else None, g=(dirs, batch, hidden))
+                        pgh=step if ln and need[7] else None, g=(_slices(mm, ins["w_hh"]), dirs, batch, hidden))
             grads, release = _graphs.run(None, ("GRU", "backward", mm.low, tuple(need)), ins, outs,
                                          lambda st: _gru_backward_loop(kernels, mm, st))
             dh = grads["dh"].clone()
@@ -376,7 +396,7 @@ def _gru_forward_loop(kernels, mm, st: dict) -> None:
     hd, rmask = st["hd"], st["rmask"]
     hd[:, 0] = st["h"] * rmask if rmask is not None else st["h"]
     for s in range(hd.size(1)):
-        mm.bmm_prepared(hd[:, s], st["w_t"], out=st["r"])
+        _recurrent(mm, hd[:, s], st["w_t"], st["r"])
         kernels.step_forward(s, st["lengths"], st["xp"], st["b_ih"], st["gx"], st["r"], st["h"], rmask, st["b_hh"],
                              st["gh"], st["zh"], st["y"], hd, st, st["numbers"])
 
@@ -387,7 +407,8 @@ def _gru_backward_loop(kernels, mm, st: dict) -> None:
     for s in range(st["gates"].size(1) - 1, -1, -1):
         kernels.step_backward(s, st["lengths"], st["dy"], dh, g, rmask, st["xp"], st["gx"], st["gh"], st["zh"], st, st,
                               st["numbers"])
-        g = mm.bmm_prepared(st["dr"][:, s], st["w_hh"], out=st["g"])
+        g = _recurrent(mm, st["dr"][:, s], st["w_hh"], st["g"])
+    g = g.sum(0)
     dh += g * rmask if rmask is not None else g
 
 

@@ -25,6 +25,7 @@ from ._engine import gru_engine, lstm_engine
 from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._cells import check_step_input, check_step_states, step
 from ._engine_reference import gru_reference, lstm_reference
+from . import _graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
 from ._varlen import varlen_rnn
@@ -91,6 +92,11 @@ class _LengthsMixin:
         state) instead of torch's kernel: LSTM and GRU on CPU, see :class:`_CellOptionsMixin`."""
         return False
 
+    def _plain_on_engine(self, input: Tensor) -> bool:
+        """Whether a call without cell options runs the fastlayers engine instead of torch's
+        kernel on the GPU: LSTM and GRU, see :class:`_CellOptionsMixin`."""
+        return False
+
     def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:  # noqa: D102
         if isinstance(input, PackedSequence):
             if lengths is not None:
@@ -103,7 +109,8 @@ class _LengthsMixin:
             return self._forward_eagerly(input, hx, lengths)
         input = self._check_input(input)
         states = self._check_hx(hx, input)
-        if lengths is None and self._options_plain() and not self._engine_precision(input):
+        if lengths is None and self._options_plain() and not self._engine_precision(input) and \
+                not self._plain_on_engine(input):
             return super().forward(input, hx)  # type: ignore[misc]
         batched = input.dim() == 3
         x = input if batched else input.unsqueeze(1 if not self.batch_first else 0)
@@ -175,8 +182,13 @@ _COMMON_DOC = """
     With lengths on CPU (float32/float64), LSTM and GRU run the fastlayers engine on the packed
     valid rows (no GEMM or kernel touches padding; hand-written backward); RNN runs torch's fused
     kernels once per run of time steps with the same set of active sequences. A batch without
-    padding takes torch's padded kernel; other devices use torch's packed path (cuDNN's
-    variable-length kernel on CUDA).
+    padding takes torch's padded kernel. On CUDA (float32, bfloat16, float16), LSTM and GRU
+    with or without lengths run the fastlayers GPU engine (Triton step kernels, time loops in
+    CUDA graphs) where it measured faster than cuDNN on an H100 (BENCHMARKS.md): hidden_size
+    >= 256 and B * hidden_size <= 2**17 (the seed's BLSTM: 0.32x cuDNN's fwd+bwd time); else,
+    with ``FASTLAYERS_CUDA_GRAPHS=0``, inside a CUDA graph capture of the caller's, under
+    torch.compile, or in float64 they use torch's kernels (cuDNN; its packed path with lengths),
+    as RNN always does elsewhere.
 
     Errors (each also an instance of the class torch.nn.{name} raises for the same input, so
     code catching torch's class catches ours): TypeError and AttributeError for a non-tensor
@@ -322,6 +334,19 @@ class _CellOptionsMixin:
         # per-step reference) keeps it in float32 on every CPU
         return input.device.type == "cpu" and _precision.is_low(input)
 
+    def _plain_on_engine(self, input: Tensor) -> bool:
+        # Measured on an H100 (torch 2.11, fp32 TF32 off, 2 directions, fwd+bwd; BENCHMARKS.md,
+        # bench_gpu_engine.py --sweep): with its time loops in CUDA graphs the engine took 0.32x
+        # cuDNN's LSTM time at the seed shape (T=800, B=32, H=256), 0.84-0.96x at H=256-1024 with
+        # B*H <= 2^17, but 1.2-1.6x at H <= 128 (cuDNN's steps are short there) and at B=256,
+        # H=1024 (the step's GEMM dominates); eagerly it took 3.2-4.0x. So: H >= 256 and
+        # B*H <= 2^17 with graphs on (not switched off, not inside the caller's own capture, not
+        # under torch.compile); float64 (not measured) stays on cuDNN too
+        batch = input.size(0 if self.batch_first else 1) if input.dim() == 3 else 1
+        return (input.device.type == "cuda" and input.dtype != torch.float64 and self.hidden_size >= 256
+                and batch * self.hidden_size <= 2**17 and not torch.compiler.is_compiling()
+                and _graphs.enabled(input) and select(self.mode.lower(), input) == "triton")
+
     def _layer_parameters(self) -> list[list[dict[str, Tensor]]]:
         keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if self.bias else [])
         if self.options.layer_norm:
@@ -336,12 +361,11 @@ class _CellOptionsMixin:
     def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None):
         # lengths without options: the engine's kernels where they run (they skip padding in every
         # GEMM and beat the segment path, see BENCHMARKS.md); torch's kernels when nothing is padded,
-        # or on the reference backend (segments on CPU, PackedSequence elsewhere)
-        # on CUDA, plain LSTM/GRU stay on cuDNN (PackedSequence with lengths): the Triton engine runs
-        # the cell options (issue 19: dispatch plain calls to it only once measured faster; the
-        # "plain" rows of benchmarks/bench_gpu_engine.py measure it)
+        # or on the reference backend (segments on CPU, PackedSequence elsewhere). On CUDA, plain
+        # LSTM/GRU run the Triton engine where its loops are captured (_plain_on_engine), else cuDNN
+        # (PackedSequence with lengths)
         which = select(self.mode.lower(), x)
-        if self.options.plain and not self._engine_precision(x) and (
+        if self.options.plain and not self._engine_precision(x) and not self._plain_on_engine(x) and (
                 which != "cpu" or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
             return super()._run(x, states, lengths)  # type: ignore[misc]
         impl = {("LSTM", "cpu"): lstm_engine, ("LSTM", "reference"): lstm_reference,
