@@ -7,8 +7,8 @@ nothing else, so it can be captured in a ``torch.cuda.CUDAGraph`` and replayed w
 copied into the captured ones. The lengths are one of those inputs (the kernels read them), so
 a new lengths vector reuses the graph; a new shape, dtype, option set or device captures a new one.
 
-Capture is the default on CUDA (measured on an H100 at the seed shape, BENCHMARKS.md: the
-LayerNorm-LSTM's fwd+bwd took 37.9 ms captured against 193.8 ms eagerly), with a warm-up: the
+Capture is the default on CUDA (measured on an H100 at the seed shape, BENCHMARKS.md, 2026-11-24:
+the LayerNorm-LSTM's fwd+bwd took 21.5 ms captured against 233.3 ms eagerly), with a warm-up: the
 first call with a given key (shapes, dtypes, option set, device) runs eagerly, the second
 captures, later ones replay. ``FASTLAYERS_CUDA_GRAPHS``: ``0`` never captures (every loop eager),
 ``1`` captures from the first call, unset (or ``auto``) is the default.
