@@ -197,6 +197,7 @@ def test_plain_layers_on_cuda_equal_torch_nn_as_constructed(cell, lengths):
     (cuDNN; PackedSequence with lengths) with the same weights, float32 TF32 off: outputs, final
     states and every gradient; hidden 256, so the backward's recurrent product runs in slices.
     Both are float32: gradients summed over T*B rows in different orders differ by ~1e-5."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         torch.manual_seed(0)
@@ -221,7 +222,7 @@ def test_plain_layers_on_cuda_equal_torch_nn_as_constructed(cell, lengths):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     finally:
-        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 def test_engine_float32_on_cuda_honours_tf32_off():

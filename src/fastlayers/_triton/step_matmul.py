@@ -6,12 +6,13 @@ a (D, M, K) and b (D, K, N) with unit stride along their last dimension (a is a 
 The S partial products are summed by the step kernel that reads them (:func:`._cell.carried`), in
 a fixed order: no atomics, results do not depend on scheduling.
 
-Why not cuBLAS (H100, torch 2.11, fp32, 800 steps in one CUDA graph, D=2, M=32, 2026-11-24): the
-backward's product (K = 4H = 1024, N = H = 256) took 29 us per step under torch.bmm (its 16
-output tiles each walk K = 1024) and 22 us in one slice here; the forward's (K = 256, N = 1024)
-8.9 us under torch.bmm, 6.8 us here with 32x32x64 tiles and b contiguous (13 us with b a
-transposed view). The seed's LayerNorm-LSTM fwd+bwd (CUDA graphs) took 34.4 / 23.5 / 21.6 /
-21.3 ms with 1024 / 256 / 128 / 64 elements of K per slice (GRU 28.6 / 21.0 / 19.6 / 19.7): 128.
+Why not cuBLAS (H100, torch 2.11, fp32, 800 steps in one CUDA graph, D=2, M=32, 2026-11-24,
+``benchmarks/bench_gpu_step_matmul.py``): the backward's product (K = 4H = 1024, N = H = 256) took
+29.8 us per step under torch.bmm (its 16 output tiles each walk K = 1024), 23.2 us here in one
+slice and 4.1 us in 8; the forward's (K = 256, N = 1024) 8.9 us under torch.bmm, 6.8 us here with
+b contiguous. The seed's LayerNorm-LSTM fwd+bwd (CUDA graphs) took 34.7 / 23.4 / 21.9 / 21.5 ms
+with 1024 / 256 / 128 / 64 elements of K per slice (GRU 28.8 / 21.1 / 19.6 / 19.7): 64 and 128
+within 2%, 128 kept (half the partial sums for the step kernels to add).
 
 Precision: float32 operands multiply in IEEE float32 (TF32 where
 ``torch.backends.cuda.matmul.allow_tf32`` allows it, as torch.bmm); bfloat16 / float16 ``b``

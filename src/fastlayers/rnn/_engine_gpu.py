@@ -34,8 +34,8 @@ yet: H=1024 (105-146 registers, no spills) and small B, where 8 warps per progra
 over 2-4 programs for the kernels without LayerNorm, are the candidates.
 
 Nothing in the time loop depends on the lengths' values on the host, so the loop can be captured
-once in a CUDA graph and replayed for any lengths (:mod:`._graphs`). The GEMMs are torch's (cuBLAS)
-and follow torch's precision flags: float32 GEMMs use TF32 only where
+once in a CUDA graph and replayed for any lengths (:mod:`._graphs`). The GEMMs outside the
+loop are torch's (cuBLAS); all follow torch's precision flags: float32 GEMMs use TF32 only where
 ``torch.backends.cuda.matmul.allow_tf32`` allows it. Precision (:mod:`fastlayers._precision`):
 float32 and float64 run in their dtype; bfloat16 / float16, and float32 under
 ``torch.autocast("cuda")``, take low-precision GEMM operands with float32 accumulation, and keep

@@ -185,7 +185,7 @@ _COMMON_DOC = """
     padding takes torch's padded kernel. On CUDA (float32, bfloat16, float16), LSTM and GRU
     with or without lengths run the fastlayers GPU engine (Triton step kernels, time loops in
     CUDA graphs) where it measured faster than cuDNN on an H100 (BENCHMARKS.md): hidden_size
-    >= 256 and B * hidden_size <= 2**17 (the seed's BLSTM: 0.32x cuDNN's fwd+bwd time); else,
+    >= 256 and B * hidden_size <= 2**17 (the seed's BLSTM: 0.24x cuDNN's fwd+bwd time); else,
     with ``FASTLAYERS_CUDA_GRAPHS=0``, inside a CUDA graph capture of the caller's, under
     torch.compile, or in float64 they use torch's kernels (cuDNN; its packed path with lengths),
     as RNN always does elsewhere.
@@ -336,12 +336,12 @@ class _CellOptionsMixin:
 
     def _plain_on_engine(self, input: Tensor) -> bool:
         # Measured on an H100 (torch 2.11, fp32 TF32 off, 2 directions, fwd+bwd; BENCHMARKS.md,
-        # bench_gpu_engine.py --sweep): with its time loops in CUDA graphs the engine took 0.32x
-        # cuDNN's LSTM time at the seed shape (T=800, B=32, H=256), 0.84-0.96x at H=256-1024 with
-        # B*H <= 2^17, but 1.2-1.6x at H <= 128 (cuDNN's steps are short there) and at B=256,
-        # H=1024 (the step's GEMM dominates); eagerly it took 3.2-4.0x. So: H >= 256 and
-        # B*H <= 2^17 with graphs on (not switched off, not inside the caller's own capture, not
-        # under torch.compile); float64 (not measured) stays on cuDNN too
+        # bench_gpu_engine.py --sweep, 2026-11-24): with its time loops in CUDA graphs the engine took
+        # 0.24x (LSTM) / 0.22x (GRU) cuDNN's time at the seed shape (T=800, B=32, H=256), 0.72-0.99x
+        # at H=256-1024 with B*H <= 2^17, but 1.22-1.82x at H <= 128 (cuDNN's steps are short there)
+        # and 1.18-1.25x at B=256, H=1024 (the step's GEMM dominates); eagerly it took 3.4-3.8x. So:
+        # H >= 256 and B*H <= 2^17 with graphs on (not switched off, not inside the caller's own
+        # capture, not under torch.compile); float64 (not measured) stays on cuDNN too
         batch = input.size(0 if self.batch_first else 1) if input.dim() == 3 else 1
         return (input.device.type == "cuda" and input.dtype != torch.float64 and self.hidden_size >= 256
                 and batch * self.hidden_size <= 2**17 and not torch.compiler.is_compiling()
