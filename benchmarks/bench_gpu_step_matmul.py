@@ -24,21 +24,15 @@ import fastlayers
 from fastlayers._triton import step_matmul
 from fastlayers.rnn import _graphs
 
+from bench_gpu_local import Timer  # CUDA events on the GPU, perf_counter elsewhere
+
 DEV = torch.device("cuda")
 
 
 def _events(fn, repeats=7, warmup=2) -> float:
-    times = []
-    for rep in range(-warmup, repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if rep >= 0:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of fn() between CUDA events, after warm-up calls."""
+    timer = Timer(DEV)
+    return statistics.median([timer(fn) for _ in range(warmup + repeats)][warmup:])
 
 
 def _per_step_us(step, steps: int) -> float:
