@@ -36,18 +36,13 @@ def _events(fn, repeats=7, warmup=2) -> float:
 
 
 def _per_step_us(step, steps: int) -> float:
-    """Microseconds per call of step(s), s = 0..steps-1, all captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    """Microseconds per call of step(s), s = 0..steps-1, all captured in one CUDA graph (as the
+    engine captures its loops, fastlayers.rnn._graphs.capture)."""
+    def loop() -> None:
         for s in range(steps):
             step(s)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for s in range(steps):
-            step(s)
-    return _events(graph.replay) / steps * 1e3
+
+    return _events(_graphs.capture(loop, DEV).replay) / steps * 1e3
 
 
 def products() -> None:

@@ -44,6 +44,8 @@ the cell state, gates and LayerNorm statistics in float32.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -153,15 +155,20 @@ def _slices(mm, w: Tensor) -> int:
     return step_matmul.slices(w.size(1)) if step_matmul.supported(w, mm.mixed) else 1
 
 
-def _recurrent(mm, a: Tensor, w: Tensor, out: Tensor) -> Tensor:
-    """out (S, D, B, N), or (D, B, N) = S partial sums of a step's recurrent product a (D, B, K) @
-    w (D, K, N): the Triton kernel where it takes w, else one torch.bmm (S = 1)."""
+def _recurrent(mm, w: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    """A time loop's recurrent product, chosen once per loop: ``product(a, out)`` -> out (S, D, B, N),
+    or (D, B, N) = S partial sums of a step's a (D, B, K) @ w (D, K, N): the Triton kernel where it
+    takes w, else one torch.bmm (S = 1)."""
     from .._triton import step_matmul
 
     if step_matmul.supported(w, mm.mixed):
-        return step_matmul.matmul(a, w, out)
-    mm.bmm_prepared(a, w, out=out if out.dim() == 3 else out[0])
-    return out
+        return lambda a, out: step_matmul.matmul(a, w, out)
+
+    def product(a: Tensor, out: Tensor) -> Tensor:
+        mm.bmm_prepared(a, w, out=out if out.dim() == 3 else out[0])
+        return out
+
+    return product
 
 
 def _rows_sum(t: Tensor | None) -> Tensor | None:
@@ -277,7 +284,7 @@ def _lstm_backward_loop(kernels, mm, st: dict, consts) -> None:
     steps = st["gates"].size(1)
     if proj:
         st["dhk"].zero_()
-    g = None
+    g, product = None, _recurrent(mm, st["w_hh"])
     for s in range(steps - 1, -1, -1):
         if proj:  # back through the projection first; the kernel's own h gradient stays 0
             kernels.project_backward(s, lengths, st["dy"], dh, g, rmask, st["zh"], st["keep"], st["dhp"],
@@ -290,7 +297,7 @@ def _lstm_backward_loop(kernels, mm, st: dict, consts) -> None:
             kernels.step_backward(s, lengths, st["dy"], dh, st["dc"], g, rmask, st["c0"], st["xp"], st["gx"],
                                   st["gh"], st["gc"], st["bc"], st["peep"], st["zc"], st["zh"], st, st, consts,
                                   st["numbers"], steps)
-        g = _recurrent(mm, st["dr"][:, s], st["w_hh"], st["g"])
+        g = product(st["dr"][:, s], st["g"])
     g = g.sum(0)
     dh += g * rmask if rmask is not None else g
 
@@ -299,8 +306,9 @@ def _lstm_forward_loop(kernels, mm, st: dict, consts) -> None:
     """The forward time loop on the tensors of ``st`` only (so that it can be captured and replayed)."""
     proj, hd, lengths = st["w_hr_t"] is not None, st["hd"], st["lengths"]
     hd[:, 0] = st["h"] * st["rmask"] if st["rmask"] is not None else st["h"]
+    product = _recurrent(mm, st["w_t"])
     for s in range(hd.size(1)):
-        _recurrent(mm, hd[:, s], st["w_t"], st["r"])
+        product(hd[:, s], st["r"])
         kernels.step_forward(s, lengths, st["xp"], st["bias"], st["gx"], st["r"], None if proj else st["h"], st["c"],
                              None if proj else st["rmask"], st["gh"], st["gc"], st["bc"], st["peep"], st["zc"],
                              None if proj else st["zh"], None if proj else st["y"], None if proj else hd, st, consts,
@@ -397,19 +405,20 @@ _GRU_SAVED = ("gates", "hbn", "hist", "hd", "xstat", "rhat", "rrstd")
 def _gru_forward_loop(kernels, mm, st: dict) -> None:
     hd, rmask = st["hd"], st["rmask"]
     hd[:, 0] = st["h"] * rmask if rmask is not None else st["h"]
+    product = _recurrent(mm, st["w_t"])
     for s in range(hd.size(1)):
-        _recurrent(mm, hd[:, s], st["w_t"], st["r"])
+        product(hd[:, s], st["r"])
         kernels.step_forward(s, st["lengths"], st["xp"], st["b_ih"], st["gx"], st["r"], st["h"], rmask, st["b_hh"],
                              st["gh"], st["zh"], st["y"], hd, st, st["numbers"])
 
 
 def _gru_backward_loop(kernels, mm, st: dict) -> None:
     dh, rmask = st["dh"], st["rmask"]
-    g = None
+    g, product = None, _recurrent(mm, st["w_hh"])
     for s in range(st["gates"].size(1) - 1, -1, -1):
         kernels.step_backward(s, st["lengths"], st["dy"], dh, g, rmask, st["xp"], st["gx"], st["gh"], st["zh"], st, st,
                               st["numbers"])
-        g = _recurrent(mm, st["dr"][:, s], st["w_hh"], st["g"])
+        g = product(st["dr"][:, s], st["g"])
     g = g.sum(0)
     dh += g * rmask if rmask is not None else g
 

@@ -146,15 +146,8 @@ def run(owner: object | None, key: tuple, ins: dict[str, Tensor | None], outs: d
     if entry.graph is None:
         st = {k: v.clone() if v is not None else None for k, v in ins.items()}
         st.update({k: like.new_empty(s) if s is not None else None for k, s in outs.items()})
-        side = torch.cuda.Stream(like.device)
-        side.wait_stream(torch.cuda.current_stream(like.device))
-        with torch.cuda.stream(side):
-            loop(st)  # compiles the kernels and sets cuBLAS up before the capture
-        torch.cuda.current_stream(like.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                loop(st)
+            graph = capture(lambda: loop(st), like.device)
         except BaseException:
             _drop(entry)
             raise
@@ -168,6 +161,20 @@ def run(owner: object | None, key: tuple, ins: dict[str, Tensor | None], outs: d
     entry.graph.replay()
     # weakref.finalize runs once, whether called or when the owner is collected
     return st, weakref.finalize(owner, _free, entry) if owner is not None else functools.partial(_free, entry)
+
+
+def capture(fn: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":
+    """``fn`` captured in a new CUDA graph on ``device``, after one uncaptured call on a side stream
+    (which compiles its kernels and sets cuBLAS up; ``fn`` must leave its inputs valid for a rerun)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def _claim(key: tuple, ins: dict[str, Tensor | None], outs: dict[str, tuple | None]) -> _Entry | None:

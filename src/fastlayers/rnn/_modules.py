@@ -87,15 +87,11 @@ class _LengthsMixin:
     def _options_plain(self) -> bool:
         return True
 
-    def _engine_precision(self, input: Tensor) -> bool:
-        """Whether a low-precision call (bf16/fp16, or CPU autocast) runs the engine (float32 cell
-        state) instead of torch's kernel: LSTM and GRU on CPU, see :class:`_CellOptionsMixin`."""
-        return False
-
-    def _plain_on_engine(self, input: Tensor) -> bool:
-        """Whether a call without cell options runs the fastlayers engine instead of torch's
-        kernel on the GPU: LSTM and GRU, see :class:`_CellOptionsMixin`."""
-        return False
+    def _engine_backend(self, input: Tensor) -> str | None:
+        """The backend ("cpu", "triton", "reference") of the fastlayers engine when it runs this call
+        with or without lengths, else None: torch's kernel without lengths, and with lengths
+        :meth:`_run` decides. LSTM and GRU only, see :class:`_CellOptionsMixin`."""
+        return None
 
     def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:  # noqa: D102
         if isinstance(input, PackedSequence):
@@ -109,8 +105,8 @@ class _LengthsMixin:
             return self._forward_eagerly(input, hx, lengths)
         input = self._check_input(input)
         states = self._check_hx(hx, input)
-        if lengths is None and self._options_plain() and not self._engine_precision(input) and \
-                not self._plain_on_engine(input):
+        engine = self._engine_backend(input)  # decided once per call, passed on to _run
+        if lengths is None and engine is None:
             return super().forward(input, hx)  # type: ignore[misc]
         batched = input.dim() == 3
         x = input if batched else input.unsqueeze(1 if not self.batch_first else 0)
@@ -121,7 +117,7 @@ class _LengthsMixin:
         if states is None:
             layers = self.num_layers * (2 if self.bidirectional else 1)
             states = tuple(x.new_zeros(layers, batch, size) for size in self._state_sizes())
-        output, final = self._run(x, states, lengths)
+        output, final = self._run(x, states, lengths, engine)
         if not batched:
             output = output.squeeze(time_dim ^ 1)
             final = tuple(s.squeeze(1) for s in final)
@@ -138,8 +134,10 @@ class _LengthsMixin:
         time_dim = 1 if self.batch_first else 0
         return bool(x.size(1 - time_dim)) and bool((lengths == x.size(time_dim)).all())
 
-    def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """Padded batch (batched, layout per batch_first) + validated lengths -> output, final states."""
+    def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor,
+             engine: str | None) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """Padded batch (batched, layout per batch_first) + validated lengths -> output, final states
+        (``engine``: see :meth:`_engine_backend`; None here, where no engine exists)."""
         if self._no_padding(x, lengths):
             # no padding anywhere: the padded fused call is exactly the packed semantics
             output, final = super().forward(x, states if self.mode == "LSTM" else states[0])  # type: ignore[misc]
@@ -341,11 +339,20 @@ class _CellOptionsMixin:
         # at H=256-1024 with B*H <= 2^17, but 1.22-1.82x at H <= 128 (cuDNN's steps are short there)
         # and 1.18-1.25x at B=256, H=1024 (the step's GEMM dominates); eagerly it took 3.4-3.8x. So:
         # H >= 256 and B*H <= 2^17 with graphs on (not switched off, not inside the caller's own
-        # capture, not under torch.compile); float64 (not measured) stays on cuDNN too
+        # capture, not under torch.compile); float64 (not measured) stays on cuDNN too. The backend
+        # (Triton, unless another is forced) is checked by _engine_backend
         batch = input.size(0 if self.batch_first else 1) if input.dim() == 3 else 1
         return (input.device.type == "cuda" and input.dtype != torch.float64 and self.hidden_size >= 256
                 and batch * self.hidden_size <= 2**17 and not torch.compiler.is_compiling()
-                and _graphs.enabled(input) and select(self.mode.lower(), input) == "triton")
+                and _graphs.enabled(input))
+
+    def _engine_backend(self, input: Tensor) -> str | None:
+        if not self.options.plain or self._engine_precision(input):
+            return select(self.mode.lower(), input)
+        if self._plain_on_engine(input):
+            which = select(self.mode.lower(), input)
+            return which if which == "triton" else None
+        return None
 
     def _layer_parameters(self) -> list[list[dict[str, Tensor]]]:
         keys = ["weight_ih", "weight_hh"] + (["bias_ih", "bias_hh"] if self.bias else [])
@@ -358,19 +365,20 @@ class _CellOptionsMixin:
         return [[{k: getattr(self, f"{k}_l{layer}{sfx}") for k in keys}
                  for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]] for layer in range(self.num_layers)]
 
-    def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None):
-        # lengths without options: the engine's kernels where they run (they skip padding in every
-        # GEMM and beat the segment path, see BENCHMARKS.md); torch's kernels when nothing is padded,
-        # or on the reference backend (segments on CPU, PackedSequence elsewhere). On CUDA, plain
-        # LSTM/GRU run the Triton engine where its loops are captured (_plain_on_engine), else cuDNN
-        # (PackedSequence with lengths)
-        which = select(self.mode.lower(), x)
-        if self.options.plain and not self._engine_precision(x) and not self._plain_on_engine(x) and (
-                which != "cpu" or self._no_padding(x, lengths)):  # type: ignore[attr-defined]
-            return super()._run(x, states, lengths)  # type: ignore[misc]
+    def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None, engine: str | None):
+        # engine None: a plain call with lengths (forward ran the others without lengths on torch's
+        # kernels). The engine's C kernels run it where they run (they skip padding in every GEMM
+        # and beat the segment path, see BENCHMARKS.md); torch's kernels when nothing is padded, or
+        # on the reference backend (segments on CPU), or on CUDA (PackedSequence on cuDNN) where the
+        # Triton engine's loops are not captured (_plain_on_engine)
+        if engine is None:
+            which = select(self.mode.lower(), x)
+            if which != "cpu" or self._no_padding(x, lengths):  # type: ignore[attr-defined]
+                return super()._run(x, states, lengths, None)  # type: ignore[misc]
+            engine = which
         impl = {("LSTM", "cpu"): lstm_engine, ("LSTM", "reference"): lstm_reference,
                 ("LSTM", "triton"): lstm_engine_gpu, ("GRU", "cpu"): gru_engine, ("GRU", "reference"): gru_reference,
-                ("GRU", "triton"): gru_engine_gpu}[self.mode, which]
+                ("GRU", "triton"): gru_engine_gpu}[self.mode, engine]
         xt = x.transpose(0, 1) if self.batch_first else x
         out, final = impl(xt, states, self._layer_parameters(), lengths, self.options, dropout=self.dropout,
                           training=self.training)
