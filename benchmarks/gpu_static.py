@@ -10,9 +10,11 @@ stores / loads and stack from the bundled ``ptxas -v``, shared memory from the k
 the programs of its grid at the workload's shape (the seed shapes: T=16 keeps every specialization
 of T=800, see shared/reference/gpu-static.md) and the occupancy that allows on one SM; and for
 every workload (an option set) the wall time of its first call, which is the compile time of its
-kernels (a fresh Triton cache per workload).
+kernels (a fresh Triton cache per workload). For the recurrent step kernels with lengths: how many
+global loads wait for their load of len_b (a def-use walk over the PTX), which must be none.
 
-Fails (exit 1) on a compile error, or a float32 / bfloat16 kernel that spills more than 16 bytes.
+Fails (exit 1) on a compile error, a float32 / bfloat16 kernel that spills more than 16 bytes, or a
+recurrent step kernel with a load that waits for len_b.
 ``--set ci`` is a representative subset (CI runs it for both architectures); ``--set full`` is
 every option set, LSTM/GRU hidden 128/256/1024, projection, float32/bfloat16/float64, the local
 layers at bench_gpu_local.py's shapes and attention at seed 001's.
@@ -92,6 +94,7 @@ class Kernel:
     occupancy: float = 0.0
     reductions: int = 0  # tt.reduce ops in the Triton IR (one per tl.sum / tl.max)
     barriers: int = 0  # BAR instructions in the SASS
+    lengths_waits: int | None = None  # global loads that wait for len_b (recurrent step kernels; None: no len_b load)
     compiles: int = 1  # specializations of this configuration (kernel, constexprs, dtypes) compiled
 
 
@@ -146,6 +149,50 @@ def _tools(arch: str) -> tuple[str, list[str], str]:
     return ptxas, extra, triton.knobs.nvidia.cuobjdump.path
 
 
+def _lengths_load_line() -> str:
+    """``_cell.py:LINE``: where the recurrent step kernels load len_b (fastlayers._triton._cell.locate)."""
+    from fastlayers._triton import _cell
+
+    lines, first = inspect.getsourcelines(_cell.locate.fn)
+    return f"_cell.py:{first + next(i for i, line in enumerate(lines) if 'tl.load(lengths' in line)}:"
+
+
+def lengths_waits(ptx: str) -> int | None:
+    """How many global loads of a kernel's PTX wait for its load of len_b, found by a def-use walk
+    from that load's result (through every instruction and predicate); None without such a load.
+    In the recurrent step kernels the lengths only decide which rows run: every address is known
+    without them, so the step's loads all go out at once (see fastlayers._triton._cell)."""
+    where, here, tainted, waits, found = _lengths_load_line(), "", set(), 0, False
+    zeroed: dict[str, str] = {}  # register -> the source line of the `mov %r, 0x0` that opens its load
+    for raw in ptx.splitlines():
+        line = raw.strip()
+        if line.startswith(".loc"):
+            here = line.rsplit("//", 1)[1].strip() if "//" in line else ""
+            continue
+        if not line or line.startswith(("//", ".", "$", "{", "}")):
+            continue
+        guard = re.match(r"@!?(%p\d+)\s+", line)
+        body = line[guard.end():] if guard else line
+        op, _, args = body.rstrip(";").partition(" ")
+        if op.startswith("mov") and args.endswith("0x0"):
+            zeroed[args.split(",")[0]] = here
+        if op.startswith("ld.global"):
+            dsts = re.findall(r"%[a-z]+\d+", args.split("[", 1)[0])
+            srcs = re.findall(r"%[a-z]+\d+", args.split("[", 1)[1]) + ([guard.group(1)] if guard else [])
+            # Triton 3.6 puts the load itself at its source line; 3.9 only the mov before it
+            if here.startswith(where) or any(zeroed.get(r, "").startswith(where) for r in dsts):
+                found = True
+                tainted.update(dsts)
+            elif tainted.intersection(srcs):
+                waits += 1
+                tainted.update(dsts)
+            continue
+        regs = re.findall(r"%[a-z]+\d+", args)
+        if regs and tainted.intersection(regs[1:] + ([guard.group(1)] if guard else [])):
+            tainted.add(regs[0])
+    return waits if found else None
+
+
 def ptxas_facts(kernel: Kernel, compiled, arch: str) -> None:
     ptxas, extra, cuobjdump = _tools(arch)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -160,6 +207,7 @@ def ptxas_facts(kernel: Kernel, compiled, arch: str) -> None:
     kernel.stack, kernel.spill_stores, kernel.spill_loads = (int(g) for g in m.groups())
     kernel.shared = int(compiled.metadata.shared)
     kernel.reductions = compiled.asm["ttir"].count("tt.reduce.return")
+    kernel.lengths_waits = lengths_waits(compiled.asm["ptx"])
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
@@ -295,11 +343,12 @@ def run_arch(arch: str, which: str, only: str = "") -> tuple[Record, dict[str, f
 
 def table(record: Record) -> str:
     rows = [f"| kernel ({record.arch}) | constexprs | dtypes | warps | registers | spills st/ld B | stack B | "
-            f"shared B | reductions | barriers | programs | occupancy | compiles | first seen in |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            f"shared B | reductions | barriers | loads after len_b | programs | occupancy | compiles | first seen in |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for k in sorted(record.kernels.values(), key=lambda k: (k.kernel, k.dtypes, k.config)):
         rows.append(f"| {k.kernel} | {k.config} | {k.dtypes} | {k.warps} | {k.registers} | {k.spill_stores}/"
-                    f"{k.spill_loads} | {k.stack} | {k.shared} | {k.reductions} | {k.barriers} | {k.programs} | "
+                    f"{k.spill_loads} | {k.stack} | {k.shared} | {k.reductions} | {k.barriers} | "
+                    f"{'-' if k.lengths_waits is None else k.lengths_waits} | {k.programs} | "
                     f"{k.occupancy:.2f} | {k.compiles} | "
                     f"{k.workload} |")
     return "\n".join(rows)
@@ -325,6 +374,13 @@ def main() -> int:
             if low and max(k.spill_stores, k.spill_loads) > SPILL_LIMIT:
                 failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: spills {k.spill_stores}/"
                                 f"{k.spill_loads} bytes (limit {SPILL_LIMIT} for float32/bfloat16)")
+            recurrent = k.kernel.startswith(("lstm.", "gru."))
+            if recurrent and "HAS_LENGTHS=T" in k.config and k.lengths_waits is None:  # the walk needs its start
+                failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: no load of len_b found at "
+                                f"{_lengths_load_line()} in its PTX")
+            if recurrent and k.lengths_waits:
+                failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: {k.lengths_waits} global loads wait "
+                                f"for len_b (expected 0: the lengths decide which rows run, never an address)")
         summary[arch] = {"kernels": [asdict(k) for k in record.kernels.values()], "first_call_s": times}
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))

@@ -8,9 +8,12 @@ Layouts (see :mod:`fastlayers.rnn._engine_gpu`): D directions, T steps, B batch,
   step; the recurrent input and every buffer the backward reads;
 * state (D, B, X); original-order masks (D, T, B, X), indexed by time.
 
-Step s of direction d runs time t = s (forward) or len_b - 1 - s (reverse) of sequence b, and only
-while s < len_b; a row that is not active writes zeros at time s (a padding position of both
-directions) and leaves its state as it is.
+Step s of direction d is at time t = s (forward) or T - 1 - s (reverse) of sequence b, and runs
+it only where t < len_b: the forward direction runs its first len_b steps, the reverse one waits
+out the padding (T - len_b steps) and then runs times len_b - 1 .. 0, exactly as on the packed
+sequence. A row that is not active writes zeros at time t (a padding position) and leaves its state
+as it is. So every address a step reads or writes is known without the lengths: they only decide
+which rows run, and the load of len_b does not delay the step's other loads.
 """
 
 from __future__ import annotations
@@ -33,16 +36,15 @@ def tanh(v):
 @triton.jit
 def locate(s, T, B, lengths, HAS_LENGTHS: tl.constexpr):
     """The row of this program (one per (direction d, sequence b)) at step s: (d, b, active, t,
-    step, state): whether step s runs for it, the time it reads (s for a row that is not active:
-    its padding position), its row in the step layout and in the state."""
+    step, state): whether step s runs for it (t < len_b), its time t (a padding position where it
+    does not run), its row in the step layout and in the state. Only ``active`` reads the lengths."""
     pid = tl.program_id(0).to(tl.int64)
     d, b = pid // B, pid % B
-    length = T
+    t = tl.where(d == 0, s, T - 1 - s)
+    active = t < T
     if HAS_LENGTHS:
-        length = tl.load(lengths + b)
-    active = s < length
-    t = tl.where(d == 0, s, length - 1 - s)
-    return d, b, active, tl.where(active, t, s), (d * T + s) * B + b, d * B + b
+        active = t < tl.load(lengths + b)
+    return d, b, active, t, (d * T + s) * B + b, d * B + b
 
 
 @triton.jit
@@ -90,6 +92,13 @@ def load_blocks(ptr, H, k, mask, acc_t: tl.constexpr, BLOCKS: tl.constexpr):
     if BLOCKS > 3:
         v3 = tl.load(ptr + 3 * H + k, mask=mask, other=0.0).to(acc_t)
     return v0, v1, v2, v3
+
+
+@triton.jit
+def zero_unless(active, v0, v1, v2, v3):
+    """The blocks of a row loaded at its (padding) position, zero where the row does not run: its
+    loads wait for no lengths, and its values stay those of a masked load."""
+    return tl.where(active, v0, 0.0), tl.where(active, v1, 0.0), tl.where(active, v2, 0.0), tl.where(active, v3, 0.0)
 
 
 @triton.jit

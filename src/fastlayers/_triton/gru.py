@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, parts, parts_stride,
-                    present_or, recurrent_norm, sigmoid, store_blocks, tanh)
+                    present_or, recurrent_norm, sigmoid, store_blocks, tanh, zero_unless)
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -31,7 +31,8 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, b_ih, gx, r, h, rmask, b_hh, gh,
     G = 3 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
-    x0, x1, x2, _ = load_blocks(xp + ((t * B + b) * D + d) * G, H, k, tl.where(active, km, False), acc_t, 3)
+    x0, x1, x2, _ = load_blocks(xp + ((t * B + b) * D + d) * G, H, k, km, acc_t, 3)
+    x0, x1, x2, _ = zero_unless(active, x0, x1, x2, x2)
     r0, r1, r2, _ = load_blocks(r + state * G, H, k, km, acc_t, 3)
     if LN:
         x0, x1, x2, _ = input_norm(x0, x1, x2, x2, gx + d * G, b_ih + d * G, xstat, step, H, k, km, eps, acc_t,
@@ -65,7 +66,8 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, g, g_parts, rmask, gates, h
     k = tl.arange(0, BLOCK_H)
     km = k < H
     dhv = carried(dh, g, g_parts, rmask, state, H, k, km, HAS_G, G_PARTS, RMASK, acc_t)
-    dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=tl.where(active, km, False), other=0.0).to(acc_t)
+    dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=km, other=0.0).to(acc_t)
+    dyv = tl.where(active, dyv, 0.0)
     kh = zh_const
     if ZH_MASK:
         kh = tl.load(zh + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
@@ -94,7 +96,8 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, g, g_parts, rmask, gates, h
             store_blocks(pgh + step * G, H, k, km, drg * q0, dz * q1, dhn * q2, dhn, 3)
         mx = tl.load(xstat + 2 * step)
         sx = tl.load(xstat + 2 * step + 1)
-        q0, q1, q2, _ = load_blocks(xp + xrow, H, k, tl.where(active, km, False), acc_t, 3)
+        q0, q1, q2, _ = load_blocks(xp + xrow, H, k, km, acc_t, 3)
+        q0, q1, q2, _ = zero_unless(active, q0, q1, q2, q2)
         q0, q1, q2 = (q0 - mx) * sx, (q1 - mx) * sx, (q2 - mx) * sx
         v0, v1, v2, _ = norm_backward(drg, dz, dn, dn, gx + d * G, q0, q1, q2, q2, sx, H, k, km, acc_t, 3)
         store_blocks(dpre + xrow, H, k, km, v0, v1, v2, v2, 3)

@@ -26,7 +26,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, norm_backward_terms,
-                    norm_stats, parts, parts_stride, present_or, recurrent_norm, sigmoid, store_blocks, tanh)
+                    norm_stats, parts, parts_stride, present_or, recurrent_norm, sigmoid, store_blocks, tanh,
+                    zero_unless)
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -41,7 +42,8 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc
     G = 4 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
-    x0, x1, x2, x3 = load_blocks(xp + ((t * B + b) * D + d) * G, H, k, tl.where(active, km, False), acc_t, 4)
+    x0, x1, x2, x3 = load_blocks(xp + ((t * B + b) * D + d) * G, H, k, km, acc_t, 4)
+    x0, x1, x2, x3 = zero_unless(active, x0, x1, x2, x3)
     r0, r1, r2, r3 = load_blocks(r + state * G, H, k, km, acc_t, 4)
     if LN:
         x0, x1, x2, x3 = input_norm(x0, x1, x2, x3, gx + d * G, bias + d * G, xstat, step, H, k, km, eps, acc_t,
@@ -67,7 +69,9 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc
     tl.store(gr + H + k, f, mask=km)
     tl.store(gr + 2 * H + k, g, mask=km)
     tl.store(gr + 3 * H + k, o, mask=km)
-    tl.store(c1 + step * H + k, cn, mask=km)
+    # a row that does not run keeps its cell state: the backward reads the state before a step as
+    # the step before's c1 (the reverse direction's first step comes after its padding steps)
+    tl.store(c1 + step * H + k, tl.where(active, cn, c0), mask=km)
     nc = cn
     if LN:
         mc, sc = norm_stats(cn, cn, cn, cn, km, H, eps, 1)
@@ -123,7 +127,8 @@ def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, g_parts, rmask, 
     km = k < P
     _, _, zh_const, _, _ = _scalars(scalars, acc_t)
     dhv = carried(dh, g, g_parts, rmask, state, P, k, km, HAS_G, G_PARTS, RMASK, acc_t)
-    dtot = dhv + tl.load(dy + ((t * B + b) * D + d) * P + k, mask=tl.where(active, km, False), other=0.0).to(acc_t)
+    dyv = tl.load(dy + ((t * B + b) * D + d) * P + k, mask=km, other=0.0).to(acc_t)
+    dtot = dhv + tl.where(active, dyv, 0.0)
     kh = zh_const
     if ZH_MASK:
         kh = tl.load(zh + ((d * T + t) * B + b) * P + k, mask=km, other=0.0).to(acc_t)
@@ -156,7 +161,8 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, g_parts, rmask, gate
     if DY_STEP:
         dyv = tl.load(dy + state * H + k, mask=km, other=0.0).to(acc_t)
     else:
-        dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=tl.where(active, km, False), other=0.0).to(acc_t)
+        dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=km, other=0.0).to(acc_t)
+        dyv = tl.where(active, dyv, 0.0)
     kh = zh_const
     if ZH_MASK:
         kh = tl.load(zh + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
@@ -232,7 +238,8 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, g_parts, rmask, gate
         # upstream gradients are zero and its x-hat is read as zeros)
         mx = tl.load(xstat + 2 * step)
         sx = tl.load(xstat + 2 * step + 1)
-        q0, q1, q2, q3 = load_blocks(xp + xrow, H, k, tl.where(active, km, False), acc_t, 4)
+        q0, q1, q2, q3 = load_blocks(xp + xrow, H, k, km, acc_t, 4)
+        q0, q1, q2, q3 = zero_unless(active, q0, q1, q2, q3)
         q0, q1, q2, q3 = (q0 - mx) * sx, (q1 - mx) * sx, (q2 - mx) * sx, (q3 - mx) * sx
         v0, v1, v2, v3 = norm_backward(di, df, dg, do, gx + d * G, q0, q1, q2, q3, sx, H, k, km, acc_t, 4)
         store_blocks(dpre + xrow, H, k, km, v0, v1, v2, v3, 4)

@@ -13,8 +13,9 @@ directions at once:
 * per step s: one recurrent product (D, B, P) @ (D, P, G) (a Triton GEMM,
   :mod:`fastlayers._triton.step_matmul`, torch.bmm in float64) and one Triton kernel
   (:mod:`fastlayers._triton.lstm` / ``gru``) that runs, for each (direction, sequence), time
-  t = s (forward) or len_b - 1 - s (reverse) while s < len_b, and otherwise leaves the state as
-  it is and writes zeros at time s; with a projection, one more GEMM and kernel;
+  t = s (forward) or T - 1 - s (reverse) where t < len_b, and otherwise leaves the state as it is
+  and writes zeros at time t (the reverse direction waits out the padding first, so no address
+  depends on the lengths); with a projection, one more GEMM and kernel;
 * the backward runs the step kernels and the recurrent product in reverse (that product in S
   partial sums over slices of G, which the next step kernel adds); dW_hh (dW_hr) is one GEMM
   after the loop, the LayerNorm and peephole parameter gradients are sums over the per-row
