@@ -8,7 +8,9 @@ offset), broadcast-and-sum (1x1) or einsum over F.unfold (3x3). The memory floor
 must move (forward: read x, W, b, write y; backward: read x and dy, write dW and db) over the
 device-to-device copy bandwidth measured in the same run. Also: the forward's extra memory
 (max_memory_allocated) against the output's size, the host's time per forward call (Python and
-launches, not waiting for the GPU), and the first call's time (Triton's compile).
+launches, not waiting for the GPU) with the functions that take most of it (cProfile), the device
+time per forward with the host out of the way (forwards captured in a CUDA graph and replayed),
+and the first call's time (Triton's compile).
 Then attention pooling at seed 001's shape (T=256, B=128, 32-d keys, 100-d values, lengths) for
 each score, values requiring grad or not: fwd, fwd+bwd and their ratio.
 
@@ -21,6 +23,8 @@ script on Triton's interpreter (a smoke test of the script only: its times mean 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 import fastlayers
 from fastlayers._triton import local as triton_local
 from fastlayers.functional import locally_connected2d
+from fastlayers.rnn import _graphs
 
 # attention pooling candidates: the Triton kernels (the additive score runs torch ops under either),
 # and the plain-torch path that CUDA tensors took before them
@@ -159,6 +164,37 @@ def local_section(args, device, timer, bandwidth) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         print(f"host time per forward call (no wait for the GPU): {host:.3f} ms")
+        if device.type == "cuda":
+            try:  # a diagnostic line: its failure is printed, and the shapes and attention still run
+                graphed = f"{graph_forward(ours, x, w, b, timer):.3f} ms"
+            except Exception as e:  # noqa: BLE001
+                graphed = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(f"device time per forward (20 captured in a CUDA graph, replayed): {graphed}")
+        print(host_profile(lambda: ours(x, w, b), calls=200 if device.type == "cuda" else 2))
+
+
+def graph_forward(fn, x, w, b, timer, calls: int = 20) -> float:
+    """Milliseconds per forward with the host out of the way: ``calls`` forwards (no grad) captured in
+    one CUDA graph, its replay timed (median of 5)."""
+    def loop() -> None:
+        with torch.no_grad():
+            for _ in range(calls):
+                fn(x, w, b)
+
+    graph = _graphs.capture(loop, x.device)
+    return statistics.median(timer(graph.replay) for _ in range(5)) / calls
+
+
+def host_profile(fn, calls: int = 200, top: int = 8) -> str:
+    """Where a forward's host time goes: the functions with the most own time over ``calls`` calls
+    (no grad) under cProfile, microseconds per call (cProfile's overhead included)."""
+    profile = cProfile.Profile()
+    with torch.no_grad():
+        profile.runcall(lambda: [fn() for _ in range(calls)])
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, ...)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return "host profile, own us per forward: " + "; ".join(
+        f"{name} ({file.rsplit('/', 1)[-1]}:{line}) {own / calls * 1e6:.1f}" for (file, line, name), (_, _, own, _, *_) in rows)
 
 
 def attention_section(args, device, timer) -> None:
