@@ -128,7 +128,7 @@ def local_section(args, device, timer, bandwidth) -> None:
         torch.testing.assert_close(ours(x, w, b), reference, atol=1e-4, rtol=1e-4)
         candidates = {"fastlayers (Triton)": ours, ("broadcast-and-sum" if k == 1 else "einsum over unfold"):
                       broadcast_sum if k == 1 else unfold_einsum}
-        if triton_local.out_block(out) > 1:
+        if triton_local.out_block(out, k * k) > 1:
             candidates["fastlayers (Triton), one output channel per program"] = one_channel
 
         def plain_reference(x, w, b):

@@ -48,12 +48,16 @@ def test_locally_connected2d_matches_the_float64_loop(geometry, dtype):
 
 
 @pytest.mark.parametrize("out_block", [1, 4])
-@pytest.mark.parametrize("geometry", GEOMETRIES[1:3])
+@pytest.mark.parametrize("geometry", GEOMETRIES[0:3])
 def test_locally_connected2d_output_channel_blocks(geometry, out_block, monkeypatch):
-    """7 output channels (blocks of 4 leave 3 masked) and 11 sequences (a partial batch chunk)."""
+    """7 output channels (blocks of 4 leave 3 masked) and 11 sequences (a partial batch chunk),
+    1x1 and larger kernels, each with one and with four output channels per program."""
     from fastlayers._triton import local as kernels
 
     monkeypatch.setattr(kernels, "OUT_BLOCK", out_block)
+    monkeypatch.setattr(kernels, "OUT_BLOCK_TAPS", out_block)
+    kh, kw = geometry[2]
+    assert kernels.out_block(7, kh * kw) == out_block
     x, w, b, s, p, d = _random(geometry, c_in=2, c_out=7, batch=11)
     with fastlayers.backend("triton"):
         got = _grads(lambda x, w, b: locally_connected2d(x, w, b, s, p, d), x, w, b)

@@ -10,8 +10,8 @@ Every kernel takes a block of output (or input) positions and sums in float32 (f
 float64 tensors) whatever the storage dtype; each output element is written by one program, in a
 fixed order (no atomics), so results do not depend on scheduling:
 
-* forward: one program per (block of BLOCK / OB OH*OW positions, block of OB <= OUT_BLOCK output
-  channels, batch chunk); the C*KH*KW (filter, input) pairs are summed for each sequence of the chunk, every
+* forward: one program per (block of BLOCK / OB OH*OW positions, block of OB output channels
+  (:func:`out_block`), batch chunk); the C*KH*KW (filter, input) pairs are summed for each sequence of the chunk, every
   input value loaded once for the channels of the block;
 * input gradient: a gather: one program per (block of Hp*Wp input positions, input channel,
   sequence) sums w * dy over the (o, p, q) whose output position reads that input;
@@ -28,10 +28,14 @@ from torch import Tensor
 
 BLOCK = 256
 BATCH_CHUNK = 8
-# output channels per forward program (at most): the first H100 run (one channel per program) read
-# x once per output channel, 2.17x the copy floor at 1024x4x256^2 1x1 -> 2; bench_gpu_local.py
-# measures 1 against this
+# output channels per forward program (at most), for 1x1 kernels: the first H100 run (one channel
+# per program) read x once per output channel, 2.17x the copy floor at 1024x4x256^2 1x1 -> 2;
+# bench_gpu_local.py measures 1 against this (H100, 2026-11-24: 1.036 vs 1.051 ms forward there)
 OUT_BLOCK = 4
+# ... and for kernels of more than one tap, where the sums, not the input reads, bound the forward
+# (H100, 2026-11-24, bench_gpu_local.py): 4 channels per program took 2.588 ms against one's 1.189
+# at 64x16x64^2 3x3 -> 32, 2 took 0.586 against 0.532 at 32x4x256^2 3x3 -> 2
+OUT_BLOCK_TAPS = 1
 
 
 @triton.jit
@@ -127,7 +131,7 @@ def forward(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], 
     batch, chans, hp, wp = x.shape
     out_ch, _, kh, kw, oh, ow = w.shape
     y = x.new_empty(batch, out_ch, oh, ow, dtype=out_dtype)
-    ob = out_block(out_ch)
+    ob = out_block(out_ch, kh * kw)
     block = BLOCK // ob  # a tile of BLOCK elements, as one channel per program had
     grid = (triton.cdiv(oh * ow, block), triton.cdiv(out_ch, ob), triton.cdiv(batch, BATCH_CHUNK))
     _forward_kernel[grid](x, w, bias if bias is not None else w, y, batch, chans, hp, wp, out_ch, oh, ow, stride[0],
@@ -136,11 +140,12 @@ def forward(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], 
     return y
 
 
-def out_block(out_ch: int) -> int:
-    """Output channels per forward program: all of them up to OUT_BLOCK (rounded up to a power of
-    two), so that each program reads its input positions once for every channel it writes instead
-    of once per channel. ``OUT_BLOCK = 1`` gives the earlier one-channel-per-program kernel."""
-    return min(triton.next_power_of_2(out_ch), OUT_BLOCK)
+def out_block(out_ch: int, taps: int) -> int:
+    """Output channels per forward program for a kernel of ``taps`` = KH*KW taps: all of them up to
+    OUT_BLOCK (1x1) or OUT_BLOCK_TAPS (larger kernels), rounded up to a power of two, so that each
+    program reads its input positions once for every channel it writes instead of once per
+    channel. 1 gives the one-channel-per-program kernel."""
+    return min(triton.next_power_of_2(out_ch), OUT_BLOCK if taps == 1 else OUT_BLOCK_TAPS)
 
 
 def input_grad(dy: Tensor, w: Tensor, padded_shape: tuple[int, ...], stride: tuple[int, int],
