@@ -25,6 +25,7 @@ layers at bench_gpu_local.py's shapes and attention at seed 001's.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import math
@@ -149,6 +150,7 @@ def _tools(arch: str) -> tuple[str, list[str], str]:
     return ptxas, extra, triton.knobs.nvidia.cuobjdump.path
 
 
+@functools.lru_cache(maxsize=None)
 def _lengths_load_line() -> str:
     """``_cell.py:LINE``: where the recurrent step kernels load len_b (fastlayers._triton._cell.locate)."""
     from fastlayers._triton import _cell
@@ -174,6 +176,8 @@ def lengths_waits(ptx: str) -> int | None:
         guard = re.match(r"@!?(%p\d+)\s+", line)
         body = line[guard.end():] if guard else line
         op, _, args = body.rstrip(";").partition(" ")
+        if op.startswith("st."):  # a store defines no register (its first one is an address)
+            continue
         if op.startswith("mov") and args.endswith("0x0"):
             zeroed[args.split(",")[0]] = here
         if op.startswith("ld.global"):

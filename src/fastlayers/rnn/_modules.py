@@ -349,9 +349,8 @@ class _CellOptionsMixin:
     def _engine_backend(self, input: Tensor) -> str | None:
         if not self.options.plain or self._engine_precision(input):
             return select(self.mode.lower(), input)
-        if self._plain_on_engine(input):
-            which = select(self.mode.lower(), input)
-            return which if which == "triton" else None
+        if self._plain_on_engine(input) and select(self.mode.lower(), input) == "triton":
+            return "triton"
         return None
 
     def _layer_parameters(self) -> list[list[dict[str, Tensor]]]:
