@@ -240,3 +240,28 @@ def test_memory_measurement_prints_nothing_from_the_profiler():
     proc = subprocess.run([sys.executable, "-m", "fastlayers.cli", "bench", "attention", "--size", "small",
                            "--repeats", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "USDT" not in proc.stdout + proc.stderr and "profiler_start" not in proc.stderr
+
+
+def test_short_candidates_are_timed_over_blocks_of_calls():
+    """A sub-millisecond candidate is timed over back-to-back calls (one measurement lasts about
+    block_s), the warm-up runs at least the requested rounds, and the report says how many ran."""
+    counts = {"n": 0}
+
+    def tiny(x):
+        counts["n"] += 1
+        return x * 2
+
+    rep = compare({"tiny": tiny}, lambda: {"x": torch.ones(4, requires_grad=True)}, repeats=3, warmup=2,
+                  block_s=0.005, memory=False, check=False)
+    res = rep["tiny"]
+    assert min(res.calls) > 1 and rep.warmup >= 2
+    assert len(res.forward_s) == len(res.forward_backward_s) == 3
+    # every timed measurement ran res.calls calls per pass (plus the untimed shape call and warm-up)
+    assert counts["n"] >= 3 * sum(res.calls) + 1
+    assert json.loads(rep.to_json())["results"][0]["calls"] == res.calls
+
+
+def test_no_warmup_means_no_untimed_rounds():
+    rep = compare({"a": torch.tanh}, lambda: {"x": torch.ones(4, requires_grad=True)}, repeats=1, warmup=0,
+                  memory=False, check=False)
+    assert rep.warmup == 0 and rep["a"].calls == [1, 1]

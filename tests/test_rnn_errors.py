@@ -1,4 +1,5 @@
-"""Bad input gets a clear error naming the argument, with expected vs got."""
+"""Bad input gets a clear error: torch.nn's message first (see test_torch_errors.py), then ours naming the
+argument, with expected vs got."""
 
 import pytest
 import torch
@@ -12,27 +13,29 @@ def lstm():
 
 
 def test_wrong_rank(lstm):
-    with pytest.raises(ValueError, match=r"input: expected a 2-D or 3-D tensor .* got 4-D"):
+    with pytest.raises(ValueError, match=r"^LSTM: Expected input to be 2D or 3D, got 4D instead; input: expected \(T, B, F\) .* got shape \(2, 3, 4, 4\)"):
         lstm(torch.randn(2, 3, 4, 4))
 
 
 def test_feature_size_mismatch(lstm):
-    with pytest.raises(ValueError, match=r"input: expected feature size input_size = 4 .* got 7"):
+    with pytest.raises(ValueError, match=r"^input.size\(-1\) must be equal to input_size. Expected 4, got 7; input: .* F = input_size = 4, "
+                                         r"got shape \(6, 3, 7\)"):
         lstm(torch.randn(6, 3, 7))
 
 
 def test_integer_input(lstm):
-    with pytest.raises(TypeError, match=r"input: expected a floating-point tensor, got dtype torch.int64"):
+    with pytest.raises(TypeError, match=r"^RNN input dtype \(torch.int64\) does not match weight dtype .*; input: expected dtype "
+                                        r"torch.float32 \(the parameters' dtype\), got torch.int64 \(input must be floating point\)"):
         lstm(torch.ones(6, 3, 4, dtype=torch.int64))
 
 
 def test_input_dtype_vs_parameters(lstm):
-    with pytest.raises(TypeError, match=r"input: expected dtype torch.float32 .* got torch.float64"):
+    with pytest.raises(TypeError, match=r"^RNN input dtype .*; input: expected dtype torch.float32 .* got torch.float64"):
         lstm(torch.randn(6, 3, 4, dtype=torch.float64))
 
 
 def test_non_tensor_input(lstm):
-    with pytest.raises(TypeError, match=r"input: expected a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match=r"^'list' object has no attribute 'dim'; input: expected a torch.Tensor, got list"):
         lstm([[1.0, 2.0]])
 
 
@@ -65,20 +68,25 @@ def test_lengths_with_packed_sequence(lstm):
 
 def test_hx_wrong_shape(lstm):
     x = torch.randn(6, 3, 4)
-    with pytest.raises(ValueError, match=r"hx\[0\] \(h_0\): expected shape \(4, 3, 5\) .* got \(2, 3, 5\)"):
+    with pytest.raises(ValueError, match=r"^Expected hidden\[0\] size \(4, 3, 5\), got \[2, 3, 5\]; hx\[0\] \(h_0\): expected "
+                                         r"shape \(4, 3, 5\) .* got \(2, 3, 5\)"):
         lstm(x, (torch.zeros(2, 3, 5), torch.zeros(4, 3, 5)), lengths=[6, 5, 2])
-    with pytest.raises(ValueError, match=r"hx\[1\] \(c_0\): expected shape \(4, 3, 5\) .* got \(4, 3, 6\)"):
+    with pytest.raises(ValueError, match=r"^Expected hidden\[1\] size .*; hx\[1\] \(c_0\): expected shape \(4, 3, 5\) .* got \(4, 3, 6\)"):
         lstm(x, (torch.zeros(4, 3, 5), torch.zeros(4, 3, 6)))
-    with pytest.raises(TypeError, match=r"hx: expected a tuple \(h_0, c_0\) of two tensors, got Tensor"):
+    with pytest.raises(RuntimeError, match=r"^For batched 3-D input, hx and cx should also be 3-D but got \(2-D, 2-D\) "
+                                        r"tensors; hx: expected \(h_0, c_0\) of 3-D tensors, got a tensor of shape \(4, 3, 5\)"):
         lstm(x, torch.zeros(4, 3, 5))
     gru = fastlayers.GRU(4, 5)
-    with pytest.raises(ValueError, match=r"hx: expected shape \(1, 3, 5\) .* got \(1, 2, 5\)"):
+    with pytest.raises(ValueError, match=r"^Expected hidden size \(1, 3, 5\), got \[1, 2, 5\]; hx: expected shape \(1, 3, 5\) .* "
+                                         r"got \(1, 2, 5\)"):
         gru(x, torch.zeros(1, 2, 5), lengths=[6, 5, 2])
 
 
 def test_hx_wrong_dtype(lstm):
     x = torch.randn(6, 3, 4)
-    with pytest.raises(TypeError, match=r"hx\[0\] \(h_0\): expected dtype torch.float32 .* got torch.float64"):
+    with pytest.raises(TypeError, match=r"^Input and hidden tensors are not the same dtype, found input tensor with "
+                                        r"Float and hidden tensor with Double; hx\[0\] \(h_0\): expected dtype torch.float32 .* "
+                                        r"got torch.float64"):
         lstm(x, (torch.zeros(4, 3, 5, dtype=torch.float64), torch.zeros(4, 3, 5)), lengths=[6, 5, 2])
 
 

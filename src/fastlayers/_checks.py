@@ -26,6 +26,10 @@ class StateTypeError(TypeError, IndexError, RuntimeError, AttributeError):
     RuntimeError for three, AttributeError for a non-tensor)."""
 
 
+class DeviceError(ValueError, RuntimeError):
+    """A tensor on another device than the one it must match (torch.nn's RNNs: RuntimeError)."""
+
+
 class NotATensorError(TypeError, AttributeError):
     """A non-tensor where a tensor goes (torch.nn's RNNs call .dim() on it: AttributeError)."""
 
@@ -39,20 +43,6 @@ def check_tensor(name: str, value: object) -> Tensor:
 def check_floating(name: str, value: Tensor) -> None:
     if not value.is_floating_point():
         raise InputDtypeError(f"{name}: expected a floating-point tensor, got dtype {value.dtype}")
-
-
-def check_parameters_dtype(name: str, value: Tensor, dtype: torch.dtype) -> None:
-    """``value`` in the parameters' ``dtype``; the error keeps torch.nn's hint naming both ways out."""
-    if value.dtype != dtype:
-        raise InputDtypeError(f"{name}: expected dtype {dtype} (the parameters' dtype), got {value.dtype}. "
-                              f"Convert input: {name}.to({dtype}), or convert model: model.to({value.dtype})")
-
-
-def check_state_pair(name: str, value: object, legend: str) -> tuple:
-    """An LSTM state: a tuple or list of two tensors ``legend``, e.g. "(h_0, c_0)"."""
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise StateTypeError(f"{name}: expected a tuple {legend} of two tensors, got {type(value).__name__}")
-    return tuple(value)
 
 
 def check_rank(name: str, value: Tensor, allowed: tuple[int, ...], legend: str) -> None:
@@ -71,7 +61,7 @@ def check_same_dtype_device(name: str, value: Tensor, ref_name: str, ref: Tensor
     if value.dtype != ref.dtype:
         raise DtypeError(f"{name}: expected dtype {ref.dtype} (that of {ref_name}), got {value.dtype}")
     if value.device != ref.device:
-        raise ValueError(f"{name}: expected device {ref.device} (that of {ref_name}), got {value.device}")
+        raise DeviceError(f"{name}: expected device {ref.device} (that of {ref_name}), got {value.device}")
 
 
 def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths") -> Tensor:

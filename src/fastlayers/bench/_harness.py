@@ -1,7 +1,9 @@
 """Verified comparison: prove candidates compute the same function and gradients, then time them.
 
 For every candidate: forward and forward+backward wall time (median and spread over interleaved
-repeats after warm-up; CUDA synchronised), backward/forward ratio, peak memory of one
+repeats after a warm-up that lasts until the times settle; a sub-millisecond candidate is timed
+over enough back-to-back calls per measurement to last ``block_s``; CUDA synchronised),
+backward/forward ratio, peak memory of one
 forward+backward call, and the max relative error of the output and of every gradient against a
 reference (default: the first candidate evaluated in float64). Flags: ``value mismatch``,
 ``gradient mismatch: <name>``, ``missing gradient: <name>``, ``cliff``.
@@ -13,6 +15,7 @@ import copy
 import gc
 import io
 import json
+import math
 import os
 import statistics
 import time
@@ -65,6 +68,7 @@ class CandidateResult:
     output_error: float | None = None
     grad_errors: dict[str, float] = field(default_factory=dict)
     flags: list[str] = field(default_factory=list)
+    calls: list[int] = field(default_factory=lambda: [1, 1])  # back-to-back calls per measurement: fwd, fwd+bwd
 
     @property
     def forward_median(self) -> float:
@@ -241,6 +245,25 @@ def _cast(cotangents: list[Tensor] | None, outs: list[Tensor], made: dict) -> li
     return made[key]
 
 
+_SETTLED = 0.10  # warm-up ends when no per-call time moved by more than this between two rounds
+_WARMUP_EXTRA, _WARMUP_EXTRA_S = 10, 10.0  # at most this many rounds / seconds beyond the requested warm-up
+_MAX_CALLS = 10_000
+
+
+def _measure(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], backward: bool, diffs: list[Tensor],
+             device: torch.device, calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back calls (one pass: forward, or forward+backward)."""
+    _clear_grads(diffs)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        _run(fn, inputs, cotangents, backward)
+        if backward:
+            _clear_grads(diffs)  # no gradient accumulation inside the block
+    _sync(device)
+    return (time.perf_counter() - start) / calls
+
+
 def _rel_err(got: Tensor, want: Tensor) -> float:
     if got.shape != want.shape:
         return float("inf")
@@ -307,6 +330,7 @@ def compare(
     reference_dtype: torch.dtype | None = torch.float64,
     repeats: int = 5,
     warmup: int = 1,
+    block_s: float = 0.02,
     cliff_threshold: float = 5.0,
     rtol: float | None = None,
     memory: bool = True,
@@ -326,8 +350,13 @@ def compare(
             compared. Called once; every candidate sees the same tensors.
         reference: the oracle: None (the first candidate), a candidate's name, or another
             callable; evaluated in ``reference_dtype`` (float64; None keeps the inputs' dtype).
-        repeats, warmup: timed runs per candidate (interleaved across candidates, the order rotated
-            every run) and untimed ones.
+        repeats: timed measurements per candidate and pass (interleaved across candidates, the order
+            rotated every run); each is the mean time per call of enough back-to-back calls to last
+            ``block_s`` seconds (one call for candidates slower than that).
+        warmup: untimed rounds first (0: none); from 1 on, more follow until no candidate's time
+            per call moved by more than 10% between two rounds (at most 10 more rounds or 10 s).
+            The report's ``warmup`` is the number of rounds run.
+        block_s: the shortest duration of one measurement, in seconds.
         cliff_threshold: flag ``cliff`` when (forward+backward) / forward exceeds it.
         rtol: max relative error (max |got - ref| / max |ref|) before a mismatch flag; default
             1e-3 for float32, 1e-2 for 16-bit floats, 1e-7 for float64.
@@ -408,23 +437,43 @@ def compare(
             with torch.no_grad():
                 cast[name] = _cast(cotangents, _outputs(inputs.call(fn)), made)
     names = list(candidates)
-    for rep in range(-warmup, repeats):
-        shift = rep % len(names)  # rotate the order every run: no candidate always follows the same one
-        for name in names[shift:] + names[:shift]:
+    calls = {name: results[name].calls for name in names}
+    passes = (False, True)  # forward, then forward + backward
+
+    def measure_round(order: list[str], store: bool) -> dict[str, list[float]]:
+        """One measurement of both passes of every candidate (order rotated by the caller)."""
+        times = {}
+        for name in order:
             fn = candidates[name]
-            say(f"{'warm-up' if rep < 0 else f'run {rep + 1}/{repeats}'}: {name}")
             diffs = list(_differentiables(fn, inputs).values())
-            for backward, store in ((False, results[name].forward_s), (True, results[name].forward_backward_s)):
-                _clear_grads(diffs)
-                _sync(device)
-                start = time.perf_counter()
-                outs = _run(fn, inputs, cast[name], backward)
-                _sync(device)
-                elapsed = time.perf_counter() - start
-                del outs
-                if rep >= 0:
-                    store.append(elapsed)
-            _clear_grads(diffs)
+            times[name] = [_measure(fn, inputs, cast[name], backward, diffs, device, calls[name][i])
+                           for i, backward in enumerate(passes)]
+            if store:
+                results[name].forward_s.append(times[name][0])
+                results[name].forward_backward_s.append(times[name][1])
+        return times
+
+    # warm-up: at least `warmup` rounds, then more (within _WARMUP_EXTRA rounds and _WARMUP_EXTRA_S seconds)
+    # until every candidate's per-call times moved by at most _SETTLED between two rounds; each round
+    # also re-sizes the measurement blocks from the times just taken
+    previous, rounds, extra_start = None, 0, None
+    while warmup > 0:
+        say(f"warm-up {rounds + 1}")
+        now = measure_round(names[rounds % len(names):] + names[:rounds % len(names)], False)
+        rounds += 1
+        for name in names:
+            calls[name][:] = [max(1, min(_MAX_CALLS, math.ceil(block_s / max(t, 1e-9)))) for t in now[name]]
+        settled = previous is not None and all(abs(now[n][i] / previous[n][i] - 1) <= _SETTLED
+                                               for n in names for i in range(2))
+        if rounds >= warmup:
+            extra_start = extra_start or time.perf_counter()
+            if settled or rounds >= warmup + _WARMUP_EXTRA or time.perf_counter() - extra_start > _WARMUP_EXTRA_S:
+                break
+        previous = now
+    for rep in range(repeats):
+        shift = rep % len(names)  # rotate the order every run: no candidate always follows the same one
+        say(f"run {rep + 1}/{repeats}")
+        measure_round(names[shift:] + names[:shift], True)
 
     for name, fn in candidates.items():
         res = results[name]
@@ -442,7 +491,7 @@ def compare(
         torch_version=torch.__version__,
         cpu=cpu_name(),
         repeats=repeats,
-        warmup=warmup,
+        warmup=rounds,
         reference=f"{ref_name} in {str(reference_dtype).replace('torch.', '') if reference_dtype else dtype}",
         cliff_threshold=cliff_threshold,
         results=list(results.values()),

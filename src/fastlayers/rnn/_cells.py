@@ -17,10 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import _precision
-from .._checks import (ShapeError, check_floating, check_parameters_dtype, check_rank, check_same_dtype_device,
-                       check_shape, check_state_pair, check_tensor)
 from ._engine_reference import gru_cell_step, lstm_cell_step
 from ._options import CellOptions
+from ._validate import check_cell, check_mask
 
 
 def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Tensor], options: CellOptions, *,
@@ -57,39 +56,6 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
     return tuple(out)
 
 
-def check_step_input(name: str, input: object, width: int, dtype: torch.dtype) -> Tensor:
-    """A cell's input: a floating tensor (B, width) or (width,) of the parameters' dtype."""
-    check_tensor(name, input)
-    assert isinstance(input, Tensor)
-    check_floating(name, input)
-    check_rank(name, input, (1, 2), f"(B, {width}) or ({width},)")
-    check_parameters_dtype(name, input, dtype)
-    if input.size(-1) != width:
-        raise ShapeError(f"{name}: expected feature size {width} in the last dimension, got {input.size(-1)} "
-                         f"(shape {tuple(input.shape)})")
-    return input
-
-
-def check_step_states(mode: str, hx: Any, x: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
-    """A cell's state: None (zeros), a tensor (GRU/RNN) or a pair (h, c) (LSTM), shaped (B, size)
-    (or (size,) for unbatched x), x's dtype and device. Returns batched 2-D states."""
-    batched = x.dim() == 2
-    batch = x.size(0) if batched else 1
-    if hx is None:
-        return tuple(x.new_zeros(batch, size) for size in sizes)
-    if mode == "LSTM":
-        names, states = ("hx[0] (h)", "hx[1] (c)"), check_state_pair("hx", hx, "(h, c)")
-    else:
-        names, states = ("hx",), (hx,)
-    out = []
-    for name, state, size in zip(names, states, sizes):
-        check_tensor(name, state)
-        check_shape(name, state, (batch, size) if batched else (size,), "(B, H)" if batched else "(H,)")
-        check_same_dtype_device(name, state, "input", x)
-        out.append(state if batched else state.unsqueeze(0))
-    return tuple(out)
-
-
 class _Cell:
     """Validation, options and the shared step of the three cells (mixed into torch's classes)."""
 
@@ -107,17 +73,14 @@ class _Cell:
         return {name: p for name, p in self.named_parameters(recurse=False)}  # type: ignore[attr-defined]
 
     def forward(self, input: Any, hx: Any = None, *, recurrent_mask: Tensor | None = None) -> Any:  # noqa: D102
-        x = check_step_input("input", input, self.input_size, self.weight_ih.dtype)
-        states = check_step_states(self.mode, hx, x, self._state_sizes())
-        batched = x.dim() == 2
-        xb = x if batched else x.unsqueeze(0)
+        x, states, batched = check_cell(f"{self.mode}Cell", self.mode, input, hx,
+                                        input_size=self.input_size, weight_dtype=self.weight_ih.dtype,
+                                        sizes=self._state_sizes())
         if recurrent_mask is not None:
-            check_tensor("recurrent_mask", recurrent_mask)
-            width = self._state_sizes()[0]
-            check_shape("recurrent_mask", recurrent_mask, (xb.size(0), width) if batched else (width,),
-                        "(B, P)" if batched else "(P,)")
-            recurrent_mask = recurrent_mask if batched else recurrent_mask.unsqueeze(0)
-        new = step(self.mode, xb, states, self._params(), self.options, training=self.training,
+            recurrent_mask = check_mask("recurrent_mask", recurrent_mask, batched, x.size(0), self._state_sizes()[0])
+        # torch's cells never read self.training; ours only where an option draws masks in training
+        training = any(self.options.zoneout) and self.training
+        new = step(self.mode, x, states, self._params(), self.options, training=training,
                    recurrent_mask=recurrent_mask, nonlinearity=getattr(self, "nonlinearity", "tanh"))
         new = new if batched else tuple(s.squeeze(0) for s in new)
         return new if self.mode == "LSTM" else new[0]
@@ -177,12 +140,17 @@ _CELL_DOC = """
     fastlayers engine's step equations (see :class:`fastlayers.{layer}`), the same function as
     ``fastlayers.{layer}(...).cell(layer, direction)``.
 
-    Errors (each also an instance of the class torch.nn.{name} raises for the same input):
+    Errors: for every input torch.nn.{name} rejects, an instance of torch's class whose message
+    starts with torch's message for it (its Python checks, then its kernel's: ``input has
+    inconsistent input_size``, ``hidden0 has inconsistent hidden_size``, ``mat1 and mat2 must have
+    the same dtype``), then ``"; "`` and our details, checked in torch's order (sizes before dtype):
     TypeError and AttributeError for a non-tensor input or state (TypeError, IndexError,
-    RuntimeError and AttributeError for an LSTM state that is not a pair); TypeError, ValueError and RuntimeError for an
-    input dtype other than the parameters' or an integer input; ValueError for an input of rank
-    other than 1 or 2; ValueError and RuntimeError for a feature size other than input_size or a
-    state of the wrong shape; TypeError and RuntimeError for a state of another dtype.
+    RuntimeError and AttributeError for an LSTM state that is not a pair); TypeError, ValueError
+    and RuntimeError for an input dtype other than the parameters' or an integer input; ValueError
+    for an input or state of rank other than 1 or 2; ValueError and RuntimeError for a feature size
+    other than input_size or a state of the wrong shape; TypeError and RuntimeError for a state of
+    another dtype (LSTMCell's c included, which torch.nn.LSTMCell mixes in silently). The module
+    reads ``self.training`` only with zoneout (as torch's cells, which never read it).
 """
 
 

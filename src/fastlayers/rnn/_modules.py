@@ -17,21 +17,18 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from .._checks import (ShapeError, as_lengths, check_floating, check_parameters_dtype, check_rank,
-                       check_same_dtype_device, check_shape, check_state_pair, check_tensor)
+from .._checks import as_lengths
 from .. import _precision
 from .._backend import select
 from ._engine import gru_engine, lstm_engine
 from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
-from ._cells import check_step_input, check_step_states, step
+from ._cells import step
 from ._engine_reference import gru_reference, lstm_reference
 from . import _graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
+from ._validate import check_cell, check_layer
 from ._varlen import varlen_rnn
-
-_SHAPES = "(T, B, F) or (B, T, F) if batch_first, or unbatched (T, F)"
-
 
 class _LengthsMixin:
     """Validation and lengths dispatch shared by LSTM, GRU and RNN (mixed into torch's classes)."""
@@ -53,36 +50,16 @@ class _LengthsMixin:
             return (proj or self.hidden_size, self.hidden_size)
         return (self.hidden_size,)
 
-    def _check_input(self, input: object) -> Tensor:
-        check_tensor("input", input)
-        assert isinstance(input, Tensor)
-        check_rank("input", input, (2, 3), _SHAPES)
-        check_floating("input", input)
-        check_parameters_dtype("input", input, self._flat_weights[0].dtype)
-        if input.size(-1) != self.input_size:
-            raise ShapeError(
-                f"input: expected feature size input_size = {self.input_size} in the last dimension, "
-                f"got {input.size(-1)} (shape {tuple(input.shape)})"
-            )
-        return input
-
-    def _check_hx(self, hx: object, input: Tensor) -> tuple[Tensor, ...] | None:
-        """Return hx as a tuple of batched 3-D tensors (or None); raise on bad shape/dtype."""
-        if hx is None:
-            return None
-        names = ("hx[0] (h_0)", "hx[1] (c_0)") if self.mode == "LSTM" else ("hx",)
-        states = check_state_pair("hx", hx, "(h_0, c_0)") if self.mode == "LSTM" else (hx,)
-        batched = input.dim() == 3
-        batch = input.size(0 if self.batch_first else 1) if batched else 1
+    def _check_args(self, input: object, hx: object) -> tuple[Tensor, tuple[Tensor, ...] | None]:
+        """(input, hx as batched 3-D states or None), or torch.nn's error for the same call (see
+        :mod:`._validate`)."""
+        batch = 1
+        if isinstance(input, Tensor) and input.dim() == 3:
+            batch = input.size(0 if self.batch_first else 1)
         layers = self.num_layers * (2 if self.bidirectional else 1)
-        out = []
-        for name, state, size in zip(names, states, self._state_sizes()):
-            check_tensor(name, state)
-            expected = (layers, batch, size) if batched else (layers, size)
-            check_shape(name, state, expected, "(num_layers * D, B, H)" if batched else "(num_layers * D, H)")
-            check_same_dtype_device(name, state, "input", input)
-            out.append(state if batched else state.unsqueeze(1))
-        return tuple(out)
+        expected = tuple((layers, batch, size) for size in self._state_sizes())
+        return check_layer("RNN" if self.mode.startswith("RNN") else self.mode, input, hx, input_size=self.input_size,
+                           weight_dtype=self._flat_weights[0].dtype, expected=expected)
 
     def _options_plain(self) -> bool:
         return True
@@ -103,8 +80,7 @@ class _LengthsMixin:
             return super().forward(input, hx)  # type: ignore[misc]
         if lengths is not None and torch.compiler.is_compiling():
             return self._forward_eagerly(input, hx, lengths)
-        input = self._check_input(input)
-        states = self._check_hx(hx, input)
+        input, states = self._check_args(input, hx)
         engine = self._engine_backend(input)  # decided once per call, passed on to _run
         if lengths is None and engine is None:
             return super().forward(input, hx)  # type: ignore[misc]
@@ -188,14 +164,18 @@ _COMMON_DOC = """
     torch.compile, or in float64 they use torch's kernels (cuDNN; its packed path with lengths),
     as RNN always does elsewhere.
 
-    Errors (each also an instance of the class torch.nn.{name} raises for the same input, so
-    code catching torch's class catches ours): TypeError and AttributeError for a non-tensor
-    ``input`` or ``hx``; TypeError, IndexError, RuntimeError and AttributeError for an LSTM ``hx``
-    that is not a pair (h_0, c_0); TypeError for float ``lengths``; TypeError and ValueError for an ``input`` dtype other than the parameters' (or
-    integer), with torch's hint; TypeError and RuntimeError for ``hx`` of another dtype than the
-    input; ValueError and RuntimeError for a feature size other than input_size or ``hx`` of the
-    wrong shape or rank; ValueError for a wrong input rank, lengths of the wrong size or outside
-    [1, T], or ``lengths`` with PackedSequence input.
+    Errors: for every input torch.nn.{name} rejects, the exception is an instance of torch's class
+    (and of ours) and its message starts with torch's message for that input, then ``"; "`` and our
+    details naming the argument, expected vs got (:mod:`fastlayers.rnn._validate`); checks run in
+    torch's order. TypeError and AttributeError for a non-tensor ``input`` or ``hx``; TypeError,
+    IndexError, RuntimeError and AttributeError for an LSTM ``hx`` that is not a pair (h_0, c_0);
+    TypeError and ValueError for an ``input`` dtype other than the parameters' (or integer), with
+    torch's hint; TypeError and RuntimeError for ``hx`` of another dtype than the input (message of
+    torch's device-independent check, ``Input and hidden tensors are not the same dtype``);
+    ValueError and RuntimeError for a feature size other than input_size or ``hx`` of the wrong
+    shape or rank; ValueError for a wrong input rank. Ours only: TypeError for float ``lengths``,
+    ValueError for lengths of the wrong size or outside [1, T], or ``lengths`` with PackedSequence
+    input.
 
     Non-finite input: no kernel assumes finite values. A NaN in ``input`` at (t, b) makes NaN
     exactly the outputs and final states that depend on it, as the float64 reference does:
@@ -446,12 +426,11 @@ class CellView(nn.Module):
         rnn = self._rnn[0]
         params = rnn._layer_parameters()[self.layer][self.direction]
         w = params["weight_ih"]
-        x = check_step_input("input", input, w.size(1), w.dtype)
         sizes = (rnn.proj_size or rnn.hidden_size, rnn.hidden_size) if rnn.mode == "LSTM" else (rnn.hidden_size,)
-        states = check_step_states(rnn.mode, hx, x, sizes)
-        batched = x.dim() == 2
+        x, states, batched = check_cell(f"{rnn.mode}Cell", rnn.mode, input, hx, input_size=w.size(1),
+                                        weight_dtype=w.dtype, sizes=sizes)
         # the step function of fastlayers.LSTMCell / GRUCell: bitwise-equal steps for equal parameters
-        new = step(rnn.mode, x if batched else x.unsqueeze(0), states, params, rnn.options)
+        new = step(rnn.mode, x, states, params, rnn.options)
         new = new if batched else tuple(s.squeeze(0) for s in new)
         return new if rnn.mode == "LSTM" else new[0]
 
