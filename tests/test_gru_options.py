@@ -140,10 +140,3 @@ def test_plain_gru_keeps_torch_kernels():
 def test_bad_options(kwargs, err, msg):
     with pytest.raises(err, match=msg):
         fastlayers.GRU(3, 4, **kwargs)
-
-
-def test_packed_input_with_options_is_an_error():
-    m = fastlayers.GRU(3, 4, layer_norm=True)
-    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 3), [5, 3])
-    with pytest.raises(ValueError, match=r"PackedSequence input is not supported with cell options"):
-        m(packed)

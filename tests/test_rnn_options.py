@@ -202,10 +202,3 @@ def test_step_cell_matches_layer_with_projection():
 def test_bad_options(kwargs, err, msg):
     with pytest.raises(err, match=msg):
         fastlayers.LSTM(3, 4, **kwargs)
-
-
-def test_packed_input_with_options_is_an_error():
-    m = fastlayers.LSTM(3, 4, layer_norm=True)
-    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 3), [5, 3])
-    with pytest.raises(ValueError, match=r"PackedSequence input is not supported with cell options"):
-        m(packed)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from . import _precision, _twice
 from ._backend import backend, select
+from ._jit import TRITON, NotScriptable, refuse_trace
 from ._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
 
 SCORES = ("dot", "scaled_dot", "additive")
@@ -110,6 +111,7 @@ def attention_pool(
         scale = 1 / math.sqrt(keys.size(2)) if score == "scaled_dot" else 1.0
         if which == "triton":  # one fused kernel per pass (the additive score runs the torch ops below)
             lens = as_lengths(lengths, batch, steps).to(keys.device) if lengths is not None else None
+            refuse_trace("fastlayers.attention_pool on the Triton backend", TRITON)
             return _AttentionTriton.apply(query, keys, values, lens, scale)
         scores = mm.matmul(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
         if score == "scaled_dot":
@@ -169,7 +171,7 @@ class _AttentionTriton(torch.autograd.Function):
         return (*grads, None, None)
 
 
-class AttentionPooling(nn.Module):
+class AttentionPooling(NotScriptable, nn.Module):
     """Module form of :func:`attention_pool`; owns the additive score's parameters.
 
     Args:

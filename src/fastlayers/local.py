@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from ._checks import check_floating, check_same_dtype_device, check_tensor
 from ._backend import select
+from ._jit import TRITON, NotScriptable, refuse_trace
 from ._local_function import LocallyConnected2dTriton, locally_connected2d_op, locally_connected2d_reference
 
 Pair = tuple[int, int]
@@ -115,6 +116,7 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     if which == "cpu":
         y = locally_connected2d_op(x, weight, bias, list(stride2), list(padding2), list(dilation2))
     elif which == "triton":
+        refuse_trace("fastlayers.functional.locally_connected2d on the Triton backend", TRITON)
         y = LocallyConnected2dTriton.apply(x, weight, bias, stride2, padding2, dilation2)
     else:
         y = locally_connected2d_reference(x, weight, bias, stride2, padding2, dilation2)
@@ -151,7 +153,7 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     return y.squeeze(-2)
 
 
-class _LocallyConnectedNd(nn.Module):
+class _LocallyConnectedNd(NotScriptable, nn.Module):
     def __init__(self, dims, in_channels, out_channels, input_size, kernel_size, stride, padding, dilation, bias,
                  device, dtype):
         super().__init__()

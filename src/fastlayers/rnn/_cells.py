@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _precision
+from .._jit import NotScriptable
 from ._engine_reference import gru_cell_step, lstm_cell_step
 from ._options import CellOptions
 from ._validate import check_cell, check_mask
@@ -56,7 +57,7 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
     return tuple(out)
 
 
-class _Cell:
+class _Cell(NotScriptable):
     """Validation, options and the shared step of the three cells (mixed into torch's classes)."""
 
     mode: str

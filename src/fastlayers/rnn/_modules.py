@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .._checks import as_lengths
+from .._jit import ENGINE, NotScriptable, refuse_trace
 from .. import _precision
 from .._backend import select
 from ._engine import gru_engine, lstm_engine
@@ -30,7 +31,7 @@ from ._reference import reference_varlen_rnn
 from ._validate import check_cell, check_layer
 from ._varlen import varlen_rnn
 
-class _LengthsMixin:
+class _LengthsMixin(NotScriptable):
     """Validation and lengths dispatch shared by LSTM, GRU and RNN (mixed into torch's classes)."""
 
     mode: str
@@ -75,8 +76,7 @@ class _LengthsMixin:
             if lengths is not None:
                 raise ValueError("lengths: expected None for PackedSequence input (it carries its own lengths)")
             if not self._options_plain():
-                raise ValueError("input: PackedSequence input is not supported with cell options; pass the padded "
-                                 "batch and lengths=")
+                return self._forward_packed(input, hx)
             return super().forward(input, hx)  # type: ignore[misc]
         if lengths is not None and torch.compiler.is_compiling():
             return self._forward_eagerly(input, hx, lengths)
@@ -84,6 +84,8 @@ class _LengthsMixin:
         engine = self._engine_backend(input)  # decided once per call, passed on to _run
         if lengths is None and engine is None:
             return super().forward(input, hx)  # type: ignore[misc]
+        refuse_trace(f"fastlayers.{type(self).__name__} with {'lengths' if lengths is not None else 'cell options'}",
+                     ENGINE)
         batched = input.dim() == 3
         x = input if batched else input.unsqueeze(1 if not self.batch_first else 0)
         time_dim = 1 if self.batch_first else 0
@@ -98,6 +100,19 @@ class _LengthsMixin:
             output = output.squeeze(time_dim ^ 1)
             final = tuple(s.squeeze(1) for s in final)
         return output, (final if self.mode == "LSTM" else final[0])
+
+    def _forward_packed(self, packed: PackedSequence, hx: Any) -> Any:
+        """A PackedSequence through the lengths path (the cell options have no packed kernel in torch):
+        its padded batch and lengths, then the output packed again in the input's sorted order, with
+        its batch_sizes and indices, as torch returns it; h_n (c_n) in the original batch order."""
+        padded, lengths = pad_packed_sequence(packed, batch_first=self.batch_first)
+        output, final = self.forward(padded, hx, lengths=lengths)
+        output = output.transpose(0, 1) if self.batch_first else output  # (T, B, D*H_out)
+        order = packed.sorted_indices
+        if order is not None:
+            output, lengths = output.index_select(1, order), lengths.index_select(0, order.cpu())
+        data = pack_padded_sequence(output, lengths, enforce_sorted=True).data
+        return PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices), final
 
     @torch.compiler.disable
     def _forward_eagerly(self, input: Tensor, hx: Any, lengths: Any) -> Any:
@@ -219,7 +234,8 @@ _OPTIONS_DOC = """
       ``h_t = clamp(W_hr (o_t * tanh(.)), -p, p)``. With a projection, zoneout and recurrent
       dropout act on the projected h_t (what recurs), the cell options on the H-sized cell.
 
-    Not with PackedSequence input (ValueError: pass the padded batch and lengths=). Bad option values raise
+    PackedSequence input: run as its padded batch with ``lengths=`` (the same call, the same numbers),
+    the output packed again as torch returns it (the input's batch_sizes and indices). Bad option values raise
     ValueError/TypeError naming the option. ``cell(layer, direction)`` returns a step-wise cell
     sharing the weights (eval semantics) for decoding one step at a time.
 
@@ -245,7 +261,8 @@ _GRU_OPTIONS_DOC = """
       per sequence and layer/direction multiplies h_{t-1} before W_hh (the z * h_{t-1} term uses
       the unmasked state), the same at every step.
 
-    Not with PackedSequence input (ValueError). Bad option values raise ValueError/TypeError
+    PackedSequence input: as its padded batch with ``lengths=``, the output packed again as torch
+    returns it. Bad option values raise ValueError/TypeError
     naming the option. ``cell(layer, direction)`` returns a step-wise cell sharing the weights.
 """
 
@@ -408,7 +425,7 @@ class LSTM(_CellOptionsMixin, _LengthsMixin, nn.LSTM):
         self._init_options(options)
 
 
-class CellView(nn.Module):
+class CellView(NotScriptable, nn.Module):
     """One layer/direction of a :class:`LSTM` or :class:`GRU` as a step-wise cell (shares the parameters).
 
     LSTM: ``forward(input (B, F_l) or (F_l,), hx=None) -> (h (B, H_out), c (B, H))``; GRU:

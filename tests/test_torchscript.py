@@ -1,0 +1,93 @@
+"""TorchScript: torch.jit.trace records the calls made of torch ops or operators (equal to eager at
+another shape than the traced one) and raises one clear error, naming torch.export, for the engine's
+calls; torch.jit.script raises one clear error for every fastlayers module, also inside a model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fastlayers
+
+pytestmark = pytest.mark.reference_only  # (see pyproject's markers)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+TRACEABLE = {
+    "LSTM": (lambda: fastlayers.LSTM(4, 5, bidirectional=True), (torch.randn(5, 3, 4),), (torch.randn(7, 2, 4),)),
+    "GRU": (lambda: fastlayers.GRU(4, 5), (torch.randn(5, 3, 4),), (torch.randn(7, 2, 4),)),
+    "RNN": (lambda: fastlayers.RNN(4, 5), (torch.randn(5, 3, 4),), (torch.randn(7, 2, 4),)),
+    "LSTMCell layer_norm": (lambda: fastlayers.LSTMCell(4, 5, layer_norm=True, peephole=True).eval(),
+                            (torch.randn(3, 4),), (torch.randn(6, 4),)),
+    "GRUCell": (lambda: fastlayers.GRUCell(4, 5), (torch.randn(3, 4),), (torch.randn(6, 4),)),
+    "LocallyConnected2d": (lambda: fastlayers.LocallyConnected2d(2, 3, (6, 6), 3), (torch.randn(2, 2, 6, 6),),
+                           (torch.randn(4, 2, 6, 6),)),
+    "LocallyConnected1d": (lambda: fastlayers.LocallyConnected1d(2, 3, 6, 3), (torch.randn(2, 2, 6),),
+                           (torch.randn(4, 2, 6),)),
+}
+
+
+@pytest.mark.parametrize("name", list(TRACEABLE))
+def test_trace_equals_eager_at_another_shape(name):
+    build, example, other = TRACEABLE[name]
+    torch.manual_seed(0)
+    module = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(module, example)
+    torch.testing.assert_close(_first(traced(*other)), _first(module(*other)), rtol=0, atol=0)
+
+
+class _WithLengths(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, lengths):
+        return self.layer(x, lengths=lengths)[0]
+
+
+@pytest.mark.parametrize("build,lengths", [
+    (lambda: fastlayers.LSTM(4, 5, layer_norm=True), None),
+    (lambda: fastlayers.GRU(4, 5, zoneout=0.1), None),
+    (lambda: fastlayers.LSTM(4, 5), torch.tensor([5, 3, 2])),
+    (lambda: fastlayers.RNN(4, 5), torch.tensor([5, 3, 2])),
+])
+def test_trace_of_an_engine_call_names_torch_export(build, lengths):
+    module, x = build(), torch.randn(5, 3, 4)
+    model, example = (module, (x,)) if lengths is None else (_WithLengths(module), (x, lengths))
+    with pytest.raises(RuntimeError, match=r"^torch.jit.trace cannot record fastlayers\.\w+ with .*torch\.export\.export"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            torch.jit.trace(model, example)
+
+
+class _Model(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.head = layer, nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.head(self.layer(x)[0])
+
+
+@pytest.mark.parametrize("build", [lambda: fastlayers.LSTM(4, 5), lambda: fastlayers.GRU(4, 5, layer_norm=True),
+                                   lambda: fastlayers.RNN(4, 5), lambda: fastlayers.LSTMCell(4, 5),
+                                   lambda: fastlayers.LocallyConnected2d(2, 3, 4),
+                                   lambda: fastlayers.AttentionPooling(4)])
+def test_script_raises_one_clear_error(build):
+    module = build()
+    with pytest.raises(RuntimeError, match=rf"^torch.jit.script cannot compile fastlayers\.{type(module).__name__} "
+                                           r".*torch\.export\.export"):
+        torch.jit.script(module)
+    if isinstance(module, (fastlayers.LSTM, fastlayers.GRU, fastlayers.RNN)):
+        model = _Model(module)
+        with pytest.raises(RuntimeError, match=r"^torch.jit.script cannot compile"):
+            torch.jit.script(model)
+        assert model.layer is module  # the model is left as it was
