@@ -123,12 +123,9 @@ def select(op: str, x: Tensor) -> str:
     compiled code (it depends on the device and dtype, which the compiled code guards on, and on
     the forced backend at that time)."""
     if torch.compiler.is_compiling():
-        return _select_when_tracing(op, x)
-    return _select(op, x)
+        from ._compiling import select_when_tracing
 
-
-@torch.compiler.assume_constant_result
-def _select_when_tracing(op: str, x: Tensor) -> str:
+        return select_when_tracing(op, x)
     return _select(op, x)
 
 

@@ -50,9 +50,17 @@ def is_low(x: Tensor) -> bool:
 _NATIVE: dict[tuple[str, torch.dtype], bool] = {}
 
 
-@torch.compiler.assume_constant_result  # a fact of the machine: a constant for torch.compile
 def native(device_type: str, dtype: torch.dtype) -> bool:
-    """True when ``device_type`` multiplies ``dtype`` matrices in hardware (CUDA: always)."""
+    """True when ``device_type`` multiplies ``dtype`` matrices in hardware (CUDA: always); a
+    constant for torch.compile (:mod:`fastlayers._compiling`)."""
+    if torch.compiler.is_compiling():
+        from ._compiling import native_when_tracing
+
+        return native_when_tracing(device_type, dtype)
+    return native_cached(device_type, dtype)
+
+
+def native_cached(device_type: str, dtype: torch.dtype) -> bool:
     if (device_type, dtype) not in _NATIVE:
         _NATIVE[device_type, dtype] = _native(device_type, dtype)
     return _NATIVE[device_type, dtype]

@@ -79,7 +79,9 @@ class _LengthsMixin(NotScriptable):
                 return self._forward_packed(input, hx)
             return super().forward(input, hx)  # type: ignore[misc]
         if lengths is not None and torch.compiler.is_compiling():
-            return self._forward_eagerly(input, hx, lengths)
+            from .._compiling import forward_eagerly  # one graph break: the plan reads the lengths on the host
+
+            return forward_eagerly(self, input, hx, lengths)
         input, states = self._check_args(input, hx)
         engine = self._engine_backend(input)  # decided once per call, passed on to _run
         if lengths is None and engine is None:
@@ -113,13 +115,6 @@ class _LengthsMixin(NotScriptable):
             output, lengths = output.index_select(1, order), lengths.index_select(0, order.cpu())
         data = pack_padded_sequence(output, lengths, enforce_sorted=True).data
         return PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices), final
-
-    @torch.compiler.disable
-    def _forward_eagerly(self, input: Tensor, hx: Any, lengths: Any) -> Any:
-        """A call with lengths under torch.compile: its plan reads the lengths' values on the host,
-        so the layer runs outside the compiled graph (one graph break, and no recompilation for new
-        lengths); the engine's C kernels run as in eager mode."""
-        return self.forward(input, hx, lengths=lengths)
 
     def _no_padding(self, x: Tensor, lengths: Tensor) -> bool:
         time_dim = 1 if self.batch_first else 0
