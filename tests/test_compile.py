@@ -16,6 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch import nn
 
 import fastlayers
+from fastlayers import _ops_lib
 from fastlayers.rnn import _ops
 
 
@@ -165,6 +166,7 @@ def test_a_model_of_every_layer_compiles_with_default_settings():
 
 
 def test_custom_operators_pass_opcheck():
+    assert _ops_lib.load()  # the C++ operators (locally_connected2d)
     torch.manual_seed(0)
     w, b = torch.randn(3, 2, 3, 3, 4, 3, requires_grad=True), torch.randn(3, 4, 3, requires_grad=True)
     x = torch.randn(2, 2, 6, 5, requires_grad=True)

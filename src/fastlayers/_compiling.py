@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _backend, _precision
+from . import _backend, _ops_lib, _precision
 
 
 @torch.compiler.assume_constant_result  # the choice depends on device, dtype and the forced backend
@@ -26,6 +26,12 @@ def select_when_tracing(op: str, x: Tensor) -> str:
 def native_when_tracing(device_type: str, dtype: torch.dtype) -> bool:
     """:func:`fastlayers._precision.native` while tracing."""
     return _precision.native_cached(device_type, dtype)
+
+
+@torch.compiler.assume_constant_result  # builds (once) and loads the library at trace time
+def operators_loaded() -> bool:
+    """Whether the C++ operators (:mod:`fastlayers._ops_lib`) are loaded (False: warned once)."""
+    return _ops_lib.load()
 
 
 @torch.compiler.disable

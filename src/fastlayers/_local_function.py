@@ -80,15 +80,15 @@ def _pad(x: Tensor, padding: list[int]) -> Tensor:
     return F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
 
 
-# The C kernels as custom operators (torch.library): opaque to torch.compile, which traces the
-# rest of the layer around them through the fake implementations; autograd through
-# register_autograd. Low-precision calls (:mod:`fastlayers._precision`): the kernels take the
-# operands rounded to the low dtype and sum in float32; the output comes back in the low dtype,
-# every gradient in its input's dtype.
+# The C kernels. Eager calls: the autograd Function LocallyConnected2dNative (ctypes). torch.compile
+# and torch.export: the operators torch.ops.fastlayers.locally_connected2d and its backward, defined
+# in C++ (_native/ops.cpp, fastlayers._ops_lib) with the same kernels; their fake functions and
+# autograd are registered here (register_operators). Low-precision calls (:mod:`fastlayers._precision`):
+# the kernels take the operands rounded to the low dtype and sum in float32; the output comes back
+# in the low dtype, every gradient in its input's dtype.
 
-@torch.library.custom_op("fastlayers::locally_connected2d", mutates_args=(), device_types="cpu")
-def locally_connected2d_op(input: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
-                           dilation: list[int]) -> Tensor:
+def _forward_kernel(input: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+                    dilation: list[int]) -> Tensor:
     """Forward kernel: input (B, C, H, W), weight (O, C, KH, KW, OH, OW), bias (O, OH, OW) | None."""
     mm = _precision.Products.of(input)
     x, w = _kernel_operand(mm, _pad(input, padding)), _kernel_operand(mm, weight)
@@ -101,22 +101,16 @@ def locally_connected2d_op(input: Tensor, weight: Tensor, bias: Tensor | None, s
     return y.to(mm.low)
 
 
-@locally_connected2d_op.register_fake
-def _(input, weight, bias, stride, padding, dilation):
-    return input.new_empty(input.size(0), weight.size(0), weight.size(4), weight.size(5), dtype=_precision.dtypes(input)[0])
-
-
-@torch.library.custom_op("fastlayers::locally_connected2d_backward", mutates_args=(), device_types="cpu")
-def _backward_op(grad: Tensor, input: Tensor, weight: Tensor, stride: list[int], padding: list[int],
-                 dilation: list[int], low: torch.dtype, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward kernels: (d input, d weight, d bias), each empty where ``needs`` says no."""
+def _backward_kernels(grad: Tensor, input: Tensor, weight: Tensor, stride: list[int], padding: list[int],
+                      dilation: list[int], low: torch.dtype, needs: list[bool]) -> tuple[Tensor | None, ...]:
+    """Backward kernels: (d input, d weight, d bias), each None where ``needs`` says no."""
     acc = _precision.accumulator(low)
     mm = _precision.Products(low, acc, input.device)
     lib, suffix, threads = _lib(), _SUFFIX[acc], torch.get_num_threads()
     dy = grad.to(acc).contiguous()
     padded = _pad(input, padding)
     geometry = _geometry(tuple(padded.shape), tuple(weight.shape), stride, dilation)
-    dx, dw, db = grad.new_empty(0), grad.new_empty(0), grad.new_empty(0)  # (distinct: outputs may not alias)
+    dx = dw = db = None
     if needs[0]:
         batch, chans, hp, wp = geometry[:4]
         dx_pad = dy.new_zeros(batch, chans, hp, wp)
@@ -130,22 +124,14 @@ def _backward_op(grad: Tensor, input: Tensor, weight: Tensor, stride: list[int],
         b_grad = dy.new_empty(weight.size(0), *weight.shape[-2:]) if needs[2] else None
         getattr(lib, f"lc2d_backward_params_{suffix}")(address(dy), address(x), address(w_grad), address(b_grad),
                                                       *geometry, threads)
-        dw = w_grad.to(weight.dtype) if w_grad is not None else dw
-        db = b_grad.to(weight.dtype) if b_grad is not None else db
+        dw = w_grad.to(weight.dtype) if w_grad is not None else None
+        db = b_grad.to(weight.dtype) if b_grad is not None else None
     return dx, dw, db
 
 
-@_backward_op.register_fake
-def _(grad, input, weight, stride, padding, dilation, low, needs):
-    return (input.new_empty(input.shape) if needs[0] else grad.new_empty(0),
-            weight.new_empty(weight.shape) if needs[1] else grad.new_empty(0),
-            weight.new_empty(weight.size(0), *weight.shape[-2:]) if needs[2] else grad.new_empty(0))
-
-
-def _setup_context(ctx, inputs, output):
-    input, weight, bias, stride, padding, dilation = inputs
+def _save(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, geometry: tuple, low: torch.dtype) -> None:
     ctx.save_for_backward(input, weight, bias)
-    ctx.geometry, ctx.has_bias, ctx.low = (stride, padding, dilation), bias is not None, _precision.dtypes(input)[0]
+    ctx.geometry, ctx.has_bias, ctx.low = geometry, bias is not None, low
 
 
 def _recorded(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -162,17 +148,66 @@ def _recorded(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
     return (*grads, None, None, None)
 
 
-def _backward(ctx, grad):
-    if _twice.recording():
-        return _recorded(ctx, grad)
-    input, weight, _ = ctx.saved_tensors
+def _needs(ctx) -> list[bool]:
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    needs = [need_x, need_w, need_b and ctx.has_bias]
-    dx, dw, db = _backward_op(grad, input, weight, *ctx.geometry, ctx.low, needs)
-    return dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None, None, None, None
+    return [bool(need_x), bool(need_w), bool(need_b and ctx.has_bias)]
 
 
-torch.library.register_autograd("fastlayers::locally_connected2d", _backward, setup_context=_setup_context)
+class LocallyConnected2dNative(torch.autograd.Function):
+    """The C kernels in eager calls (CPU tensors; see the comment above)."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
+                dilation: list[int]) -> Tensor:
+        _save(ctx, input, weight, bias, (stride, padding, dilation), _precision.dtypes(input)[0])
+        return _forward_kernel(input, weight, bias, stride, padding, dilation)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if _twice.recording():
+            return _recorded(ctx, grad)
+        input, weight, _ = ctx.saved_tensors
+        return (*_backward_kernels(grad, input, weight, *ctx.geometry, ctx.low, _needs(ctx)), None, None, None)
+
+
+def locally_connected2d_operator(input: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],
+                                 padding: list[int], dilation: list[int]) -> Tensor:
+    """The C kernels as the operator ``torch.ops.fastlayers.locally_connected2d`` (torch.compile,
+    torch.export). A low-precision call passes its operands rounded to the low dtype (the operator
+    computes in float32 and returns that dtype)."""
+    low = _precision.dtypes(input)[0]
+    if low != input.dtype:  # float32 under autocast
+        input, weight = input.to(low), weight.to(low)
+        bias = bias.to(low) if bias is not None else None
+    return torch.ops.fastlayers.locally_connected2d(input, weight, bias, stride, padding, dilation)
+
+
+def register_operators() -> None:
+    """Fake functions and autograd of the C++ operators (fastlayers._ops_lib.load calls it once)."""
+
+    @torch.library.register_fake("fastlayers::locally_connected2d")
+    def _(input, weight, bias, stride, padding, dilation):
+        return input.new_empty(input.size(0), weight.size(0), weight.size(4), weight.size(5))
+
+    @torch.library.register_fake("fastlayers::locally_connected2d_backward")
+    def _(grad, input, weight, stride, padding, dilation, needs):
+        return (input.new_empty(input.shape) if needs[0] else grad.new_empty(0),
+                weight.new_empty(weight.shape) if needs[1] else grad.new_empty(0),
+                weight.new_empty(weight.size(0), *weight.shape[-2:]) if needs[2] else grad.new_empty(0))
+
+    def setup_context(ctx, inputs, output):
+        input, weight, bias, stride, padding, dilation = inputs
+        _save(ctx, input, weight, bias, (stride, padding, dilation), input.dtype)
+
+    def backward(ctx, grad):
+        if _twice.recording():
+            return _recorded(ctx, grad)
+        input, weight, _ = ctx.saved_tensors
+        needs = _needs(ctx)
+        grads = torch.ops.fastlayers.locally_connected2d_backward(grad, input, weight, *ctx.geometry, needs)
+        return (*(g if n else None for g, n in zip(grads, needs)), None, None, None)
+
+    torch.library.register_autograd("fastlayers::locally_connected2d", backward, setup_context=setup_context)
 
 
 class LocallyConnected2dTriton(torch.autograd.Function):

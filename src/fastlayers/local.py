@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from ._checks import check_floating, check_same_dtype_device, check_tensor
 from ._backend import select
 from ._jit import TRITON, NotScriptable, refuse_trace
-from ._local_function import LocallyConnected2dTriton, locally_connected2d_op, locally_connected2d_reference
+from ._local_function import (LocallyConnected2dNative, LocallyConnected2dTriton, locally_connected2d_operator,
+                              locally_connected2d_reference)
 
 Pair = tuple[int, int]
 
@@ -113,8 +114,14 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         if tuple(bias.shape) != want:
             raise ValueError(f"bias: expected shape {want} (C_out, OH, OW), got {tuple(bias.shape)}")
     which = select("local2d", x)
-    if which == "cpu":
-        y = locally_connected2d_op(x, weight, bias, list(stride2), list(padding2), list(dilation2))
+    if which == "cpu" and torch.compiler.is_compiling():  # the C++ operator (fastlayers._ops_lib)
+        from ._compiling import operators_loaded
+
+        args = (x, weight, bias, list(stride2), list(padding2), list(dilation2))
+        y = locally_connected2d_operator(*args) if operators_loaded() else locally_connected2d_reference(
+            x, weight, bias, stride2, padding2, dilation2)
+    elif which == "cpu":
+        y = LocallyConnected2dNative.apply(x, weight, bias, list(stride2), list(padding2), list(dilation2))
     elif which == "triton":
         refuse_trace("fastlayers.functional.locally_connected2d on the Triton backend", TRITON)
         y = LocallyConnected2dTriton.apply(x, weight, bias, stride2, padding2, dilation2)

@@ -25,6 +25,7 @@ from ._engine import gru_engine, lstm_engine
 from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._cells import step
 from ._engine_reference import gru_reference, lstm_reference
+from ._export import export_layers
 from . import _graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
@@ -78,13 +79,14 @@ class _LengthsMixin(NotScriptable):
             if not self._options_plain():
                 return self._forward_packed(input, hx)
             return super().forward(input, hx)  # type: ignore[misc]
-        if lengths is not None and torch.compiler.is_compiling():
+        exporting = torch.compiler.is_exporting()  # every layer one operator (._export): T and B stay dynamic
+        if lengths is not None and torch.compiler.is_compiling() and not exporting:
             from .._compiling import forward_eagerly  # one graph break: the plan reads the lengths on the host
 
             return forward_eagerly(self, input, hx, lengths)
         input, states = self._check_args(input, hx)
-        engine = self._engine_backend(input)  # decided once per call, passed on to _run
-        if lengths is None and engine is None:
+        engine = None if exporting else self._engine_backend(input)  # decided once per call, passed on to _run
+        if lengths is None and engine is None and not exporting:
             return super().forward(input, hx)  # type: ignore[misc]
         refuse_trace(f"fastlayers.{type(self).__name__} with {'lengths' if lengths is not None else 'cell options'}",
                      ENGINE)
@@ -97,7 +99,7 @@ class _LengthsMixin(NotScriptable):
         if states is None:
             layers = self.num_layers * (2 if self.bidirectional else 1)
             states = tuple(x.new_zeros(layers, batch, size) for size in self._state_sizes())
-        output, final = self._run(x, states, lengths, engine)
+        output, final = export_layers(self, x, states, lengths) if exporting else self._run(x, states, lengths, engine)
         if not batched:
             output = output.squeeze(time_dim ^ 1)
             final = tuple(s.squeeze(1) for s in final)

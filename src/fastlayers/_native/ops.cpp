@@ -1,0 +1,480 @@
+// fastlayers' operators as C++ (TORCH_LIBRARY): the schemas, and the CPU kernels that run them
+// without Python (torch.export -> AOTInductor packages, LibTorch programs).
+//
+// Legend: T time (padded), B batch, F input features, H hidden size, G gates (4H LSTM, 3H GRU, H
+// RNN), P output size (proj_size, or H), D directions (stacked in dim 0 of every weight), N the
+// valid (t, b) rows of one direction (sum of the lengths).
+//
+// The recurrent operators take one layer (all directions) of a padded time-major batch with
+// optional per-sequence lengths and return the padded output (zeros at t >= len_b) and the final
+// states, torch's PackedSequence semantics: the forward direction ends at each sequence's own
+// last step, the reverse one starts there. The CPU kernels run the same steps as the Python
+// engine (fastlayers/rnn/_engine.py, _recurrence.py): the valid rows of both directions packed
+// step after step (the reverse direction reads each sequence back to front), one batched GEMM for
+// the input projection, per step one batched recurrent GEMM and one fused C step kernel
+// (lstm.c / gru.c, linked in), one scatter back to the padded layout. Forward only: Python
+// registers the fake (shape) functions and the autograd of these operators
+// (fastlayers/_ops_lib.py); its eager layers call the C kernels through their own autograd
+// Functions.
+//
+// float32 and float64 run in their dtype; bfloat16 / float16 in float32 (the operands are exact
+// in float32), outputs in the input's dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+extern "C" {
+#define FL_LSTM_FWD(T, S)                                                                              \
+  void lstm_step_forward_##S(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const T*, T*,     \
+                             const T*, const T*, const T*, T*, T*, const T*, T*, T*, T*, T*, T*, T*,  \
+                             T*, T*, const T*, const T*, const T*, const T*, T, T, const T*, const T*, \
+                             T, T, int);
+#define FL_GRU_FWD(T, S)                                                                               \
+  void gru_step_forward_##S(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const T*, T*,      \
+                            const T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, \
+                            T*, T*, const T*, T, const T*, T, int);
+#define FL_LC2D(T, S)                                                                                  \
+  void lc2d_forward_##S(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t,        \
+                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,      \
+                        int64_t, int);                                                               \
+  void lc2d_backward_input_##S(const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t,  \
+                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,        \
+                               int64_t, int);                                                        \
+  void lc2d_backward_params_##S(const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,      \
+                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,       \
+                                int64_t, int64_t, int);
+FL_LSTM_FWD(float, f32)
+FL_LSTM_FWD(double, f64)
+FL_GRU_FWD(float, f32)
+FL_GRU_FWD(double, f64)
+FL_LC2D(float, f32)
+FL_LC2D(double, f64)
+}
+
+namespace {
+
+constexpr double kEps = 1e-5;  // the LayerNorms' epsilon (fastlayers/rnn/_recurrence.py EPS)
+
+template <typename T> struct Kernels;
+template <> struct Kernels<float> {
+  static constexpr auto lstm = lstm_step_forward_f32;
+  static constexpr auto gru = gru_step_forward_f32;
+  static constexpr auto lc2d = lc2d_forward_f32;
+  static constexpr auto lc2d_dx = lc2d_backward_input_f32;
+  static constexpr auto lc2d_dw = lc2d_backward_params_f32;
+};
+template <> struct Kernels<double> {
+  static constexpr auto lstm = lstm_step_forward_f64;
+  static constexpr auto gru = gru_step_forward_f64;
+  static constexpr auto lc2d = lc2d_forward_f64;
+  static constexpr auto lc2d_dx = lc2d_backward_input_f64;
+  static constexpr auto lc2d_dw = lc2d_backward_params_f64;
+};
+
+at::ScalarType compute_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Optional tensor in the compute dtype, contiguous (undefined stays undefined).
+at::Tensor as(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  return t->to(dtype).contiguous();
+}
+
+template <typename T> T* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
+
+// Address of (d = 0, first packed row of the step at packed offset `row`) of a [D, N, X] buffer.
+template <typename T> T* at_row(const at::Tensor& t, int64_t row) {
+  return t.defined() ? t.data_ptr<T>() + row * t.stride(1) : nullptr;
+}
+
+// The packing of a padded batch (fastlayers/rnn/_lengths.py make_plan): sequences sorted longest
+// first (stable); at step t the active ones are a prefix of size active[t]; packed row k of
+// direction d reads padded row src[d][k] of the (T*B, F) input.
+struct Plan {
+  at::Tensor order, unorder;  // (B,) int64: sorted -> original, original -> sorted
+  std::vector<int64_t> active, offsets;  // per step; offsets has one more entry (the total N)
+  at::Tensor src;  // (D, N) int64
+  int64_t rows = 0;
+};
+
+Plan make_plan(const std::optional<at::Tensor>& lengths, int64_t steps, int64_t batch, int64_t dirs) {
+  Plan p;
+  std::vector<int64_t> len(batch, steps);
+  if (lengths.has_value() && lengths->defined()) {
+    TORCH_CHECK(lengths->dim() == 1 && lengths->size(0) == batch, "lengths: expected shape (", batch,
+                "), got ", lengths->sizes());
+    auto l = lengths->to(at::kCPU).to(at::kLong).contiguous();
+    const int64_t* lp = l.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; b++) {
+      TORCH_CHECK(lp[b] >= 1 && lp[b] <= steps, "lengths: every length must be in [1, T = ", steps, "], got ",
+                  lp[b]);
+      len[b] = lp[b];
+    }
+  }
+  std::vector<int64_t> order(batch);
+  for (int64_t b = 0; b < batch; b++) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a] > len[b]; });
+  const int64_t longest = batch ? len[order[0]] : 0;
+  p.offsets.push_back(0);
+  for (int64_t t = 0; t < longest; t++) {
+    int64_t n = 0;
+    while (n < batch && len[order[n]] > t) n++;
+    p.active.push_back(n);
+    p.offsets.push_back(p.offsets.back() + n);
+  }
+  p.rows = p.offsets.back();
+  p.src = at::empty({dirs, p.rows}, at::kLong);
+  int64_t* s = p.src.data_ptr<int64_t>();
+  for (int64_t t = 0, k = 0; t < longest; t++) {
+    for (int64_t slot = 0; slot < p.active[t]; slot++, k++) {
+      const int64_t seq = order[slot];
+      s[k] = t * batch + seq;
+      if (dirs == 2) s[p.rows + k] = (len[seq] - 1 - t) * batch + seq;
+    }
+  }
+  p.order = at::tensor(order, at::kLong);
+  p.unorder = at::empty_like(p.order);
+  p.unorder.index_put_({p.order}, at::arange(batch, at::kLong));
+  return p;
+}
+
+// (D, T, B, X) masks in original time and batch order -> (D, N, X) packed rows.
+at::Tensor pack_mask(const at::Tensor& m, const Plan& p, int64_t steps, int64_t batch, at::ScalarType dtype) {
+  if (!m.defined()) return m;
+  const int64_t dirs = m.size(0), width = m.size(3);
+  std::vector<at::Tensor> parts;
+  for (int64_t d = 0; d < dirs; d++)
+    parts.push_back(m[d].reshape({steps * batch, width}).index_select(0, p.src[d]));
+  return at::stack(parts).to(dtype).contiguous();
+}
+
+// The packed output (D, N, P) -> padded (T, B, D*P), zeros at t >= len_b.
+at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t batch) {
+  const int64_t dirs = y.size(0), width = y.size(2);
+  auto dst = (p.src * dirs + at::arange(dirs, at::kLong).unsqueeze(1)).flatten();
+  return at::zeros({steps * batch * dirs, width}, y.options())
+      .index_copy(0, dst, y.reshape({dirs * p.rows, width}))
+      .view({steps, batch, dirs * width});
+}
+
+at::Tensor gather(const at::Tensor& x, const Plan& p) {
+  const int64_t dirs = p.src.size(0);
+  return x.reshape({-1, x.size(2)}).index_select(0, p.src.flatten()).view({dirs, p.rows, x.size(2)});
+}
+
+void check_layer(const at::Tensor& x, const at::Tensor& w_ih, const at::Tensor& w_hh, const at::Tensor& h0,
+                 int64_t gates) {
+  TORCH_CHECK(x.device().is_cpu(), "fastlayers: this C++ kernel runs CPU tensors, got ", x.device());
+  TORCH_CHECK(x.dim() == 3, "x: expected (T, B, F), got ", x.sizes());
+  TORCH_CHECK(w_ih.dim() == 3 && w_ih.size(2) == x.size(2) && w_ih.size(1) % gates == 0,
+              "w_ih: expected (D, G, F) with F = ", x.size(2), ", got ", w_ih.sizes());
+  TORCH_CHECK(w_hh.dim() == 3 && w_hh.size(0) == w_ih.size(0) && w_hh.size(1) == w_ih.size(1),
+              "w_hh: expected (D, G, P), got ", w_hh.sizes());
+  TORCH_CHECK(h0.dim() == 3 && h0.size(0) == w_ih.size(0) && h0.size(1) == x.size(1) && h0.size(2) == w_hh.size(2),
+              "h0: expected (D, B, P) = (", w_ih.size(0), ", ", x.size(1), ", ", w_hh.size(2), "), got ", h0.sizes());
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
+    const at::Tensor& x_in, const std::optional<at::Tensor>& lengths, const at::Tensor& h0_in,
+    const at::Tensor& c0_in, const at::Tensor& w_ih_in, const at::Tensor& w_hh_in,
+    const std::optional<at::Tensor>& b_ih_in, const std::optional<at::Tensor>& b_hh_in,
+    const std::optional<at::Tensor>& gx_in,
+    const std::optional<at::Tensor>& gh_in, const std::optional<at::Tensor>& gc_in,
+    const std::optional<at::Tensor>& bc_in, const std::optional<at::Tensor>& peep_in,
+    const std::optional<at::Tensor>& w_hr_in, const std::optional<at::Tensor>& rmask_in,
+    const std::optional<at::Tensor>& zc_in, const std::optional<at::Tensor>& zh_in, double clip, double zc_const,
+    double zh_const, double pclip) {
+  const auto dt = compute_dtype(x_in.scalar_type());
+  const int64_t steps = x_in.size(0), batch = x_in.size(1);
+  const auto w_ih = w_ih_in.to(dt).contiguous(), w_hh = w_hh_in.to(dt).contiguous();
+  const int64_t dirs = w_ih.size(0), gsize = w_ih.size(1), hidden = gsize / 4, out = h0_in.size(2);
+  const bool proj = w_hr_in.has_value() && w_hr_in->defined();
+  const auto gx = as(gx_in, dt), gh = as(gh_in, dt), gc = as(gc_in, dt), bc = as(bc_in, dt), peep = as(peep_in, dt);
+  const auto b_ih = as(b_ih_in, dt), b_hh = as(b_hh_in, dt), w_hr = as(w_hr_in, dt);
+  // the kernel adds one bias, b_ih + b_hh (with the input LayerNorm: after it)
+  const auto bias = b_ih.defined() && b_hh.defined() ? (b_ih + b_hh).contiguous() : (b_ih.defined() ? b_ih : b_hh);
+  const Plan p = make_plan(lengths, steps, batch, dirs);
+  const int64_t rows = p.rows, first = p.active.empty() ? 0 : p.active[0];
+  const auto opt = w_ih.options();
+  auto rmask = as(rmask_in, dt);
+  if (rmask.defined()) rmask = rmask.index_select(1, p.order).contiguous();
+  const auto zc = pack_mask(as(zc_in, dt), p, steps, batch, dt), zh = pack_mask(as(zh_in, dt), p, steps, batch, dt);
+  auto h = h0_in.to(dt).index_select(1, p.order).contiguous();
+  auto c = c0_in.to(dt).index_select(1, p.order).contiguous();
+  const auto xs = gather(x_in.to(dt), p);
+  const auto w_t = w_ih.transpose(1, 2);
+  at::Tensor xp = (!gx.defined() && bias.defined()) ? at::baddbmm(bias.unsqueeze(1), xs, w_t) : at::bmm(xs, w_t);
+  xp = xp.contiguous();
+  auto buf = [&](int64_t width, bool use) { return use ? at::empty({dirs, rows, width}, opt) : at::Tensor(); };
+  const auto gates = buf(gsize, true), c1 = buf(hidden, true), hd = buf(out, true), xstat = buf(2, gx.defined());
+  const auto rhat = buf(gsize, gh.defined()), cstat = buf(2, gc.defined());
+  const auto chist = buf(hidden, zc.defined() || zc_const != 0), y1 = buf(hidden, proj);
+  const auto rrstd = gh.defined() ? at::empty({dirs, rows}, opt) : at::Tensor();
+  auto y = at::empty({dirs, rows, out}, opt);
+  auto r = at::empty({dirs * first * gsize}, opt);
+  auto hk = proj ? at::zeros({dirs, batch, hidden}, opt) : h;
+  const auto ybuf = proj ? y1 : y;
+  if (first) hd.narrow(1, 0, first).copy_(rmask.defined() ? h * rmask : h);
+  const auto w_hh_t = w_hh.transpose(1, 2);
+  const auto w_hr_t = proj ? w_hr.transpose(1, 2) : at::Tensor();
+  const int threads = at::get_num_threads();
+  const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
+  for (int64_t t = 0; t <= last; t++) {
+    const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
+    auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
+    at::bmm_out(rt, hd.narrow(1, o, n), w_hh_t);
+    Kernels<T>::lstm(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), at_row<T>(xstat, o), ptr<T>(gx),
+                     ptr<T>(bias), rt.data_ptr<T>(), c.data_ptr<T>(), hk.data_ptr<T>(), proj ? nullptr : ptr<T>(rmask),
+                     at_row<T>(ybuf, o), at_row<T>(gates, o), at_row<T>(c1, o), at_row<T>(chist, o),
+                     (proj || t == last) ? nullptr : at_row<T>(hd, o + n), at_row<T>(rhat, o),
+                     rrstd.defined() ? rrstd.data_ptr<T>() + o : nullptr, at_row<T>(cstat, o), ptr<T>(gh), ptr<T>(gc),
+                     ptr<T>(bc), ptr<T>(peep), static_cast<T>(clip), static_cast<T>(kEps), at_row<T>(zc, o),
+                     proj ? nullptr : at_row<T>(zh, o), static_cast<T>(zc_const),
+                     static_cast<T>(proj ? 0.0 : zh_const), threads);
+    if (proj) {  // the projection, proj_clip, zoneout of h and the next recurrent input as ATen ops
+      auto hp = at::bmm(y1.narrow(1, o, n), w_hr_t);
+      if (pclip > 0) hp.clamp_(-pclip, pclip);
+      auto hn = h.narrow(1, 0, n);
+      if (zh.defined()) {
+        const auto kh = zh.narrow(1, o, n);
+        hn.copy_(kh * hn + (1 - kh) * hp);
+      } else if (zh_const != 0) {
+        hn.copy_(zh_const * hn + (1 - zh_const) * hp);
+      } else {
+        hn.copy_(hp);
+      }
+      y.narrow(1, o, n).copy_(hn);
+      if (t < last) {
+        auto nxt = h.narrow(1, 0, n_next);
+        hd.narrow(1, o + n, n_next).copy_(rmask.defined() ? nxt * rmask.narrow(1, 0, n_next) : nxt);
+      }
+    }
+  }
+  const auto low = x_in.scalar_type();
+  return {scatter(y, p, steps, batch).to(low), h.index_select(1, p.unorder).to(low),
+          c.index_select(1, p.unorder).to(low)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_padded(
+    const at::Tensor& x, const std::optional<at::Tensor>& lengths, const at::Tensor& h0, const at::Tensor& c0,
+    const at::Tensor& w_ih, const at::Tensor& w_hh, const std::optional<at::Tensor>& b_ih,
+    const std::optional<at::Tensor>& b_hh, const std::optional<at::Tensor>& ln_ih, const std::optional<at::Tensor>& ln_hh,
+    const std::optional<at::Tensor>& ln_cell_weight, const std::optional<at::Tensor>& ln_cell_bias,
+    const std::optional<at::Tensor>& peephole, const std::optional<at::Tensor>& w_hr,
+    const std::optional<at::Tensor>& rmask, const std::optional<at::Tensor>& zc, const std::optional<at::Tensor>& zh,
+    double cell_clip, double z_c, double z_h, double proj_clip) {
+  check_layer(x, w_ih, w_hh, h0, 4);
+  TORCH_CHECK(c0.dim() == 3 && c0.size(0) == w_ih.size(0) && c0.size(1) == x.size(1) &&
+                  c0.size(2) == w_ih.size(1) / 4,
+              "c0: expected (D, B, H), got ", c0.sizes());
+  at::NoGradGuard no_grad;
+  if (compute_dtype(x.scalar_type()) == at::kDouble)
+    return lstm_impl<double>(x, lengths, h0, c0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, ln_cell_weight, ln_cell_bias,
+                             peephole, w_hr, rmask, zc, zh, cell_clip, z_c, z_h, proj_clip);
+  return lstm_impl<float>(x, lengths, h0, c0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, ln_cell_weight, ln_cell_bias, peephole,
+                          w_hr, rmask, zc, zh, cell_clip, z_c, z_h, proj_clip);
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::optional<at::Tensor>& lengths,
+                                            const at::Tensor& h0_in, const at::Tensor& w_ih_in,
+                                            const at::Tensor& w_hh_in, const std::optional<at::Tensor>& b_ih_in,
+                                            const std::optional<at::Tensor>& b_hh_in,
+                                            const std::optional<at::Tensor>& gx_in,
+                                            const std::optional<at::Tensor>& gh_in,
+                                            const std::optional<at::Tensor>& rmask_in,
+                                            const std::optional<at::Tensor>& zh_in, double zh_const) {
+  const auto dt = compute_dtype(x_in.scalar_type());
+  const int64_t steps = x_in.size(0), batch = x_in.size(1);
+  const auto w_ih = w_ih_in.to(dt).contiguous(), w_hh = w_hh_in.to(dt).contiguous();
+  const int64_t dirs = w_ih.size(0), gsize = w_ih.size(1), hidden = gsize / 3;
+  const auto gx = as(gx_in, dt), gh = as(gh_in, dt), b_ih = as(b_ih_in, dt), b_hh = as(b_hh_in, dt);
+  const Plan p = make_plan(lengths, steps, batch, dirs);
+  const int64_t rows = p.rows, first = p.active.empty() ? 0 : p.active[0];
+  const auto opt = w_ih.options();
+  auto rmask = as(rmask_in, dt);
+  if (rmask.defined()) rmask = rmask.index_select(1, p.order).contiguous();
+  const auto zh = pack_mask(as(zh_in, dt), p, steps, batch, dt);
+  auto h = h0_in.to(dt).index_select(1, p.order).contiguous();
+  const auto xs = gather(x_in.to(dt), p);
+  const auto w_t = w_ih.transpose(1, 2);
+  at::Tensor xp = (!gx.defined() && b_ih.defined()) ? at::baddbmm(b_ih.unsqueeze(1), xs, w_t) : at::bmm(xs, w_t);
+  xp = xp.contiguous();
+  auto buf = [&](int64_t width, bool use) { return use ? at::empty({dirs, rows, width}, opt) : at::Tensor(); };
+  const auto gates = buf(gsize, true), hbn = buf(hidden, true), hist = buf(hidden, true), hd = buf(hidden, true);
+  const auto xstat = buf(2, gx.defined()), rhat = buf(gsize, gh.defined());
+  const auto rrstd = gh.defined() ? at::empty({dirs, rows}, opt) : at::Tensor();
+  auto y = at::empty({dirs, rows, hidden}, opt);
+  auto r = at::empty({dirs * first * gsize}, opt);
+  if (first) hd.narrow(1, 0, first).copy_(rmask.defined() ? h * rmask : h);
+  const auto w_hh_t = w_hh.transpose(1, 2);
+  const int threads = at::get_num_threads();
+  const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
+  for (int64_t t = 0; t <= last; t++) {
+    const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
+    auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
+    at::bmm_out(rt, hd.narrow(1, o, n), w_hh_t);
+    Kernels<T>::gru(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), at_row<T>(xstat, o), ptr<T>(gx),
+                    ptr<T>(b_ih), rt.data_ptr<T>(), h.data_ptr<T>(), ptr<T>(rmask), ptr<T>(b_hh), at_row<T>(y, o),
+                    at_row<T>(gates, o), at_row<T>(hbn, o), at_row<T>(hist, o),
+                    t < last ? at_row<T>(hd, o + n) : nullptr, at_row<T>(rhat, o),
+                    rrstd.defined() ? rrstd.data_ptr<T>() + o : nullptr, ptr<T>(gh), static_cast<T>(kEps),
+                    at_row<T>(zh, o), static_cast<T>(zh_const), threads);
+  }
+  const auto low = x_in.scalar_type();
+  return {scatter(y, p, steps, batch).to(low), h.index_select(1, p.unorder).to(low)};
+}
+
+std::tuple<at::Tensor, at::Tensor> gru_padded(const at::Tensor& x, const std::optional<at::Tensor>& lengths,
+                                              const at::Tensor& h0, const at::Tensor& w_ih, const at::Tensor& w_hh,
+                                              const std::optional<at::Tensor>& b_ih,
+                                              const std::optional<at::Tensor>& b_hh,
+                                              const std::optional<at::Tensor>& ln_ih,
+                                              const std::optional<at::Tensor>& ln_hh,
+                                              const std::optional<at::Tensor>& rmask,
+                                              const std::optional<at::Tensor>& zh, double z_h) {
+  check_layer(x, w_ih, w_hh, h0, 3);
+  at::NoGradGuard no_grad;
+  if (compute_dtype(x.scalar_type()) == at::kDouble)
+    return gru_impl<double>(x, lengths, h0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, rmask, zh, z_h);
+  return gru_impl<float>(x, lengths, h0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, rmask, zh, z_h);
+}
+
+// Elman RNN (torch.nn.RNN): h_t = act(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh), ATen ops per step on
+// the packed rows (torch has no fused kernel for one step that this would beat).
+std::tuple<at::Tensor, at::Tensor> rnn_padded(const at::Tensor& x_in, const std::optional<at::Tensor>& lengths,
+                                              const at::Tensor& h0_in, const at::Tensor& w_ih_in,
+                                              const at::Tensor& w_hh_in, const std::optional<at::Tensor>& b_ih_in,
+                                              const std::optional<at::Tensor>& b_hh_in, bool relu) {
+  check_layer(x_in, w_ih_in, w_hh_in, h0_in, 1);
+  at::NoGradGuard no_grad;
+  const auto dt = compute_dtype(x_in.scalar_type());
+  const int64_t steps = x_in.size(0), batch = x_in.size(1);
+  const auto w_ih = w_ih_in.to(dt), w_hh = w_hh_in.to(dt);
+  const int64_t dirs = w_ih.size(0), hidden = w_ih.size(1);
+  const Plan p = make_plan(lengths, steps, batch, dirs);
+  auto xp = at::bmm(gather(x_in.to(dt), p), w_ih.transpose(1, 2));
+  if (b_ih_in.has_value() && b_ih_in->defined()) xp.add_(b_ih_in->to(dt).unsqueeze(1));
+  if (b_hh_in.has_value() && b_hh_in->defined()) xp.add_(b_hh_in->to(dt).unsqueeze(1));
+  auto h = h0_in.to(dt).index_select(1, p.order).contiguous();
+  auto y = at::empty({dirs, p.rows, hidden}, xp.options());
+  const auto w_hh_t = w_hh.transpose(1, 2);
+  for (size_t t = 0; t < p.active.size(); t++) {
+    const int64_t n = p.active[t], o = p.offsets[t];
+    auto hn = h.narrow(1, 0, n);
+    auto pre = at::baddbmm(xp.narrow(1, o, n), hn, w_hh_t);
+    hn.copy_(relu ? at::relu(pre) : at::tanh(pre));
+    y.narrow(1, o, n).copy_(hn);
+  }
+  const auto low = x_in.scalar_type();
+  return {scatter(y, p, steps, batch).to(low), h.index_select(1, p.unorder).to(low)};
+}
+
+// ---- locally connected 2-D (fastlayers/_local_function.py; local.c)
+
+std::vector<int64_t> geometry(const at::Tensor& padded, const at::Tensor& w, at::IntArrayRef stride,
+                              at::IntArrayRef dilation) {
+  return {padded.size(0), padded.size(1), padded.size(2), padded.size(3), w.size(0), w.size(2), w.size(3),
+          w.size(4),      w.size(5),      stride[0],      stride[1],      dilation[0], dilation[1]};
+}
+
+at::Tensor pad2d(const at::Tensor& x, at::IntArrayRef padding) {
+  if (padding[0] == 0 && padding[1] == 0) return x;
+  return at::constant_pad_nd(x, {padding[1], padding[1], padding[0], padding[0]}, 0);
+}
+
+template <typename T>
+at::Tensor local_impl(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
+  const auto dt = compute_dtype(input.scalar_type());
+  const auto x = pad2d(input, padding).to(dt).contiguous(), w = weight.to(dt).contiguous();
+  const auto b = as(bias, dt);
+  const auto g = geometry(x, w, stride, dilation);
+  auto y = at::empty({x.size(0), w.size(0), w.size(4), w.size(5)}, x.options());
+  Kernels<T>::lc2d(x.data_ptr<T>(), w.data_ptr<T>(), ptr<T>(b), y.data_ptr<T>(), g[0], g[1], g[2], g[3], g[4], g[5],
+                   g[6], g[7], g[8], g[9], g[10], g[11], g[12], at::get_num_threads());
+  return y.to(input.scalar_type());
+}
+
+at::Tensor locally_connected2d(const at::Tensor& input, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                               at::IntArrayRef padding, at::IntArrayRef dilation) {
+  TORCH_CHECK(input.dim() == 4 && weight.dim() == 6, "locally_connected2d: expected input (B, C, H, W) and weight "
+              "(O, C, KH, KW, OH, OW), got ", input.sizes(), " and ", weight.sizes());
+  at::NoGradGuard no_grad;
+  if (compute_dtype(input.scalar_type()) == at::kDouble)
+    return local_impl<double>(input, weight, bias, stride, padding, dilation);
+  return local_impl<float>(input, weight, bias, stride, padding, dilation);
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> local_backward_impl(const at::Tensor& grad, const at::Tensor& input,
+                                                                   const at::Tensor& weight, at::IntArrayRef stride,
+                                                                   at::IntArrayRef padding, at::IntArrayRef dilation,
+                                                                   const c10::List<bool>& needs) {
+  const auto dt = compute_dtype(input.scalar_type());
+  const auto dy = grad.to(dt).contiguous();
+  const auto padded = pad2d(input, padding);
+  const auto g = geometry(padded, weight, stride, dilation);
+  const int threads = at::get_num_threads();
+  at::Tensor dx = at::empty({0}, grad.options()), dw = at::empty({0}, grad.options()),
+             db = at::empty({0}, grad.options());
+  if (needs[0]) {
+    const auto w = weight.to(dt).contiguous();
+    auto dx_pad = at::zeros({g[0], g[1], g[2], g[3]}, dy.options());
+    Kernels<T>::lc2d_dx(dy.data_ptr<T>(), w.data_ptr<T>(), dx_pad.data_ptr<T>(), g[0], g[1], g[2], g[3], g[4], g[5],
+                        g[6], g[7], g[8], g[9], g[10], g[11], g[12], threads);
+    dx = dx_pad.slice(2, padding[0], g[2] - padding[0]).slice(3, padding[1], g[3] - padding[1]);
+    dx = dx.to(input.scalar_type()).contiguous();
+  }
+  if (needs[1] || needs[2]) {
+    const auto x = padded.to(dt).contiguous();
+    auto w_grad = needs[1] ? at::empty(weight.sizes(), dy.options()) : at::Tensor();
+    auto b_grad = needs[2] ? at::empty({weight.size(0), weight.size(4), weight.size(5)}, dy.options()) : at::Tensor();
+    Kernels<T>::lc2d_dw(dy.data_ptr<T>(), x.data_ptr<T>(), ptr<T>(w_grad), ptr<T>(b_grad), g[0], g[1], g[2], g[3],
+                        g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], threads);
+    if (needs[1]) dw = w_grad.to(weight.scalar_type());
+    if (needs[2]) db = b_grad.to(weight.scalar_type());
+  }
+  return {dx, dw, db};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> locally_connected2d_backward(
+    const at::Tensor& grad, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, const c10::List<bool>& needs) {
+  TORCH_CHECK(needs.size() == 3, "needs: expected 3 flags (input, weight, bias)");
+  at::NoGradGuard no_grad;
+  if (compute_dtype(input.scalar_type()) == at::kDouble)
+    return local_backward_impl<double>(grad, input, weight, stride, padding, dilation, needs);
+  return local_backward_impl<float>(grad, input, weight, stride, padding, dilation, needs);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fastlayers, m) {
+  m.def("lstm_padded(Tensor x, Tensor? lengths, Tensor h0, Tensor c0, Tensor w_ih, Tensor w_hh, Tensor? b_ih, "
+        "Tensor? b_hh, Tensor? ln_ih, Tensor? ln_hh, Tensor? ln_cell_weight, Tensor? ln_cell_bias, Tensor? peephole, "
+        "Tensor? w_hr, Tensor? rmask, Tensor? zc, Tensor? zh, float cell_clip, float z_c, float z_h, "
+        "float proj_clip) -> (Tensor, Tensor, Tensor)");
+  m.def("gru_padded(Tensor x, Tensor? lengths, Tensor h0, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, "
+        "Tensor? ln_ih, Tensor? ln_hh, Tensor? rmask, Tensor? zh, float z_h) -> (Tensor, Tensor)");
+  m.def("rnn_padded(Tensor x, Tensor? lengths, Tensor h0, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, "
+        "bool relu) -> (Tensor, Tensor)");
+  m.def("locally_connected2d(Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
+        "int[] dilation) -> Tensor");
+  m.def("locally_connected2d_backward(Tensor grad, Tensor input, Tensor weight, int[] stride, int[] padding, "
+        "int[] dilation, bool[] needs) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
+  m.impl("lstm_padded", &lstm_padded);
+  m.impl("gru_padded", &gru_padded);
+  m.impl("rnn_padded", &rnn_padded);
+  m.impl("locally_connected2d", &locally_connected2d);
+  m.impl("locally_connected2d_backward", &locally_connected2d_backward);
+}

@@ -1,0 +1,180 @@
+"""torch.export of every layer: dynamic batch and time (and lengths as data), the exported program
+equal to eager at shapes other than the export's, in value and gradient; the C++ operators pass
+torch.library.opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+from torch.utils._pytree import tree_leaves
+
+import fastlayers
+from fastlayers import _ops_lib
+
+pytestmark = pytest.mark.compile  # (see pyproject's markers: tracing, no kernel path of its own)
+
+B, T = Dim("B"), Dim("T")
+SHAPES = [(3, 9), (6, 2), (1, 12)]  # (batch, time), none of them the export's (4, 7)
+
+LSTM = {
+    "plain": {}, "layer_norm": dict(layer_norm=True), "peephole": dict(peephole=True), "cell_clip": dict(cell_clip=0.3),
+    "zoneout": dict(zoneout=(0.2, 0.4)), "recurrent_dropout": dict(recurrent_dropout=0.3),
+    "proj_clip": dict(proj_size=3, proj_clip=0.2),
+    "all + proj": dict(layer_norm=True, peephole=True, cell_clip=0.5, zoneout=(0.1, 0.3), recurrent_dropout=0.2,
+                       proj_size=3, proj_clip=0.3),
+}
+GRU = {"plain": {}, "layer_norm": dict(layer_norm=True), "zoneout": dict(zoneout=0.3),
+       "all": dict(layer_norm=True, zoneout=0.2, recurrent_dropout=0.2)}
+RNN = {"tanh": {}, "relu": dict(nonlinearity="relu")}
+CASES = [("LSTM", k) for k in LSTM] + [("GRU", k) for k in GRU] + [("RNN", k) for k in RNN]
+
+
+def _build(mode, name, batch_first, layers=2, bidirectional=True, dtype=torch.float32):
+    kwargs = {"LSTM": LSTM, "GRU": GRU, "RNN": RNN}[mode][name]
+    torch.manual_seed(0)
+    return getattr(fastlayers, mode)(5, 6, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
+                                     dtype=dtype, **kwargs).eval()
+
+
+class _Call(torch.nn.Module):
+    """The layer called with the arguments of one variant (lengths and hx or not), as a user would."""
+
+    def __init__(self, layer, lengths: bool, hx: bool):
+        super().__init__()
+        self.layer, self.with_lengths, self.with_hx = layer, lengths, hx
+
+    def forward(self, x, lengths, h0, c0):
+        hx = ((h0, c0) if self.layer.mode == "LSTM" else h0) if self.with_hx else None
+        return self.layer(x, hx, lengths=lengths if self.with_lengths else None)
+
+
+def _inputs(layer, batch, steps, dtype, seed, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, steps, 5) if layer.batch_first else (steps, batch, 5)
+    x = torch.randn(shape, generator=g, dtype=dtype)
+    lengths = torch.randint(1, steps + 1, (batch,), generator=g)
+    lengths[0] = steps
+    states = 2 * layer.num_layers if layer.bidirectional else layer.num_layers
+    h0 = torch.randn(states, batch, getattr(layer, "proj_size", 0) or 6, generator=g, dtype=dtype)
+    c0 = torch.randn(states, batch, 6, generator=g, dtype=dtype)
+    return [t.requires_grad_(grad) if t.is_floating_point() else t for t in (x, lengths, h0, c0)]
+
+
+def _export(model, dtype):
+    time_dim = 1 if model.layer.batch_first else 0
+    dynamic = ({time_dim: T, 1 - time_dim: B}, {0: B}, {1: B}, {1: B})
+    return torch.export.export(model, tuple(_inputs(model.layer, 4, 7, dtype, 0)), dynamic_shapes=dynamic)
+
+
+@pytest.mark.parametrize("mode,name", CASES)
+@pytest.mark.parametrize("lengths,hx", [(True, True), (False, False), (True, False)])
+def test_exported_equals_eager(mode, name, lengths, hx):
+    batch_first = (hash(name) + lengths) % 2 == 0  # both layouts over the cases
+    model = _Call(_build(mode, name, batch_first), lengths, hx)
+    exported = _export(model, torch.float32).module()
+    for i, (batch, steps) in enumerate(SHAPES):
+        args = _inputs(model.layer, batch, steps, torch.float32, i + 1)
+        got, want = exported(*args), model(*args)
+        for a, b in zip(tree_leaves(got), tree_leaves(want)):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,name", [("LSTM", "plain"), ("LSTM", "all + proj"), ("GRU", "all"), ("RNN", "relu")])
+def test_exported_gradients_equal_eager(mode, name):
+    """The exported program trains: its gradients (the operators' autograd) equal eager's (float64)."""
+    model = _Call(_build(mode, name, False, dtype=torch.float64), True, True)
+    exported = _export(model, torch.float64).module()
+    for i, (batch, steps) in enumerate(SHAPES):
+        grads = []
+        for module in (exported, model):
+            args = _inputs(model.layer, batch, steps, torch.float64, i + 1, grad=True)
+            outs = tree_leaves(module(*args))
+            leaves = [args[0], args[2], args[3]] + list(module.parameters())
+            torch.manual_seed(5)
+            loss = sum((o * torch.randn_like(o)).sum() for o in outs)
+            grads.append(torch.autograd.grad(loss, leaves, allow_unused=True))
+        for a, b in zip(*grads):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_unbatched_and_single_direction():
+    layer = _build("LSTM", "layer_norm", False, layers=1, bidirectional=False)
+    x = torch.randn(7, 5)
+    ep = torch.export.export(layer, (x,), dynamic_shapes={"input": {0: T}})
+    for steps in (3, 11):
+        x = torch.randn(steps, 5)
+        for a, b in zip(tree_leaves(ep.module()(x)), tree_leaves(layer(x))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_training_mode_export_draws_masks_and_trains():
+    layer = _build("LSTM", "all + proj", True).train()
+    model = _Call(layer, True, False)
+    exported = _export(model, torch.float32).module()  # (captured in training mode: masks drawn in the graph)
+    args = _inputs(layer, 3, 9, torch.float32, 1, grad=True)
+    out, (h, c) = exported(*args)
+    (out.sum() + h.sum()).backward()
+    assert torch.isfinite(out).all() and args[0].grad is not None and bool(args[0].grad.abs().sum() > 0)
+    targets = [n for n, _ in exported.named_parameters()]
+    assert all(p.grad is not None for p in exported.parameters()), targets
+
+
+@pytest.mark.parametrize("build,args,dynamic,others", [
+    (lambda: fastlayers.LSTMCell(4, 5, layer_norm=True, proj_size=3).eval(), (torch.randn(3, 4),), ({0: B},),
+     [(torch.randn(6, 4),), (torch.randn(1, 4),)]),
+    (lambda: fastlayers.GRUCell(4, 5, zoneout=0.2).eval(), (torch.randn(3, 4),), ({0: B},), [(torch.randn(6, 4),)]),
+    (lambda: fastlayers.RNNCell(4, 5), (torch.randn(3, 4),), ({0: B},), [(torch.randn(6, 4),)]),
+    (lambda: fastlayers.LocallyConnected2d(2, 3, (6, 6), 3, padding=1), (torch.randn(2, 2, 6, 6),), ({0: B},),
+     [(torch.randn(5, 2, 6, 6),), (torch.randn(1, 2, 6, 6),)]),
+    (lambda: fastlayers.LocallyConnected1d(2, 3, 6, 3), (torch.randn(2, 2, 6),), ({0: B},), [(torch.randn(5, 2, 6),)]),
+    (lambda: fastlayers.AttentionPooling(4, score="additive"), (torch.randn(3, 4), torch.randn(3, 7, 4)),
+     ({0: B}, {0: B, 1: T}), [(torch.randn(5, 4), torch.randn(5, 9, 4)), (torch.randn(1, 4), torch.randn(1, 2, 4))]),
+])
+def test_cells_local_and_attention_export(build, args, dynamic, others):
+    torch.manual_seed(0)
+    module = build()
+    ep = torch.export.export(module, args, dynamic_shapes=dynamic)
+    for other in others:
+        for a, b in zip(tree_leaves(ep.module()(*other)), tree_leaves(module(*other))):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_attention_pooling_with_lengths_exports():
+    class Pool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = fastlayers.AttentionPooling(4)
+
+        def forward(self, q, k, lengths):
+            return self.pool(q, k, lengths=lengths)
+
+    module = Pool()
+    ep = torch.export.export(module, (torch.randn(3, 4), torch.randn(3, 7, 4), torch.tensor([7, 2, 5])),
+                             dynamic_shapes=({0: B}, {0: B, 1: T}, {0: B}))
+    q, k, lengths = torch.randn(5, 4), torch.randn(5, 9, 4), torch.tensor([9, 1, 3, 4, 2])
+    torch.testing.assert_close(ep.module()(q, k, lengths), module(q, k, lengths), rtol=1e-6, atol=1e-6)
+
+
+def test_operators_pass_opcheck():
+    """Schema, fake functions and autograd registration. Not test_aot_dispatch_dynamic: the operators'
+    backward recomputes the layer with the eager engine, whose plan reads the lengths on the host
+    (an exported program's backward runs eagerly, as ep.module() does)."""
+    assert _ops_lib.load()
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    d, steps, batch, f, h = 2, 5, 3, 4, 3
+    lengths = torch.tensor([5, 2, 4])
+    torch.library.opcheck(torch.ops.fastlayers.lstm_padded, (
+        r(steps, batch, f), lengths, r(d, batch, h), r(d, batch, h), r(d, 4 * h, f), r(d, 4 * h, h), r(d, 4 * h),
+        r(d, 4 * h), r(d, 4 * h), r(d, 4 * h), r(d, h), r(d, h), r(d, 3 * h), None, None, None, None, 0.5, 0.1, 0.2,
+        0.0), test_utils=checks)
+    torch.library.opcheck(torch.ops.fastlayers.gru_padded, (
+        r(steps, batch, f), None, r(d, batch, h), r(d, 3 * h, f), r(d, 3 * h, h), r(d, 3 * h), r(d, 3 * h), None, None,
+        None, None, 0.0), test_utils=checks)
+    torch.library.opcheck(torch.ops.fastlayers.rnn_padded, (
+        r(steps, batch, f), lengths, r(d, batch, h), r(d, h, f), r(d, h, h), r(d, h), r(d, h), True), test_utils=checks)
