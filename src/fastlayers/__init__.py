@@ -10,4 +10,17 @@ from .rnn import GRUCell as GRUCell, LSTMCell as LSTMCell, RNNCell as RNNCell
 
 __version__ = "0.1.0"
 
-__all__ = ["LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell", "AttentionPooling", "attention_pool", "LocallyConnected1d", "LocallyConnected2d", "backend", "empty_cache", "__version__"]
+
+def ops_library() -> str:
+    """The path of fastlayers' C++ operator library (built on first call, about 15 s, then cached):
+    what a process without fastlayers loads (``torch.ops.load_library(path)``, or ``dlopen`` from
+    C++) to run AOTInductor packages of models built from fastlayers layers (README, Deploy).
+
+    Raises:
+        RuntimeError: it cannot be built here (no C / C++ compiler, or a failed build), with why.
+    """
+    from ._ops_lib import library_path
+
+    return library_path()
+
+__all__ = ["LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell", "AttentionPooling", "attention_pool", "LocallyConnected1d", "LocallyConnected2d", "backend", "empty_cache", "ops_library", "__version__"]
