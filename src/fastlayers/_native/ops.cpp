@@ -161,9 +161,49 @@ at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t ba
       .view({steps, batch, dirs * width});
 }
 
-at::Tensor gather(const at::Tensor& x, const Plan& p) {
-  const int64_t dirs = p.src.size(0);
-  return x.reshape({-1, x.size(2)}).index_select(0, p.src.flatten()).view({dirs, p.rows, x.size(2)});
+// A per-thread work space reused across calls, as the eager engine's buffer pool (fastlayers/_pool.py):
+// the packed buffers of a call are views of it, so a repeated call writes memory that is mapped
+// already (first-touch page faults cost about 0.2 ms per MB on the project's machine, tens of ms
+// per layer at the seed shape). It keeps the largest call's buffers until the thread ends.
+class Workspace {
+ public:
+  // One buffer per shape (an empty shape: an undefined tensor), all of `dtype`.
+  std::vector<at::Tensor> take(const std::vector<std::vector<int64_t>>& shapes, at::ScalarType dtype) {
+    const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
+    std::vector<int64_t> offsets;
+    int64_t total = 0;
+    for (const auto& shape : shapes) {
+      offsets.push_back(total);
+      int64_t numel = shape.empty() ? 0 : 1;
+      for (int64_t d : shape) numel *= d;
+      total += (numel * item + 63) / 64 * 64;
+    }
+    if (!bytes_.defined() || bytes_.numel() < total) bytes_ = at::empty({total + total / 4 + 64}, at::kByte);
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < shapes.size(); i++) {
+      if (shapes[i].empty()) {
+        out.emplace_back();
+        continue;
+      }
+      int64_t numel = 1;
+      for (int64_t d : shapes[i]) numel *= d;
+      out.push_back(bytes_.narrow(0, offsets[i], numel * item).view(dtype).view(shapes[i]));
+    }
+    return out;
+  }
+
+ private:
+  at::Tensor bytes_;
+};
+
+Workspace& workspace() {
+  thread_local Workspace ws;
+  return ws;
+}
+
+void gather_into(at::Tensor& out, const at::Tensor& x, const Plan& p) {
+  auto flat = out.view({-1, x.size(2)});
+  at::index_select_out(flat, x.reshape({-1, x.size(2)}), 0, p.src.flatten());
 }
 
 void check_layer(const at::Tensor& x, const at::Tensor& w_ih, const at::Tensor& w_hh, const at::Tensor& h0,
@@ -206,17 +246,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   const auto zc = pack_mask(as(zc_in, dt), p, steps, batch, dt), zh = pack_mask(as(zh_in, dt), p, steps, batch, dt);
   auto h = h0_in.to(dt).index_select(1, p.order).contiguous();
   auto c = c0_in.to(dt).index_select(1, p.order).contiguous();
-  const auto xs = gather(x_in.to(dt), p);
+  auto rows3 = [&](int64_t width, bool use) { return use ? std::vector<int64_t>{dirs, rows, width} : std::vector<int64_t>{}; };
+  auto ws = workspace().take({rows3(x_in.size(2), true), rows3(gsize, true), rows3(gsize, true), rows3(hidden, true),
+                              rows3(out, true), rows3(2, gx.defined()), rows3(gsize, gh.defined()),
+                              gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{},
+                              rows3(2, gc.defined()), rows3(hidden, zc.defined() || zc_const != 0),
+                              rows3(hidden, proj), rows3(out, true), {dirs * first * gsize}}, dt);
+  auto xs = ws[0], xp = ws[1];
+  const auto gates = ws[2], c1 = ws[3], hd = ws[4], xstat = ws[5], rhat = ws[6], rrstd = ws[7], cstat = ws[8];
+  const auto chist = ws[9], y1 = ws[10];
+  auto y = ws[11], r = ws[12];
+  gather_into(xs, x_in.to(dt), p);
   const auto w_t = w_ih.transpose(1, 2);
-  at::Tensor xp = (!gx.defined() && bias.defined()) ? at::baddbmm(bias.unsqueeze(1), xs, w_t) : at::bmm(xs, w_t);
-  xp = xp.contiguous();
-  auto buf = [&](int64_t width, bool use) { return use ? at::empty({dirs, rows, width}, opt) : at::Tensor(); };
-  const auto gates = buf(gsize, true), c1 = buf(hidden, true), hd = buf(out, true), xstat = buf(2, gx.defined());
-  const auto rhat = buf(gsize, gh.defined()), cstat = buf(2, gc.defined());
-  const auto chist = buf(hidden, zc.defined() || zc_const != 0), y1 = buf(hidden, proj);
-  const auto rrstd = gh.defined() ? at::empty({dirs, rows}, opt) : at::Tensor();
-  auto y = at::empty({dirs, rows, out}, opt);
-  auto r = at::empty({dirs * first * gsize}, opt);
+  if (!gx.defined() && bias.defined()) at::baddbmm_out(xp, bias.unsqueeze(1), xs, w_t);
+  else at::bmm_out(xp, xs, w_t);
   auto hk = proj ? at::zeros({dirs, batch, hidden}, opt) : h;
   const auto ybuf = proj ? y1 : y;
   if (first) hd.narrow(1, 0, first).copy_(rmask.defined() ? h * rmask : h);
@@ -229,10 +272,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
     auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
     at::bmm_out(rt, hd.narrow(1, o, n), w_hh_t);
     Kernels<T>::lstm(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), at_row<T>(xstat, o), ptr<T>(gx),
-                     ptr<T>(bias), rt.data_ptr<T>(), c.data_ptr<T>(), hk.data_ptr<T>(), proj ? nullptr : ptr<T>(rmask),
+                     ptr<T>(bias), ptr<T>(rt), ptr<T>(c), ptr<T>(hk), proj ? nullptr : ptr<T>(rmask),
                      at_row<T>(ybuf, o), at_row<T>(gates, o), at_row<T>(c1, o), at_row<T>(chist, o),
                      (proj || t == last) ? nullptr : at_row<T>(hd, o + n), at_row<T>(rhat, o),
-                     rrstd.defined() ? rrstd.data_ptr<T>() + o : nullptr, at_row<T>(cstat, o), ptr<T>(gh), ptr<T>(gc),
+                     rrstd.defined() ? ptr<T>(rrstd) + o : nullptr, at_row<T>(cstat, o), ptr<T>(gh), ptr<T>(gc),
                      ptr<T>(bc), ptr<T>(peep), static_cast<T>(clip), static_cast<T>(kEps), at_row<T>(zc, o),
                      proj ? nullptr : at_row<T>(zh, o), static_cast<T>(zc_const),
                      static_cast<T>(proj ? 0.0 : zh_const), threads);
@@ -296,21 +339,23 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   const auto gx = as(gx_in, dt), gh = as(gh_in, dt), b_ih = as(b_ih_in, dt), b_hh = as(b_hh_in, dt);
   const Plan p = make_plan(lengths, steps, batch, dirs);
   const int64_t rows = p.rows, first = p.active.empty() ? 0 : p.active[0];
-  const auto opt = w_ih.options();
   auto rmask = as(rmask_in, dt);
   if (rmask.defined()) rmask = rmask.index_select(1, p.order).contiguous();
   const auto zh = pack_mask(as(zh_in, dt), p, steps, batch, dt);
   auto h = h0_in.to(dt).index_select(1, p.order).contiguous();
-  const auto xs = gather(x_in.to(dt), p);
+  auto rows3 = [&](int64_t width, bool use) { return use ? std::vector<int64_t>{dirs, rows, width} : std::vector<int64_t>{}; };
+  auto ws = workspace().take({rows3(x_in.size(2), true), rows3(gsize, true), rows3(gsize, true), rows3(hidden, true),
+                              rows3(hidden, true), rows3(hidden, true), rows3(2, gx.defined()),
+                              rows3(gsize, gh.defined()),
+                              gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{},
+                              rows3(hidden, true), {dirs * first * gsize}}, dt);
+  auto xs = ws[0], xp = ws[1];
+  const auto gates = ws[2], hbn = ws[3], hist = ws[4], hd = ws[5], xstat = ws[6], rhat = ws[7], rrstd = ws[8];
+  auto y = ws[9], r = ws[10];
+  gather_into(xs, x_in.to(dt), p);
   const auto w_t = w_ih.transpose(1, 2);
-  at::Tensor xp = (!gx.defined() && b_ih.defined()) ? at::baddbmm(b_ih.unsqueeze(1), xs, w_t) : at::bmm(xs, w_t);
-  xp = xp.contiguous();
-  auto buf = [&](int64_t width, bool use) { return use ? at::empty({dirs, rows, width}, opt) : at::Tensor(); };
-  const auto gates = buf(gsize, true), hbn = buf(hidden, true), hist = buf(hidden, true), hd = buf(hidden, true);
-  const auto xstat = buf(2, gx.defined()), rhat = buf(gsize, gh.defined());
-  const auto rrstd = gh.defined() ? at::empty({dirs, rows}, opt) : at::Tensor();
-  auto y = at::empty({dirs, rows, hidden}, opt);
-  auto r = at::empty({dirs * first * gsize}, opt);
+  if (!gx.defined() && b_ih.defined()) at::baddbmm_out(xp, b_ih.unsqueeze(1), xs, w_t);
+  else at::bmm_out(xp, xs, w_t);
   if (first) hd.narrow(1, 0, first).copy_(rmask.defined() ? h * rmask : h);
   const auto w_hh_t = w_hh.transpose(1, 2);
   const int threads = at::get_num_threads();
@@ -320,10 +365,10 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
     auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
     at::bmm_out(rt, hd.narrow(1, o, n), w_hh_t);
     Kernels<T>::gru(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), at_row<T>(xstat, o), ptr<T>(gx),
-                    ptr<T>(b_ih), rt.data_ptr<T>(), h.data_ptr<T>(), ptr<T>(rmask), ptr<T>(b_hh), at_row<T>(y, o),
+                    ptr<T>(b_ih), ptr<T>(rt), ptr<T>(h), ptr<T>(rmask), ptr<T>(b_hh), at_row<T>(y, o),
                     at_row<T>(gates, o), at_row<T>(hbn, o), at_row<T>(hist, o),
                     t < last ? at_row<T>(hd, o + n) : nullptr, at_row<T>(rhat, o),
-                    rrstd.defined() ? rrstd.data_ptr<T>() + o : nullptr, ptr<T>(gh), static_cast<T>(kEps),
+                    rrstd.defined() ? ptr<T>(rrstd) + o : nullptr, ptr<T>(gh), static_cast<T>(kEps),
                     at_row<T>(zh, o), static_cast<T>(zh_const), threads);
   }
   const auto low = x_in.scalar_type();
@@ -358,7 +403,9 @@ std::tuple<at::Tensor, at::Tensor> rnn_padded(const at::Tensor& x_in, const std:
   const auto w_ih = w_ih_in.to(dt), w_hh = w_hh_in.to(dt);
   const int64_t dirs = w_ih.size(0), hidden = w_ih.size(1);
   const Plan p = make_plan(lengths, steps, batch, dirs);
-  auto xp = at::bmm(gather(x_in.to(dt), p), w_ih.transpose(1, 2));
+  auto xs = at::empty({dirs, p.rows, x_in.size(2)}, w_ih.options());
+  gather_into(xs, x_in.to(dt), p);
+  auto xp = at::bmm(xs, w_ih.transpose(1, 2));
   if (b_ih_in.has_value() && b_ih_in->defined()) xp.add_(b_ih_in->to(dt).unsqueeze(1));
   if (b_hh_in.has_value() && b_hh_in->defined()) xp.add_(b_hh_in->to(dt).unsqueeze(1));
   auto h = h0_in.to(dt).index_select(1, p.order).contiguous();

@@ -45,9 +45,8 @@ def export_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: T
     3-D, lengths validated (or None) -> (output, final states), as :meth:`_LengthsMixin._run`."""
     from .. import _ops_lib
 
-    if not _ops_lib.load():
-        raise RuntimeError("torch.export of a fastlayers recurrent layer needs its C++ operators, which cannot be "
-                           "built here (see the warning above); the layer runs eagerly meanwhile")
+    _ops_lib.library_path()  # RuntimeError with the reason where the operators cannot be built
+    _ops_lib.load()
     mode = "RNN" if module.mode.startswith("RNN") else module.mode
     dirs = 2 if module.bidirectional else 1
     options: CellOptions = getattr(module, "options", CellOptions())
