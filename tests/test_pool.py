@@ -70,11 +70,12 @@ def test_retained_graph_runs_its_backward_twice():
 
 def test_no_grad_and_dropped_graphs_give_buffers_back():
     m, x, lengths = _make()
-    with torch.no_grad():
+    fastlayers.empty_cache()
+    with torch.no_grad():  # no autograd: the C++ operators (their own work space), no pooled buffer
         m(x, lengths=lengths)
-    # one layer's saved buffers and its forward work space: each layer's node dies after its
-    # forward, so layer 1 reused layer 0's
-    assert len(_pool._free) == 2
+    assert len(_pool._free) == 0
+    m(x, lengths=lengths)  # the graph is dropped at once: both layers' saved buffers and the work space back
+    assert len(_pool._free) == 3
     fastlayers.empty_cache()
     result = m(x, lengths=lengths)
     assert len(_pool._free) == 1  # the work space; both layers' saved buffers are held by the live graph

@@ -15,7 +15,8 @@
 // (lstm.c / gru.c, linked in), one scatter back to the padded layout. Forward only: Python
 // registers the fake (shape) functions and the autograd of these operators
 // (fastlayers/_ops_lib.py); its eager layers call the C kernels through their own autograd
-// Functions.
+// Functions, and these operators where no gradient is recorded. With one direction the weights,
+// biases, gains and masks may omit the leading D = 1 (as a cell's parameters are).
 //
 // float32 and float64 run in their dtype; bfloat16 / float16 in float32 (the operands are exact
 // in float32), outputs in the input's dtype.
@@ -99,6 +100,7 @@ struct Plan {
   std::vector<int64_t> active, offsets;  // per step; offsets has one more entry (the total N)
   at::Tensor src;  // (D, N) int64
   int64_t rows = 0;
+  bool full = true;  // every sequence runs all T steps: the sorted order is the batch order
 };
 
 Plan make_plan(const std::optional<at::Tensor>& lengths, int64_t steps, int64_t batch, int64_t dirs) {
@@ -115,6 +117,7 @@ Plan make_plan(const std::optional<at::Tensor>& lengths, int64_t steps, int64_t 
       len[b] = lp[b];
     }
   }
+  for (int64_t b = 0; b < batch; b++) p.full = p.full && len[b] == steps;
   std::vector<int64_t> order(batch);
   for (int64_t b = 0; b < batch; b++) order[b] = b;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a] > len[b]; });
@@ -136,11 +139,21 @@ Plan make_plan(const std::optional<at::Tensor>& lengths, int64_t steps, int64_t 
       if (dirs == 2) s[p.rows + k] = (len[seq] - 1 - t) * batch + seq;
     }
   }
-  p.order = at::tensor(order, at::kLong);
-  p.unorder = at::empty_like(p.order);
-  p.unorder.index_put_({p.order}, at::arange(batch, at::kLong));
+  if (!p.full) {
+    p.order = at::tensor(order, at::kLong);
+    p.unorder = at::empty_like(p.order);
+    p.unorder.index_put_({p.order}, at::arange(batch, at::kLong));
+  }
   return p;
 }
+
+// A state (D, B, X) in the sorted batch order, as a fresh tensor of `dtype` (the kernels update it).
+at::Tensor sorted_state(const at::Tensor& t, const Plan& p, at::ScalarType dtype) {
+  return p.full ? t.to(dtype, false, true).contiguous() : t.to(dtype).index_select(1, p.order).contiguous();
+}
+
+// A final state back in the batch order.
+at::Tensor unsorted(const at::Tensor& t, const Plan& p) { return p.full ? t : t.index_select(1, p.unorder); }
 
 // (D, T, B, X) masks in original time and batch order -> (D, N, X) packed rows.
 at::Tensor pack_mask(const at::Tensor& m, const Plan& p, int64_t steps, int64_t batch, at::ScalarType dtype) {
@@ -155,6 +168,7 @@ at::Tensor pack_mask(const at::Tensor& m, const Plan& p, int64_t steps, int64_t 
 // The packed output (D, N, P) -> padded (T, B, D*P), zeros at t >= len_b.
 at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t batch) {
   const int64_t dirs = y.size(0), width = y.size(2);
+  if (p.full && dirs == 1) return y.view({steps, batch, width}).clone();  // packed rows = padded rows
   auto dst = (p.src * dirs + at::arange(dirs, at::kLong).unsqueeze(1)).flatten();
   return at::zeros({steps * batch * dirs, width}, y.options())
       .index_copy(0, dst, y.reshape({dirs * p.rows, width}))
@@ -167,29 +181,36 @@ at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t ba
 // per layer at the seed shape). It keeps the largest call's buffers until the thread ends.
 class Workspace {
  public:
-  // One buffer per shape (an empty shape: an undefined tensor), all of `dtype`.
-  std::vector<at::Tensor> take(const std::vector<std::vector<int64_t>>& shapes, at::ScalarType dtype) {
+  struct Region {
+    std::vector<int64_t> shape;  // empty: absent (a null pointer, an undefined tensor)
+    bool view;                   // also wanted as a tensor (an operand of an ATen op); else a pointer only
+  };
+
+  // One buffer per region, all of `dtype`: (the tensors, undefined where !view; the base pointers).
+  std::pair<std::vector<at::Tensor>, std::vector<char*>> take(const std::vector<Region>& regions,
+                                                              at::ScalarType dtype) {
     const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-    std::vector<int64_t> offsets;
+    std::vector<int64_t> offsets, numels;
     int64_t total = 0;
-    for (const auto& shape : shapes) {
+    for (const auto& r : regions) {
+      int64_t numel = r.shape.empty() ? 0 : 1;
+      for (int64_t d : r.shape) numel *= d;
       offsets.push_back(total);
-      int64_t numel = shape.empty() ? 0 : 1;
-      for (int64_t d : shape) numel *= d;
+      numels.push_back(numel);
       total += (numel * item + 63) / 64 * 64;
     }
     if (!bytes_.defined() || bytes_.numel() < total) bytes_ = at::empty({total + total / 4 + 64}, at::kByte);
-    std::vector<at::Tensor> out;
-    for (size_t i = 0; i < shapes.size(); i++) {
-      if (shapes[i].empty()) {
-        out.emplace_back();
-        continue;
-      }
-      int64_t numel = 1;
-      for (int64_t d : shapes[i]) numel *= d;
-      out.push_back(bytes_.narrow(0, offsets[i], numel * item).view(dtype).view(shapes[i]));
+    char* base = static_cast<char*>(bytes_.data_ptr());
+    std::vector<at::Tensor> views;
+    std::vector<char*> pointers;
+    for (size_t i = 0; i < regions.size(); i++) {
+      const bool present = !regions[i].shape.empty();
+      pointers.push_back(present ? base + offsets[i] : nullptr);
+      views.push_back(present && regions[i].view
+                          ? bytes_.narrow(0, offsets[i], numels[i] * item).view(dtype).view(regions[i].shape)
+                          : at::Tensor());
     }
-    return out;
+    return {views, pointers};
   }
 
  private:
@@ -201,9 +222,13 @@ Workspace& workspace() {
   return ws;
 }
 
-void gather_into(at::Tensor& out, const at::Tensor& x, const Plan& p) {
+// The packed input rows (D, N, F): `out` (work space) filled by one gather, or x itself where the
+// packing is the identity (one direction, no padding).
+at::Tensor gather_into(at::Tensor& out, const at::Tensor& x, const Plan& p) {
+  if (p.full && p.src.size(0) == 1) return x.contiguous().view({1, p.rows, x.size(2)});
   auto flat = out.view({-1, x.size(2)});
   at::index_select_out(flat, x.reshape({-1, x.size(2)}), 0, p.src.flatten());
+  return out;
 }
 
 void check_layer(const at::Tensor& x, const at::Tensor& w_ih, const at::Tensor& w_hh, const at::Tensor& h0,
@@ -242,21 +267,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   const int64_t rows = p.rows, first = p.active.empty() ? 0 : p.active[0];
   const auto opt = w_ih.options();
   auto rmask = as(rmask_in, dt);
-  if (rmask.defined()) rmask = rmask.index_select(1, p.order).contiguous();
+  if (rmask.defined()) rmask = sorted_state(rmask, p, dt);
   const auto zc = pack_mask(as(zc_in, dt), p, steps, batch, dt), zh = pack_mask(as(zh_in, dt), p, steps, batch, dt);
-  auto h = h0_in.to(dt).index_select(1, p.order).contiguous();
-  auto c = c0_in.to(dt).index_select(1, p.order).contiguous();
-  auto rows3 = [&](int64_t width, bool use) { return use ? std::vector<int64_t>{dirs, rows, width} : std::vector<int64_t>{}; };
-  auto ws = workspace().take({rows3(x_in.size(2), true), rows3(gsize, true), rows3(gsize, true), rows3(hidden, true),
-                              rows3(out, true), rows3(2, gx.defined()), rows3(gsize, gh.defined()),
-                              gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{},
-                              rows3(2, gc.defined()), rows3(hidden, zc.defined() || zc_const != 0),
-                              rows3(hidden, proj), rows3(out, true), {dirs * first * gsize}}, dt);
-  auto xs = ws[0], xp = ws[1];
-  const auto gates = ws[2], c1 = ws[3], hd = ws[4], xstat = ws[5], rhat = ws[6], rrstd = ws[7], cstat = ws[8];
-  const auto chist = ws[9], y1 = ws[10];
-  auto y = ws[11], r = ws[12];
-  gather_into(xs, x_in.to(dt), p);
+  auto h = sorted_state(h0_in, p, dt), c = sorted_state(c0_in, p, dt);
+  auto rows3 = [&](int64_t width, bool use, bool view) {
+    return Workspace::Region{use ? std::vector<int64_t>{dirs, rows, width} : std::vector<int64_t>{}, view};
+  };
+  auto [ws, raw] = workspace().take(
+      {rows3(x_in.size(2), true, true), rows3(gsize, true, true), rows3(out, true, true), rows3(out, true, true),
+       {{dirs * first * gsize}, true}, rows3(hidden, proj, true), rows3(gsize, true, false),
+       rows3(hidden, true, false), rows3(2, gx.defined(), false), rows3(gsize, gh.defined(), false),
+       {gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{}, false},
+       rows3(2, gc.defined(), false), rows3(hidden, zc.defined() || zc_const != 0, false)}, dt);
+  auto xs = ws[0], xp = ws[1], hd = ws[2], y = ws[3], r = ws[4];
+  const auto y1 = ws[5];
+  // kernel-only buffers: the step's rows start at row o (width X: pointer + o * X)
+  T *gates = reinterpret_cast<T*>(raw[6]), *c1 = reinterpret_cast<T*>(raw[7]), *xstat = reinterpret_cast<T*>(raw[8]);
+  T *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]), *cstat = reinterpret_cast<T*>(raw[11]);
+  T* chist = reinterpret_cast<T*>(raw[12]);
+  auto row = [](T* base, int64_t o, int64_t width) { return base ? base + o * width : nullptr; };
+  xs = gather_into(xs, x_in.to(dt), p);
   const auto w_t = w_ih.transpose(1, 2);
   if (!gx.defined() && bias.defined()) at::baddbmm_out(xp, bias.unsqueeze(1), xs, w_t);
   else at::bmm_out(xp, xs, w_t);
@@ -271,11 +301,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
     const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
     auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
     at::bmm_out(rt, hd.narrow(1, o, n), w_hh_t);
-    Kernels<T>::lstm(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), at_row<T>(xstat, o), ptr<T>(gx),
+    Kernels<T>::lstm(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), row(xstat, o, 2), ptr<T>(gx),
                      ptr<T>(bias), ptr<T>(rt), ptr<T>(c), ptr<T>(hk), proj ? nullptr : ptr<T>(rmask),
-                     at_row<T>(ybuf, o), at_row<T>(gates, o), at_row<T>(c1, o), at_row<T>(chist, o),
-                     (proj || t == last) ? nullptr : at_row<T>(hd, o + n), at_row<T>(rhat, o),
-                     rrstd.defined() ? ptr<T>(rrstd) + o : nullptr, at_row<T>(cstat, o), ptr<T>(gh), ptr<T>(gc),
+                     at_row<T>(ybuf, o), row(gates, o, gsize), row(c1, o, hidden), row(chist, o, hidden),
+                     (proj || t == last) ? nullptr : at_row<T>(hd, o + n), row(rhat, o, gsize), row(rrstd, o, 1),
+                     row(cstat, o, 2), ptr<T>(gh), ptr<T>(gc),
                      ptr<T>(bc), ptr<T>(peep), static_cast<T>(clip), static_cast<T>(kEps), at_row<T>(zc, o),
                      proj ? nullptr : at_row<T>(zh, o), static_cast<T>(zc_const),
                      static_cast<T>(proj ? 0.0 : zh_const), threads);
@@ -299,28 +329,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
     }
   }
   const auto low = x_in.scalar_type();
-  return {scatter(y, p, steps, batch).to(low), h.index_select(1, p.unorder).to(low),
-          c.index_select(1, p.unorder).to(low)};
+  return {scatter(y, p, steps, batch).to(low), unsorted(h, p).to(low), unsorted(c, p).to(low)};
+}
+
+// One direction may come without its leading D = 1 (the cells pass their parameters as they are).
+at::Tensor one_dir(const at::Tensor& t, int64_t dims) { return t.dim() == dims - 1 ? t.unsqueeze(0) : t; }
+std::optional<at::Tensor> one_dir(const std::optional<at::Tensor>& t, int64_t dims) {
+  if (!t.has_value() || !t->defined()) return t;
+  return one_dir(*t, dims);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_padded(
     const at::Tensor& x, const std::optional<at::Tensor>& lengths, const at::Tensor& h0, const at::Tensor& c0,
-    const at::Tensor& w_ih, const at::Tensor& w_hh, const std::optional<at::Tensor>& b_ih,
+    const at::Tensor& w_ih_in, const at::Tensor& w_hh_in, const std::optional<at::Tensor>& b_ih,
     const std::optional<at::Tensor>& b_hh, const std::optional<at::Tensor>& ln_ih, const std::optional<at::Tensor>& ln_hh,
     const std::optional<at::Tensor>& ln_cell_weight, const std::optional<at::Tensor>& ln_cell_bias,
     const std::optional<at::Tensor>& peephole, const std::optional<at::Tensor>& w_hr,
     const std::optional<at::Tensor>& rmask, const std::optional<at::Tensor>& zc, const std::optional<at::Tensor>& zh,
     double cell_clip, double z_c, double z_h, double proj_clip) {
+  const auto w_ih = one_dir(w_ih_in, 3), w_hh = one_dir(w_hh_in, 3);
   check_layer(x, w_ih, w_hh, h0, 4);
   TORCH_CHECK(c0.dim() == 3 && c0.size(0) == w_ih.size(0) && c0.size(1) == x.size(1) &&
                   c0.size(2) == w_ih.size(1) / 4,
               "c0: expected (D, B, H), got ", c0.sizes());
   at::NoGradGuard no_grad;
   if (compute_dtype(x.scalar_type()) == at::kDouble)
-    return lstm_impl<double>(x, lengths, h0, c0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, ln_cell_weight, ln_cell_bias,
-                             peephole, w_hr, rmask, zc, zh, cell_clip, z_c, z_h, proj_clip);
-  return lstm_impl<float>(x, lengths, h0, c0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, ln_cell_weight, ln_cell_bias, peephole,
-                          w_hr, rmask, zc, zh, cell_clip, z_c, z_h, proj_clip);
+    return lstm_impl<double>(x, lengths, h0, c0, w_ih, w_hh, one_dir(b_ih, 2), one_dir(b_hh, 2), one_dir(ln_ih, 2),
+                             one_dir(ln_hh, 2), one_dir(ln_cell_weight, 2), one_dir(ln_cell_bias, 2),
+                             one_dir(peephole, 2), one_dir(w_hr, 3), one_dir(rmask, 3), one_dir(zc, 4),
+                             one_dir(zh, 4), cell_clip, z_c, z_h, proj_clip);
+  return lstm_impl<float>(x, lengths, h0, c0, w_ih, w_hh, one_dir(b_ih, 2), one_dir(b_hh, 2), one_dir(ln_ih, 2),
+                          one_dir(ln_hh, 2), one_dir(ln_cell_weight, 2), one_dir(ln_cell_bias, 2), one_dir(peephole, 2),
+                          one_dir(w_hr, 3), one_dir(rmask, 3), one_dir(zc, 4), one_dir(zh, 4), cell_clip, z_c, z_h,
+                          proj_clip);
 }
 
 template <typename T>
@@ -340,19 +381,23 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   const Plan p = make_plan(lengths, steps, batch, dirs);
   const int64_t rows = p.rows, first = p.active.empty() ? 0 : p.active[0];
   auto rmask = as(rmask_in, dt);
-  if (rmask.defined()) rmask = rmask.index_select(1, p.order).contiguous();
+  if (rmask.defined()) rmask = sorted_state(rmask, p, dt);
   const auto zh = pack_mask(as(zh_in, dt), p, steps, batch, dt);
-  auto h = h0_in.to(dt).index_select(1, p.order).contiguous();
-  auto rows3 = [&](int64_t width, bool use) { return use ? std::vector<int64_t>{dirs, rows, width} : std::vector<int64_t>{}; };
-  auto ws = workspace().take({rows3(x_in.size(2), true), rows3(gsize, true), rows3(gsize, true), rows3(hidden, true),
-                              rows3(hidden, true), rows3(hidden, true), rows3(2, gx.defined()),
-                              rows3(gsize, gh.defined()),
-                              gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{},
-                              rows3(hidden, true), {dirs * first * gsize}}, dt);
-  auto xs = ws[0], xp = ws[1];
-  const auto gates = ws[2], hbn = ws[3], hist = ws[4], hd = ws[5], xstat = ws[6], rhat = ws[7], rrstd = ws[8];
-  auto y = ws[9], r = ws[10];
-  gather_into(xs, x_in.to(dt), p);
+  auto h = sorted_state(h0_in, p, dt);
+  auto rows3 = [&](int64_t width, bool use, bool view) {
+    return Workspace::Region{use ? std::vector<int64_t>{dirs, rows, width} : std::vector<int64_t>{}, view};
+  };
+  auto [ws, raw] = workspace().take(
+      {rows3(x_in.size(2), true, true), rows3(gsize, true, true), rows3(hidden, true, true),
+       rows3(hidden, true, true), {{dirs * first * gsize}, true}, rows3(gsize, true, false),
+       rows3(hidden, true, false), rows3(hidden, true, false), rows3(2, gx.defined(), false),
+       rows3(gsize, gh.defined(), false), {gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{},
+                                           false}}, dt);
+  auto xs = ws[0], xp = ws[1], hd = ws[2], y = ws[3], r = ws[4];
+  T *gates = reinterpret_cast<T*>(raw[5]), *hbn = reinterpret_cast<T*>(raw[6]), *hist = reinterpret_cast<T*>(raw[7]);
+  T *xstat = reinterpret_cast<T*>(raw[8]), *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]);
+  auto row = [](T* base, int64_t o, int64_t width) { return base ? base + o * width : nullptr; };
+  xs = gather_into(xs, x_in.to(dt), p);
   const auto w_t = w_ih.transpose(1, 2);
   if (!gx.defined() && b_ih.defined()) at::baddbmm_out(xp, b_ih.unsqueeze(1), xs, w_t);
   else at::bmm_out(xp, xs, w_t);
@@ -364,30 +409,34 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
     const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
     auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
     at::bmm_out(rt, hd.narrow(1, o, n), w_hh_t);
-    Kernels<T>::gru(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), at_row<T>(xstat, o), ptr<T>(gx),
+    Kernels<T>::gru(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), row(xstat, o, 2), ptr<T>(gx),
                     ptr<T>(b_ih), ptr<T>(rt), ptr<T>(h), ptr<T>(rmask), ptr<T>(b_hh), at_row<T>(y, o),
-                    at_row<T>(gates, o), at_row<T>(hbn, o), at_row<T>(hist, o),
-                    t < last ? at_row<T>(hd, o + n) : nullptr, at_row<T>(rhat, o),
-                    rrstd.defined() ? ptr<T>(rrstd) + o : nullptr, ptr<T>(gh), static_cast<T>(kEps),
+                    row(gates, o, gsize), row(hbn, o, hidden), row(hist, o, hidden),
+                    t < last ? at_row<T>(hd, o + n) : nullptr, row(rhat, o, gsize), row(rrstd, o, 1), ptr<T>(gh),
+                    static_cast<T>(kEps),
                     at_row<T>(zh, o), static_cast<T>(zh_const), threads);
   }
   const auto low = x_in.scalar_type();
-  return {scatter(y, p, steps, batch).to(low), h.index_select(1, p.unorder).to(low)};
+  return {scatter(y, p, steps, batch).to(low), unsorted(h, p).to(low)};
 }
 
 std::tuple<at::Tensor, at::Tensor> gru_padded(const at::Tensor& x, const std::optional<at::Tensor>& lengths,
-                                              const at::Tensor& h0, const at::Tensor& w_ih, const at::Tensor& w_hh,
+                                              const at::Tensor& h0, const at::Tensor& w_ih_in,
+                                              const at::Tensor& w_hh_in,
                                               const std::optional<at::Tensor>& b_ih,
                                               const std::optional<at::Tensor>& b_hh,
                                               const std::optional<at::Tensor>& ln_ih,
                                               const std::optional<at::Tensor>& ln_hh,
                                               const std::optional<at::Tensor>& rmask,
                                               const std::optional<at::Tensor>& zh, double z_h) {
+  const auto w_ih = one_dir(w_ih_in, 3), w_hh = one_dir(w_hh_in, 3);
   check_layer(x, w_ih, w_hh, h0, 3);
   at::NoGradGuard no_grad;
   if (compute_dtype(x.scalar_type()) == at::kDouble)
-    return gru_impl<double>(x, lengths, h0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, rmask, zh, z_h);
-  return gru_impl<float>(x, lengths, h0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, rmask, zh, z_h);
+    return gru_impl<double>(x, lengths, h0, w_ih, w_hh, one_dir(b_ih, 2), one_dir(b_hh, 2), one_dir(ln_ih, 2),
+                            one_dir(ln_hh, 2), one_dir(rmask, 3), one_dir(zh, 4), z_h);
+  return gru_impl<float>(x, lengths, h0, w_ih, w_hh, one_dir(b_ih, 2), one_dir(b_hh, 2), one_dir(ln_ih, 2),
+                         one_dir(ln_hh, 2), one_dir(rmask, 3), one_dir(zh, 4), z_h);
 }
 
 // Elman RNN (torch.nn.RNN): h_t = act(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh), ATen ops per step on
@@ -404,11 +453,11 @@ std::tuple<at::Tensor, at::Tensor> rnn_padded(const at::Tensor& x_in, const std:
   const int64_t dirs = w_ih.size(0), hidden = w_ih.size(1);
   const Plan p = make_plan(lengths, steps, batch, dirs);
   auto xs = at::empty({dirs, p.rows, x_in.size(2)}, w_ih.options());
-  gather_into(xs, x_in.to(dt), p);
+  xs = gather_into(xs, x_in.to(dt), p);
   auto xp = at::bmm(xs, w_ih.transpose(1, 2));
   if (b_ih_in.has_value() && b_ih_in->defined()) xp.add_(b_ih_in->to(dt).unsqueeze(1));
   if (b_hh_in.has_value() && b_hh_in->defined()) xp.add_(b_hh_in->to(dt).unsqueeze(1));
-  auto h = h0_in.to(dt).index_select(1, p.order).contiguous();
+  auto h = sorted_state(h0_in, p, dt);
   auto y = at::empty({dirs, p.rows, hidden}, xp.options());
   const auto w_hh_t = w_hh.transpose(1, 2);
   for (size_t t = 0; t < p.active.size(); t++) {
@@ -419,7 +468,7 @@ std::tuple<at::Tensor, at::Tensor> rnn_padded(const at::Tensor& x_in, const std:
     y.narrow(1, o, n).copy_(hn);
   }
   const auto low = x_in.scalar_type();
-  return {scatter(y, p, steps, batch).to(low), h.index_select(1, p.unorder).to(low)};
+  return {scatter(y, p, steps, batch).to(low), unsorted(h, p).to(low)};
 }
 
 // ---- locally connected 2-D (fastlayers/_local_function.py; local.c)

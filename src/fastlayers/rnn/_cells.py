@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from .. import _precision
 from .._jit import NotScriptable
 from ._engine_reference import gru_cell_step, lstm_cell_step
+from ._export import eager_below_autograd, serve_inference
 from ._options import CellOptions
 from ._validate import check_cell, check_mask
 
@@ -42,6 +43,8 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
             return (torch._VF.gru_cell(x, states[0], *args),)
         cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
         return (cell(x, states[0], *args),)
+    if mode != "RNN" and serve_inference(x):  # no autograd: the layer's C++ operator over one step
+        return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
     mm = _precision.Products.of(x)
     h_in = states[0] * recurrent_mask if recurrent_mask is not None else states[0]
     if mode == "LSTM":
@@ -55,6 +58,36 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
             upd = keep * old.to(upd.dtype) + (1 - keep) * upd
         out.append(upd.to(mm.low))
     return tuple(out)
+
+
+def _step_on_operator(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Tensor],
+                      options: CellOptions, training: bool, recurrent_mask: Tensor | None) -> tuple[Tensor, ...]:
+    """:func:`step` as one call of the layer operator (``torch.ops.fastlayers.lstm_padded`` /
+    ``gru_padded``, :mod:`._export`) over T = 1, D = 1 (the parameters as they are: the operator
+    takes one direction without its leading 1): the engine's fused C step kernel, the same
+    equations; training zoneout draws its keep-masks here."""
+    get = params.get
+    xt, batch = x.unsqueeze(0), x.size(0)
+    z_h, z_c = options.zoneout
+
+    def keep(z: float, width: int) -> Tensor | None:
+        return torch.bernoulli(torch.full((1, 1, batch, width), z, dtype=x.dtype, device=x.device)) \
+            if training and z else None
+
+    with eager_below_autograd():
+        if mode == "LSTM":
+            _, h, c = torch.ops.fastlayers.lstm_padded.default(
+                xt, None, states[0].unsqueeze(0), states[1].unsqueeze(0), params["weight_ih"], params["weight_hh"],
+                get("bias_ih"), get("bias_hh"), get("ln_ih_weight"), get("ln_hh_weight"), get("ln_cell_weight"),
+                get("ln_cell_bias"), get("weight_peephole"), get("weight_hr"), recurrent_mask,
+                keep(z_c, states[1].size(1)), keep(z_h, states[0].size(1)), float(options.cell_clip or 0.0),
+                0.0 if training else float(z_c), 0.0 if training else float(z_h), float(options.proj_clip or 0.0))
+            return h[0], c[0]
+        _, h = torch.ops.fastlayers.gru_padded.default(
+            xt, None, states[0].unsqueeze(0), params["weight_ih"], params["weight_hh"], get("bias_ih"), get("bias_hh"),
+            get("ln_ih_weight"), get("ln_hh_weight"), recurrent_mask, keep(z_h, states[0].size(1)),
+            0.0 if training else float(z_h))
+    return (h[0],)
 
 
 class _Cell(NotScriptable):
@@ -71,7 +104,8 @@ class _Cell(NotScriptable):
         return (self.hidden_size,)
 
     def _params(self) -> dict[str, Tensor]:
-        return {name: p for name, p in self.named_parameters(recurse=False)}  # type: ignore[attr-defined]
+        params = self._parameters  # type: ignore[attr-defined]  (nn.Module's own dict: no per-call walk)
+        return {name: p for name, p in params.items() if p is not None}
 
     def forward(self, input: Any, hx: Any = None, *, recurrent_mask: Tensor | None = None) -> Any:  # noqa: D102
         x, states, batched = check_cell(f"{self.mode}Cell", self.mode, input, hx,

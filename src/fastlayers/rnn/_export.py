@@ -1,4 +1,5 @@
-"""The recurrent layers under torch.export: one operator per layer, dynamic batch, time and lengths.
+"""The recurrent layers as C++ operators: torch.export (dynamic batch, time and lengths) and eager
+calls without autograd.
 
 Legend: T time, B batch, F input features, H hidden size, P output size (proj_size, or H), G gates,
 D directions, L layers.
@@ -19,12 +20,19 @@ registered here, so a CUDA program needs Python). Their autograd recomputes the 
 eager engine (the C / Triton kernels and their hand-written backward) and takes its gradient:
 an exported program trains, with one extra forward per layer in its backward.
 
-Training masks (zoneout, recurrent dropout) are drawn in the graph with torch.bernoulli and
-passed to the operator: (D, T, B, width) zoneout keep-masks and a (D, B, P) recurrent mask.
+Eager calls that record no gradient (``torch.no_grad()`` / ``inference_mode``) on CPU in float32 or
+float64 run the same operators (:func:`serve_inference`): one dispatcher call per layer instead of
+the engine's Python driver, which is what costs at small shapes (issue 42: the operators run a
+small LSTM call in about torch.nn.LSTM's time, the Python driver in 5x). The first such call on a
+machine builds the library (about 15 s, once; then cached).
+
+Training masks (zoneout, recurrent dropout) are drawn with torch.bernoulli and passed to the
+operator: (D, T, B, width) zoneout keep-masks and a (D, B, P) recurrent mask.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -39,14 +47,44 @@ _GRU_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "ln
 _RNN_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
-def export_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None
-                  ) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """A layer call while torch.export traces: x batched (layout per batch_first), states batched
-    3-D, lengths validated (or None) -> (output, final states), as :meth:`_LengthsMixin._run`."""
+def serve_inference(x: Tensor) -> bool:
+    """Whether an eager engine call on tensors like ``x`` runs on the operators: no gradient is
+    recorded, CPU float32 / float64 without autocast, and the library loads (False, warned once,
+    where it cannot be built: the engine's Python driver then runs the call)."""
+    if torch.is_grad_enabled() or x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu" \
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return False
+    if not _LOADED:
+        from .. import _ops_lib
+
+        _LOADED.append(_ops_lib.load())
+    return _LOADED[0]
+
+
+_LOADED: list[bool] = []  # whether the operator library loaded (asked once per process)
+
+
+def operator_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None
+                    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """A layer call as one operator per layer: x batched (layout per batch_first), states batched
+    3-D, lengths validated (or None) -> (output, final states), as :meth:`_LengthsMixin._run`.
+    Under torch.export it raises RuntimeError with the reason where the operators cannot be built."""
     from .. import _ops_lib
 
-    _ops_lib.library_path()  # RuntimeError with the reason where the operators cannot be built
+    _ops_lib.library_path()
     _ops_lib.load()
+    with eager_below_autograd():
+        return _layers(module, x, states, lengths)
+
+
+def eager_below_autograd() -> contextlib.AbstractContextManager:
+    """Eager calls without autograd skip the operators' (Python) autograd kernel: straight to the
+    C++ kernel (a few microseconds per call); traced calls keep it."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else torch._C._AutoDispatchBelowAutograd()
+
+
+def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None
+            ) -> tuple[Tensor, tuple[Tensor, ...]]:
     mode = "RNN" if module.mode.startswith("RNN") else module.mode
     dirs = 2 if module.bidirectional else 1
     options: CellOptions = getattr(module, "options", CellOptions())

@@ -25,7 +25,7 @@ from ._engine import gru_engine, lstm_engine
 from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._cells import step
 from ._engine_reference import gru_reference, lstm_reference
-from ._export import export_layers
+from ._export import operator_layers, serve_inference
 from . import _graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
@@ -99,7 +99,7 @@ class _LengthsMixin(NotScriptable):
         if states is None:
             layers = self.num_layers * (2 if self.bidirectional else 1)
             states = tuple(x.new_zeros(layers, batch, size) for size in self._state_sizes())
-        output, final = export_layers(self, x, states, lengths) if exporting else self._run(x, states, lengths, engine)
+        output, final = operator_layers(self, x, states, lengths) if exporting else self._run(x, states, lengths, engine)
         if not batched:
             output = output.squeeze(time_dim ^ 1)
             final = tuple(s.squeeze(1) for s in final)
@@ -369,6 +369,8 @@ class _CellOptionsMixin:
             if which != "cpu" or self._no_padding(x, lengths):  # type: ignore[attr-defined]
                 return super()._run(x, states, lengths, None)  # type: ignore[misc]
             engine = which
+        if engine == "cpu" and serve_inference(x):  # no autograd: one C++ operator per layer (._export)
+            return operator_layers(self, x, states, lengths)
         impl = {("LSTM", "cpu"): lstm_engine, ("LSTM", "reference"): lstm_reference,
                 ("LSTM", "triton"): lstm_engine_gpu, ("GRU", "cpu"): gru_engine, ("GRU", "reference"): gru_reference,
                 ("GRU", "triton"): gru_engine_gpu}[self.mode, engine]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 LAYER_NORM_MODES = (False, True)
@@ -31,7 +32,7 @@ class CellOptions:
     recurrent_dropout: float = 0.0
     proj_clip: float | None = None
 
-    @property
+    @functools.cached_property  # (writes the instance __dict__ directly: fine for a frozen dataclass)
     def plain(self) -> bool:
         """True when the options change no math (the vendor kernel applies)."""
         return self == CellOptions()

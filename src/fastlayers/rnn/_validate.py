@@ -155,6 +155,9 @@ def check_cell(cls: str, mode: str, input: object, hx: object, *, input_size: in
     ``sizes``: the state sizes, (P, H) for LSTM (P = H without a projection), (H,) otherwise.
     A missing state (None) is zeros.
     """
+    fast = _cell_fast_path(mode, input, hx, input_size, weight_dtype, sizes)
+    if fast is not None:
+        return fast
     rank = _rank("input", input)
     assert isinstance(input, Tensor)
     if rank not in (1, 2):
@@ -196,6 +199,31 @@ def check_cell(cls: str, mode: str, input: object, hx: object, *, input_size: in
         if state.device != x.device:
             raise DeviceError(f"{name}: expected device {x.device} (that of input), got {state.device}")
     return x, states, batched
+
+
+def _cell_fast_path(mode: str, input: object, hx: object, input_size: int, weight_dtype: torch.dtype,
+                    sizes: tuple[int, ...]) -> tuple[Tensor, tuple[Tensor, ...], bool] | None:
+    """The common valid call, checked in a few operations: a batched (B, F) input of the parameters'
+    dtype and no state or states of exactly the expected shapes, dtype and device. None: anything
+    else, for the full checks (which also raise the errors)."""
+    if type(input) is not Tensor or input.dim() != 2 or input.size(1) != input_size or input.dtype != weight_dtype:
+        return None
+    batch = input.size(0)
+    if hx is None:
+        return input, tuple(input.new_zeros(batch, size) for size in sizes), True
+    if mode == "LSTM":
+        if type(hx) not in (tuple, list) or len(hx) != 2:  # type: ignore[arg-type]
+            return None
+        states = hx
+    elif type(hx) is Tensor:
+        states = (hx,)
+    else:
+        return None
+    for state, size in zip(states, sizes):
+        if type(state) is not Tensor or state.shape != (batch, size) or state.dtype != input.dtype \
+                or state.device != input.device:
+            return None
+    return input, tuple(states), True
 
 
 def _cell_lstm_states(cls: str, hx: object, batched: bool) -> tuple[Tensor, ...]:

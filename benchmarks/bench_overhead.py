@@ -1,0 +1,110 @@
+"""Per-call overhead at small shapes: every layer and cell against its torch counterpart (issue 42).
+
+Each row: time per call of fastlayers' call and of the counterpart, measured side by side in this
+one process with torch.utils.benchmark (blocked_autorange, median of blocks), 1 thread; forward
+under torch.no_grad(), and forward + backward (a sum of the outputs) with gradients of the input
+and the parameters. The shapes are the issue's: the calls of step-wise decoding, streaming
+inference and small models, where the fixed cost of a call dominates.
+
+    python benchmarks/bench_overhead.py [--min-run-time 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.utils.benchmark as benchmark
+from torch import nn
+
+import fastlayers
+from fastlayers._system import cpu_name
+
+
+def _torch_attention(q, k, v, lengths):
+    """The plain-torch formulation of attention_pool (dot score): einsum, mask, softmax, einsum."""
+    scores = torch.einsum("bd,btd->bt", q, k)
+    mask = torch.arange(k.size(1)).unsqueeze(0) >= lengths.unsqueeze(1)
+    weights = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=1)
+    return torch.einsum("bt,btd->bd", weights, v)
+
+
+def _rows():
+    """(name, ours, theirs, target ratio) with ``ours`` / ``theirs`` returning (forward, inputs that want grads)."""
+    torch.manual_seed(0)
+
+    def layer(ours_cls, theirs_cls, x, target, **options):
+        ours, theirs = ours_cls(4, 4, **options), theirs_cls(4, 4)
+        return (lambda: ours(x)[0], lambda: theirs(x)[0], [x, *ours.parameters()], [x, *theirs.parameters()], target)
+
+    x_seq = torch.randn(2, 1, 4)
+    rows = {
+        "LSTM(4, 4), T=2, B=1": layer(fastlayers.LSTM, nn.LSTM, x_seq, 1.5),
+        "GRU(4, 4), T=2, B=1": layer(fastlayers.GRU, nn.GRU, x_seq, 1.5),
+        "RNN(4, 4), T=2, B=1": layer(fastlayers.RNN, nn.RNN, x_seq, 1.5),
+        "LSTM(4, 4, layer_norm=True), T=2, B=1": layer(fastlayers.LSTM, nn.LSTM, x_seq, 2.5, layer_norm=True),
+        "GRU(4, 4, layer_norm=True), T=2, B=1": layer(fastlayers.GRU, nn.GRU, x_seq, 2.5, layer_norm=True),
+    }
+    x_step = torch.randn(8, 32)
+    for name, ours_cls, theirs_cls, options, target in (
+            ("LSTMCell(32, 64)", fastlayers.LSTMCell, nn.LSTMCell, {}, 1.5),
+            ("GRUCell(32, 64)", fastlayers.GRUCell, nn.GRUCell, {}, 1.5),
+            ("RNNCell(32, 64)", fastlayers.RNNCell, nn.RNNCell, {}, 1.5),
+            ("LSTMCell(32, 64, layer_norm=True)", fastlayers.LSTMCell, nn.LSTMCell, {"layer_norm": True}, 2.0),
+            ("GRUCell(32, 64, layer_norm=True)", fastlayers.GRUCell, nn.GRUCell, {"layer_norm": True}, 2.0)):
+        ours, theirs = ours_cls(32, 64, **options).eval(), theirs_cls(32, 64)
+        first = (lambda m: (lambda: m(x_step)[0])) if ours_cls is fastlayers.LSTMCell else (lambda m: (lambda: m(x_step)))
+        rows[f"{name}, one step, B=8"] = (first(ours), first(theirs), [x_step, *ours.parameters()],
+                                          [x_step, *theirs.parameters()], target)
+    x_img = torch.randn(1, 2, 4, 4)
+    local, conv = fastlayers.LocallyConnected2d(2, 2, (4, 4), kernel_size=1), nn.Conv2d(2, 2, 1)
+    rows["LocallyConnected2d(2, 2, (4, 4), 1) vs Conv2d, (1, 2, 4, 4)"] = (
+        lambda: local(x_img), lambda: conv(x_img), [x_img, *local.parameters()], [x_img, *conv.parameters()], 2.5)
+    x_line = torch.randn(1, 2, 8)
+    local1, conv1 = fastlayers.LocallyConnected1d(2, 2, 8, kernel_size=3), nn.Conv1d(2, 2, 3)
+    rows["LocallyConnected1d(2, 2, 8, 3) vs Conv1d, (1, 2, 8)"] = (
+        lambda: local1(x_line), lambda: conv1(x_line), [x_line, *local1.parameters()], [x_line, *conv1.parameters()],
+        2.5)
+    q, k = torch.randn(8, 16), torch.randn(8, 20, 16)
+    lengths = torch.randint(1, 21, (8,))
+    rows["attention_pool(q, k, k, lengths), B=8, T=20, D=16"] = (
+        lambda: fastlayers.attention_pool(q, k, k, lengths), lambda: _torch_attention(q, k, k, lengths), [q, k], [q, k],
+        1.3)
+    return rows
+
+
+def _time(fn, min_run_time: float) -> float:
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=1).blocked_autorange(
+        min_run_time=min_run_time).median
+
+
+def _fwd_bwd(fn, leaves):
+    def run():
+        for t in leaves:
+            t.requires_grad_(True)
+            t.grad = None
+        out = fn()
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"{cpu_name()}, 1 thread, torch {torch.__version__}; time per call (us), torch.utils.benchmark "
+          f"blocked_autorange medians, both columns in this process")
+    print(f"| call | fastlayers fwd | torch fwd | x | target | fastlayers fwd+bwd | torch fwd+bwd | x |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (ours, theirs, our_leaves, their_leaves, target) in _rows().items():
+        with torch.no_grad():
+            f_ours, f_theirs = _time(ours, args.min_run_time), _time(theirs, args.min_run_time)
+        b_ours = _time(_fwd_bwd(ours, our_leaves), args.min_run_time)
+        b_theirs = _time(_fwd_bwd(theirs, their_leaves), args.min_run_time)
+        print(f"| {name} | {f_ours * 1e6:.0f} | {f_theirs * 1e6:.0f} | {f_ours / f_theirs:.2f} | {target} | "
+              f"{b_ours * 1e6:.0f} | {b_theirs * 1e6:.0f} | {b_ours / b_theirs:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
