@@ -7,8 +7,10 @@ its backward) with CPU kernels that call the C step kernels linked in from ``_na
 built like the C kernels (on first use, cached under ``$FASTLAYERS_CACHE``, keyed by the sources,
 the compilers, the flags, the CPU and torch's version), with the C++ compiler of ``$CXX`` (default
 g++) against the headers and libraries inside the installed torch wheel; a build takes about 15 s.
-Only torch.compile, torch.export (and so AOTInductor and ONNX) use these operators: eager calls
-run the same C kernels through autograd Functions and never build this library.
+torch.compile, torch.export (and so AOTInductor and ONNX) use these operators, and so do eager
+calls that record no gradient (:func:`serves`: one dispatcher call instead of a Python driver, the
+fixed cost that dominates small calls); eager calls with autograd run the same C kernels through
+autograd Functions.
 
 Python registers, once the library is loaded (:func:`load`), the fake (shape) functions and the
 autograd of the same operators (one definition of each operator: its schema in C++), and their
@@ -18,6 +20,7 @@ process without fastlayers (``torch.ops.load_library(path)``) or to link a C++ p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shlex
@@ -129,3 +132,21 @@ def load() -> bool:
             _export.register_operators()
             _STATE["loaded"] = True
     return True
+
+
+def serves(x) -> bool:
+    """Whether an eager call on tensors like ``x`` runs on the operators: no gradient is recorded
+    (torch.no_grad / inference_mode), CPU float32 / float64 without autocast, not traced, and the
+    library loads (the first such call on a machine builds it, about 15 s; where it cannot be built,
+    False after one warning, and the callers keep their autograd path)."""
+    if torch.is_grad_enabled() or x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu" \
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return False
+    loaded = _STATE.get("loaded")
+    return bool(loaded) if loaded is not None else load()
+
+
+def eager_below_autograd() -> contextlib.AbstractContextManager:
+    """Eager calls without autograd skip the operators' (Python) autograd kernel: straight to the
+    C++ kernel (a few microseconds per call); traced calls keep it."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else torch._C._AutoDispatchBelowAutograd()

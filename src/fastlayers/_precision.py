@@ -91,6 +91,9 @@ class Products:
         self.native = native(device.type, low)
         # operands multiplied in hardware low precision: worth keeping low copies of the ones used twice
         self.lowered = self.mixed and self.native
+        # one dtype and no autocast: the products are torch's own, without the autocast guard (which
+        # costs microseconds a call, per step in a time loop)
+        self.plain = not self.mixed and not torch.is_autocast_enabled(device.type)
 
     @classmethod
     def of(cls, x: Tensor) -> "Products":
@@ -99,19 +102,23 @@ class Products:
 
     def operand(self, t: Tensor) -> Tensor:
         if not self.mixed:
-            return t.to(self.acc)
+            return t if t.dtype == self.acc else t.to(self.acc)
         t = t.to(self.low)
         return t if self.native else t.to(self.acc)
 
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
         """torch.matmul(a, b) (broadcasting, autograd) with both operands raw; result in ``acc``."""
         a, b = self.operand(a), self.operand(b)
+        if self.plain:
+            return torch.matmul(a, b)
         with torch.autocast(a.device.type, enabled=False):
             return torch.matmul(a, b).to(self.acc)
 
     def einsum(self, equation: str, a: Tensor, b: Tensor) -> Tensor:
         """torch.einsum of two raw operands (a sum of products); result in ``acc``."""
         a, b = self.operand(a), self.operand(b)
+        if self.plain:
+            return torch.einsum(equation, a, b)
         with torch.autocast(a.device.type, enabled=False):
             return torch.einsum(equation, a, b).to(self.acc)
 
@@ -123,6 +130,8 @@ class Products:
     def bmm_prepared(self, a: Tensor, b: Tensor, out: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
         """a @ b with ``b`` from :meth:`operand` (prepared once, used every step)."""
         a = self.operand(a)
+        if self.plain:
+            return torch.bmm(a, b, out=out) if out is not None else torch.bmm(a, b)
         with torch.autocast(a.device.type, enabled=False):
             if self.lowered:
                 r = torch.bmm(a, b)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ._checks import check_floating, check_same_dtype_device, check_tensor
+from . import _ops_lib
 from ._backend import select
 from ._jit import TRITON, NotScriptable, refuse_trace
 from ._local_function import (LocallyConnected2dNative, LocallyConnected2dTriton, locally_connected2d_operator,
@@ -113,21 +114,31 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         want = (weight.size(0), *expected)
         if tuple(bias.shape) != want:
             raise ValueError(f"bias: expected shape {want} (C_out, OH, OW), got {tuple(bias.shape)}")
-    which = select("local2d", x)
-    if which == "cpu" and torch.compiler.is_compiling():  # the C++ operator (fastlayers._ops_lib)
-        from ._compiling import operators_loaded
-
-        args = (x, weight, bias, list(stride2), list(padding2), list(dilation2))
-        y = locally_connected2d_operator(*args) if operators_loaded() else locally_connected2d_reference(
-            x, weight, bias, stride2, padding2, dilation2)
-    elif which == "cpu":
-        y = LocallyConnected2dNative.apply(x, weight, bias, list(stride2), list(padding2), list(dilation2))
-    elif which == "triton":
-        refuse_trace("fastlayers.functional.locally_connected2d on the Triton backend", TRITON)
-        y = LocallyConnected2dTriton.apply(x, weight, bias, stride2, padding2, dilation2)
-    else:
-        y = locally_connected2d_reference(x, weight, bias, stride2, padding2, dilation2)
+    y = _run(x, weight, bias, stride2, padding2, dilation2)
     return y if batched else y.squeeze(0)
+
+
+def _run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair, dilation: Pair) -> Tensor:
+    """Validated (B, C_in, H, W) input, weight, bias and pairs -> (B, C_out, OH, OW), on the backend
+    of :func:`fastlayers._backend.select`: on CPU the C kernels (eager with autograd: an autograd
+    Function; without autograd, torch.compile or torch.export: the C++ operator)."""
+    which = select("local2d", x)
+    if which == "cpu":
+        args = (x, weight, bias, list(stride), list(padding), list(dilation))
+        if torch.compiler.is_compiling():  # the C++ operator (fastlayers._ops_lib)
+            from ._compiling import operators_loaded
+
+            if operators_loaded():
+                return locally_connected2d_operator(*args)
+            return locally_connected2d_reference(x, weight, bias, stride, padding, dilation)
+        if _ops_lib.serves(x):  # no autograd: one dispatcher call
+            with _ops_lib.eager_below_autograd():
+                return torch.ops.fastlayers.locally_connected2d.default(*args)
+        return LocallyConnected2dNative.apply(*args)
+    if which == "triton":
+        refuse_trace("fastlayers.functional.locally_connected2d on the Triton backend", TRITON)
+        return LocallyConnected2dTriton.apply(x, weight, bias, stride, padding, dilation)
+    return locally_connected2d_reference(x, weight, bias, stride, padding, dilation)
 
 
 def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int = 1,
@@ -175,7 +186,8 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
         self.dilation = _pair("dilation", dilation, 1, dims)
         self.output_size = output_size(self.input_size, self.kernel_size, self.stride, self.padding, self.dilation)
         kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, *self.kernel_size, *self.output_size, **kw))
+        self._weight_shape = (out_channels, in_channels, *self.kernel_size, *self.output_size)
+        self.weight = nn.Parameter(torch.empty(self._weight_shape, **kw))
         self.bias = nn.Parameter(torch.empty(out_channels, *self.output_size, **kw)) if bias else None
         self.reset_parameters()
 
@@ -185,6 +197,17 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
+
+    def _common(self, input: object, rank: int) -> bool:
+        """The common valid call, checked in a few operations: a batched input of the weight's dtype
+        and device, C_in channels and input_size, and the weight and bias of the construction's
+        shapes. False: anything else, for the full checks (which also raise the errors)."""
+        w = self.weight
+        return (type(input) is Tensor and input.dim() == rank and input.dtype == w.dtype
+                and input.device == w.device and input.shape[1:] == (self.in_channels, *self.input_size)
+                and w.shape == self._weight_shape
+                and (self.bias is None or (self.bias.shape == w.shape[:1] + w.shape[-len(self.input_size):]
+                                           and self.bias.dtype == w.dtype)))
 
     def _check_spatial(self, input: Tensor) -> None:
         check_tensor("input", input)
@@ -224,6 +247,8 @@ class LocallyConnected2d(_LocallyConnectedNd):
                          device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
+        if self._common(input, 4):  # the module's own weight: its geometry was checked at construction
+            return _run(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
         self._check_spatial(input)
         return locally_connected2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
@@ -241,5 +266,10 @@ class LocallyConnected1d(_LocallyConnectedNd):
                          device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
+        if self._common(input, 3):  # as LocallyConnected2d's, with H = 1
+            bias = self.bias.unsqueeze(1) if self.bias is not None else None
+            y = _run(input.unsqueeze(-2), self.weight.unsqueeze(2).unsqueeze(4), bias, (1, self.stride[0]),
+                     (0, self.padding[0]), (1, self.dilation[0]))
+            return y.squeeze(-2)
         self._check_spatial(input)
         return locally_connected1d(input, self.weight, self.bias, self.stride[0], self.padding[0], self.dilation[0])

@@ -77,6 +77,8 @@ def address(tensor) -> int | None:
 
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled library ``name`` (built on first call, then cached), or None if unavailable."""
+    if name in _LOADED:  # (built or failed already: no lock needed to read it)
+        return _LOADED[name]
     with _LOCK:
         if name not in _LOADED:
             _LOADED[name] = _build(name)

@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import _precision
+from .. import _ops_lib, _precision
 from .._jit import NotScriptable
 from ._engine_reference import gru_cell_step, lstm_cell_step
-from ._export import eager_below_autograd, serve_inference
 from ._options import CellOptions
 from ._validate import check_cell, check_mask
 
@@ -43,7 +42,7 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
             return (torch._VF.gru_cell(x, states[0], *args),)
         cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
         return (cell(x, states[0], *args),)
-    if mode != "RNN" and serve_inference(x):  # no autograd: the layer's C++ operator over one step
+    if mode != "RNN" and _ops_lib.serves(x):  # no autograd: the layer's C++ operator over one step
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
     mm = _precision.Products.of(x)
     h_in = states[0] * recurrent_mask if recurrent_mask is not None else states[0]
@@ -74,7 +73,7 @@ def _step_on_operator(mode: str, x: Tensor, states: tuple[Tensor, ...], params: 
         return torch.bernoulli(torch.full((1, 1, batch, width), z, dtype=x.dtype, device=x.device)) \
             if training and z else None
 
-    with eager_below_autograd():
+    with _ops_lib.eager_below_autograd():
         if mode == "LSTM":
             _, h, c = torch.ops.fastlayers.lstm_padded.default(
                 xt, None, states[0].unsqueeze(0), states[1].unsqueeze(0), params["weight_ih"], params["weight_hh"],

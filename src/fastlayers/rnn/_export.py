@@ -23,8 +23,8 @@ an exported program trains, with one extra forward per layer in its backward.
 Eager calls that record no gradient (``torch.no_grad()`` / ``inference_mode``) on CPU in float32 or
 float64 run the same operators (:func:`serve_inference`): one dispatcher call per layer instead of
 the engine's Python driver, which is what costs at small shapes (issue 42: the operators run a
-small LSTM call in about torch.nn.LSTM's time, the Python driver in 5x). The first such call on a
-machine builds the library (about 15 s, once; then cached).
+small LSTM call in about torch.nn.LSTM's time, the Python driver in 5x; :func:`fastlayers._ops_lib.serves`).
+The first such call on a machine builds the library (about 15 s, once; then cached).
 
 Training masks (zoneout, recurrent dropout) are drawn with torch.bernoulli and passed to the
 operator: (D, T, B, width) zoneout keep-masks and a (D, B, P) recurrent mask.
@@ -32,7 +32,6 @@ operator: (D, T, B, width) zoneout keep-masks and a (D, B, P) recurrent mask.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -47,23 +46,6 @@ _GRU_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "ln
 _RNN_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
-def serve_inference(x: Tensor) -> bool:
-    """Whether an eager engine call on tensors like ``x`` runs on the operators: no gradient is
-    recorded, CPU float32 / float64 without autocast, and the library loads (False, warned once,
-    where it cannot be built: the engine's Python driver then runs the call)."""
-    if torch.is_grad_enabled() or x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu" \
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
-        return False
-    if not _LOADED:
-        from .. import _ops_lib
-
-        _LOADED.append(_ops_lib.load())
-    return _LOADED[0]
-
-
-_LOADED: list[bool] = []  # whether the operator library loaded (asked once per process)
-
-
 def operator_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None
                     ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """A layer call as one operator per layer: x batched (layout per batch_first), states batched
@@ -73,14 +55,8 @@ def operator_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths:
 
     _ops_lib.library_path()
     _ops_lib.load()
-    with eager_below_autograd():
+    with _ops_lib.eager_below_autograd():
         return _layers(module, x, states, lengths)
-
-
-def eager_below_autograd() -> contextlib.AbstractContextManager:
-    """Eager calls without autograd skip the operators' (Python) autograd kernel: straight to the
-    C++ kernel (a few microseconds per call); traced calls keep it."""
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else torch._C._AutoDispatchBelowAutograd()
 
 
 def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None

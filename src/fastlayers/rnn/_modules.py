@@ -19,13 +19,13 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from .._checks import as_lengths
 from .._jit import ENGINE, NotScriptable, refuse_trace
-from .. import _precision
+from .. import _ops_lib, _precision
 from .._backend import select
 from ._engine import gru_engine, lstm_engine
 from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._cells import step
 from ._engine_reference import gru_reference, lstm_reference
-from ._export import operator_layers, serve_inference
+from ._export import operator_layers
 from . import _graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
@@ -369,7 +369,7 @@ class _CellOptionsMixin:
             if which != "cpu" or self._no_padding(x, lengths):  # type: ignore[attr-defined]
                 return super()._run(x, states, lengths, None)  # type: ignore[misc]
             engine = which
-        if engine == "cpu" and serve_inference(x):  # no autograd: one C++ operator per layer (._export)
+        if engine == "cpu" and _ops_lib.serves(x):  # no autograd: one C++ operator per layer (._export)
             return operator_layers(self, x, states, lengths)
         impl = {("LSTM", "cpu"): lstm_engine, ("LSTM", "reference"): lstm_reference,
                 ("LSTM", "triton"): lstm_engine_gpu, ("GRU", "cpu"): gru_engine, ("GRU", "reference"): gru_reference,
