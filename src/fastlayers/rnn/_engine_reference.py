@@ -20,11 +20,9 @@ EPS = 1e-5
 
 
 def _ln(v: Tensor, gain: Tensor, bias: Tensor | None = None) -> Tensor:
-    """LayerNorm over the last dimension in v's dtype (float32 for low-precision calls)."""
-    mean = v.mean(-1, keepdim=True)
-    var = ((v - mean) ** 2).mean(-1, keepdim=True)
-    out = (v - mean) / torch.sqrt(var + EPS) * gain.to(v.dtype)
-    return out + bias.to(v.dtype) if bias is not None else out
+    """LayerNorm over the last dimension in v's dtype (float32 for low-precision calls):
+    gain * (v - mean) / sqrt(var + eps) + bias, the biased variance (torch's F.layer_norm, one op)."""
+    return F.layer_norm(v, (v.size(-1),), gain.to(v.dtype), bias.to(v.dtype) if bias is not None else None, EPS)
 
 
 def lstm_cell_step(x_t, h, c, p, opt: CellOptions, mm: _precision.Products | None = None):
