@@ -354,3 +354,33 @@ def test_steps_after_the_longest_sequence_are_not_run(chunked):
     got = _run(gru_engine_gpu, x, hx, layers, lengths, opts)
     _assert_same(got, want, 1e-10)
     assert chunked.stats["replays"] == 4 and not got[0][0][3:].any()
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_a_plain_call_is_served_only_where_its_loops_replay(cell, chunked):
+    """rnn._engine_gpu.replays (the dispatch of plain calls on CUDA): False for a call whose loops
+    are not captured yet, which it captures (forward and backward, no step run); True for the same
+    configuration up to that T, whose engine call then only replays; False again for a longer T;
+    the engine's results equal torch.nn's."""
+    from fastlayers.rnn._engine_gpu import replays
+
+    torch.manual_seed(0)
+    ours, ref = make_pair(cell, F, H, dtype=torch.float64, num_layers=2, bidirectional=True)
+    x = torch.randn(T, B, F, dtype=torch.float64, requires_grad=True)
+    assert not replays(ours, x)
+    captured = chunked.stats["captures"]
+    assert captured == 2 * 2 and chunked.stats["replays"] == 0  # 2 layers, forward and backward
+    assert replays(ours, x) and replays(ours, x[:3])
+    engine = lstm_engine_gpu if cell == "LSTM" else gru_engine_gpu
+    states = tuple(torch.zeros(4, B, H, dtype=torch.float64) for _ in range(2 if cell == "LSTM" else 1))
+
+    def fastlayers_engine(x, h):
+        out, final = engine(x, states, ours._layer_parameters(), LENGTHS, ours.options)
+        return out, (final if len(final) == 2 else final[0])
+
+    got = run_and_grad(fastlayers_engine, ours, x.detach(), None)
+    want = run_and_grad(lambda x, h: torch_packed(ref, x, h, LENGTHS), ref, x.detach(), None)
+    assert_close_all(got, want, atol=1e-10, rtol=1e-10)
+    assert chunked.stats["captures"] == captured and chunked.stats["replays"] > 0
+    assert not replays(ours, torch.randn(20, B, F, dtype=torch.float64))  # longer than the buffers: captures
+    assert replays(ours, torch.randn(20, B, F, dtype=torch.float64))

@@ -36,7 +36,8 @@ over 2-4 programs for the kernels without LayerNorm, are the candidates.
 
 Nothing in the time loop depends on the lengths' values or on T on the host: the step s is
 device data of every launch (:mod:`fastlayers._triton._cell`), so a chunk of steps is captured
-once in a CUDA graph and replayed for any lengths and any T (:mod:`._graphs`). With lengths the loops run up to the longest sequence only (the
+once in a CUDA graph and replayed for any lengths and any T (:mod:`._graphs`; the plain modules'
+dispatch asks :func:`replays`). With lengths the loops run up to the longest sequence only (the
 output's rows after it are zeros). The GEMMs outside the loop are torch's (cuBLAS); all follow
 torch's precision flags: float32 GEMMs use TF32 only where
 ``torch.backends.cuda.matmul.allow_tf32`` allows it. Precision (:mod:`fastlayers._precision`):
@@ -47,6 +48,8 @@ the cell state, gates and LayerNorm statistics in float32.
 
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -77,6 +80,68 @@ def gru_engine_gpu(input: Tensor, hx: tuple[Tensor], layers: list[list[dict[str,
                    masks: list[dict[str, Tensor]] | None = None) -> tuple[Tensor, tuple[Tensor]]:
     """As :func:`fastlayers.rnn._engine.gru_engine`, on the Triton backend."""
     return _engine("GRU", input, hx, layers, lengths, options, dropout, training, masks)
+
+
+# plain-call signature -> (_graphs.generation, longest T) for which every loop of such a call replays
+_READY: "OrderedDict[tuple, tuple[int, int]]" = OrderedDict()
+_READY_KEYS = 256
+_UNREADY: set[tuple] = set()  # signatures whose capture failed: cuDNN from then on
+
+
+def replays(module, input: Tensor) -> bool:
+    """Whether every time loop of this call of the plain ``module`` (a fastlayers LSTM / GRU without
+    cell options) replays captured graphs (:mod:`._graphs`), so that the engine can serve it
+    without a capture. When not (the first call of a batch size, dtype, device or grad mode, a T
+    longer than the captured buffers hold, or entries dropped since), the loops are captured now
+    for the next such call, by a capture-only run of the engine on one step (its results unused;
+    a failure warns), and False is returned: this call is cuDNN's.
+
+    input: (T, B, F), or (B, T, F) if ``module.batch_first``, or unbatched (T, F); on a device
+    where :func:`._graphs.enabled`. Raises nothing (a failed capture warns)."""
+    x = input if input.dim() == 3 else input.unsqueeze(0 if module.batch_first else 1)
+    if module.batch_first:
+        x = x.transpose(0, 1)
+    steps, batch, features = x.shape
+    grad = torch.is_grad_enabled() and (input.requires_grad or any(w.requires_grad for w in module._flat_weights))
+    sig = (module.mode, batch, features, module.hidden_size, getattr(module, "proj_size", 0), module.num_layers,
+           module.bidirectional, module.bias, _precision.dtypes(input), input.device, grad)
+    ready = _READY.get(sig)
+    if ready is not None and ready[0] == _graphs.generation and steps <= ready[1]:
+        _READY.move_to_end(sig)
+        return True
+    if sig not in _UNREADY:
+        _prepare(module, x, steps, grad, sig)
+    return False
+
+
+def _prepare(module, x: Tensor, steps: int, grad: bool, sig: tuple) -> None:
+    """Capture the loops of a plain call of up to ``steps`` steps like x (T, B, F): the engine on
+    one step of zeros with :func:`._graphs.preparing`, through its backward when ``grad``."""
+    batch, features = x.shape[1:]
+    dirs = 2 if module.bidirectional else 1
+    engine = lstm_engine_gpu if module.mode == "LSTM" else gru_engine_gpu
+    failed = _graphs.stats["failed"]
+    try:
+        with _graphs.preparing(steps) as claimed, torch.set_grad_enabled(grad):
+            dummy = x.new_zeros(1, batch, features, requires_grad=grad and x.requires_grad)
+            states = tuple(x.new_zeros(module.num_layers * dirs, batch, size) for size in module._state_sizes())
+            out, final = engine(dummy, states, module._layer_parameters(), None, module.options, dropout=0.0,
+                                training=module.training)
+            if grad:
+                inputs = [w for w in module._flat_weights if w.requires_grad] + ([dummy] if dummy.requires_grad else [])
+                total = out.float().sum() + sum(f.float().sum() for f in final)
+                torch.autograd.grad(total, inputs, allow_unused=True)
+    except Exception as e:  # a failing speed path falls back, it does not fail the call
+        warnings.warn(f"fastlayers: capturing the time loops of a plain {module.mode} failed ({type(e).__name__}: "
+                      f"{e}); such calls stay on torch's kernels", RuntimeWarning, stacklevel=4)
+        _UNREADY.add(sig)
+        return
+    if _graphs.stats["failed"] != failed or not claimed:
+        _UNREADY.add(sig)
+        return
+    _READY[sig] = (_graphs.generation, min(claimed))
+    while len(_READY) > _READY_KEYS:
+        _READY.popitem(last=False)
 
 
 def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks):
