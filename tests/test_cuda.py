@@ -151,9 +151,10 @@ def test_engine_on_cuda_equals_the_float64_reference(name, graphs, monkeypatch):
 
 
 def test_cuda_graphs_by_default_capture_once_and_replay_for_any_t(monkeypatch):
-    """The default (auto): the first call captures the loops' chunks, calls with other T and
-    lengths replay them (a longer T captures once more, with larger buffers); 40 steps in chunks
-    of 32: the last replay runs 8 steps and 24 launches that do nothing."""
+    """The default (auto): the first call (T=20) captures the loops' chunks, calls with other T and
+    lengths replay them; T=40, longer than the buffers (32 steps), captures once more with larger
+    ones (64), and runs in two replays of 32 steps, the second with 8 steps and 24 launches that do
+    nothing; equal lengths of 9 in T=40 run 9 steps."""
     from fastlayers.rnn import _graphs
 
     monkeypatch.delenv(_graphs.ENV, raising=False)
@@ -162,14 +163,14 @@ def test_cuda_graphs_by_default_capture_once_and_replay_for_any_t(monkeypatch):
     module = fastlayers.GRU(6, 5, bidirectional=True, layer_norm=True, device=DEV).double()
     x = torch.randn(40, 3, 6, dtype=torch.float64, device=DEV)
     captures = []
-    for steps, lengths in ((33, [20, 33, 1]), (7, [4, 7, 1]), (40, [40, 3, 17]), (12, None), (40, [9, 9, 9])):
+    for steps, lengths in ((20, [20, 13, 1]), (7, [4, 7, 1]), (40, [40, 3, 17]), (12, None), (40, [9, 9, 9])):
         with fastlayers.backend("reference"):
             want = _module_grads(module, x[:steps], lengths)
         got = _module_grads(module, x[:steps], lengths)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
         captures.append(_graphs.stats["captures"])
-    assert captures[1] == captures[0] and captures[2] == captures[1] + 2 and captures[-1] == captures[2]
+    assert captures[1] == captures[0] and captures[2] == captures[1] + 2 and captures[4] == captures[2]
     _graphs.clear()
 
 
