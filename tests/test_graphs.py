@@ -247,3 +247,12 @@ def test_a_part_with_a_buffer_of_another_shape_gets_a_new_one_and_a_new_capture(
             assert _ran_in_order(loop, st, reverse=True)
             loop.release()
     assert _graphs.stats["captures"] == 3  # the forward's, the backward's with g of 3, then of 5
+
+
+def test_an_entry_made_under_inference_mode_serves_later_calls_outside_it():
+    with _graphs.emulated():
+        with torch.inference_mode():
+            first, _ = _loop(6)
+        first.release()
+        loop, st = _loop(5)  # copies its inputs into the entry's buffers: normal tensors
+    assert loop.entry is first.entry and _ran_in_order(loop, st) and not st["x"].is_inference()

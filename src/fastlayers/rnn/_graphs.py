@@ -408,9 +408,13 @@ def _nbytes(ins: dict[str, Tensor], outs: dict[str, tuple], time_dims: dict[str,
 def _allocate(entry: _Entry, ins: dict[str, Tensor], outs: dict[str, tuple], time_dims: dict[str, int],
               like: Tensor) -> None:
     """New zero-filled buffers in ``entry`` for ``ins`` (their shapes and dtypes) and ``outs``
-    (like's dtype), time dimensions at the entry's capacity."""
-    for k, shape, t in _shapes(ins, outs, time_dims, entry.capacity, like):
-        entry.buffers[k] = t.new_zeros(shape)
+    (like's dtype), time dimensions at the entry's capacity; normal tensors even when made under
+    torch.inference_mode (a later call outside it copies into them), and ``clock`` with the first."""
+    with torch.inference_mode(False):
+        for k, shape, t in _shapes(ins, outs, time_dims, entry.capacity, like):
+            entry.buffers[k] = t.new_zeros(shape)
+        if "clock" not in entry.buffers:
+            entry.buffers["clock"] = torch.zeros(2, dtype=torch.int32, device=like.device)
 
 
 def _claim(key: tuple, steps: int, ins: dict[str, Tensor | None], outs: dict[str, tuple | None],
@@ -456,7 +460,6 @@ def _claim(key: tuple, steps: int, ins: dict[str, Tensor | None], outs: dict[str
         except BaseException:
             _drop(entry)
             raise
-        entry.buffers["clock"] = torch.zeros(2, dtype=torch.int32, device=like.device)
     return entry
 
 
