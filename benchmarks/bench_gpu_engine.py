@@ -9,8 +9,9 @@ The engine without options is called directly (the modules send plain calls to i
 graphs and at some shapes, see --sweep). Columns: fwd ms,
 fwd+bwd ms (input and every parameter require grad), ratio of fwd+bwd to cuDNN padded, peak memory
 of fwd+bwd above what was allocated before the call (max_memory_allocated, MiB), first call
-(compile / capture) ms. The CUDA-graph rows capture from the first call (FASTLAYERS_CUDA_GRAPHS=1);
-the default captures from the second, so its later calls take the CUDA-graph rows' time.
+(compile / capture) ms. The CUDA-graph rows (FASTLAYERS_CUDA_GRAPHS=1, as the default) capture a
+chunk of steps from the first call and replay it ceil(T / chunk) times (fastlayers.rnn._graphs);
+every call here has the same T: bench_gpu_random_t.py draws a new T per call.
 
     python benchmarks/bench_gpu_engine.py [--device cuda] [--repeats 7] [--tf32] [--autocast bf16]
                                           [--size seed|small] [--only LABEL] [--profile]

@@ -5,7 +5,8 @@ and the seed's layers by elements of K per slice: the measurements behind step_m
    the seed's shapes (D=2, B=32, H=256, fp32, TF32 off): the forward's product h (D, B, H) @ W_hh^T
    (K=H, N=4H LSTM / 3H GRU) with W_hh^T as a transposed view (as the engine passed it to
    torch.bmm before) or contiguous; the backward's dr (D, B, G) @ W_hh (K=G, N=H), torch.bmm and
-   the Triton kernel in 1 and in G/128 slices. Each candidate's result is checked against torch.bmm.
+   the Triton kernel in 1 and in G/128 slices (reading its step from device data, as the engine's
+   loops do). Each candidate's result is checked against torch.bmm.
 2. The seed's LayerNorm LSTM / GRU fwd+bwd (CUDA graphs from the first call; CUDA events, median of
    7 after two warm-up calls) for each K_PER_SLICE.
 
@@ -57,19 +58,21 @@ def products() -> None:
         r = torch.empty(dirs, batch, gsize, device=DEV)
         parts = {n: torch.empty(n, dirs, batch, hidden, device=DEV) for n in (1, step_matmul.slices(gsize))}
         gbuf = torch.empty(dirs, batch, hidden, device=DEV)
+        clock = torch.tensor([0, steps], dtype=torch.int32, device=DEV)  # the Triton rows read step 0 + s
         rows = [
             ("forward", "torch.bmm, W_hh^T a transposed view", lambda s: torch.bmm(hd[:, s], w_view, out=r),
              lambda: r, torch.bmm(hd[:, 3], w_view)),
             ("forward", "torch.bmm, W_hh^T contiguous", lambda s: torch.bmm(hd[:, s], w_t, out=r), lambda: r,
              torch.bmm(hd[:, 3], w_view)),
-            ("forward", "Triton, W_hh^T contiguous", lambda s: step_matmul.matmul(hd[:, s], w_t, r), lambda: r,
+            ("forward", "Triton, W_hh^T contiguous", lambda s: step_matmul.matmul(hd, w_t, r, (clock, s)), lambda: r,
              torch.bmm(hd[:, 3], w_view)),
             ("backward", "torch.bmm", lambda s: torch.bmm(dr[:, s], w, out=gbuf), lambda: gbuf,
              torch.bmm(dr[:, 3], w)),
         ]
         for n, buf in parts.items():
-            rows.append(("backward", f"Triton, {n} slice(s)", lambda s, buf=buf: step_matmul.matmul(dr[:, s], w, buf),
-                         lambda buf=buf: buf.sum(0), torch.bmm(dr[:, 3], w)))
+            rows.append(("backward", f"Triton, {n} slice(s)",
+                         lambda s, buf=buf: step_matmul.matmul(dr, w, buf, (clock, s)), lambda buf=buf: buf.sum(0),
+                         torch.bmm(dr[:, 3], w)))
         for product, name, step, result, want in rows:
             step(3)
             diff = (result() - want).abs().max().item()

@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # One command for a GPU session (issue: every GPU path run on the H100): the cuda-marked tests, then
-# every GPU benchmark, each with its own time limit so that the whole ends inside 9 minutes, every
-# log and one JSON summary written into OUTDIR (on the device machine: $OUT). Runs from source:
+# every GPU benchmark, each with its own time limit (the steps before issue 41's end inside 9
+# minutes, its steps need another command: STEPS below), every log and one JSON summary written
+# into OUTDIR (on the device machine: $OUT). Runs from source:
 #
 #     benchmarks/gpu_check.sh OUTDIR            # on the GPU machine (torch 2.11, Triton 3.6)
 #     benchmarks/gpu_check.sh OUTDIR --dry-run  # anywhere: Triton's interpreter, tiny shapes, CPU
+#     STEPS="random_t train" benchmarks/gpu_check.sh OUTDIR   # only the steps named (each <= 10 min)
 #
 # The dry run (make test runs it) checks that every step still starts and finishes; its times
-# mean nothing. Steps and limits (seconds, 540 in all; on the H100 with torch 2.11 on 2026-11-24,
+# mean nothing. Steps and limits (seconds, 540 in all before issue 41's 600; on the H100 with torch 2.11 on 2026-11-24,
 # before the sweep step, the steps took 8, 42, 101, 53, 65, 28, 22 and >30 s):
 # versions and nvidia-smi (20); tests/test_cuda.py (60); bench_gpu_engine.py fp32 TF32 off, every
 # option set (120), TF32 on (60) and autocast bf16 (70) for the layer_norm sets, the device time
 # per kernel of the LSTM layer_norm rows, eager, with and without lengths (30); plain LSTM / GRU
 # against cuDNN at several shapes (--sweep, 60); bench_gpu_local.py, every shape with its copy
 # floor, then attention pooling (60); gpu_static.py's CI set compiled for this machine's Triton
-# (60; 30 ran out on 2026-11-24). A step that fails or runs out of time is recorded in
-# summary.json (rc 124 for a timeout) and the next one runs.
+# (60; 30 ran out on 2026-11-24). Issue 41 (not run on a GPU yet; limits estimated): the random-T
+# workload, T ~ U[100, 1000] per call, plain and layer_norm LSTM / GRU against cuDNN on the
+# PackedSequence, captures counted, peak memory against fixed T = 1000 (150); the same for LSTM
+# with chunks of 16 and of 64 steps instead of 32 (150); fastlayers train on the digits and the
+# vowels against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA).
+# All steps take longer than one 10-minute command: name a few in STEPS per command. A step that
+# fails or runs out of time is recorded in summary.json (rc 124 for a timeout) and the next one runs.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR [--dry-run]}
 mode=${2:-}
@@ -28,15 +35,22 @@ if [ "$mode" = "--dry-run" ]; then
     # one option set per engine step: the interpreter runs every step kernel in Python
     device=cpu size=small local_size=small repeats=1 only_all="LSTM zoneout" only_ln="GRU zoneout" \
         only_profile="GRU zoneout"
+    random_t=(--device cpu --size small --calls 1 --warmup 1 --fixed-calls 1 --only GRU)
+    train=(--device cpu --epochs 1 --max-samples 32 --datasets vowels)
 else
     device=cuda size=seed local_size=seed repeats=5 only_all="" only_ln="layer_norm" \
         only_profile="LSTM layer_norm"
+    random_t=(--device cuda)
+    train=(--device cuda)
 fi
 steps=()
 
 step() {  # step NAME LIMIT_S COMMAND...: run it with a time limit, log to OUTDIR/NAME.log
     local name=$1 limit=$2
     shift 2
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
+        return 0
+    fi
     local start end rc
     start=$(date +%s.%N)
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
@@ -65,6 +79,12 @@ step local_attention 60 "$py" benchmarks/bench_gpu_local.py --device "$device" -
 if [ "$mode" != "--dry-run" ]; then  # (make test runs the static check itself)
     step static 60 "$py" benchmarks/gpu_static.py --set ci --arch sm_90a --json "$out/static.json"
 fi
+step random_t 150 "$py" benchmarks/bench_gpu_random_t.py "${random_t[@]}" --json "$out/random_t.json"
+if [ "$mode" != "--dry-run" ]; then  # the chunk's length: 16 and 64 steps against the default's 32
+    step chunk_sweep 150 bash -c "'$py' benchmarks/bench_gpu_random_t.py --device cuda --only LSTM --chunk 16 && \
+'$py' benchmarks/bench_gpu_random_t.py --device cuda --only LSTM --chunk 64"
+fi
+step train 300 "$py" benchmarks/bench_gpu_train.py "${train[@]}" --json "$out/train.json"
 
 "$py" - "$out" "${steps[@]}" <<'EOF'
 import json, sys

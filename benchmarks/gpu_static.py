@@ -13,8 +13,14 @@ every workload (an option set) the wall time of its first call, which is the com
 kernels (a fresh Triton cache per workload). For the recurrent step kernels with lengths: how many
 global loads wait for their load of len_b (a def-use walk over the PTX), which must be none.
 
-Fails (exit 1) on a compile error, a float32 / bfloat16 kernel that spills more than 16 bytes, or a
-recurrent step kernel with a load that waits for len_b.
+Each recurrent workload runs its loops eagerly at T=16, then as captured chunks of steps at T=13
+(``fastlayers.rnn._graphs.emulated``: the chunk's launches, with their step offsets and the
+buffers' larger time capacity, compile as a replay on the GPU would launch them).
+
+Fails (exit 1) on a compile error, a float32 / bfloat16 kernel that spills more than 16 bytes, a
+recurrent step kernel with a load that waits for len_b (or without its load of len_b), or a
+recurrent step kernel or step GEMM configuration compiled more than once (one compile per
+configuration: the step, T and the time capacity are data, not specialisations).
 ``--set ci`` is a representative subset (CI runs it for both architectures); ``--set full`` is
 every option set, LSTM/GRU hidden 128/256/1024, projection, float32/bfloat16/float64, the local
 layers at bench_gpu_local.py's shapes and attention at seed 001's.
@@ -49,8 +55,10 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import fastlayers  # noqa: E402
-from fastlayers import _backend  # noqa: E402
+from fastlayers import _backend, _precision  # noqa: E402
 from fastlayers.local import locally_connected2d  # noqa: E402
+from fastlayers.rnn import _graphs  # noqa: E402
+from fastlayers.rnn._engine_gpu import gru_engine_gpu, lstm_engine_gpu  # noqa: E402
 
 # per SM: (registers, warps, programs, shared memory bytes, SMs on the card)
 ARCH = {"sm_90a": (65536, 64, 32, 227 * 1024, 132, 90), "sm_80": (65536, 64, 32, 163 * 1024, 108, 80)}
@@ -230,16 +238,32 @@ def ptxas_facts(kernel: Kernel, compiled, arch: str) -> None:
 # ---- workloads: what the layers launch
 
 T, B = 16, 32  # seed batch; T=16 keeps the specializations of T=800 (divisible by 16)
+T_CHUNKED = 13  # the chunked run's T: neither T nor a multiple of the chunk
 
 
-def _rnn(cell: str, hidden: int, dtype: torch.dtype, train: bool = False, lengths: bool = True, **options):
+def _rnn(cell: str, hidden: int, dtype: torch.dtype, train: bool = False, **options):
+    """fwd+bwd of the module with lengths, its loops eagerly at T, then as captured chunks at
+    T_CHUNKED without lengths (rnn/_graphs.py, emulated: the chunk's launches compile as a replay
+    would launch them): a configuration compiled twice would show as compiles > 1. Without cell
+    options the GPU engine is called directly (on CUDA plain modules dispatch to it)."""
+    def call(m, steps, lengths):
+        x = torch.randn(steps, B, 512, dtype=dtype, requires_grad=True)
+        if m.options.plain:
+            engine = lstm_engine_gpu if cell == "LSTM" else gru_engine_gpu
+            states = tuple(x.new_zeros(2 * m.num_layers, B, size) for size in m._state_sizes())
+            out = engine(x, states, m._layer_parameters(), lengths, m.options, training=m.training)[0]
+        else:
+            out = m(x, lengths=lengths)[0]
+        out.backward(torch.ones_like(out))
+
     def run():
         torch.manual_seed(0)
         m = getattr(fastlayers, cell)(512, hidden, bidirectional=True, **options).to(dtype).train(train)
-        x = torch.randn(T, B, 512, dtype=dtype, requires_grad=True)
-        lens = torch.randint(T // 2, T + 1, (B,)) if lengths else None
-        out = m(x, lengths=lens)[0] if lens is not None else m(x)[0]
-        out.backward(torch.ones_like(out))
+        lens = torch.randint(T // 2, T + 1, (B,))
+        lens[0] = T
+        call(m, T, lens)
+        with _graphs.emulated():
+            call(m, T_CHUNKED, None)
     return run
 
 
@@ -287,6 +311,7 @@ def workloads(which: str) -> dict[str, Callable[[], None]]:
         out["local 3x3 float32"] = _local(32, 4, 256, 3, 2, F32)
         return out
     for cell, options in (("LSTM", LSTM_OPTIONS), ("GRU", GRU_OPTIONS)):
+        out[f"{cell} plain H=256 float32"] = _rnn(cell, 256, F32)
         for name, opts in options.items():
             out[f"{cell} {name} H=256 float32"] = _rnn(cell, 256, F32, **opts)
         for hidden in (128, 1024):
@@ -321,6 +346,9 @@ def run_arch(arch: str, which: str, only: str = "") -> tuple[Record, dict[str, f
     target = GPUTarget("cuda", ARCH[arch][5], 32)
     driver.set_active(CompileOnlyDriver(target))
     _backend.unavailable = lambda name, op, x: None  # CPU tensors on the triton backend, compile-only
+    # a GPU multiplies bfloat16 / float16 in hardware: the products of low-precision workloads take
+    # low operands, as on the GPU (not float32 copies, as on a CPU without those instructions)
+    _precision._NATIVE.update({("cpu", torch.bfloat16): True, ("cpu", torch.float16): True})
     undo = install(record)
     times, errors = {}, []
     try:
@@ -379,9 +407,12 @@ def main() -> int:
                 failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: spills {k.spill_stores}/"
                                 f"{k.spill_loads} bytes (limit {SPILL_LIMIT} for float32/bfloat16)")
             recurrent = k.kernel.startswith(("lstm.", "gru."))
-            if recurrent and "HAS_LENGTHS=T" in k.config and k.lengths_waits is None:  # the walk needs its start
+            if recurrent and k.lengths_waits is None:  # the walk needs its start (the lengths are always data)
                 failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: no load of len_b found at "
                                 f"{_lengths_load_line()} in its PTX")
+            if k.kernel.startswith(("lstm.", "gru.", "step_matmul.")) and k.compiles != 1:
+                failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: compiled {k.compiles} times (expected "
+                                f"1: the step, the loop's length and the buffers' capacity are not specialised)")
             if recurrent and k.lengths_waits:
                 failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: {k.lengths_waits} global loads wait "
                                 f"for len_b (expected 0: the lengths decide which rows run, never an address)")

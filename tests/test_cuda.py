@@ -1,8 +1,9 @@
 """On a CUDA GPU (``python3 -m pytest -m cuda``; skipped without one): the automatic backend picks the
 Triton kernels for the local layers, attention pooling and the recurrent engine, which equal the
 plain-torch / float64 per-step reference in value and every gradient (the engine eagerly and with its
-time loops captured in CUDA graphs, replayed for new lengths); every layer runs under CUDA autocast
-(fp16, bf16) and returns the low dtype, close to its float32 result."""
+time loops as chunks captured in CUDA graphs, replayed for new lengths and new T); plain LSTM / GRU
+run the engine only where its graphs are captured already (cuDNN otherwise); every layer runs under
+CUDA autocast (fp16, bf16) and returns the low dtype, close to its float32 result."""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def test_recurrent_layers_under_cuda_autocast(name, dtype):
     m, fn, torch_fn = LAYERS[name]()
     x = torch.randn(9, 3, 8, device=DEV)
     with torch.autocast("cuda", dtype):
+        fn(m, x)  # a plain layer's first call runs on cuDNN while its loops are captured for the next
         low = fn(m, x)
         # layers on torch's cuDNN path return what torch.nn's module returns under the same autocast
         # (torch 2.11's cuDNN RNN autocasts to float16 even under bfloat16 autocast); the engine: dtype
@@ -133,11 +135,12 @@ def test_engine_on_cuda_equals_the_float64_reference(name, graphs, monkeypatch):
     torch.manual_seed(0)
     module = ENGINE_MODULES[name]().double().eval()
     x = torch.randn(7, 3, 6, dtype=torch.float64)
-    for lengths in ([4, 7, 1], [7, 2, 5]):  # a second lengths vector replays the same capture
-        want = _module_grads(module, x, lengths)  # CPU float64: the C engine; the reference below
+    # a second lengths vector and shorter T replay the same captures
+    for steps, lengths in ((7, [4, 7, 1]), (7, [7, 2, 5]), (5, [5, 2, 5]), (6, None)):
+        want = _module_grads(module, x[:steps], lengths)  # CPU float64: the C engine; the reference below
         with fastlayers.backend("reference"):
-            ref = _module_grads(module, x, lengths)
-        gpu = _module_grads(module.to(DEV), x.to(DEV), lengths)
+            ref = _module_grads(module, x[:steps], lengths)
+        gpu = _module_grads(module.to(DEV), x[:steps].to(DEV), lengths)
         module.cpu()
         for a, b, c in zip(gpu, want, ref, strict=True):
             torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
@@ -147,23 +150,27 @@ def test_engine_on_cuda_equals_the_float64_reference(name, graphs, monkeypatch):
         _graphs.clear()
 
 
-def test_cuda_graphs_by_default_warm_up_capture_then_replay(monkeypatch):
+def test_cuda_graphs_by_default_capture_once_and_replay_for_any_t(monkeypatch):
+    """The default (auto): the first call (T=20) captures the loops' chunks, calls with other T and
+    lengths replay them; T=40, longer than the buffers (32 steps), captures once more with larger
+    ones (64), and runs in two replays of 32 steps, the second with 8 steps and 24 launches that do
+    nothing; equal lengths of 9 in T=40 run 9 steps."""
     from fastlayers.rnn import _graphs
 
-    monkeypatch.delenv(_graphs.ENV, raising=False)  # the default: auto
+    monkeypatch.delenv(_graphs.ENV, raising=False)
     _graphs.clear()
     torch.manual_seed(0)
     module = fastlayers.GRU(6, 5, bidirectional=True, layer_norm=True, device=DEV).double()
-    x = torch.randn(7, 3, 6, dtype=torch.float64, device=DEV)
-    with fastlayers.backend("reference"):
-        want = _module_grads(module, x, [4, 7, 1])
-    runs = []
-    for call in range(3):  # eager, capture, replay
-        runs.append(_module_grads(module, x, [4, 7, 1]))
-        assert bool(_graphs._entries) == (call > 0), f"call {call}: captured entries {list(_graphs._entries)}"
-    for run in runs:
-        for a, b in zip(run, want, strict=True):
+    x = torch.randn(40, 3, 6, dtype=torch.float64, device=DEV)
+    captures = []
+    for steps, lengths in ((20, [20, 13, 1]), (7, [4, 7, 1]), (40, [40, 3, 17]), (12, None), (40, [9, 9, 9])):
+        with fastlayers.backend("reference"):
+            want = _module_grads(module, x[:steps], lengths)
+        got = _module_grads(module, x[:steps], lengths)
+        for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+        captures.append(_graphs.stats["captures"])
+    assert captures[1] == captures[0] and captures[2] == captures[1] + 2 and captures[4] == captures[2]
     _graphs.clear()
 
 
@@ -174,14 +181,22 @@ def test_plain_layers_on_cuda_run_the_engine_where_loops_are_captured_else_cudnn
     plain = fastlayers.LSTM(6, 256, device=DEV)
     x = torch.randn(7, 3, 6, device=DEV)
     assert type(ours(x, lengths=[7, 3, 5])[0].grad_fn).__name__ == "LSTMLayerBackward"
+    # the first call runs on cuDNN while the engine's loops are captured; then the engine, for
+    # any T up to the captured one, with or without lengths
+    assert type(plain(x)[0].grad_fn).__name__ != "LSTMLayerBackward"
     for lengths in ([7, 3, 5], None):
         assert type(plain(x, lengths=lengths)[0].grad_fn).__name__ == "LSTMLayerBackward"
+        assert type(plain(x[:4], lengths=None if lengths is None else [4, 3, 1])[0].grad_fn).__name__ == "LSTMLayerBackward"
         assert type(plain.double()(x.double(), lengths=lengths)[0].grad_fn).__name__ != "LSTMLayerBackward"
         plain.float()
         monkeypatch.setenv(_graphs.ENV, "0")  # eager loops: cuDNN is faster
         assert type(plain(x, lengths=lengths)[0].grad_fn).__name__ != "LSTMLayerBackward"
         monkeypatch.delenv(_graphs.ENV)
+    long = torch.randn(40, 3, 6, device=DEV)  # longer than the captured buffers: cuDNN, then the engine
+    assert type(plain(long)[0].grad_fn).__name__ != "LSTMLayerBackward"
+    assert type(plain(long)[0].grad_fn).__name__ == "LSTMLayerBackward"
     gru = fastlayers.GRU(6, 256, device=DEV)
+    gru(x)
     assert type(gru(x)[0].grad_fn).__name__ == "GRULayerBackward"
     with fastlayers.backend("reference"):
         assert type(gru(x)[0].grad_fn).__name__ != "GRULayerBackward"
@@ -215,7 +230,7 @@ def test_plain_layers_on_cuda_equal_torch_nn_as_constructed(cell, lengths):
             sum((o * torch.randn(o.shape, generator=g, device=DEV)).sum() for o in (out, *states)).backward()
             return [t.detach().clone() for t in (out, *states, xi.grad, *(p.grad for p in module.parameters()))]
 
-        for _ in range(3):  # eager, capture, replay
+        for _ in range(3):  # cuDNN (while the engine's loops are captured), then the engine's replays
             got = grads(ours, lambda m, x: m(x, lengths=lengths))
         want = grads(theirs, (lambda m, x: m(x)) if lengths is None else (lambda m, x: torch_packed(m, x, None, lengths)))
         assert type(ours(x, lengths=lengths)[0].grad_fn).__name__ == f"{cell}LayerBackward"

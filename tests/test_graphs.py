@@ -1,28 +1,70 @@
-"""The CUDA-graph policy of the GPU engine's time loops (rnn/_graphs.py) without a GPU: when a key
-is captured (warm-up), which entries are dropped at the memory limit, the environment switch.
-Capture and replay themselves are in test_cuda.py (cuda marker)."""
+"""The GPU engine's loop driver (rnn/_graphs.py) without a GPU: chunks of steps "captured" as
+graphs that run their chunk at each replay (_graphs.emulated), on a loop written in torch whose
+steps read the clock as the Triton kernels do. Checked: every step runs once, in order, for any T
+(below, at and above the chunk, not a multiple of it, backward too); the captures and the memory
+held do not grow with the number of distinct T (a capture per growth of the capacity); busy
+entries, the memory limit, a failed capture, capture-only preparation and the environment switch.
+The engine's kernels on this driver are in test_rnn_triton.py; real CUDA graphs in test_cuda.py."""
+
+import math
+import random
 
 import pytest
 import torch
 
 from fastlayers.rnn import _graphs
+from fastlayers.rnn._graphs import TIME
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     _graphs.clear()
     monkeypatch.setenv(_graphs.MAX_MB, "1")  # 1 MiB: the limit is read from here, never from a GPU
+    monkeypatch.delenv(_graphs.ENV, raising=False)
+    monkeypatch.setattr(_graphs, "CHUNK", 4)
+    before = dict(_graphs.stats)
     yield
+    _graphs.stats.update(before)
     _graphs.clear()
 
 
-def _call(n: int, key: str = "k"):
-    """_graphs._claim for a loop on a CPU 'numbers' tensor and one float32 output of n elements."""
-    return _graphs._claim((key,), {"numbers": torch.zeros(2)}, {"out": (n,)})
+def _chunk(st, js):
+    """A time loop step by step as the kernels run it, on st's tensors only: s = clock[0] + j,
+    nothing outside [0, T); step s adds x[s] to the state (a loop-carried value), writes the state
+    at seen[s] and counts itself in hits[s]."""
+    first, steps = (int(v) for v in st["clock"])
+    for j in js:
+        s = first + j
+        if 0 <= s < steps:
+            st["state"] += st["x"][s]
+            st["seen"][s] = st["state"]
+            st["hits"][s] += 1
 
 
-@pytest.mark.parametrize("value, want", [(None, "auto"), ("auto", "auto"), ("", "auto"), ("0", "off"),
-                                         ("1", "always"), ("off", "off"), ("ON", "always")])
+def _prologue(st):
+    st["state"].zero_()
+    st["hits"].zero_()
+
+
+def _loop(steps, key="k", width=3, owner=None, reverse=False):
+    """One call of a loop of ``steps`` steps (x (T, width) as input); returns (loop, st)."""
+    x = torch.arange(steps * width, dtype=torch.float32).view(steps, width)
+    ins = {"x": x, "state": torch.zeros(width), "numbers": torch.zeros(2)}
+    loop = _graphs.open(owner, (key,), steps, ins, {"seen": (TIME, width), "hits": (TIME,)}, {"x": 0})
+    loop.run("forward", loop.st, _prologue, _chunk, reverse=reverse)
+    return loop, loop.st
+
+
+def _ran_in_order(loop, st, reverse=False):
+    """Whether each of the T steps ran once, in order (the running sums of x, from the end backward)."""
+    cut = loop.cut(st)
+    x = cut["x"].double()
+    sums = x.flip(0).cumsum(0).flip(0) if reverse else x.cumsum(0)
+    return bool((cut["hits"] == 1).all()) and torch.equal(cut["seen"].double(), sums)
+
+
+@pytest.mark.parametrize("value, want", [(None, "on"), ("auto", "on"), ("", "on"), ("0", "off"), ("1", "on"),
+                                         ("off", "off"), ("ON", "on"), ("always", "on")])
 def test_mode_reads_the_environment(monkeypatch, value, want):
     if value is None:
         monkeypatch.delenv(_graphs.ENV, raising=False)
@@ -44,53 +86,173 @@ def test_a_bad_memory_limit_is_an_error_naming_the_variable(monkeypatch, value):
         _graphs.limit_bytes(torch.device("cpu"))
 
 
-def test_cpu_tensors_never_capture(monkeypatch):
-    monkeypatch.setenv(_graphs.ENV, "1")
+def test_cpu_tensors_capture_only_when_emulated(monkeypatch):
     assert not _graphs.enabled(torch.zeros(1))
+    with _graphs.emulated():
+        assert _graphs.enabled(torch.zeros(1))
+        monkeypatch.setenv(_graphs.ENV, "0")
+        assert not _graphs.enabled(torch.zeros(1))
 
 
-def test_auto_runs_the_first_call_eagerly_and_captures_the_second(monkeypatch):
-    monkeypatch.delenv(_graphs.ENV, raising=False)
-    assert _call(10) is None  # warm-up: eager
-    entry = _call(10)
-    assert entry is not None and entry.busy and entry.nbytes == 10 * 4 + 2 * 4
-    _graphs._free(entry)
-    assert _call(10) is entry  # the same entry, replayed
-    second = _call(10)  # while the first is busy (a backward pending): a second entry, no warm-up
-    assert second is not None and second is not entry
-    assert _call(11) is None  # another shape warms up on its own
+@pytest.mark.parametrize("steps", [1, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "backward"])
+def test_every_step_runs_once_in_order(steps, reverse):
+    """T below, at, above and not a multiple of the chunk (4): the replays run steps 0..T-1
+    (T-1..0 backward) once each, the same as the eager loop, in ceil(T / 4) replays."""
+    eager_loop, eager = _loop(steps, reverse=reverse)
+    assert _ran_in_order(eager_loop, eager, reverse) and not eager_loop.captured
+    assert _graphs.stats["replays"] == 0 and _graphs.stats["captures"] == 0
+    with _graphs.emulated():
+        loop, st = _loop(steps, reverse=reverse)
+    assert _ran_in_order(loop, st, reverse)
+    assert loop.captured and _graphs.stats["captures"] == 1 and _graphs.stats["replays"] == math.ceil(steps / 4)
+    torch.testing.assert_close(loop.cut(st)["seen"], eager["seen"], atol=0, rtol=0)
+    assert st["seen"].size(0) == _graphs.grown(0, steps) and loop.cut(st)["seen"].size(0) == steps
 
 
-def test_always_captures_the_first_call(monkeypatch):
-    monkeypatch.setenv(_graphs.ENV, "1")
-    assert _call(10) is not None
+def test_captures_and_memory_do_not_grow_with_the_number_of_distinct_t():
+    """200 calls with T drawn from [10, 100] (about 90 distinct T): a capture per growth of the
+    capacity only, one entry, its memory that of at most GROWTH x the longest T plus a chunk."""
+    rng = random.Random(0)
+    lengths = [rng.randint(10, 100) for _ in range(200)]
+    growths = 0
+    capacity = 0
+    with _graphs.emulated():
+        for steps in lengths:
+            if steps > capacity:
+                capacity = _graphs.grown(capacity, steps)
+                growths += 1
+            loop, st = _loop(steps)
+            assert _ran_in_order(loop, st)
+            loop.release()
+    assert len(set(lengths)) > 50
+    assert _graphs.stats["captures"] == growths <= 1 + math.ceil(math.log(10) / math.log(_graphs.GROWTH))
+    entries, held = _graphs.holding(torch.device("cpu"))
+    longest = max(lengths)
+    assert entries == 1 and capacity <= _graphs.GROWTH * longest + _graphs.CHUNK
+    assert held == capacity * (3 + 3 + 1) * 4 + (3 + 2) * 4  # x, seen, hits at capacity; state and numbers
 
 
-def test_idle_entries_are_dropped_least_recently_used_first(monkeypatch):
-    monkeypatch.setenv(_graphs.ENV, "1")
-    quarter = 2**20 // 4 // 4  # float32 elements in a quarter of the 1 MiB limit
-    a, b = _call(quarter, "a"), _call(quarter, "b")
-    for e in (a, b):
-        _graphs._free(e)
-    assert _call(quarter, "a") is a  # a is now the most recently used
-    _graphs._free(a)
-    _call(2 * quarter, "c")  # 1 MiB + 24 bytes in all: the least recently used idle entry (b) goes
-    assert [k[0] for k in _graphs._entries] == [("a",), ("c",)]
+def test_a_longer_t_grows_the_capacity_geometrically_and_drops_the_outgrown_entry():
+    with _graphs.emulated():
+        for steps, capacity in ((5, 8), (7, 8), (9, 12), (10, 12), (13, 16), (100, 100), (3, 100)):
+            loop, st = _loop(steps)
+            assert loop.entry.capacity == capacity and _ran_in_order(loop, st)
+            loop.release()
+            assert _graphs.holding(torch.device("cpu"))[0] == 1
+    assert _graphs.stats["grown"] == 3 and _graphs.stats["captures"] == 4
 
 
-def test_busy_entries_are_kept_over_the_limit(monkeypatch):
-    monkeypatch.setenv(_graphs.ENV, "1")
-    half = 2**20 // 2 // 4
-    a = _call(half, "a")
-    b = _call(half, "b")  # a is busy: kept, the limit is exceeded for now
-    assert a.busy and b.busy and len(_graphs._entries) == 2
-    _graphs._free(a)
-    _call(half, "c")
+def test_a_busy_entry_is_not_shared_and_a_released_one_is_reused():
+    with _graphs.emulated():
+        a, _ = _loop(6)
+        b, _ = _loop(6)  # a's backward is pending: a second entry
+        assert a.entry is not b.entry and a.entry.busy and b.entry.busy
+        a.release()
+        c, st = _loop(5)
+        assert c.entry is a.entry and _ran_in_order(c, st)
+    assert _graphs.stats["captures"] == 2  # c replayed a's capture
+
+
+def test_release_when_the_owner_is_collected():
+    class Owner:
+        pass
+
+    with _graphs.emulated():
+        owner = Owner()
+        loop, _ = _loop(6, owner=owner)
+        entry = loop.entry
+        assert entry.busy
+        del owner
+        assert not entry.busy
+
+
+def test_idle_entries_are_dropped_least_recently_used_first():
+    # 68 bytes a step (x and seen 8 float32 each, hits 1): 4096 steps about a quarter of the 1 MiB limit
+    with _graphs.emulated():
+        a, _ = _loop(4096, "a", width=8)
+        b, _ = _loop(4096, "b", width=8)
+        for loop in (a, b):
+            loop.release()
+        again, _ = _loop(4096, "a", width=8)  # a is now the most recently used
+        again.release()
+        _loop(8192, "c", width=8)  # over the limit: the least recently used idle entry (b) goes
+    assert [k[0] for k in _graphs._entries] == [("a",), ("c",)] and _graphs.stats["evicted"] == 1
+
+
+def test_busy_entries_are_kept_over_the_limit():
+    half = 8192  # steps: about half the 1 MiB limit (see above)
+    with _graphs.emulated():
+        a, _ = _loop(half, "a", width=8)
+        b, _ = _loop(half, "b", width=8)  # a is busy: kept, the limit is exceeded for now
+        assert a.entry.busy and b.entry.busy and len(_graphs._entries) == 2
+        a.release()
+        _loop(half, "c", width=8)
     assert [k[0] for k in _graphs._entries] == [("b",), ("c",)]
 
 
-def test_a_failed_capture_forgets_its_entry(monkeypatch):
-    monkeypatch.setenv(_graphs.ENV, "1")
-    entry = _call(10)
-    _graphs._drop(entry)
+def test_graphs_off_runs_eagerly_on_exact_buffers(monkeypatch):
+    monkeypatch.setenv(_graphs.ENV, "0")
+    with _graphs.emulated():
+        loop, st = _loop(7)
+    assert not loop.captured and st["seen"].size(0) == 7 and _ran_in_order(loop, st)
+    assert not _graphs._entries and _graphs.stats["captures"] == 0
+
+
+def test_a_failed_capture_warns_runs_eagerly_and_is_not_tried_again(monkeypatch):
+    def failing(fn, device):
+        raise RuntimeError("no graph today")
+
+    monkeypatch.setattr(_graphs, "capture", failing)
+    with _graphs.emulated():
+        with pytest.warns(RuntimeWarning, match="capturing a time loop in a CUDA graph failed .*no graph today"):
+            loop, st = _loop(6)
+        assert _ran_in_order(loop, st)  # eagerly, on the entry's buffers
+        again, st = _loop(9)
+    assert not again.captured and _ran_in_order(again, st) and _graphs.stats["failed"] == 1
     assert not _graphs._entries
+
+
+def test_preparing_captures_without_running():
+    with _graphs.emulated():
+        with _graphs.preparing(20) as claimed:
+            loop, st = _loop(1)
+        assert not st["hits"].any() and claimed == [loop.entry.capacity] and loop.entry.capacity >= 20
+        loop.release()
+        loop, st = _loop(17)  # served by the prepared entry: a replay, no capture
+    assert _ran_in_order(loop, st) and _graphs.stats["captures"] == 1
+
+
+def test_a_second_part_shares_the_entry_and_its_buffers():
+    """The backward adds its buffers to the forward's entry (captured once, reused next call)."""
+    with _graphs.emulated():
+        for steps in (6, 3):
+            loop, fwd = _loop(steps)
+            st = loop.add({"dy": torch.ones(steps, 3)}, {"g": (TIME, 3), "absent": None}, {"dy": 0})
+            assert st["x"] is fwd["x"] and st["absent"] is None and st["g"].size(0) == loop.entry.capacity
+            loop.run("backward", st, _prologue, _chunk, reverse=True)
+            assert _ran_in_order(loop, st, reverse=True)
+            torch.testing.assert_close(loop.cut(st)["dy"], torch.ones(steps, 3))
+            loop.release()
+    assert _graphs.stats["captures"] == 2 and _graphs.holding(torch.device("cpu"))[0] == 1
+
+
+def test_a_part_with_a_buffer_of_another_shape_gets_a_new_one_and_a_new_capture():
+    with _graphs.emulated():
+        for width in (3, 5, 5):
+            loop, _ = _loop(6)
+            st = loop.add({"dy": torch.ones(6, 3)}, {"g": (width, TIME)}, {"dy": 0})
+            assert st["g"].shape == (width, loop.entry.capacity)
+            loop.run("backward", st, _prologue, _chunk, reverse=True)
+            assert _ran_in_order(loop, st, reverse=True)
+            loop.release()
+    assert _graphs.stats["captures"] == 3  # the forward's, the backward's with g of 3, then of 5
+
+
+def test_an_entry_made_under_inference_mode_serves_later_calls_outside_it():
+    with _graphs.emulated():
+        with torch.inference_mode():
+            first, _ = _loop(6)
+        first.release()
+        loop, st = _loop(5)  # copies its inputs into the entry's buffers: normal tensors
+    assert loop.entry is first.entry and _ran_in_order(loop, st) and not st["x"].is_inference()

@@ -2,7 +2,8 @@
 gru) on CPU tensors through Triton's interpreter: values, final states and every gradient against
 the float64 per-step reference (every cell option, training masks passed in, eval-mode zoneout,
 unsorted lengths with a length-1 sequence, hx, both directions, 2 layers, projection), torch.nn
-equality with the options off, and the modules as constructed with the backend forced."""
+equality with the options off, and the modules as constructed with the backend forced; its loops
+eagerly and as captured chunks of steps replayed for any T (rnn/_graphs.py, replays run on CPU)."""
 
 from __future__ import annotations
 
@@ -280,3 +281,108 @@ def test_values_at_padded_steps_are_never_read(cell):
     want = _run(reference, x.masked_fill(padded.unsqueeze(2), 0), hx, layers, LENGTHS, opts)
     got = _run(engine, x.masked_fill(padded.unsqueeze(2), float("nan")), hx, layers, LENGTHS, opts)
     _assert_same(got, want, 1e-10)
+
+
+# ---- the loops as captured chunks of steps (rnn/_graphs.py), replays run eagerly (_graphs.emulated)
+
+@pytest.fixture
+def chunked(monkeypatch):
+    """The engine's loops "captured" in chunks of 2 steps (T = 5: three replays, half the last one
+    past T), replays running the chunk on the entry's buffers."""
+    from fastlayers.rnn import _graphs
+
+    monkeypatch.setattr(_graphs, "CHUNK", 2)
+    monkeypatch.setattr(_graphs, "stats", dict.fromkeys(_graphs.stats, 0))
+    _graphs.clear()
+    with _graphs.emulated():
+        yield _graphs
+    _graphs.clear()
+
+
+@pytest.mark.parametrize("cell, opts, proj, training", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_chunked_loops_match_the_float64_reference(cell, opts, proj, training, chunked):
+    """Every option set, both directions, projection, lengths (one layer: the layers' loops are
+    independent; two share a key in test_a_plain_call_is_served_only_where_its_loops_replay): the
+    chunks captured and replayed (3 times per loop), equal to the reference (later calls: the
+    tests below)."""
+    engine, reference = ENGINES[cell]
+    layers = _parameters(cell, opts, proj, layers=1)
+    x, hx = _inputs(cell, proj, layers=1)
+    masks = _masks(cell, proj, layers=1) if training else None
+    want = _run(reference, x, hx, layers, LENGTHS, opts, training, masks)
+    _assert_same(_run(engine, x, hx, layers, LENGTHS, opts, training, masks), want, 1e-10)
+    # the forward's and the backward's chunk, replayed 3 times each
+    assert chunked.stats["captures"] == 2 and chunked.stats["replays"] == 3 * 2
+    assert all(not e.busy for es in chunked._entries.values() for e in es)  # given back after the backward
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_a_chunk_longer_than_t(cell, chunked, monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK", 8)
+    opts = CellOptions.make(layer_norm=True, zoneout=(0.1, 0.2) if cell == "LSTM" else None)
+    engine, reference = ENGINES[cell]
+    layers = _parameters(cell, opts, None, layers=1)
+    x, hx = _inputs(cell, None, layers=1)
+    want = _run(reference, x, hx, layers, LENGTHS, opts)
+    _assert_same(_run(engine, x, hx, layers, LENGTHS, opts), want, 1e-10)
+    assert chunked.stats["replays"] == 2  # one replay per loop
+
+
+@pytest.mark.parametrize("cell, proj", [("LSTM", 3), ("GRU", None)])
+def test_distinct_t_replay_the_same_captures(cell, proj, chunked):
+    """T = 5, 3, 4, 5 (with lengths, without, equal lengths shorter than T): one capture per
+    loop, made by the first call, then replays only; every call equal to the reference."""
+    opts = CellOptions.make(layer_norm=True, peephole=True, cell_clip=0.5) if cell == "LSTM" else \
+        CellOptions.make(layer_norm=True, zoneout=(0.2, 0.0))
+    engine, reference = ENGINES[cell]
+    layers = _parameters(cell, opts, proj, layers=1)
+    x, hx = _inputs(cell, proj, layers=1)
+    for steps, lengths in ((5, LENGTHS), (3, torch.tensor([2, 3, 1])), (4, None), (5, torch.tensor([4, 4, 4]))):
+        want = _run(reference, x[:steps], hx, layers, lengths, opts)
+        _assert_same(_run(engine, x[:steps], hx, layers, lengths, opts), want, 1e-10)
+    assert chunked.stats["captures"] == 2 and chunked.stats["grown"] == 0
+    entries = [e for es in chunked._entries.values() for e in es]
+    assert len(entries) == 1 and entries[0].capacity == 6
+
+
+def test_steps_after_the_longest_sequence_are_not_run(chunked):
+    """Lengths [3, 2, 3] in T = 5: the loops run 3 steps (2 replays of 2 steps each way), the
+    output's last two rows are zeros, and all equals the reference."""
+    opts = CellOptions.make(layer_norm=True)
+    layers = _parameters("GRU", opts, None, layers=1)
+    x, hx = _inputs("GRU", None, layers=1)
+    lengths = torch.tensor([3, 2, 3])
+    want = _run(gru_reference, x, hx, layers, lengths, opts)
+    got = _run(gru_engine_gpu, x, hx, layers, lengths, opts)
+    _assert_same(got, want, 1e-10)
+    assert chunked.stats["replays"] == 4 and not got[0][0][3:].any()
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_a_plain_call_is_served_only_where_its_loops_replay(cell, chunked):
+    """rnn._engine_gpu.replays (the dispatch of plain calls on CUDA): False for a call whose loops
+    are not captured yet, which it captures (forward and backward, no step run); True for the same
+    configuration up to that T, whose engine call then only replays; False again for a longer T;
+    the engine's results equal torch.nn's."""
+    from fastlayers.rnn._engine_gpu import replays
+
+    torch.manual_seed(0)
+    ours, ref = make_pair(cell, F, H, dtype=torch.float64, num_layers=2, bidirectional=True)
+    x = torch.randn(T, B, F, dtype=torch.float64, requires_grad=True)
+    assert not replays(ours, x)
+    captured = chunked.stats["captures"]
+    assert captured == 2 * 2 and chunked.stats["replays"] == 0  # 2 layers, forward and backward
+    assert replays(ours, x) and replays(ours, x[:3])
+    engine = lstm_engine_gpu if cell == "LSTM" else gru_engine_gpu
+    states = tuple(torch.zeros(4, B, H, dtype=torch.float64) for _ in range(2 if cell == "LSTM" else 1))
+
+    def fastlayers_engine(x, h):
+        out, final = engine(x, states, ours._layer_parameters(), LENGTHS, ours.options)
+        return out, (final if len(final) == 2 else final[0])
+
+    got = run_and_grad(fastlayers_engine, ours, x.detach(), None)
+    want = run_and_grad(lambda x, h: torch_packed(ref, x, h, LENGTHS), ref, x.detach(), None)
+    assert_close_all(got, want, atol=1e-10, rtol=1e-10)
+    assert chunked.stats["captures"] == captured and chunked.stats["replays"] > 0
+    assert not replays(ours, torch.randn(20, B, F, dtype=torch.float64))  # longer than the buffers: captures
+    assert replays(ours, torch.randn(20, B, F, dtype=torch.float64))

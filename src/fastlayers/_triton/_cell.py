@@ -1,19 +1,27 @@
 """Step math shared by the recurrent Triton kernels (:mod:`.lstm`, :mod:`.gru`): activations,
 row addressing in the engine's layouts, and LayerNorm over a row split into gate blocks.
 
-Layouts (see :mod:`fastlayers.rnn._engine_gpu`): D directions, T steps, B batch, X features.
+Layouts (see :mod:`fastlayers.rnn._engine_gpu`): D directions, TC the buffers' time capacity (the
+loop's length T or more: a captured loop's buffers are sized by the longest T it served), B
+batch, X features.
 
-* time layout (T, B, D, X): the input projection, its gradient, the layer output;
-* step layout (D, T, B, X): what one step of every direction writes, one (D, B, X) block per
+* time layout (TC, B, D, X): the input projection, its gradient, the layer output;
+* step layout (D, TC, B, X): what one step of every direction writes, one (D, B, X) block per
   step; the recurrent input and every buffer the backward reads;
-* state (D, B, X); original-order masks (D, T, B, X), indexed by time.
+* state (D, B, X); original-order masks (D, TC, B, X), indexed by time.
+
+The step a launch runs is device data: s = clock[0] + j, with j an argument of the launch and
+the int32 tensor ``clock`` = [first step, T] written by the driver (:mod:`fastlayers.rnn._graphs`),
+so one captured chunk of launches replays for any step offset and any T. A launch whose s is
+outside [0, T) does nothing (the last chunk of a loop whose T is not a multiple of the chunk).
 
 Step s of direction d is at time t = s (forward) or T - 1 - s (reverse) of sequence b, and runs
 it only where t < len_b: the forward direction runs its first len_b steps, the reverse one waits
 out the padding (T - len_b steps) and then runs times len_b - 1 .. 0, exactly as on the packed
 sequence. A row that is not active writes zeros at time t (a padding position) and leaves its state
 as it is. So every address a step reads or writes is known without the lengths: they only decide
-which rows run, and the load of len_b does not delay the step's other loads.
+which rows run, and the load of len_b does not delay the step's other loads. The lengths are
+always data (all T when the call has none): one kernel serves calls with and without them.
 """
 
 from __future__ import annotations
@@ -34,17 +42,22 @@ def tanh(v):
 
 
 @triton.jit
-def locate(s, T, B, lengths, HAS_LENGTHS: tl.constexpr):
-    """The row of this program (one per (direction d, sequence b)) at step s: (d, b, active, t,
-    step, state): whether step s runs for it (t < len_b), its time t (a padding position where it
-    does not run), its row in the step layout and in the state. Only ``active`` reads the lengths."""
+def step_of(clock, j):
+    """(s, T): the step of this launch, clock[0] + j, and the loop's length clock[1]."""
+    return tl.load(clock).to(tl.int64) + j, tl.load(clock + 1).to(tl.int64)
+
+
+@triton.jit
+def locate(s, T, TC, B, lengths):
+    """The row of this program (one per (direction d, sequence b)) at step s of a loop of T steps
+    in buffers of time capacity TC: (d, b, active, t, step, state): whether step s runs for it
+    (t < len_b), its time t (a padding position where it does not run), its row in the step layout
+    and in the state. Only ``active`` reads the lengths."""
     pid = tl.program_id(0).to(tl.int64)
     d, b = pid // B, pid % B
     t = tl.where(d == 0, s, T - 1 - s)
-    active = t < T
-    if HAS_LENGTHS:
-        active = t < tl.load(lengths + b)
-    return d, b, active, t, (d * T + s) * B + b, d * B + b
+    active = t < tl.load(lengths + b)
+    return d, b, active, t, (d * TC + s) * B + b, d * B + b
 
 
 @triton.jit
@@ -151,7 +164,7 @@ def store_blocks(ptr, H, k, km, v0, v1, v2, v3, BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def finish_h(s, T, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd,
+def finish_h(s, T, TC, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd,
              ZH_MASK: tl.constexpr, RMASK: tl.constexpr, acc_t: tl.constexpr):
     """h = zh h0 + (1-zh) h1 for an active row (else h0 kept); y[t] = h (0 when not active);
     hd[:, s+1] = h * rmask."""
@@ -159,30 +172,29 @@ def finish_h(s, T, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, 
     h0 = tl.load(h + state * P + k, mask=km, other=0.0).to(acc_t)
     kh = zh_const
     if ZH_MASK:
-        kh = tl.load(zh + ((d * T + t) * B + b) * P + k, mask=km, other=0.0).to(acc_t)
+        kh = tl.load(zh + ((d * TC + t) * B + b) * P + k, mask=km, other=0.0).to(acc_t)
     hn = tl.where(active, kh * h0 + (1 - kh) * h1, h0)
     tl.store(h + state * P + k, hn, mask=km)
     tl.store(y + ((t * B + b) * D + d) * P + k, tl.where(active, hn, 0.0), mask=km)
     if RMASK:
         hn = hn * tl.load(rmask + state * P + k, mask=km, other=0.0)
-    tl.store(hd + ((d * T + s + 1) * B + b) * P + k, hn, mask=tl.where(s + 1 < T, km, False))
+    tl.store(hd + ((d * TC + s + 1) * B + b) * P + k, hn, mask=tl.where(s + 1 < T, km, False))
 
 
 @triton.jit
-def carried(dh, g, g_parts, rmask, state, P, k, km, HAS_G: tl.constexpr, G_PARTS: tl.constexpr, RMASK: tl.constexpr,
+def carried(dh, g, g_parts, rmask, state, P, k, km, G_PARTS: tl.constexpr, RMASK: tl.constexpr,
             acc_t: tl.constexpr):
     """The gradient of the state after this step: dh plus the recurrent GEMM's part of the step
     after it, g * rmask; g (G_PARTS, D, B, P) holds that product's partial sums over slices of its
-    inner size (:mod:`.step_matmul`), ``g_parts`` apart, summed here in order."""
+    inner size (:mod:`.step_matmul`), ``g_parts`` apart, summed here in order (zeros before the
+    loop's first step)."""
     dhv = tl.load(dh + state * P + k, mask=km, other=0.0).to(acc_t)
-    if HAS_G:
-        gv = tl.load(g + state * P + k, mask=km, other=0.0).to(acc_t)
-        for j in tl.static_range(1, G_PARTS):
-            gv += tl.load(g + j * g_parts + state * P + k, mask=km, other=0.0).to(acc_t)
-        if RMASK:
-            gv = gv * tl.load(rmask + state * P + k, mask=km, other=0.0)
-        dhv += gv
-    return dhv
+    gv = tl.load(g + state * P + k, mask=km, other=0.0).to(acc_t)
+    for j in tl.static_range(1, G_PARTS):
+        gv += tl.load(g + j * g_parts + state * P + k, mask=km, other=0.0).to(acc_t)
+    if RMASK:
+        gv = gv * tl.load(rmask + state * P + k, mask=km, other=0.0)
+    return dhv + gv
 
 
 def present_or(t, fallback):
@@ -196,10 +208,10 @@ def block(hidden: int) -> int:
 
 
 def parts(g) -> int:
-    """How many partial sums a recurrent-product buffer g (S, D, B, P) holds (1 when absent)."""
-    return g.size(0) if g is not None else 1
+    """How many partial sums a recurrent-product buffer g (S, D, B, P) holds."""
+    return g.size(0)
 
 
 def parts_stride(g) -> int:
-    """Elements between g's partial sums (0 when absent)."""
-    return g[0].numel() if g is not None else 0
+    """Elements between g's partial sums."""
+    return g[0].numel()

@@ -1,7 +1,7 @@
 """GRU step kernels in Triton (forward, backward), mirroring ``_native/gru.c``.
 
-One program per (direction d, sequence b), the gates r, z, n as three blocks of lanes; layouts
-and "active" as in :mod:`._cell`. Forward, one active row (torch.nn.GRU; haste's LayerNormGRU):
+One program per (direction d, sequence b), the gates r, z, n as three blocks of lanes; layouts,
+the step as device data and "active" as in :mod:`._cell`. Forward, one active row (torch.nn.GRU; haste's LayerNormGRU):
   x = LN(xp; gx) + b_ih (with layer_norm; else xp, b_ih included)   hb = LN(r; gh) (else r) + b_hh
   rg = sig(x_r + hb_r)   zg = sig(x_z + hb_z)   ng = tanh(x_n + rg hb_n)
   h1 = (1 - zg) ng + zg h0   h = zh h0 + (1-zh) h1   y[t] = h; hd[:, s+1] = h * rmask.
@@ -17,16 +17,19 @@ import triton.language as tl
 from torch import Tensor
 
 from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, parts, parts_stride,
-                    present_or, recurrent_norm, sigmoid, store_blocks, tanh, zero_unless)
+                    present_or, recurrent_norm, sigmoid, step_of, store_blocks, tanh, zero_unless)
 
 
-@triton.jit(do_not_specialize=["s"])
-def _forward_kernel(s, T, B, D, H, lengths, xp, b_ih, gx, r, h, rmask, b_hh, gh, zh,
+@triton.jit(do_not_specialize=["j", "TC"])  # one compile per configuration (see .lstm)
+def _forward_kernel(clock, j, TC, B, D, H, lengths, xp, b_ih, gx, r, h, rmask, b_hh, gh, zh,
                     y, hd, gates, hbn, hist, xstat, rhat, rrstd, scalars,
-                    HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, HAS_BIH: tl.constexpr, HAS_BHH: tl.constexpr,
+                    LN: tl.constexpr, HAS_BIH: tl.constexpr, HAS_BHH: tl.constexpr,
                     ZH_MASK: tl.constexpr, RMASK: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
+    s, T = step_of(clock, j)
+    if (s < 0) | (s >= T):
+        return
+    d, b, active, t, step, state = locate(s, T, TC, B, lengths)
     zh_const, eps = tl.load(scalars).to(acc_t), tl.load(scalars + 1).to(acc_t)  # exact in float64
     G = 3 * H
     k = tl.arange(0, BLOCK_H)
@@ -49,28 +52,30 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, b_ih, gx, r, h, rmask, b_hh, gh,
     tl.store(hbn + step * H + k, r2, mask=km)
     tl.store(hist + step * H + k, h0, mask=km)
     h1 = (1 - zg) * ng + zg * h0
-    finish_h(s, T, B, D, H, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
+    finish_h(s, T, TC, B, D, H, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
 
 
-@triton.jit(do_not_specialize=["s"])
-def _backward_kernel(s, T, B, D, H, lengths, dy, dh, g, g_parts, rmask, gates, hbn, hist, xp, xstat, gx, rhat, rrstd, gh,
-                     zh, dpre, dr, dhb, pgx, pb, pgh, scalars,
-                     HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, ZH_MASK: tl.constexpr, HAS_G: tl.constexpr,
-                     G_PARTS: tl.constexpr,
+@triton.jit(do_not_specialize=["j", "TC"])
+def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, g, g_parts, rmask, gates, hbn, hist, xp, xstat, gx, rhat,
+                     rrstd, gh, zh, dpre, dr, dhb, pgx, pb, pgh, scalars,
+                     LN: tl.constexpr, ZH_MASK: tl.constexpr, G_PARTS: tl.constexpr,
                      RMASK: tl.constexpr, NEED_HB: tl.constexpr, NEED_GX: tl.constexpr, NEED_B: tl.constexpr,
                      NEED_GH: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
+    s, T = step_of(clock, j)
+    if (s < 0) | (s >= T):
+        return
+    d, b, active, t, step, state = locate(s, T, TC, B, lengths)
     zh_const, eps = tl.load(scalars).to(acc_t), tl.load(scalars + 1).to(acc_t)  # exact in float64
     G = 3 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
-    dhv = carried(dh, g, g_parts, rmask, state, H, k, km, HAS_G, G_PARTS, RMASK, acc_t)
+    dhv = carried(dh, g, g_parts, rmask, state, H, k, km, G_PARTS, RMASK, acc_t)
     dyv = tl.load(dy + ((t * B + b) * D + d) * H + k, mask=km, other=0.0).to(acc_t)
     dyv = tl.where(active, dyv, 0.0)
     kh = zh_const
     if ZH_MASK:
-        kh = tl.load(zh + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
+        kh = tl.load(zh + ((d * TC + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
     gr = gates + step * G
     rg = tl.load(gr + k, mask=km, other=0.0)
     zg = tl.load(gr + H + k, mask=km, other=0.0)
@@ -115,38 +120,40 @@ def scalars(zh_const: float, eps: float, like: Tensor) -> Tensor:
     return like.new_tensor([zh_const, eps])
 
 
-def step_forward(s: int, lengths: Tensor | None, xp: Tensor, b_ih, gx, r: Tensor, h: Tensor, rmask, b_hh, gh, zh,
-                 y: Tensor, hd: Tensor, buf: dict, numbers: Tensor) -> None:
-    """Step s of every direction: xp (T, B, D, 3H) (b_ih included unless gx is given), r (D, B, 3H),
-    h (D, B, H) in place, y (T, B, D, H), hd (D, T, B, H); buf: step-layout ``gates``, ``hbn``,
-    ``hist``, ``xstat``, ``rhat``, ``rrstd`` (the last three with layer_norm); numbers from
-    :func:`scalars`."""
+def step_forward(at: tuple[Tensor, int], lengths: Tensor, xp: Tensor, b_ih, gx, r: Tensor, h: Tensor, rmask, b_hh, gh,
+                 zh, y: Tensor, hd: Tensor, buf: dict, numbers: Tensor) -> None:
+    """Step s = clock[0] + j of every direction, at = (clock, j) (see :mod:`._cell`): lengths (B,)
+    int64; xp (TC, B, D, 3H) (b_ih included unless gx is given), r (D, B, 3H), h (D, B, H) in
+    place, y (TC, B, D, H), hd (D, TC, B, H); buf: step-layout ``gates``, ``hbn``, ``hist``,
+    ``xstat``, ``rhat``, ``rrstd`` (the last three with layer_norm); numbers from :func:`scalars`."""
     dirs, batch, hidden = h.shape
     ln = gx is not None
+    clock, j = at
     _forward_kernel[(dirs * batch,)](
-        s, xp.size(0), batch, dirs, hidden, present_or(lengths, xp), xp, present_or(b_ih, xp), present_or(gx, xp), r,
+        clock, j, hd.size(1), batch, dirs, hidden, lengths, xp, present_or(b_ih, xp), present_or(gx, xp), r,
         h, present_or(rmask, h), present_or(b_hh, xp), present_or(gh, xp), present_or(zh, xp), y, hd, buf["gates"],
         buf["hbn"], buf["hist"], *(present_or(buf.get(n), xp) for n in ("xstat", "rhat", "rrstd")), numbers,
-        HAS_LENGTHS=lengths is not None, LN=ln, HAS_BIH=b_ih is not None and ln, HAS_BHH=b_hh is not None,
+        LN=ln, HAS_BIH=b_ih is not None and ln, HAS_BHH=b_hh is not None,
         ZH_MASK=zh is not None, RMASK=rmask is not None, F64=h.dtype.itemsize == 8, BLOCK_H=block(hidden))
 
 
-def step_backward(s: int, lengths: Tensor | None, dy: Tensor, dh: Tensor, g: Tensor | None, rmask, xp, gx, gh, zh,
+def step_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tensor, g: Tensor, rmask, xp, gx, gh, zh,
                   buf: dict, grads: dict, numbers: Tensor) -> None:
-    """Back through step s: dy (T, B, D, H); dh (D, B, H) in place; g the recurrent GEMM's gradient
-    of the step after (None at the last step); xp with layer_norm (else None). grads: ``dpre``
-    (T, B, D, 3H), ``dr`` (D, T, B, 3H), and, where needed, ``dhb`` (gradient of hb, for b_hh with
-    layer_norm), ``pgx``, ``pb``, ``pgh`` (D, T, B, 3H)."""
+    """Back through step s = clock[0] + j: dy (TC, B, D, H); dh (D, B, H) in place; g (S, D, B, H)
+    the recurrent GEMM's partial sums of the step after (zeros before the loop's first step); xp
+    with layer_norm (else None). grads: ``dpre`` (TC, B, D, 3H), ``dr`` (D, TC, B, 3H), and, where
+    needed, ``dhb`` (gradient of hb, for b_hh with layer_norm), ``pgx``, ``pb``, ``pgh``
+    (D, TC, B, 3H)."""
     dirs, batch, hidden = dh.shape
+    clock, j = at
     _backward_kernel[(dirs * batch,)](
-        s, dy.size(0), batch, dirs, hidden, present_or(lengths, dh), dy, dh, present_or(g, dh), parts_stride(g),
+        clock, j, buf["gates"].size(1), batch, dirs, hidden, lengths, dy, dh, g, parts_stride(g),
         present_or(rmask, dh),
         buf["gates"], buf["hbn"], buf["hist"], present_or(xp, dh), present_or(buf.get("xstat"), dh),
         present_or(gx, dh), present_or(buf.get("rhat"), dh), present_or(buf.get("rrstd"), dh), present_or(gh, dh),
         present_or(zh, dh), grads["dpre"], grads["dr"], *(present_or(grads.get(n), dh) for n in ("dhb", "pgx", "pb",
                                                                                              "pgh")), numbers,
-        HAS_LENGTHS=lengths is not None, LN=gx is not None, ZH_MASK=zh is not None, HAS_G=g is not None,
-        G_PARTS=parts(g),
+        LN=gx is not None, ZH_MASK=zh is not None, G_PARTS=parts(g),
         RMASK=rmask is not None, NEED_HB=grads.get("dhb") is not None, NEED_GX=grads.get("pgx") is not None,
         NEED_B=grads.get("pb") is not None, NEED_GH=grads.get("pgh") is not None, F64=dh.dtype.itemsize == 8,
         BLOCK_H=block(hidden))

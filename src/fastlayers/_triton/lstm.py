@@ -1,8 +1,9 @@
 """LSTM step kernels in Triton (forward, backward, projection), mirroring ``_native/lstm.c``.
 
 One program per (direction d, sequence b); the hidden units of the four gates i, f, g, o are four
-blocks of lanes. Layouts and the meaning of "active" are in :mod:`._cell`. Per step the caller
-runs the recurrent GEMM r = hd[:, s] @ W_hh^T (cuBLAS), then one of these kernels.
+blocks of lanes. Layouts, the step as device data and the meaning of "active" are in
+:mod:`._cell`. Per step the caller runs the recurrent GEMM r = hd[:, s] @ W_hh^T
+(:mod:`.step_matmul`), then one of these kernels.
 
 Forward, one active row (the equations of ``_native/lstm.c``: haste's LayerNormLSTM, diagonal
 peepholes, cell clip, zoneout):
@@ -26,18 +27,23 @@ import triton.language as tl
 from torch import Tensor
 
 from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, norm_backward_terms,
-                    norm_stats, parts, parts_stride, present_or, recurrent_norm, sigmoid, store_blocks, tanh,
+                    norm_stats, parts, parts_stride, present_or, recurrent_norm, sigmoid, step_of, store_blocks, tanh,
                     zero_unless)
 
 
-@triton.jit(do_not_specialize=["s"])
-def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc, bc, peep, zc, zh,
+# the step (j) and the buffers' time capacity (TC) are never specialised: one compile per
+# configuration, whatever the chunk, the step offset or the loop's length
+@triton.jit(do_not_specialize=["j", "TC"])
+def _forward_kernel(clock, j, TC, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc, bc, peep, zc, zh,
                     y, hd, gates, c1, chist, xstat, rhat, rrstd, cstat, y1, scalars,
-                    HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, PEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    LN: tl.constexpr, PEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
                     CLIP: tl.constexpr, ZC_MASK: tl.constexpr, ZH_MASK: tl.constexpr, RMASK: tl.constexpr,
                     PROJ: tl.constexpr, SAVE_CHIST: tl.constexpr, F64: tl.constexpr, BLOCK_H: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
+    s, T = step_of(clock, j)
+    if (s < 0) | (s >= T):
+        return
+    d, b, active, t, step, state = locate(s, T, TC, B, lengths)
     clip, zc_const, zh_const, _, eps = _scalars(scalars, acc_t)
     G = 4 * H
     k = tl.arange(0, BLOCK_H)
@@ -82,12 +88,13 @@ def _forward_kernel(s, T, B, D, H, lengths, xp, bias, gx, r, h, c, rmask, gh, gc
     h1 = o * tanh(nc)
     kc = zc_const
     if ZC_MASK:
-        kc = tl.load(zc + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
+        kc = tl.load(zc + ((d * TC + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
     tl.store(c + state * H + k, kc * c0 + (1 - kc) * cn, mask=tl.where(active, km, False))
     if PROJ:
         tl.store(y1 + step * H + k, h1, mask=km)
     else:
-        finish_h(s, T, B, D, H, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
+        finish_h(s, T, TC, B, D, H, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK,
+                 acc_t)
 
 
 @triton.jit
@@ -98,12 +105,15 @@ def _scalars(scalars, acc_t: tl.constexpr):
             tl.load(scalars + 3).to(acc_t), tl.load(scalars + 4).to(acc_t))
 
 
-@triton.jit(do_not_specialize=["s"])
-def _project_kernel(s, T, B, D, P, lengths, hp, h, rmask, zh, keep, y, hd, scalars,
-                    HAS_LENGTHS: tl.constexpr, PCLIP: tl.constexpr, ZH_MASK: tl.constexpr, RMASK: tl.constexpr,
+@triton.jit(do_not_specialize=["j", "TC"])
+def _project_kernel(clock, j, TC, B, D, P, lengths, hp, h, rmask, zh, keep, y, hd, scalars,
+                    PCLIP: tl.constexpr, ZH_MASK: tl.constexpr, RMASK: tl.constexpr,
                     F64: tl.constexpr, BLOCK_P: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
+    s, T = step_of(clock, j)
+    if (s < 0) | (s >= T):
+        return
+    d, b, active, t, step, state = locate(s, T, TC, B, lengths)
     k = tl.arange(0, BLOCK_P)
     km = k < P
     _, _, zh_const, pclip, _ = _scalars(scalars, acc_t)
@@ -111,27 +121,29 @@ def _project_kernel(s, T, B, D, P, lengths, hp, h, rmask, zh, keep, y, hd, scala
     if PCLIP:
         tl.store(keep + step * P + k, tl.where(tl.abs(v) <= pclip, 1.0, 0.0), mask=km)
         v = tl.where(v > pclip, pclip, tl.where(v < -pclip, -pclip, v))
-    finish_h(s, T, B, D, P, b, d, t, active, k, km, v, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
+    finish_h(s, T, TC, B, D, P, b, d, t, active, k, km, v, h, rmask, zh, zh_const, y, hd, ZH_MASK, RMASK, acc_t)
 
 
-@triton.jit(do_not_specialize=["s"])
-def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, g_parts, rmask, zh, keep, dhp, scalars,
-                             HAS_LENGTHS: tl.constexpr, HAS_G: tl.constexpr, G_PARTS: tl.constexpr,
-                             PCLIP: tl.constexpr,
-                             ZH_MASK: tl.constexpr, RMASK: tl.constexpr, F64: tl.constexpr, BLOCK_P: tl.constexpr):
+@triton.jit(do_not_specialize=["j", "TC"])
+def _project_backward_kernel(clock, j, TC, B, D, P, lengths, dy, dh, g, g_parts, rmask, zh, keep, dhp, scalars,
+                             G_PARTS: tl.constexpr, PCLIP: tl.constexpr, ZH_MASK: tl.constexpr, RMASK: tl.constexpr,
+                             F64: tl.constexpr, BLOCK_P: tl.constexpr):
     """Back through y = h, zoneout of h and proj_clip: dhp[:, s] = grad of h1 @ W_hr^T (0 when
     not active); dh (+ the recurrent part g * rmask of the step after) becomes zh * its total."""
     acc_t = tl.float64 if F64 else tl.float32
-    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
+    s, T = step_of(clock, j)
+    if (s < 0) | (s >= T):
+        return
+    d, b, active, t, step, state = locate(s, T, TC, B, lengths)
     k = tl.arange(0, BLOCK_P)
     km = k < P
     _, _, zh_const, _, _ = _scalars(scalars, acc_t)
-    dhv = carried(dh, g, g_parts, rmask, state, P, k, km, HAS_G, G_PARTS, RMASK, acc_t)
+    dhv = carried(dh, g, g_parts, rmask, state, P, k, km, G_PARTS, RMASK, acc_t)
     dyv = tl.load(dy + ((t * B + b) * D + d) * P + k, mask=km, other=0.0).to(acc_t)
     dtot = dhv + tl.where(active, dyv, 0.0)
     kh = zh_const
     if ZH_MASK:
-        kh = tl.load(zh + ((d * T + t) * B + b) * P + k, mask=km, other=0.0).to(acc_t)
+        kh = tl.load(zh + ((d * TC + t) * B + b) * P + k, mask=km, other=0.0).to(acc_t)
     ghp = (1 - kh) * dtot
     if PCLIP:
         ghp = ghp * tl.load(keep + step * P + k, mask=km, other=0.0)
@@ -139,24 +151,29 @@ def _project_backward_kernel(s, T, B, D, P, lengths, dy, dh, g, g_parts, rmask, 
     tl.store(dh + state * P + k, tl.where(active, kh * dtot, dhv), mask=km)
 
 
-@triton.jit(do_not_specialize=["s"])
-def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, g_parts, rmask, gates, c1, c0, chist, xp, xstat, gx, rhat,
-                     rrstd, cstat, gh, gc, bc, peep, zc, zh, dpre, dr, pgx, pb, pgh, pgc, pbc, ppeep, scalars,
-                     HAS_LENGTHS: tl.constexpr, LN: tl.constexpr, PEEP: tl.constexpr, CLIP: tl.constexpr,
-                     ZC_MASK: tl.constexpr, ZH_MASK: tl.constexpr, HAS_G: tl.constexpr, G_PARTS: tl.constexpr,
-                     RMASK: tl.constexpr,
+@triton.jit(do_not_specialize=["j", "TC"])
+def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, dc, g, g_parts, rmask, gates, c1, c0, chist, xp, xstat, gx,
+                     rhat, rrstd, cstat, gh, gc, bc, peep, zc, zh, dpre, dr, pgx, pb, pgh, pgc, pbc, ppeep, scalars,
+                     LN: tl.constexpr, PEEP: tl.constexpr, CLIP: tl.constexpr,
+                     ZC_MASK: tl.constexpr, ZH_MASK: tl.constexpr, G_PARTS: tl.constexpr, RMASK: tl.constexpr,
                      DY_STEP: tl.constexpr, SAVE_CHIST: tl.constexpr, NEED_GX: tl.constexpr, NEED_B: tl.constexpr,
                      NEED_GH: tl.constexpr, NEED_GC: tl.constexpr, NEED_PEEP: tl.constexpr, F64: tl.constexpr,
                      BLOCK_H: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    d, b, active, t, step, state = locate(s, T, B, lengths, HAS_LENGTHS)
+    s, T = step_of(clock, j)
+    if (s < 0) | (s >= T):
+        return
+    d, b, active, t, step, state = locate(s, T, TC, B, lengths)
     G = 4 * H
     k = tl.arange(0, BLOCK_H)
     km = k < H
     clip, zc_const, zh_const, _, _ = _scalars(scalars, acc_t)
     if DY_STEP:  # with a projection, zoneout of h is behind it (project_backward)
         zh_const = 0.0
-    dhv = carried(dh, g, g_parts, rmask, state, H, k, km, HAS_G, G_PARTS, RMASK, acc_t)
+    if DY_STEP:  # with a projection, project_backward added the recurrent part g to dh
+        dhv = tl.load(dh + state * H + k, mask=km, other=0.0).to(acc_t)
+    else:
+        dhv = carried(dh, g, g_parts, rmask, state, H, k, km, G_PARTS, RMASK, acc_t)
     dcv = tl.load(dc + state * H + k, mask=km, other=0.0).to(acc_t)
     if DY_STEP:
         dyv = tl.load(dy + state * H + k, mask=km, other=0.0).to(acc_t)
@@ -165,10 +182,10 @@ def _backward_kernel(s, T, B, D, H, lengths, dy, dh, dc, g, g_parts, rmask, gate
         dyv = tl.where(active, dyv, 0.0)
     kh = zh_const
     if ZH_MASK:
-        kh = tl.load(zh + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
+        kh = tl.load(zh + ((d * TC + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
     kc = zc_const
     if ZC_MASK:
-        kc = tl.load(zc + ((d * T + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
+        kc = tl.load(zc + ((d * TC + t) * B + b) * H + k, mask=km, other=0.0).to(acc_t)
     gr = gates + step * G
     i = tl.load(gr + k, mask=km, other=0.0)
     f = tl.load(gr + H + k, mask=km, other=0.0)
@@ -258,72 +275,78 @@ def scalars(consts: tuple[float, float, float, float], eps: float, like: Tensor)
     return like.new_tensor([*consts, eps])
 
 
-def step_forward(s: int, lengths: Tensor | None, xp: Tensor, bias, gx, r: Tensor, h, c: Tensor, rmask, gh, gc, bc,
-                 peep, zc, zh, y, hd, buf: dict, consts: tuple[float, float, float, float], numbers: Tensor) -> None:
-    """Step s of every direction (see the module docstring). xp (T, B, D, 4H); r, c (D, B, 4H / H)
-    and, without a projection, h (D, B, H); y (T, B, D, H); hd (D, T, B, H) (h, y, hd: None with a
+def step_forward(at: tuple[Tensor, int], lengths: Tensor, xp: Tensor, bias, gx, r: Tensor, h, c: Tensor, rmask, gh,
+                 gc, bc, peep, zc, zh, y, hd, buf: dict, consts: tuple[float, float, float, float],
+                 numbers: Tensor) -> None:
+    """Step s = clock[0] + j of every direction, at = (clock, j) (see :mod:`._cell` and the module
+    docstring). lengths (B,) int64; xp (TC, B, D, 4H); r, c (D, B, 4H / H) and, without a
+    projection, h (D, B, H); y (TC, B, D, H); hd (D, TC, B, H) (h, y, hd: None with a
     projection); buf: the step-layout buffers ``gates``, ``c1``, ``chist``, ``xstat``, ``rhat``,
-    ``rrstd``, ``cstat``, ``y1`` (None where unused); consts (cell_clip or 0, z_c, z_h, proj_clip or
-    0), the z used without masks, and ``numbers`` the same as :func:`scalars`."""
+    ``rrstd``, ``cstat``, ``y1`` (D, TC, B, ...; None where unused); consts (cell_clip or 0, z_c, z_h,
+    proj_clip or 0), the z used without masks, and ``numbers`` the same as :func:`scalars`."""
     dirs, batch, hidden = c.shape
     ln = gx is not None
+    clock, j = at
     _forward_kernel[(dirs * batch,)](
-        s, xp.size(0), batch, dirs, hidden, present_or(lengths, xp), xp, present_or(bias, xp), present_or(gx, xp), r,
+        clock, j, buf["gates"].size(1), batch, dirs, hidden, lengths, xp, present_or(bias, xp), present_or(gx, xp), r,
         present_or(h, c), c, present_or(rmask, c), present_or(gh, xp), present_or(gc, xp), present_or(bc, xp),
         present_or(peep, xp), present_or(zc, xp), present_or(zh, xp), present_or(y, xp), present_or(hd, xp),
         buf["gates"], buf["c1"], *(present_or(buf.get(n), xp) for n in ("chist", "xstat", "rhat", "rrstd", "cstat",
                                                                          "y1")), numbers,
-        HAS_LENGTHS=lengths is not None, LN=ln, PEEP=peep is not None, HAS_BIAS=bias is not None and ln,
+        LN=ln, PEEP=peep is not None, HAS_BIAS=bias is not None and ln,
         CLIP=consts[0] > 0, ZC_MASK=zc is not None, ZH_MASK=zh is not None, RMASK=rmask is not None,
         PROJ=buf.get("y1") is not None, SAVE_CHIST=buf.get("chist") is not None, F64=c.dtype.itemsize == 8,
         BLOCK_H=block(hidden))
 
 
-def project(s: int, lengths: Tensor | None, hp: Tensor, h: Tensor, rmask, zh, keep, y: Tensor, hd: Tensor,
+def project(at: tuple[Tensor, int], lengths: Tensor, hp: Tensor, h: Tensor, rmask, zh, keep, y: Tensor, hd: Tensor,
             numbers: Tensor) -> None:
-    """Finish step s with a projection: hp = h1 @ W_hr^T (D, B, P), state h (D, B, P); keep
-    (D, T, B, P) | None (no proj_clip) records |hp| <= proj_clip for the backward."""
+    """Finish step s = clock[0] + j with a projection: hp = h1 @ W_hr^T (D, B, P), state h
+    (D, B, P); y (TC, B, D, P), hd (D, TC, B, P); keep (D, TC, B, P) | None (no proj_clip) records
+    |hp| <= proj_clip for the backward."""
     dirs, batch, size = h.shape
+    clock, j = at
     _project_kernel[(dirs * batch,)](
-        s, y.size(0), batch, dirs, size, present_or(lengths, hp), hp, h, present_or(rmask, hp), present_or(zh, hp),
-        present_or(keep, hp), y, hd, numbers, HAS_LENGTHS=lengths is not None, PCLIP=keep is not None,
+        clock, j, hd.size(1), batch, dirs, size, lengths, hp, h, present_or(rmask, hp), present_or(zh, hp),
+        present_or(keep, hp), y, hd, numbers, PCLIP=keep is not None,
         ZH_MASK=zh is not None, RMASK=rmask is not None, F64=h.dtype.itemsize == 8, BLOCK_P=block(size))
 
 
-def project_backward(s: int, lengths: Tensor | None, dy: Tensor, dh: Tensor, g: Tensor | None, rmask, zh, keep,
+def project_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tensor, g: Tensor, rmask, zh, keep,
                      dhp: Tensor, numbers: Tensor) -> None:
-    """Back through :func:`project` at step s: dhp (D, T, B, P), dh (D, B, P) in place, g the
-    recurrent GEMM's gradient of the step after (None at the last step)."""
+    """Back through :func:`project` at step s = clock[0] + j: dy (TC, B, D, P), dhp (D, TC, B, P),
+    dh (D, B, P) in place, g (S, D, B, P) the recurrent GEMM's partial sums of the step after
+    (zeros before the loop's first step)."""
     dirs, batch, size = dh.shape
+    clock, j = at
     _project_backward_kernel[(dirs * batch,)](
-        s, dy.size(0), batch, dirs, size, present_or(lengths, dh), dy, dh, present_or(g, dh), parts_stride(g),
-        present_or(rmask, dh), present_or(zh, dh), present_or(keep, dh), dhp, numbers, HAS_LENGTHS=lengths is not None,
-        HAS_G=g is not None, G_PARTS=parts(g),
+        clock, j, dhp.size(1), batch, dirs, size, lengths, dy, dh, g, parts_stride(g),
+        present_or(rmask, dh), present_or(zh, dh), present_or(keep, dh), dhp, numbers, G_PARTS=parts(g),
         PCLIP=keep is not None, ZH_MASK=zh is not None, RMASK=rmask is not None, F64=dh.dtype.itemsize == 8,
         BLOCK_P=block(size))
 
 
-def step_backward(s: int, lengths: Tensor | None, dy: Tensor, dh: Tensor, dc: Tensor, g: Tensor | None, rmask, c0,
-                  xp, gx, gh, gc, bc, peep, zc, zh, buf: dict, grads: dict, consts, numbers: Tensor,
-                  steps: int) -> None:
-    """Back through step s: dy the output gradient (T, B, D, H), or with a projection the
-    gradient of h1 at this step (D, B, H); dh, dc (D, B, H) in place; g as in
-    :func:`project_backward` (None with a projection: that kernel adds it); xp (T, B, D, 4H) with
-    layer_norm (else None). grads: ``dpre`` (T, B, D, 4H), ``dr`` (D, T, B, 4H), and the per-row
-    products ``pgx``, ``pb``, ``pgh`` (D, T, B, 4H), ``pgc``, ``pbc`` (D, T, B, H), ``ppeep``
-    (D, T, B, 3H), None where not needed."""
+def step_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tensor, dc: Tensor, g: Tensor, rmask,
+                  c0, xp, gx, gh, gc, bc, peep, zc, zh, buf: dict, grads: dict, consts, numbers: Tensor) -> None:
+    """Back through step s = clock[0] + j: dy the output gradient (TC, B, D, H), or with a
+    projection the gradient of h1 at this step (D, B, H); dh, dc (D, B, H) in place; g (S, D, B, H)
+    as in :func:`project_backward` (with a projection unused: that kernel adds it); xp
+    (TC, B, D, 4H) with layer_norm (else None). grads: ``dpre`` (TC, B, D, 4H), ``dr``
+    (D, TC, B, 4H), and the per-row products ``pgx``, ``pb``, ``pgh`` (D, TC, B, 4H), ``pgc``,
+    ``pbc`` (D, TC, B, H), ``ppeep`` (D, TC, B, 3H), None where not needed."""
     dirs, batch, hidden = dc.shape
     dy_step = dy.dim() == 3
+    clock, j = at
     _backward_kernel[(dirs * batch,)](
-        s, steps, batch, dirs, hidden, present_or(lengths, dc), dy, dh, dc, present_or(g, dc), parts_stride(g),
+        clock, j, buf["gates"].size(1), batch, dirs, hidden, lengths, dy, dh, dc, g, parts_stride(g),
         present_or(rmask, dc),
         buf["gates"], buf["c1"], c0, present_or(buf.get("chist"), dc), present_or(xp, dc),
         present_or(buf.get("xstat"), dc), present_or(gx, dc), present_or(buf.get("rhat"), dc),
         present_or(buf.get("rrstd"), dc), present_or(buf.get("cstat"), dc), present_or(gh, dc), present_or(gc, dc),
         present_or(bc, dc), present_or(peep, dc), present_or(zc, dc), present_or(zh, dc), grads["dpre"], grads["dr"],
         *(present_or(grads.get(n), dc) for n in ("pgx", "pb", "pgh", "pgc", "pbc", "ppeep")), numbers,
-        HAS_LENGTHS=lengths is not None, LN=gx is not None, PEEP=peep is not None, CLIP=consts[0] > 0,
-        ZC_MASK=zc is not None, ZH_MASK=zh is not None and not dy_step, HAS_G=g is not None, G_PARTS=parts(g),
+        LN=gx is not None, PEEP=peep is not None, CLIP=consts[0] > 0,
+        ZC_MASK=zc is not None, ZH_MASK=zh is not None and not dy_step, G_PARTS=parts(g),
         RMASK=rmask is not None, DY_STEP=dy_step, SAVE_CHIST=buf.get("chist") is not None,
         NEED_GX=grads.get("pgx") is not None, NEED_B=grads.get("pb") is not None, NEED_GH=grads.get("pgh") is not None,
         NEED_GC=grads.get("pgc") is not None, NEED_PEEP=grads.get("ppeep") is not None, F64=dc.dtype.itemsize == 8,

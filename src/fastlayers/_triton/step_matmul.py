@@ -1,10 +1,14 @@
 """The recurrent product of one time step in Triton: out[j, d] = a[d] @ b[d] over the j-th slice of K.
 
-Legend: D directions, M rows (the batch), K the product's inner size, N columns, S slices of K.
-a (D, M, K) and b (D, K, N) with unit stride along their last dimension (a is a step of a
-(D, T, B, K) buffer: any other strides); out (S, D, M, N) contiguous, or (D, M, N) when S = 1.
-The S partial products are summed by the step kernel that reads them (:func:`._cell.carried`), in
-a fixed order: no atomics, results do not depend on scheduling.
+Legend: D directions, M rows (the batch), K the product's inner size, N columns, S slices of K,
+TC the time capacity of a step-layout buffer.
+a (D, M, K), or a step of a (D, TC, M, K) buffer chosen by device data: the step s = clock[0] + j
+(``at=(clock, j)``, as the step kernels read it, :mod:`._cell`), and nothing is written when s is
+outside [0, clock[1]) (so a captured chunk of steps replays for any step offset and loop length);
+b (D, K, N); both with unit stride along their last dimension (any other strides); out
+(S, D, M, N) contiguous, or (D, M, N) when S = 1. The S partial products are summed by the step
+kernel that reads them (:func:`._cell.carried`), in a fixed order: no atomics, results do not
+depend on scheduling.
 
 Why not cuBLAS (H100, torch 2.11, fp32, 800 steps in one CUDA graph, D=2, M=32, 2026-11-24,
 ``benchmarks/bench_gpu_step_matmul.py``): the backward's product (K = 4H = 1024, N = H = 256) took
@@ -12,11 +16,14 @@ Why not cuBLAS (H100, torch 2.11, fp32, 800 steps in one CUDA graph, D=2, M=32, 
 slice and 4.1 us in 8; the forward's (K = 256, N = 1024) 8.9 us under torch.bmm, 6.8 us here with
 b contiguous. The seed's LayerNorm-LSTM fwd+bwd (CUDA graphs) took 34.7 / 23.4 / 21.9 / 21.5 ms
 with 1024 / 256 / 128 / 64 elements of K per slice (GRU 28.8 / 21.1 / 19.6 / 19.7): 64 and 128
-within 2%, 128 kept (half the partial sums for the step kernels to add).
+within 2%, 128 kept (half the partial sums for the step kernels to add). And a cuBLAS call cannot
+take its operand's address from device data.
 
 Precision: float32 operands multiply in IEEE float32 (TF32 where
-``torch.backends.cuda.matmul.allow_tf32`` allows it, as torch.bmm); bfloat16 / float16 ``b``
-takes ``a`` rounded to its dtype; sums in float32, written in ``out``'s dtype.
+``torch.backends.cuda.matmul.allow_tf32`` allows it, as torch.bmm); float64 in float64;
+bfloat16 / float16 ``b`` takes ``a`` rounded to its dtype; a float32 ``b`` of a mixed-precision
+call (``low`` given: the low dtype's values held in float32, on a CPU without that GEMM) takes
+``a`` rounded to ``low``; sums in float32 (float64 for float64), written in ``out``'s dtype.
 """
 
 from __future__ import annotations
@@ -33,42 +40,38 @@ BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 64
 K_PER_SLICE = 128
 
 
-@triton.jit
-def _kernel(a, b, c, M, N, K, k_slice, s_ad, s_am, s_bd, s_bk, s_cs, s_cd, s_cm,
-            SLICES: tl.constexpr, PRECISION: tl.constexpr, ROUND_A: tl.constexpr, WIDEN: tl.constexpr,
-            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+@triton.jit(do_not_specialize=["j"])
+def _kernel(a, b, c, clock, j, M, N, K, k_slice, s_ad, s_at, s_am, s_bd, s_bk, s_cs, s_cd, s_cm,
+            SLICES: tl.constexpr, PRECISION: tl.constexpr, A_DTYPE: tl.constexpr, WIDEN: tl.constexpr,
+            F64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    s = tl.load(clock).to(tl.int64) + j
+    if (s < 0) | (s >= tl.load(clock + 1)):
+        return
+    a += s * s_at
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     d = (tl.program_id(2) // SLICES).to(tl.int64)
-    j = tl.program_id(2) % SLICES
+    js = tl.program_id(2) % SLICES
     rk = tl.arange(0, BK)
-    start = j * k_slice
+    start = js * k_slice
     end = tl.minimum(start + k_slice, K)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.float64 if F64 else tl.float32)
     for k in range(start, end, BK):
         ks = k + rk
         at = tl.load(a + d * s_ad + rm[:, None] * s_am + ks[None, :], mask=(rm[:, None] < M) & (ks[None, :] < end),
                      other=0.0)
         bt = tl.load(b + d * s_bd + ks[:, None] * s_bk + rn[None, :], mask=(ks[:, None] < end) & (rn[None, :] < N),
                      other=0.0)
-        if ROUND_A:
-            at = at.to(bt.dtype)
+        if A_DTYPE is not None:
+            at = at.to(A_DTYPE)
         if WIDEN:  # low-precision operands multiplied in float32: exact products, the same sums
             at, bt = at.to(tl.float32), bt.to(tl.float32)
         acc += tl.dot(at, bt, input_precision=PRECISION)
-    tl.store(c + j * s_cs + d * s_cd + rm[:, None] * s_cm + rn[None, :], acc.to(c.dtype.element_ty),
+    tl.store(c + js * s_cs + d * s_cd + rm[:, None] * s_cm + rn[None, :], acc.to(c.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as Triton decided when _kernel was made
-
-
-def supported(b: Tensor, mixed: bool) -> bool:
-    """Whether :func:`matmul` takes this prepared ``b``: float32 without mixed precision, or a
-    bfloat16 / float16 ``b`` (mixed precision with a hardware low-precision product)."""
-    if b.dtype == torch.float32:
-        return not mixed
-    return b.dtype in (torch.bfloat16, torch.float16)
 
 
 def slices(k: int) -> int:
@@ -76,23 +79,45 @@ def slices(k: int) -> int:
     return triton.cdiv(k, K_PER_SLICE)
 
 
-def matmul(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
-    """out (S, D, M, N) [or (D, M, N)] = the S partial products of a (D, M, K) @ b (D, K, N)."""
-    dirs, rows, inner = a.shape
+_ONE_STEP: dict[torch.device, Tensor] = {}  # per device: the clock of a single product (step 0 of 1)
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int] | None = None,
+           low: torch.dtype | None = None) -> Tensor:
+    """out (S, D, M, N) [or (D, M, N)] = the S partial products of a (D, M, K) @ b (D, K, N); with
+    ``at = (clock, j)``, a is a (D, TC, M, K) buffer and its step clock[0] + j is multiplied (out
+    untouched when that step is outside [0, clock[1])). ``low``: the low dtype of a mixed-precision
+    call whose ``b`` is float32 (``a`` is rounded to it). Raises AssertionError on layouts other
+    than the above."""
+    if at is None:
+        clock = _ONE_STEP.get(a.device)
+        if clock is None:
+            clock = _ONE_STEP.setdefault(a.device, torch.tensor([0, 1], dtype=torch.int32, device=a.device))
+        at, a = (clock, 0), a.unsqueeze(1)
+    clock, j = at
+    dirs, _, rows, inner = a.shape
     cols = b.size(2)
     parts = out if out.dim() == 4 else out.unsqueeze(0)
     count = parts.size(0)
-    assert a.stride(2) == 1 and b.stride(2) == 1 and parts.is_contiguous() and parts.shape[1:] == (dirs, rows, cols)
+    assert a.stride(3) == 1 and b.stride(2) == 1 and parts.is_contiguous() and parts.shape[1:] == (dirs, rows, cols)
     k_slice = triton.cdiv(triton.cdiv(inner, count), BLOCK_K) * BLOCK_K
     # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly (1e11 off at K=128): under it
     # low-precision operands are widened to float32 first
-    widen = b.dtype != torch.float32 and _INTERPRETED
-    if b.dtype == torch.float32 or widen:
+    if b.dtype in _TL:
+        a_dtype, widen = _TL[b.dtype], _INTERPRETED
+    else:
+        a_dtype, widen = (_TL[low], True) if low in _TL and b.dtype == torch.float32 else (None, False)
+    if b.dtype == torch.float64:
+        precision = "ieee"
+    elif b.dtype == torch.float32 or widen:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     else:
         precision = None
     grid = (triton.cdiv(cols, BLOCK_N), triton.cdiv(rows, BLOCK_M), dirs * count)
-    _kernel[grid](a, b, parts, rows, cols, inner, k_slice, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                  parts.stride(0), parts.stride(1), parts.stride(2), SLICES=count, PRECISION=precision,
-                  ROUND_A=a.dtype != b.dtype, WIDEN=widen, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=2)
+    _kernel[grid](a, b, parts, clock, j, rows, cols, inner, k_slice, a.stride(0), a.stride(1), a.stride(2),
+                  b.stride(0), b.stride(1), parts.stride(0), parts.stride(1), parts.stride(2), SLICES=count,
+                  PRECISION=precision, A_DTYPE=a_dtype if a.dtype != b.dtype or low is not None else None,
+                  WIDEN=widen, F64=b.dtype == torch.float64, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4,
+                  num_stages=2)
     return out

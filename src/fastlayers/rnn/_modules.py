@@ -169,12 +169,14 @@ _COMMON_DOC = """
     valid rows (no GEMM or kernel touches padding; hand-written backward); RNN runs torch's fused
     kernels once per run of time steps with the same set of active sequences. A batch without
     padding takes torch's padded kernel. On CUDA (float32, bfloat16, float16), LSTM and GRU
-    with or without lengths run the fastlayers GPU engine (Triton step kernels, time loops in
-    CUDA graphs) where it measured faster than cuDNN on an H100 (BENCHMARKS.md): hidden_size
-    >= 256 and B * hidden_size <= 2**17 (the seed's BLSTM: 0.24x cuDNN's fwd+bwd time); else,
-    with ``FASTLAYERS_CUDA_GRAPHS=0``, inside a CUDA graph capture of the caller's, under
-    torch.compile, or in float64 they use torch's kernels (cuDNN; its packed path with lengths),
-    as RNN always does elsewhere.
+    with or without lengths run the fastlayers GPU engine (Triton step kernels, time loops as
+    captured CUDA graphs replayed for any T) where it measured faster than cuDNN on an H100
+    (BENCHMARKS.md): hidden_size >= 256 and B * hidden_size <= 2**17 (the seed's BLSTM: 0.24x
+    cuDNN's fwd+bwd time), and only for a call whose loops replay graphs captured already (the
+    first call of a batch size, dtype or grad mode, or one with a longer T than any before, runs
+    on cuDNN while they are captured for the next); else, with ``FASTLAYERS_CUDA_GRAPHS=0``,
+    inside a CUDA graph capture of the caller's, under torch.compile, or in float64 they use
+    torch's kernels (cuDNN; its packed path with lengths), as RNN always does elsewhere.
 
     Errors: for every input torch.nn.{name} rejects, the exception is an instance of torch's class
     (and of ours) and its message starts with torch's message for that input, then ``"; "`` and our
@@ -237,8 +239,10 @@ _OPTIONS_DOC = """
     sharing the weights (eval semantics) for decoding one step at a time.
 
     Devices: on CPU the engine's C kernels; on CUDA the GPU engine (:mod:`._engine_gpu`, Triton
-    step kernels, cuBLAS GEMMs) whose time loops are captured in CUDA graphs from the second call
-    with the same shapes on (:mod:`._graphs`; ``FASTLAYERS_CUDA_GRAPHS=0`` keeps them eager).
+    step kernels and step GEMMs, cuBLAS for the rest) whose time loops run as a chunk of steps
+    captured in a CUDA graph once per batch size and dtype and replayed for any T (a longer T
+    than any before captures again, with larger buffers; :mod:`._graphs`;
+    ``FASTLAYERS_CUDA_GRAPHS=0`` keeps them eager).
 """
 
 
@@ -333,17 +337,21 @@ class _CellOptionsMixin:
         # at H=256-1024 with B*H <= 2^17, but 1.22-1.82x at H <= 128 (cuDNN's steps are short there)
         # and 1.18-1.25x at B=256, H=1024 (the step's GEMM dominates); eagerly it took 3.4-3.8x. So:
         # H >= 256 and B*H <= 2^17 with graphs on (not switched off, not inside the caller's own
-        # capture, not under torch.compile); float64 (not measured) stays on cuDNN too. The backend
-        # (Triton, unless another is forced) is checked by _engine_backend
+        # capture, not under torch.compile), and only where this call's loops replay graphs captured
+        # already (_engine_gpu.replays: a call that would capture runs on cuDNN while they are
+        # captured for the next one); float64 (not measured) stays on cuDNN too. Asked only once the
+        # backend is Triton (_engine_backend)
+        from ._engine_gpu import replays
+
         batch = input.size(0 if self.batch_first else 1) if input.dim() == 3 else 1
         return (input.device.type == "cuda" and input.dtype != torch.float64 and self.hidden_size >= 256
                 and batch * self.hidden_size <= 2**17 and not torch.compiler.is_compiling()
-                and _graphs.enabled(input))
+                and _graphs.enabled(input) and replays(self, input))
 
     def _engine_backend(self, input: Tensor) -> str | None:
         if not self.options.plain or self._engine_precision(input):
             return select(self.mode.lower(), input)
-        if self._plain_on_engine(input) and select(self.mode.lower(), input) == "triton":
+        if select(self.mode.lower(), input) == "triton" and self._plain_on_engine(input):
             return "triton"
         return None
 
