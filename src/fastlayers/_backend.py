@@ -32,6 +32,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from . import _native
+
 BACKENDS = ("cpu", "triton", "reference")
 ENV = "FASTLAYERS_BACKEND"
 # op -> name of its C library in _native (the ops that have a C kernel)
@@ -92,8 +94,6 @@ def unavailable(name: str, op: str, x: Tensor) -> str | None:
             return f"the C kernels take float32/float64 (and bfloat16/float16, computed in float32), got {x.dtype}"
         library = _NATIVE_LIBRARY.get(op)
         if library is not None:
-            from . import _native
-
             if _native.load(library) is None:
                 why = "FASTLAYERS_NO_NATIVE is set" if os.environ.get("FASTLAYERS_NO_NATIVE") else \
                     "no working C compiler (see the warning printed at the first call)"

@@ -91,7 +91,7 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
         return t
     t = t.to(device="cpu", dtype=torch.int64)
     if batch:
-        lo, hi = int(t.min()), int(t.max())
+        lo, hi = (int(v) for v in torch.aminmax(t))
         if lo < 1:
             raise ValueError(f"{name}: every length must be >= 1, got {lo}")
         if hi > max_len:

@@ -30,6 +30,11 @@ SCORES = ("dot", "scaled_dot", "additive")
 
 
 def _check(query: Tensor, keys: Tensor, values: Tensor) -> None:
+    if (type(query) is Tensor and type(keys) is Tensor and type(values) is Tensor and query.dim() == 2
+            and keys.dim() == 3 and values.dim() == 3 and query.is_floating_point()
+            and query.dtype == keys.dtype == values.dtype and query.device == keys.device == values.device
+            and keys.size(0) == query.size(0) and values.shape[:2] == keys.shape[:2] and keys.size(1) >= 1):
+        return  # the common valid call, in a few operations; anything else gets the checks below
     for name, t in (("query", query), ("keys", keys), ("values", values)):
         check_tensor(name, t)
         check_floating(name, t)
@@ -118,8 +123,8 @@ def attention_pool(
             scores = scores * scale
     if lengths is not None:
         lens = as_lengths(lengths, batch, steps).to(keys.device)
-        valid = torch.arange(steps, device=keys.device) < lens.unsqueeze(1)
-        scores = scores.masked_fill(~valid, float("-inf"))
+        padding = torch.arange(steps, device=keys.device) >= lens.unsqueeze(1)
+        scores = scores.masked_fill(padding, float("-inf"))
     weights = torch.softmax(scores, dim=1)
     context = mm.matmul(weights.unsqueeze(1), values).squeeze(1)
     if mm.mixed:  # scores, softmax and the weights in float32; results in the low dtype

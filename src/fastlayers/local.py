@@ -187,6 +187,7 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
         self.output_size = output_size(self.input_size, self.kernel_size, self.stride, self.padding, self.dilation)
         kw = {"device": device, "dtype": dtype}
         self._weight_shape = (out_channels, in_channels, *self.kernel_size, *self.output_size)
+        self._bias_shape, self._input_shape = (out_channels, *self.output_size), (in_channels, *self.input_size)
         self.weight = nn.Parameter(torch.empty(self._weight_shape, **kw))
         self.bias = nn.Parameter(torch.empty(out_channels, *self.output_size, **kw)) if bias else None
         self.reset_parameters()
@@ -202,12 +203,11 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
         """The common valid call, checked in a few operations: a batched input of the weight's dtype
         and device, C_in channels and input_size, and the weight and bias of the construction's
         shapes. False: anything else, for the full checks (which also raise the errors)."""
-        w = self.weight
+        w, b = self.weight, self.bias
         return (type(input) is Tensor and input.dim() == rank and input.dtype == w.dtype
-                and input.device == w.device and input.shape[1:] == (self.in_channels, *self.input_size)
+                and input.device == w.device and input.shape[1:] == self._input_shape
                 and w.shape == self._weight_shape
-                and (self.bias is None or (self.bias.shape == w.shape[:1] + w.shape[-len(self.input_size):]
-                                           and self.bias.dtype == w.dtype)))
+                and (b is None or (b.shape == self._bias_shape and b.dtype == w.dtype)))
 
     def _check_spatial(self, input: Tensor) -> None:
         check_tensor("input", input)

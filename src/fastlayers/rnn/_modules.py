@@ -351,7 +351,8 @@ class _CellOptionsMixin:
     def _engine_backend(self, input: Tensor) -> str | None:
         if not self.options.plain or self._engine_precision(input):
             return select(self.mode.lower(), input)
-        if select(self.mode.lower(), input) == "triton" and self._plain_on_engine(input):
+        if input.device.type == "cuda" and select(self.mode.lower(), input) == "triton" and \
+                self._plain_on_engine(input):  # (the device first: a plain CPU call asks nothing more)
             return "triton"
         return None
 
