@@ -213,3 +213,26 @@ def test_errors():
         locally_connected2d(x, w[0], b, s, p, d)
     with pytest.raises(ValueError, match=r"input: expected a 3-D \(B, C_in, L\)"):
         LocallyConnected1d(1, 1, 5)(torch.randn(1, 1, 1, 5))
+
+
+def test_1d_module_follows_its_parameters_between_no_grad_calls():
+    """The module's 2-D views of its parameters (kept between calls without autograd) follow in-place
+    updates, a replaced parameter and a replaced ``.data``; gradients still reach the parameters."""
+    torch.manual_seed(0)
+    m = LocallyConnected1d(2, 3, 8, kernel_size=3)
+    x = torch.randn(4, 2, 8)
+
+    def expected():
+        return locally_connected2d_reference(x.unsqueeze(-2), m.weight.detach().unsqueeze(2).unsqueeze(4),
+                                             m.bias.detach().unsqueeze(1), (1, 1), (0, 0), (1, 1)).squeeze(-2)
+
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), expected())
+        m.weight.mul_(2)
+        torch.testing.assert_close(m(x), expected())
+        m.weight = torch.nn.Parameter(torch.randn_like(m.weight))
+        torch.testing.assert_close(m(x), expected())
+        m.bias.data = torch.randn_like(m.bias)
+        torch.testing.assert_close(m(x), expected())
+    m(x).sum().backward()
+    assert m.weight.grad is not None and m.bias.grad is not None and bool(m.bias.grad.abs().sum() > 0)

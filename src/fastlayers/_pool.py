@@ -33,9 +33,13 @@ _lock = threading.Lock()
 
 def _take(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     with _lock:
-        fits = [i for i, s in enumerate(_free) if s.dtype == dtype and s.device == device and s.numel() >= numel]
-        if fits:  # (by position: list.remove would compare tensors elementwise)
-            slab = _free.pop(min(fits, key=lambda i: _free[i].numel()))
+        best, best_numel = -1, 0  # the smallest free slab that fits (by position: list.remove would compare
+        for i, s in enumerate(_free):  # tensors elementwise); the cheap tests first
+            n = s.numel()
+            if n >= numel and (best < 0 or n < best_numel) and s.dtype == dtype and s.device == device:
+                best, best_numel = i, n
+        if best >= 0:
+            slab = _free.pop(best)
             if torch.utils.deterministic.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled():
                 slab.fill_(float("nan") if dtype.is_floating_point else 0)
             return slab
@@ -75,7 +79,7 @@ def views(shapes: dict[str, Shape | tuple[Shape, torch.dtype] | None], dtype: to
     if fresh:
         return None, {k: torch.empty(v[0], dtype=v[1], device=device) if v is not None else None
                       for k, v in typed.items()}
-    item = torch.empty(0, dtype=dtype).element_size()
+    item = dtype.itemsize
     sizes = {k: -(-math.prod(v[0]) * v[1].itemsize // item) if v is not None else 0 for k, v in typed.items()}
     total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
     slab = _take(max(total, 1), dtype, device)

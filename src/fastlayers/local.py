@@ -265,11 +265,27 @@ class LocallyConnected1d(_LocallyConnectedNd):
         super().__init__(1, in_channels, out_channels, input_size, kernel_size, stride, padding, dilation, bias,
                          device, dtype)
 
+    def _as_2d(self) -> tuple[Tensor, Tensor | None]:
+        """weight (C_out, C_in, 1, K, 1, OL) and bias (C_out, 1, OL) as views of the parameters. Calls
+        without autograd keep them while the parameters are the same tensors on the same memory (an
+        in-place update shows through a view; a replaced parameter or ``.data`` makes new views);
+        calls with autograd make them each time (the views belong to that call's graph)."""
+        w, b = self.weight, self.bias
+        if torch.is_grad_enabled():
+            return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
+        cached = self.__dict__.get("_views_2d")
+        if (cached is None or cached[0] is not w or cached[1] is not b or cached[2] != w.data_ptr()
+                or cached[3] != (b.data_ptr() if b is not None else 0)):
+            cached = (w, b, w.data_ptr(), b.data_ptr() if b is not None else 0, w.unsqueeze(2).unsqueeze(4),
+                      b.unsqueeze(1) if b is not None else None)
+            self.__dict__["_views_2d"] = cached
+        return cached[4], cached[5]
+
     def forward(self, input: Tensor) -> Tensor:
         if self._common(input, 3):  # as LocallyConnected2d's, with H = 1
-            bias = self.bias.unsqueeze(1) if self.bias is not None else None
-            y = _run(input.unsqueeze(-2), self.weight.unsqueeze(2).unsqueeze(4), bias, (1, self.stride[0]),
-                     (0, self.padding[0]), (1, self.dilation[0]))
+            weight, bias = self._as_2d()
+            y = _run(input.unsqueeze(-2), weight, bias, (1, self.stride[0]), (0, self.padding[0]),
+                     (1, self.dilation[0]))
             return y.squeeze(-2)
         self._check_spatial(input)
         return locally_connected1d(input, self.weight, self.bias, self.stride[0], self.padding[0], self.dilation[0])

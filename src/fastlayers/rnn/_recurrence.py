@@ -53,7 +53,9 @@ def _gru_lib():
 
 def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """``t`` contiguous in ``dtype`` (None stays None)."""
-    return None if t is None else t.to(dtype).contiguous()
+    if t is None or (t.dtype == dtype and t.is_contiguous()):
+        return t
+    return t.to(dtype).contiguous()
 
 
 def _in_dtypes(grads, dtypes) -> tuple[Tensor | None, ...]:
