@@ -80,9 +80,12 @@ at::ScalarType compute_dtype(at::ScalarType t) {
 }
 
 // Optional tensor in the compute dtype, contiguous (undefined stays undefined).
+at::Tensor as(const at::Tensor& t, at::ScalarType dtype) {
+  if (!t.defined() || (t.scalar_type() == dtype && t.is_contiguous())) return t;  // (no dispatch: the common case)
+  return t.to(dtype).contiguous();
+}
 at::Tensor as(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
-  if (!t.has_value() || !t->defined()) return at::Tensor();
-  return t->to(dtype).contiguous();
+  return t.has_value() ? as(*t, dtype) : at::Tensor();
 }
 
 template <typename T> T* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
@@ -206,8 +209,9 @@ class Workspace {
     for (size_t i = 0; i < regions.size(); i++) {
       const bool present = !regions[i].shape.empty();
       pointers.push_back(present ? base + offsets[i] : nullptr);
+      // from_blob: a view of the work space without dispatcher calls (it outlives the call: thread-local)
       views.push_back(present && regions[i].view
-                          ? bytes_.narrow(0, offsets[i], numels[i] * item).view(dtype).view(regions[i].shape)
+                          ? at::from_blob(base + offsets[i], regions[i].shape, at::TensorOptions().dtype(dtype))
                           : at::Tensor());
     }
     return {views, pointers};
@@ -256,7 +260,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
     double zh_const, double pclip) {
   const auto dt = compute_dtype(x_in.scalar_type());
   const int64_t steps = x_in.size(0), batch = x_in.size(1);
-  const auto w_ih = w_ih_in.to(dt).contiguous(), w_hh = w_hh_in.to(dt).contiguous();
+  const auto w_ih = as(w_ih_in, dt), w_hh = as(w_hh_in, dt);
   const int64_t dirs = w_ih.size(0), gsize = w_ih.size(1), hidden = gsize / 4, out = h0_in.size(2);
   const bool proj = w_hr_in.has_value() && w_hr_in->defined();
   const auto gx = as(gx_in, dt), gh = as(gh_in, dt), gc = as(gc_in, dt), bc = as(bc_in, dt), peep = as(peep_in, dt);
@@ -286,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   T *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]), *cstat = reinterpret_cast<T*>(raw[11]);
   T* chist = reinterpret_cast<T*>(raw[12]);
   auto row = [](T* base, int64_t o, int64_t width) { return base ? base + o * width : nullptr; };
-  xs = gather_into(xs, x_in.to(dt), p);
+  xs = gather_into(xs, as(x_in, dt), p);
   const auto w_t = w_ih.transpose(1, 2);
   if (!gx.defined() && bias.defined()) at::baddbmm_out(xp, bias.unsqueeze(1), xs, w_t);
   else at::bmm_out(xp, xs, w_t);
@@ -329,7 +333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
     }
   }
   const auto low = x_in.scalar_type();
-  return {scatter(y, p, steps, batch).to(low), unsorted(h, p).to(low), unsorted(c, p).to(low)};
+  return {as(scatter(y, p, steps, batch), low), as(unsorted(h, p), low), as(unsorted(c, p), low)};
 }
 
 // One direction may come without its leading D = 1 (the cells pass their parameters as they are).
@@ -375,7 +379,7 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
                                             const std::optional<at::Tensor>& zh_in, double zh_const) {
   const auto dt = compute_dtype(x_in.scalar_type());
   const int64_t steps = x_in.size(0), batch = x_in.size(1);
-  const auto w_ih = w_ih_in.to(dt).contiguous(), w_hh = w_hh_in.to(dt).contiguous();
+  const auto w_ih = as(w_ih_in, dt), w_hh = as(w_hh_in, dt);
   const int64_t dirs = w_ih.size(0), gsize = w_ih.size(1), hidden = gsize / 3;
   const auto gx = as(gx_in, dt), gh = as(gh_in, dt), b_ih = as(b_ih_in, dt), b_hh = as(b_hh_in, dt);
   const Plan p = make_plan(lengths, steps, batch, dirs);
@@ -397,7 +401,7 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   T *gates = reinterpret_cast<T*>(raw[5]), *hbn = reinterpret_cast<T*>(raw[6]), *hist = reinterpret_cast<T*>(raw[7]);
   T *xstat = reinterpret_cast<T*>(raw[8]), *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]);
   auto row = [](T* base, int64_t o, int64_t width) { return base ? base + o * width : nullptr; };
-  xs = gather_into(xs, x_in.to(dt), p);
+  xs = gather_into(xs, as(x_in, dt), p);
   const auto w_t = w_ih.transpose(1, 2);
   if (!gx.defined() && b_ih.defined()) at::baddbmm_out(xp, b_ih.unsqueeze(1), xs, w_t);
   else at::bmm_out(xp, xs, w_t);
@@ -417,7 +421,7 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
                     at_row<T>(zh, o), static_cast<T>(zh_const), threads);
   }
   const auto low = x_in.scalar_type();
-  return {scatter(y, p, steps, batch).to(low), unsorted(h, p).to(low)};
+  return {as(scatter(y, p, steps, batch), low), as(unsorted(h, p), low)};
 }
 
 std::tuple<at::Tensor, at::Tensor> gru_padded(const at::Tensor& x, const std::optional<at::Tensor>& lengths,
@@ -453,7 +457,7 @@ std::tuple<at::Tensor, at::Tensor> rnn_padded(const at::Tensor& x_in, const std:
   const int64_t dirs = w_ih.size(0), hidden = w_ih.size(1);
   const Plan p = make_plan(lengths, steps, batch, dirs);
   auto xs = at::empty({dirs, p.rows, x_in.size(2)}, w_ih.options());
-  xs = gather_into(xs, x_in.to(dt), p);
+  xs = gather_into(xs, as(x_in, dt), p);
   auto xp = at::bmm(xs, w_ih.transpose(1, 2));
   if (b_ih_in.has_value() && b_ih_in->defined()) xp.add_(b_ih_in->to(dt).unsqueeze(1));
   if (b_hh_in.has_value() && b_hh_in->defined()) xp.add_(b_hh_in->to(dt).unsqueeze(1));
@@ -468,7 +472,7 @@ std::tuple<at::Tensor, at::Tensor> rnn_padded(const at::Tensor& x_in, const std:
     y.narrow(1, o, n).copy_(hn);
   }
   const auto low = x_in.scalar_type();
-  return {scatter(y, p, steps, batch).to(low), unsorted(h, p).to(low)};
+  return {as(scatter(y, p, steps, batch), low), as(unsorted(h, p), low)};
 }
 
 // ---- locally connected 2-D (fastlayers/_local_function.py; local.c)
@@ -488,7 +492,7 @@ template <typename T>
 at::Tensor local_impl(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
   const auto dt = compute_dtype(input.scalar_type());
-  const auto x = pad2d(input, padding).to(dt).contiguous(), w = weight.to(dt).contiguous();
+  const auto x = as(pad2d(input, padding), dt), w = as(weight, dt);
   const auto b = as(bias, dt);
   const auto g = geometry(x, w, stride, dilation);
   auto y = at::empty({x.size(0), w.size(0), w.size(4), w.size(5)}, x.options());
