@@ -137,3 +137,24 @@ def test_readme_decoding_example_runs():
             token = head(state[0]).argmax(-1)
             out.append(token)
     assert torch.stack(out).shape == (5, 2)
+
+
+def test_forced_reference_backend_runs_the_equations_without_autograd(monkeypatch):
+    """Without autograd a cell with options runs the C++ operator over one step, unless a backend
+    other than the C kernels is forced: then the per-step equations, equal to the operator's."""
+    from fastlayers.rnn import _cells
+
+    torch.manual_seed(0)
+    cell = fastlayers.LSTMCell(4, 5, layer_norm=True, peephole=True).eval()
+    x = torch.randn(3, 4)
+    calls = []
+    original = _cells._step_on_operator
+    monkeypatch.setattr(_cells, "_step_on_operator", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with torch.no_grad():
+        fast = cell(x)
+        assert calls == [1]
+        with fastlayers.backend("reference"):
+            slow = cell(x)
+    assert calls == [1]
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _ops_lib, _precision
+from .._backend import select
 from .._jit import NotScriptable
 from ._engine_reference import gru_cell_step, lstm_cell_step
 from ._options import CellOptions
@@ -42,7 +43,8 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
             return (torch._VF.gru_cell(x, states[0], *args),)
         cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
         return (cell(x, states[0], *args),)
-    if mode != "RNN" and _ops_lib.serves(x):  # no autograd: the layer's C++ operator over one step
+    if mode != "RNN" and _ops_lib.serves(x) and select(mode.lower(), x) == "cpu":  # no autograd: the layer's
+        # C++ operator over one step (the C kernels' backend: a forced "reference" keeps the equations below)
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
     mm = _precision.Products.of(x)
     h_in = states[0] * recurrent_mask if recurrent_mask is not None else states[0]
