@@ -140,7 +140,7 @@ def serves(x) -> bool:
     library loads (the first such call on a machine builds it, about 15 s; where it cannot be built,
     False after one warning, and the callers keep their autograd path)."""
     if torch.is_grad_enabled() or x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu" \
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     loaded = _STATE.get("loaded")
     return bool(loaded) if loaded is not None else load()

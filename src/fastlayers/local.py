@@ -271,7 +271,7 @@ class LocallyConnected1d(_LocallyConnectedNd):
         in-place update shows through a view; a replaced parameter or ``.data`` makes new views);
         calls with autograd make them each time (the views belong to that call's graph)."""
         w, b = self.weight, self.bias
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch.jit.is_tracing():  # (a trace records the views as ops)
             return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
         cached = self.__dict__.get("_views_2d")
         if (cached is None or cached[0] is not w or cached[1] is not b or cached[2] != w.data_ptr()
