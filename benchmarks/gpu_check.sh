@@ -29,6 +29,7 @@ mode=${2:-}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export FASTLAYERS_OFFLINE="${FASTLAYERS_OFFLINE:-1}"  # the GPU machine has no network: no dataset download
 py=${PYTHON:-python3}
 if [ "$mode" = "--dry-run" ]; then
     export TRITON_INTERPRET=1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -131,11 +132,66 @@ def test_resume_refuses_a_checkpoint_of_other_settings(uninterrupted, tmp_path):
     assert "written by a run with other settings" in proc.stderr and "'hidden_size': (12, 16)" in proc.stderr
 
 
-def test_atomic_save_keeps_the_newest(tmp_path):
+def test_atomic_save_keeps_the_newest_of_its_own(tmp_path):
+    torch.save({"x": 0}, tmp_path / "step-00000009.pt")  # not this run's: never pruned
+    ours: list[str] = []
     for step in range(1, 6):
-        save_checkpoint(tmp_path, step, {"x": torch.tensor([step])}, keep=2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004.pt", "step-00000005.pt"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.pt", "step-00000005.pt"]
+        save_checkpoint(tmp_path, step, {"x": torch.tensor([step]), "ours": ours}, keep=2, ours=ours)
+    assert ours == ["step-00000004.pt", "step-00000005.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.pt", "step-00000005.pt", "step-00000009.pt"]
+    # each checkpoint lists itself among the run's files (a resumed run prunes it later)
+    assert torch.load(tmp_path / "step-00000005.pt", weights_only=True)["ours"][-1] == "step-00000005.pt"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert all((p.stat().st_mode & 0o777) == 0o666 & ~umask for p in tmp_path.iterdir())  # as any file the user makes
+
+
+def _quick(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "fastlayers.cli", "train", "--dataset", "vowels", "--max-samples", "32",
+           "--batch-size", "8", "--hidden-size", "6", "--checkpoint-every", "3", "--keep", "2", "--out", str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.fullmatch(pattern, proc.stderr.strip()), proc.stderr
+
+
+def test_an_out_holding_another_run_is_refused_or_replaced_never_mixed(tmp_path):
+    out = tmp_path / "run"
+    first = _quick(out, "--epochs", "3")
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-00000009.pt", "step-00000012.pt"]
+    (out / "notes.txt").write_text("mine")  # not a run file: kept in every case
+    refused = _quick(out, "--epochs", "1")
+    _one_line_error(refused, r"fastlayers train: --out .* holds another run \(config\.json, metrics\.jsonl, .*\): pass "
+                             r"--resume to continue it, --overwrite to replace it .*")
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "notes.txt"} == before
+    other = _quick(out, "--epochs", "1", "--hidden-size", "7", "--resume")
+    _one_line_error(other, r"fastlayers train: --resume: the run in .* has other settings .*'hidden_size': \(6, 7\).*")
+    second = _quick(out, "--epochs", "1", "--overwrite")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "removed the earlier run's" in second.stdout
+    assert [r["epoch"] for r in _metrics(out)] == [1]
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-00000003.pt", "step-00000004.pt"]
+    assert json.loads((out / "config.json").read_text())["epochs"] == 1 and (out / "notes.txt").read_text() == "mine"
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    _one_line_error(_quick(tmp_path / "file" / "run", "--epochs", "1"),
+                    r"fastlayers train: --out .*/file/run: cannot write there \(.*\)")
+    _one_line_error(_quick(tmp_path / "run", "--resume", "--overwrite"),
+                    r"fastlayers train: resume / overwrite: continue the run in out, or replace it; got both")
+    offline = subprocess.run(_cli(tmp_path / "run2"), capture_output=True, text=True, timeout=600,
+                             env={**_env(), "FASTLAYERS_DATA": str(tmp_path / "empty"), "FASTLAYERS_OFFLINE": "1"})
+    _one_line_error(offline, r"fastlayers train: aeon==1\.6\.0 ships aeon/.*, which is neither installed nor in .*empty, "
+                             r"and FASTLAYERS_OFFLINE is set; to provide it offline, run `pip download --no-deps "
+                             r"--only-binary=:all: aeon==1\.6\.0 -d DIR` .*")
+    bad_flag = subprocess.run([sys.executable, "-m", "fastlayers.cli", "train", "--epochs", "two"],
+                              capture_output=True, text=True, env=_env(), timeout=600)
+    assert bad_flag.returncode == 2 and "Traceback" not in bad_flag.stderr and "invalid int value" in bad_flag.stderr
 
 
 def test_epoch_order_is_seeded_and_split_across_processes():

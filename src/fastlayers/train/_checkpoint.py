@@ -6,9 +6,12 @@ position in the data (epoch, step in epoch; the sample order is a function of th
 epoch) and the metrics so far. Only tensors, numbers, strings, lists and dicts: it loads with
 ``torch.load(weights_only=True)``.
 
-Writing: to a temporary file in the same directory, flushed and fsync'ed, then renamed over the
-final name (atomic on POSIX) and the directory fsync'ed; older checkpoints are deleted only
-after that, so a crash at any moment leaves every checkpoint file either complete or absent.
+Writing: to a temporary file in the same directory, flushed and fsync'ed, given the permissions
+of any file the user creates (0666 less the umask), then renamed over the final name (atomic on
+POSIX) and the directory fsync'ed; older checkpoints are deleted only after that, so a crash at
+any moment leaves every checkpoint file either complete or absent. Pruning removes only the
+checkpoints the run itself wrote (their names travel in the checkpoints, so a resumed run prunes
+its own earlier ones and never another run's).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     on any error the temporary file is removed and ``path`` is left as it was."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide a shared run folder's files
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -77,13 +81,27 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         os.close(dir_fd)
 
 
-def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
-    """Write ``payload`` atomically as the checkpoint of ``step``, then delete all but the newest ``keep``."""
+def _umask() -> int:
+    """The process's umask (read back by setting it, as the os module offers no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: int, ours: list[str]) -> Path:
+    """Add the file name of ``step``'s checkpoint to ``ours`` (the names this run wrote, oldest
+    first: the list the payload carries, so the checkpoint itself lists it), write ``payload``
+    atomically as that checkpoint, then delete all but the newest ``keep`` of ``ours``: never a
+    file the run did not write."""
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
+    if final.name in ours:
+        ours.remove(final.name)
+    ours.append(final.name)
     write_atomic(final, lambda f: torch.save({"format": FORMAT, **payload}, f))
-    for old in list_checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+    for name in ours[:-keep]:
+        (directory / name).unlink(missing_ok=True)
+    del ours[:-keep]
     return final
 
 

@@ -30,7 +30,9 @@ class TrainConfig:
         (``"fp32"`` or ``"bf16"``: torch.autocast around the forward), seed.
     out: output directory (metrics.jsonl, curves.png, summary.json, model.pt, checkpoints/).
     checkpoint_every: steps between checkpoints (0: only at the end of each epoch); keep: how many
-        checkpoints to keep. resume: continue from the newest loadable checkpoint in ``out``.
+        checkpoints to keep (pruning removes only this run's own). resume: continue from the newest
+        loadable checkpoint in ``out``; overwrite: replace the run that ``out`` holds (its files are
+        removed first). Without either, an ``out`` that holds a run is refused.
     max_samples: train on the first N training sequences only (quick runs); max_steps: stop after
         N optimisation steps in total (tests). device: ``"cpu"`` or ``"cuda"``.
     """
@@ -56,6 +58,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep: int = 2
     resume: bool = False
+    overwrite: bool = False
     max_samples: int | None = None
     max_steps: int | None = None
     device: str = "cpu"
@@ -77,6 +80,8 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every: expected an int >= 0 (0: at epoch ends only), got {self.checkpoint_every}")
         if not self.lr > 0:
             raise ValueError(f"lr: expected a learning rate > 0, got {self.lr}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume / overwrite: continue the run in out, or replace it; got both")
         if self.cell == "gru" and (self.peephole or self.cell_clip is not None):
             raise ValueError("peephole / cell_clip: LSTM options; got them with cell='gru'")
 
@@ -85,3 +90,7 @@ class TrainConfig:
 
     def run_defining(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in RUN_DEFINING}
+
+    def run_defining_json(self) -> dict:
+        """:meth:`run_defining` as :meth:`to_json` writes it (config.json, checkpoints)."""
+        return {k: v for k, v in self.to_json().items() if k in RUN_DEFINING}

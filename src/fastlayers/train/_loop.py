@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from .._system import cpu_name
 from ..data import batches, pad_batch
-from . import _distributed
+from . import _distributed, _outdir
 from ._checkpoint import CheckpointError, load_latest, rng_state, save_checkpoint, set_rng_state, write_atomic
 from ._config import TrainConfig
 from ._data import Splits, epoch_order, load_splits
@@ -81,7 +81,7 @@ class _Run:
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=self.steps_per_epoch * cfg.epochs)
         torch.manual_seed(cfg.seed + 1 + procs.rank)  # dropout / zoneout masks: one stream per process
         self.progress: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "sums": [0.0, 0.0, 0.0],
-                                         "history": [], "seconds": 0.0}
+                                         "history": [], "seconds": 0.0, "checkpoints": []}
 
     def payload(self) -> dict[str, Any]:
         rngs = [rng_state()]
@@ -95,7 +95,8 @@ class _Run:
     def checkpoint(self) -> None:
         payload = self.payload()  # every process takes part (RNG states are gathered)
         if self.procs.main:
-            save_checkpoint(self.cfg.out / "checkpoints", self.progress["global_step"], payload, self.cfg.keep)
+            save_checkpoint(self.cfg.out / "checkpoints", self.progress["global_step"], payload, self.cfg.keep,
+                            self.progress.setdefault("checkpoints", []))
         _distributed.barrier(self.procs)
 
     def resume(self) -> None:
@@ -104,8 +105,8 @@ class _Run:
             self.log(f"resume: no checkpoint in {self.cfg.out / 'checkpoints'}, starting from the beginning")
             return
         path, payload = found
-        theirs = {k: payload["config"].get(k) for k in self.cfg.run_defining()}
-        ours = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.cfg.run_defining().items()}
+        ours = self.cfg.run_defining_json()
+        theirs = {k: payload["config"].get(k) for k in ours}
         differ = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
         if differ:
             raise CheckpointError(f"{path}: written by a run with other settings (checkpoint vs now: {differ}); "
@@ -188,7 +189,12 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     say = log if procs.main else (lambda message: None)
     state = None
     try:
+        replaced = _outdir.check(cfg.out, cfg.resume, cfg.overwrite, cfg.run_defining_json())  # every process, before any writes
+        _distributed.barrier(procs)
         if procs.main:
+            if replaced:
+                _outdir.remove(replaced)
+                say(f"--overwrite: removed the earlier run's {len(replaced)} file(s) from {cfg.out}")
             cfg.out.mkdir(parents=True, exist_ok=True)
             write_atomic(cfg.out / "config.json", lambda f: f.write(json.dumps(cfg.to_json(), indent=2).encode()))
         splits = load_splits(cfg.dataset, cfg.seed, cfg.max_samples)

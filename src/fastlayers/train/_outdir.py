@@ -1,0 +1,59 @@
+"""The output folder of one run: ``fastlayers train`` never mixes two runs' files in it.
+
+A folder that holds files of a run (config, metrics, curves, summary, model, checkpoints) is
+taken only to continue that run (``resume``) or to replace it (``overwrite``: its files are
+removed first, and only those); anything else in the folder is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+RUN_FILES = ("config.json", "metrics.jsonl", "curves.png", "summary.json", "model.pt")
+
+
+class OutputInUse(RuntimeError):
+    """``out`` holds another run and neither resume nor overwrite was asked for."""
+
+
+def run_files(out: Path) -> list[Path]:
+    """The files of a run in ``out`` (checkpoints included), in a fixed order."""
+    files = [out / name for name in RUN_FILES if (out / name).is_file()]
+    checkpoints = out / "checkpoints"
+    return files + (sorted(checkpoints.glob("step-*.pt")) if checkpoints.is_dir() else [])
+
+
+def check(out: Path, resume: bool, overwrite: bool, settings: dict[str, Any]) -> list[Path]:
+    """The run files that ``overwrite`` will remove (none otherwise). ``settings``: the new run's
+    run-defining settings (as its config.json writes them).
+
+    Raises:
+        OutputInUse: ``out`` holds a run's files and neither ``resume`` nor ``overwrite`` is set,
+            or ``resume`` is set and the run there was started with other settings; the message
+            names the files (or settings) and the flags.
+    """
+    files = run_files(out)
+    if not files:
+        return []
+    if resume:
+        try:
+            theirs = json.loads((out / "config.json").read_text())
+        except (OSError, ValueError):
+            return []  # no readable config: the checkpoints' own check decides
+        differ = {k: (theirs.get(k), v) for k, v in settings.items() if theirs.get(k) != v}
+        if differ:
+            raise OutputInUse(f"--resume: the run in {out} has other settings (there vs now: {differ}); resume "
+                              f"with its settings, pass --overwrite to replace it, or choose another --out")
+        return []
+    if not overwrite:
+        shown = ", ".join(str(p.relative_to(out)) for p in files[:4]) + (", ..." if len(files) > 4 else "")
+        raise OutputInUse(f"--out {out} holds another run ({shown}): pass --resume to continue it, --overwrite to "
+                          f"replace it (its files are removed first), or choose another --out")
+    return files
+
+
+def remove(files: list[Path]) -> None:
+    for path in files:
+        path.unlink(missing_ok=True)
