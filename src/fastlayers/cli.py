@@ -63,6 +63,18 @@ def _user_error(e: BaseException) -> str | None:
     return str(e) if any(kind is not None and isinstance(e, kind) for kind in kinds) else None
 
 
+def _every(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or 'auto', got {text!r}")
+    return value
+
+
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     from .train._config import CELLS, DATASETS, HEADS, PRECISIONS, TrainConfig
 
@@ -93,6 +105,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run that --out holds (its files are removed first); without --resume or "
                         "--overwrite, an --out that holds a run is refused")
+    p.add_argument("--rnn-checkpoint-every", type=_every, default=None, metavar="K|auto",
+                   help="the encoder's checkpoint_every: keep every K-th state and recompute the steps between in "
+                        "the backward (memory for time on long sequences; auto: about sqrt(T))")
     p.add_argument("--max-samples", type=int, default=None, help="train on the first N training sequences")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N optimisation steps")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)

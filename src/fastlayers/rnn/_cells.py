@@ -162,7 +162,7 @@ class _Cell(NotScriptable):
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()  # type: ignore[misc]
-        opts = {k: v for k, v in vars(self.options).items() if v != getattr(CellOptions(), k)}
+        opts = self.options.changed()
         if self.mode == "GRU" and "zoneout" in opts:
             opts["zoneout"] = self.options.zoneout[0]
         return extra + "".join(f", {k}={v!r}" for k, v in opts.items())

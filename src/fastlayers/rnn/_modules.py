@@ -29,6 +29,7 @@ from ._export import operator_layers
 from . import _graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
+from ._remat import checkpointed
 from ._validate import check_cell, check_layer
 from ._varlen import varlen_rnn
 
@@ -233,6 +234,14 @@ _OPTIONS_DOC = """
       ``h_t = clamp(W_hr (o_t * tanh(.)), -p, p)``. With a projection, zoneout and recurrent
       dropout act on the projected h_t (what recurs), the cell options on the H-sized cell.
 
+    * ``checkpoint_every=k`` (an int >= 1, or ``"auto"`` for about sqrt(T); default None):
+      recomputation through time for long sequences (:mod:`._remat`). In a call that records
+      gradients, each layer and direction runs as segments of k steps; the forward keeps only the
+      state entering each segment (and the masks it drew), the backward runs each segment again
+      from it. Memory about (T/k + k) states per layer instead of every step's activations, for
+      one more forward; the same gradients up to the order of sums. Not a parameter nor in
+      ``state_dict``; with it on, a call without options runs the engine too.
+
     PackedSequence input: run as its padded batch with ``lengths=`` (the same call, the same numbers),
     the output packed again as torch returns it (the input's batch_sizes and indices). Bad option values raise
     ValueError/TypeError naming the option. ``cell(layer, direction)`` returns a step-wise cell
@@ -261,6 +270,7 @@ _GRU_OPTIONS_DOC = """
     * ``recurrent_dropout=p`` (Gal & Ghahramani 2016): in training one Bernoulli(1-p)/(1-p) mask
       per sequence and layer/direction multiplies h_{t-1} before W_hh (the z * h_{t-1} term uses
       the unmasked state), the same at every step.
+    * ``checkpoint_every=k`` or ``"auto"``: recomputation through time, as :class:`LSTM`'s.
 
     PackedSequence input: as its padded batch with ``lengths=``, the output packed again as torch
     returns it. Bad option values raise ValueError/TypeError
@@ -322,7 +332,18 @@ class _CellOptionsMixin:
                     getattr(self, name).fill_(0.0 if name.startswith("ln_cell_bias") else 1.0)
 
     def _options_plain(self) -> bool:
-        return self.options.plain
+        return self.options.plain and self.checkpoint_every is None
+
+    def _set_checkpoint_every(self, every: Any) -> None:
+        if not (every is None or every == "auto" or (isinstance(every, int) and not isinstance(every, bool)
+                                                     and every >= 1)):
+            raise ValueError(f"checkpoint_every: expected None, an int >= 1 or 'auto', got {every!r}")
+        self.checkpoint_every = every
+
+    def _recomputes(self) -> bool:
+        """Whether this call runs as recomputed segments: checkpoint_every set, gradients recorded,
+        not traced by torch.compile."""
+        return self.checkpoint_every is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
     def _engine_precision(self, input: Tensor) -> bool:
         # torch's CPU LSTM kernel under bf16 autocast needs oneDNN's bf16 LSTM (AVX512-BF16 CPUs; it
@@ -349,7 +370,7 @@ class _CellOptionsMixin:
                 and _graphs.enabled(input) and replays(self, input))
 
     def _engine_backend(self, input: Tensor) -> str | None:
-        if not self.options.plain or self._engine_precision(input):
+        if not self.options.plain or self._engine_precision(input) or self._recomputes():
             return select(self.mode.lower(), input)
         if input.device.type == "cuda" and select(self.mode.lower(), input) == "triton" and \
                 self._plain_on_engine(input):  # (the device first: a plain CPU call asks nothing more)
@@ -384,8 +405,12 @@ class _CellOptionsMixin:
                 ("LSTM", "triton"): lstm_engine_gpu, ("GRU", "cpu"): gru_engine, ("GRU", "reference"): gru_reference,
                 ("GRU", "triton"): gru_engine_gpu}[self.mode, engine]
         xt = x.transpose(0, 1) if self.batch_first else x
-        out, final = impl(xt, states, self._layer_parameters(), lengths, self.options, dropout=self.dropout,
-                          training=self.training)
+        if self._recomputes():
+            out, final = checkpointed(impl, self.checkpoint_every, xt, states, self._layer_parameters(), lengths,
+                                      self.options, dropout=self.dropout, training=self.training, cell=self.mode)
+        else:
+            out, final = impl(xt, states, self._layer_parameters(), lengths, self.options, dropout=self.dropout,
+                              training=self.training)
         return (out.transpose(0, 1) if self.batch_first else out), final
 
     def cell(self, layer: int = 0, direction: int = 0) -> "CellView":
@@ -400,12 +425,14 @@ class _CellOptionsMixin:
     def extra_repr(self) -> str:
         extra = super().extra_repr()  # type: ignore[misc]
         if not self.options.plain:
-            opts = {k: v for k, v in vars(self.options).items() if v != getattr(CellOptions(), k)}
+            opts = self.options.changed()
             if self.mode == "GRU":
                 opts.pop("zoneout", None)
                 if self.options.zoneout[0]:
                     opts["zoneout"] = self.options.zoneout[0]
             extra += ", " + ", ".join(f"{k}={v!r}" for k, v in opts.items())
+        if self.checkpoint_every is not None:
+            extra += f", checkpoint_every={self.checkpoint_every!r}"
         return extra
 
 
@@ -424,9 +451,10 @@ class LSTM(_CellOptionsMixin, _LengthsMixin, nn.LSTM):
 
     def __init__(self, *args: Any, layer_norm: bool = False, peephole: bool = False, cell_clip: float | None = None,
                  zoneout: float | tuple[float, float] | None = None, recurrent_dropout: float = 0.0,
-                 proj_clip: float | None = None, **kwargs: Any) -> None:
+                 proj_clip: float | None = None, checkpoint_every: int | str | None = None, **kwargs: Any) -> None:
         options = CellOptions.make(layer_norm, peephole, cell_clip, zoneout, recurrent_dropout, proj_clip)
         super().__init__(*args, **kwargs)
+        self._set_checkpoint_every(checkpoint_every)
         if options.proj_clip is not None and self.proj_size == 0:
             raise ValueError(f"proj_clip: clips the projection, so it needs proj_size > 0; got proj_clip="
                              f"{options.proj_clip} with proj_size=0")
@@ -471,9 +499,10 @@ class GRU(_CellOptionsMixin, _LengthsMixin, nn.GRU):
     )
 
     def __init__(self, *args: Any, layer_norm: bool = False, zoneout: float | None = None,
-                 recurrent_dropout: float = 0.0, **kwargs: Any) -> None:
+                 recurrent_dropout: float = 0.0, checkpoint_every: int | str | None = None, **kwargs: Any) -> None:
         options = CellOptions.make_gru(layer_norm, zoneout, recurrent_dropout)
         super().__init__(*args, **kwargs)
+        self._set_checkpoint_every(checkpoint_every)
         self._init_options(options)
 
 

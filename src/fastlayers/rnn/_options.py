@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -31,6 +32,11 @@ class CellOptions:
     zoneout: tuple[float, float] = (0.0, 0.0)
     recurrent_dropout: float = 0.0
     proj_clip: float | None = None
+
+    def changed(self) -> dict[str, object]:
+        """The options that differ from their defaults, by name (for reprs)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
 
     @functools.cached_property  # (writes the instance __dict__ directly: fine for a frozen dataclass)
     def plain(self) -> bool:

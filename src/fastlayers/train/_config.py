@@ -33,6 +33,9 @@ class TrainConfig:
         checkpoints to keep (pruning removes only this run's own). resume: continue from the newest
         loadable checkpoint in ``out``; overwrite: replace the run that ``out`` holds (its files are
         removed first). Without either, an ``out`` that holds a run is refused.
+    rnn_checkpoint_every: the encoder's ``checkpoint_every`` (recomputation through time: an int
+        k >= 1, ``"auto"`` for about sqrt(T), or None), memory for time; it changes no result
+        beyond the order of sums, so a run may resume with another value.
     max_samples: train on the first N training sequences only (quick runs); max_steps: stop after
         N optimisation steps in total (tests). device: ``"cpu"`` or ``"cuda"``.
     """
@@ -59,6 +62,7 @@ class TrainConfig:
     keep: int = 2
     resume: bool = False
     overwrite: bool = False
+    rnn_checkpoint_every: int | str | None = None
     max_samples: int | None = None
     max_steps: int | None = None
     device: str = "cpu"
@@ -80,6 +84,10 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every: expected an int >= 0 (0: at epoch ends only), got {self.checkpoint_every}")
         if not self.lr > 0:
             raise ValueError(f"lr: expected a learning rate > 0, got {self.lr}")
+        every = self.rnn_checkpoint_every
+        if not (every is None or every == "auto" or (isinstance(every, int) and not isinstance(every, bool)
+                                                     and every >= 1)):
+            raise ValueError(f"rnn_checkpoint_every: expected None, an int >= 1 or 'auto', got {every!r}")
         if self.resume and self.overwrite:
             raise ValueError("resume / overwrite: continue the run in out, or replace it; got both")
         if self.cell == "gru" and (self.peephole or self.cell_clip is not None):

@@ -22,7 +22,8 @@ class SequenceClassifier(nn.Module):
 
     def __init__(self, cfg: TrainConfig, num_features: int, num_classes: int) -> None:
         super().__init__()
-        options = dict(layer_norm=cfg.layer_norm, zoneout=cfg.zoneout or None, recurrent_dropout=cfg.recurrent_dropout)
+        options = dict(layer_norm=cfg.layer_norm, zoneout=cfg.zoneout or None, recurrent_dropout=cfg.recurrent_dropout,
+                       checkpoint_every=cfg.rnn_checkpoint_every)
         if cfg.cell == "lstm":
             options.update(peephole=cfg.peephole, cell_clip=cfg.cell_clip)
         cls = LSTM if cfg.cell == "lstm" else GRU
