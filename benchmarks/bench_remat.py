@@ -1,0 +1,123 @@
+"""checkpoint_every (issue 40): peak memory and time of one forward + backward, each run in a
+fresh process (peak RSS from getrusage, so no run sees another's pages), seed sizes (512 -> 256 x 2
+directions), float32, CPU.
+
+Candidates: fastlayers.LSTM(layer_norm=True) with and without checkpoint_every; torch.nn.LSTM;
+and the anchor a user writes by hand: torch.nn.LSTM over chunks of the sequence under
+torch.utils.checkpoint with the state carried (one direction per chunk loop; the reverse
+direction runs over the flipped sequence, so the batch has no padding here).
+
+"memory beyond" = peak RSS minus the RSS after the inputs, the output-sized gradient and the model
+were allocated and touched (what the run adds: activations, kept states, work space, and the
+output and its gradient).
+
+    python benchmarks/bench_remat.py --steps 800 --batch 32 [--every 28] [--json FILE]
+    python benchmarks/bench_remat.py --scaling 1000,4000,16000 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+_PROBE = r"""
+import json, resource, sys, time
+import torch
+import fastlayers
+from torch.utils.checkpoint import checkpoint
+name, steps, batch, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+every = None if every == "none" else (every if every == "auto" else int(every))
+torch.manual_seed(0)
+if name == "torch":
+    model = torch.nn.LSTM(512, 256, bidirectional=True)
+elif name == "torch-checkpointed":
+    model = torch.nn.ModuleList([torch.nn.LSTM(512, 256), torch.nn.LSTM(512, 256)])
+else:
+    model = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=True, checkpoint_every=every)
+x = torch.randn(steps, batch, 512, requires_grad=True)
+grad = torch.randn(steps, batch, 512)
+def rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss in KiB)
+def flat(r):
+    return r[0], r[1][0], r[1][1]
+def chunked(lstm, x, k):
+    h0 = x.new_zeros(1, x.size(1), 256)
+    c0 = torch.zeros_like(h0)
+    outs = []
+    for s in range(0, x.size(0), k):
+        y, h0, c0 = checkpoint(lambda xs, h, c: flat(lstm(xs, (h, c))), x[s:s + k], h0, c0, use_reentrant=False)
+        outs.append(y)
+    return torch.cat(outs)
+def run():
+    if name == "torch-checkpointed":
+        k = max(1, round(steps ** 0.5)) if every in (None, "auto") else every
+        fwd = chunked(model[0], x, k)
+        bwd = chunked(model[1], x.flip(0), k).flip(0)
+        y = torch.cat([fwd, bwd], -1)
+    else:
+        y = model(x)[0]
+    y.backward(grad)
+base = rss()
+t0 = time.perf_counter(); run(); t1 = time.perf_counter()
+x.grad = None
+for p in model.parameters():
+    p.grad = None
+t2 = time.perf_counter(); run(); t3 = time.perf_counter()
+print(json.dumps({"name": name, "steps": steps, "batch": batch, "every": every, "first_s": t1 - t0,
+                  "second_s": t3 - t2, "peak_gib": rss(), "beyond_gib": rss() - base, "base_gib": base}))
+"""
+
+
+def one(name: str, steps: int, batch: int, every: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, name, str(steps), str(batch), every],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"name": name, "steps": steps, "batch": batch, "every": every,
+                "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--every", default="auto")
+    parser.add_argument("--scaling", default=None, help="comma-separated T values (fastlayers with and without)")
+    parser.add_argument("--with-torch", action="store_true", help="torch.nn.LSTM at each --scaling T too")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import torch
+
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; fwd+bwd float32, 512 -> 256 x 2, "
+          f"fresh process per row; times: the second of two calls")
+    print("| candidate | T | B | checkpoint_every | s (fwd+bwd) | peak RSS GiB | beyond inputs GiB |\n"
+          "|---|---:|---:|---|---:|---:|---:|")
+    rows = []
+    if args.scaling:
+        plan = []
+        for steps in map(int, args.scaling.split(",")):
+            plan += [("fastlayers", steps, "none"), ("fastlayers", steps, args.every)]
+            if args.with_torch:
+                plan.append(("torch", steps, "none"))
+    else:
+        plan = [("fastlayers", args.steps, "none"), ("fastlayers", args.steps, args.every), ("torch", args.steps, "none"),
+                ("torch-checkpointed", args.steps, args.every)]
+    for name, steps, every in plan:
+        row = one(name, steps, args.batch, every)
+        rows.append(row)
+        label = {"fastlayers": "fastlayers.LSTM(layer_norm=True)", "torch": "torch.nn.LSTM",
+                 "torch-checkpointed": "torch.nn.LSTM chunks under torch.utils.checkpoint"}[name]
+        if "error" in row:
+            print(f"| {label} | {steps} | {args.batch} | {every} | failed: {row['error']} | | |")
+        else:
+            print(f"| {label} | {steps} | {args.batch} | {row['every']} | {row['second_s']:.2f} | "
+                  f"{row['peak_gib']:.2f} | {row['beyond_gib']:.2f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
