@@ -40,9 +40,10 @@ class PackedLSTM(nn.LSTM):
     PackedSequence (cuDNN's variable-length path); no cell options."""
 
     def __init__(self, *args, layer_norm=False, peephole=False, cell_clip=None, zoneout=None,
-                 recurrent_dropout=0.0, **kwargs):
-        if layer_norm or peephole or cell_clip is not None or zoneout or recurrent_dropout:
-            raise ValueError("PackedLSTM: torch.nn.LSTM has no cell options")
+                 recurrent_dropout=0.0, checkpoint_every=None, **kwargs):
+        if layer_norm or peephole or cell_clip is not None or zoneout or recurrent_dropout \
+                or checkpoint_every is not None:
+            raise ValueError("PackedLSTM: torch.nn.LSTM has no cell options nor checkpoint_every")
         super().__init__(*args, **kwargs)
 
     def forward(self, x, hx=None, *, lengths=None):  # noqa: D102
