@@ -18,6 +18,8 @@ import sys
 import warnings
 from typing import Callable
 
+from . import _native
+
 # CPU features that the C kernels (compiled with -march=native) or torch's low-precision products use
 _FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "asimd", "sve", "sve2", "bf16")
@@ -229,8 +231,8 @@ def report(build: bool = True) -> str:
         ("OS", lambda: platform.platform()),
         ("CPU", _cpu),
         ("CPU features", _cpu_features),
-        ("C compiler", lambda: _compiler("CC", ("gcc", "cc"))),
-        ("C++ compiler", lambda: _compiler("CXX", ("g++", "c++"))),
+        ("C compiler", lambda: _compiler(*_native.C_COMPILER)),
+        ("C++ compiler", lambda: _compiler(*_native.CXX_COMPILER)),
         ("Cache", _cache),
         ("C kernels", _native_libraries),
         ("C++ operator library", lambda: _operator_library(build)),

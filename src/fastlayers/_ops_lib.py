@@ -61,7 +61,7 @@ def _spec() -> tuple[str, Callable[[Path], Path]]:
     Raises:
         RuntimeError: no C or C++ compiler (``$CC`` / ``$CXX``, see :func:`fastlayers._native.compiler`).
     """
-    cc, cxx = _native.compiler("CC", ("gcc", "cc")), _native.compiler("CXX", ("g++", "c++"))
+    cc, cxx = _native.compiler(*_native.C_COMPILER), _native.compiler(*_native.CXX_COMPILER)
     root, includes, libdir = _torch_dirs()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     sources = [_HERE / "ops.cpp", *(_HERE / s for s in _C_SOURCES), *sorted(_HERE.glob("*.h"))]

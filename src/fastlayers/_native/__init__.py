@@ -103,6 +103,11 @@ def warn_once(message: str, stacklevel: int = 2) -> None:
         warnings.warn(message, stacklevel=stacklevel + 1)
 
 
+# (the variable, the commands tried where it is unset) of the C and the C++ compiler
+C_COMPILER = ("CC", ("gcc", "cc"))
+CXX_COMPILER = ("CXX", ("g++", "c++"))
+
+
 def compiler(variable: str, defaults: tuple[str, ...]) -> list[str]:
     """The compiler command: ``$variable`` split like a shell would (a launcher and arguments are
     allowed: ``"ccache gcc"``), else the first of ``defaults`` on PATH.
@@ -245,7 +250,7 @@ def _build(name: str) -> ctypes.CDLL | None:
     if os.environ.get("FASTLAYERS_NO_NATIVE"):
         return None
     try:
-        command = compiler("CC", ("gcc", "cc"))
+        command = compiler(*C_COMPILER)
     except RuntimeError as e:
         _WHY[name] = f"no working C compiler ({e})"
         warn_once(f"fastlayers: {_WHY[name]}; the C kernels are unavailable and the layers use the slower "

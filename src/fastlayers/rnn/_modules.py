@@ -29,7 +29,7 @@ from ._export import operator_layers
 from . import _graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
-from ._remat import checkpointed
+from ._remat import check_every, checkpointed
 from ._validate import check_cell, check_layer
 from ._varlen import varlen_rnn
 
@@ -335,10 +335,7 @@ class _CellOptionsMixin:
         return self.options.plain and self.checkpoint_every is None
 
     def _set_checkpoint_every(self, every: Any) -> None:
-        if not (every is None or every == "auto" or (isinstance(every, int) and not isinstance(every, bool)
-                                                     and every >= 1)):
-            raise ValueError(f"checkpoint_every: expected None, an int >= 1 or 'auto', got {every!r}")
-        self.checkpoint_every = every
+        self.checkpoint_every = check_every("checkpoint_every", every)
 
     def _recomputes(self) -> bool:
         """Whether this call runs as recomputed segments: checkpoint_every set, gradients recorded,

@@ -39,6 +39,13 @@ from ._options import CellOptions
 Engine = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
 
 
+def check_every(name: str, every: Any) -> int | str | None:
+    """``every`` if it is None, an int >= 1 or ``"auto"``; else ValueError naming ``name``."""
+    if every is None or every == "auto" or (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        return every
+    raise ValueError(f"{name}: expected None, an int >= 1 or 'auto', got {every!r}")
+
+
 def segment_length(every: int | str, steps: int) -> int:
     """k: ``every`` itself, or for ``"auto"`` about sqrt(T) (at least 1)."""
     return max(1, round(math.sqrt(steps))) if every == "auto" else int(every)
@@ -107,17 +114,8 @@ class _Segments(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec: tuple, x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        engine, plan, index, options, training, masks, n_states, names = spec
-        states, params = list(tensors[:n_states]), dict(zip(names, tensors[n_states:]))
-        out, kept = None, []
-        for j in range(len(plan.bounds)):
-            kept.append(tuple(states))
-            y, new = _segment(engine, plan, j, index, options, training, masks, x, states, params)
-            if out is None:
-                out = x.new_zeros(x.size(0), x.size(1), y.size(-1))
-            rows = plan.parts[j][0]
-            _put(out, index, *plan.bounds[j], rows if rows is not None else slice(None), y)
-            states = _merge(states, new, rows)
+        kept: list[tuple[Tensor, ...]] = []
+        out, states = _all_segments(spec, x, tensors, kept)
         ctx.spec = spec
         ctx.save_for_backward(x, *tensors, *(s for pair in kept for s in pair))
         return (out, *states)
@@ -198,18 +196,28 @@ def _merge(states: list[Tensor], new: tuple[Tensor, ...], rows: Tensor | None) -
     return merged
 
 
-def _recorded_backward(spec: tuple, x: Tensor, tensors: tuple[Tensor, ...], dy: Tensor,
-                       dfinal: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+def _all_segments(spec: tuple, x: Tensor, tensors: tuple[Tensor, ...],
+                  kept: list[tuple[Tensor, ...]] | None = None) -> tuple[Tensor, list[Tensor]]:
+    """Every segment in order from the states and parameters ``tensors``: (the output (T, B, P),
+    the final states); ``kept`` receives the states entering each segment."""
     engine, plan, index, options, training, masks, n_states, names = spec
     states, params = list(tensors[:n_states]), dict(zip(names, tensors[n_states:]))
     out = None
     for j in range(len(plan.bounds)):
+        if kept is not None:
+            kept.append(tuple(states))
         y, new = _segment(engine, plan, j, index, options, training, masks, x, states, params)
-        out = x.new_zeros(x.size(0), x.size(1), y.size(-1)) if out is None else out
+        if out is None:
+            out = x.new_zeros(x.size(0), x.size(1), y.size(-1))
         rows = plan.parts[j][0]
-        out = out.clone()
         _put(out, index, *plan.bounds[j], rows if rows is not None else slice(None), y)
         states = _merge(states, new, rows)
+    return out, states
+
+
+def _recorded_backward(spec: tuple, x: Tensor, tensors: tuple[Tensor, ...], dy: Tensor,
+                       dfinal: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    out, states = _all_segments(spec, x, tensors)
     inputs = [x, *tensors]
     wrt = [t for t in inputs if t.requires_grad]
     outs = [out, *states]

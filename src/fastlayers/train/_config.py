@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ..rnn._remat import check_every
+
 DATASETS = ("digits", "vowels")
 CELLS = ("lstm", "gru")
 HEADS = ("final", "attention")
@@ -84,10 +86,7 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every: expected an int >= 0 (0: at epoch ends only), got {self.checkpoint_every}")
         if not self.lr > 0:
             raise ValueError(f"lr: expected a learning rate > 0, got {self.lr}")
-        every = self.rnn_checkpoint_every
-        if not (every is None or every == "auto" or (isinstance(every, int) and not isinstance(every, bool)
-                                                     and every >= 1)):
-            raise ValueError(f"rnn_checkpoint_every: expected None, an int >= 1 or 'auto', got {every!r}")
+        check_every("rnn_checkpoint_every", self.rnn_checkpoint_every)
         if self.resume and self.overwrite:
             raise ValueError("resume / overwrite: continue the run in out, or replace it; got both")
         if self.cell == "gru" and (self.peephole or self.cell_clip is not None):
