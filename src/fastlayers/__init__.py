@@ -23,4 +23,14 @@ def ops_library() -> str:
 
     return library_path()
 
+
+def __getattr__(name: str):
+    """``fastlayers.onnx`` imported on first use (it is the only module that needs onnxscript)."""
+    if name == "onnx":
+        import importlib
+
+        return importlib.import_module(".onnx", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell", "AttentionPooling", "attention_pool", "LocallyConnected1d", "LocallyConnected2d", "backend", "empty_cache", "ops_library", "__version__"]

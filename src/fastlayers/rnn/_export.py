@@ -12,8 +12,9 @@ tensor (or None) and the layer's weights stacked over directions, and returning 
 output (T, B, D*P) (zeros at t >= len_b) and the final states. Their fake functions give every
 shape in terms of T and B, so an exported program keeps both dynamic (torch.nn.LSTM's
 ``aten.lstm`` specialises T), and the lengths are data of the graph. The program runs in Python
-(``ep.module()``) and in AOTInductor packages (the CPU kernels are C++); ONNX translations of
-the operators do not exist yet.
+(``ep.module()``) and in AOTInductor packages (the CPU kernels are C++), and
+``torch.onnx.export(..., dynamo=True)`` converts it with the operators' ONNX translations
+(:mod:`._onnx`, applied by :func:`fastlayers.onnx.export`).
 
 The operators' CPU kernels are C++; on CUDA they run the Triton engine (a Python implementation
 registered here, so a CUDA program needs Python). Their autograd recomputes the layer with the

@@ -1,0 +1,301 @@
+"""ONNX export (fastlayers.onnx) run in ONNX Runtime against eager fastlayers: every recurrent layer and
+cell option with dynamic batch and time, with and without lengths and hx, at shapes other than the
+export's; the plain layers as ONNX's own LSTM / GRU / RNN, the options as a Scan; cells, locally
+connected layers and attention pooling.
+
+Equality: each output of ONNX Runtime against the eager call in float32 (torch.no_grad) has relative
+error ||onnx - eager|| / ||eager|| <= 1e-5, the same shape, and exact zeros where eager's padded
+steps are zero."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.export import Dim
+from torch.utils._pytree import tree_leaves
+
+import fastlayers
+import fastlayers.onnx
+
+ort = pytest.importorskip("onnxruntime")  # (make test installs them: the test extra)
+onnx = pytest.importorskip("onnx")  # (onnxscript's dependency)
+pytest.importorskip("onnxscript")
+
+pytestmark = [
+    pytest.mark.compile,  # (tracing, no kernel path of its own: the poisoned-memory pass leaves it out)
+    # torch.onnx's note when one Dim names the batch of several inputs (as here: x, lengths, h0, c0)
+    pytest.mark.filterwarnings("ignore:# The axis name:UserWarning"),
+]
+
+B, T = Dim("B"), Dim("T")
+EXPORT = (4, 7)  # (batch, time) of the export; every run below uses other shapes
+SHAPES = [(3, 9), (6, 2), (1, 12), (5, 1)]
+RTOL = 1e-5
+
+LSTM = {
+    "plain": {}, "layer_norm": dict(layer_norm=True), "peephole": dict(peephole=True), "cell_clip": dict(cell_clip=0.3),
+    "zoneout": dict(zoneout=(0.2, 0.4)), "recurrent_dropout": dict(recurrent_dropout=0.3),
+    "proj": dict(proj_size=3), "proj_clip": dict(proj_size=3, proj_clip=0.2), "no bias": dict(bias=False),
+    "all + proj": dict(layer_norm=True, peephole=True, cell_clip=0.5, zoneout=(0.1, 0.3), recurrent_dropout=0.2,
+                       proj_size=3, proj_clip=0.3),
+}
+GRU = {"plain": {}, "layer_norm": dict(layer_norm=True), "zoneout": dict(zoneout=0.3),
+       "all": dict(layer_norm=True, zoneout=0.2, recurrent_dropout=0.2), "no bias": dict(bias=False),
+       "layer_norm, no bias": dict(layer_norm=True, bias=False)}
+RNN = {"tanh": {}, "relu": dict(nonlinearity="relu"), "relu, no bias": dict(nonlinearity="relu", bias=False)}
+OPTIONS = {"LSTM": LSTM, "GRU": GRU, "RNN": RNN}
+# the layers without cell options (in eval mode: recurrent dropout is the identity) run ONNX's own operator
+NATIVE = {("LSTM", "plain"), ("LSTM", "peephole"), ("LSTM", "recurrent_dropout"), ("LSTM", "no bias"), ("GRU", "plain"),
+          ("GRU", "no bias"), ("RNN", "tanh"), ("RNN", "relu"), ("RNN", "relu, no bias")}
+
+
+def _build(mode, name, batch_first, layers=2, bidirectional=True, dtype=torch.float32):
+    torch.manual_seed(0)
+    return getattr(fastlayers, mode)(5, 6, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
+                                     dtype=dtype, **OPTIONS[mode][name]).eval()
+
+
+class _Call(torch.nn.Module):
+    """The layer called as a user would, with lengths and hx or without."""
+
+    def __init__(self, layer, lengths: bool, hx: bool):
+        super().__init__()
+        self.layer, self.with_lengths, self.with_hx = layer, lengths, hx
+
+    def forward(self, x, lengths, h0, c0):
+        hx = ((h0, c0) if self.layer.mode == "LSTM" else h0) if self.with_hx else None
+        return self.layer(x, hx, lengths=lengths if self.with_lengths else None)
+
+
+def _inputs(layer, batch, steps, seed, dtype=torch.float32):
+    """x, lengths (one full length, one of 1 where B > 2, the rest random, in no order), h0, c0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch, steps, 5) if layer.batch_first else (steps, batch, 5), generator=g, dtype=dtype)
+    lengths = torch.randint(1, steps + 1, (batch,), generator=g)
+    lengths[batch // 2] = steps
+    if batch > 2:
+        lengths[-1] = 1
+    states = layer.num_layers * (2 if layer.bidirectional else 1)
+    h0 = torch.randn(states, batch, getattr(layer, "proj_size", 0) or 6, generator=g, dtype=dtype)
+    c0 = torch.randn(states, batch, 6, generator=g, dtype=dtype)
+    return {"x": x, "lengths": lengths, "h0": h0, "c0": c0}
+
+
+def _session(program):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    return ort.InferenceSession(program.model_proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _run(session, inputs: dict) -> list[np.ndarray]:
+    """The session on the named inputs it takes (an input the model does not use is not one)."""
+    return session.run(None, {i.name: inputs[i.name].numpy() for i in session.get_inputs()})
+
+
+def _assert_equal(got: list[np.ndarray], want, what: str, rtol: float = RTOL, dtype=np.float32) -> None:
+    want = [t.numpy() for t in tree_leaves(want)]
+    assert len(got) == len(want), what
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and a.dtype == b.dtype == dtype, (what, i, a.shape, b.shape, a.dtype)
+        err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+        assert err <= rtol, f"{what}: output {i}: relative error {err:.2e} > {rtol:.0e}"
+        assert (a[b == 0] == 0).all(), f"{what}: output {i}: nonzero where eager's is zero (padding)"
+
+
+def _ops(program) -> set[str]:
+    return {node.op_type for node in program.model_proto.graph.node}
+
+
+def _export_call(model, dtype=torch.float32, **options):
+    time_dim = 1 if model.layer.batch_first else 0
+    dynamic = {"x": {time_dim: T, 1 - time_dim: B}, "lengths": {0: B}, "h0": {1: B}, "c0": {1: B}}
+    args = _inputs(model.layer, *EXPORT, 0, dtype)
+    return fastlayers.onnx.export(model, (), kwargs=args, dynamic_shapes=dynamic, verbose=False, **options)
+
+
+CASES = [(m, k) for m in OPTIONS for k in OPTIONS[m]]
+
+
+@pytest.mark.parametrize("mode,name", CASES)
+def test_layer_equals_eager(mode, name):
+    """Each layer and option (bidirectional, 2 layers) with lengths and hx; batch_first in half the cases."""
+    batch_first = CASES.index((mode, name)) % 2 == 1
+    model = _Call(_build(mode, name, batch_first), lengths=True, hx=True).eval()
+    program = _export_call(model)
+    onnx.checker.check_model(program.model_proto, full_check=True)  # a valid model, ONNX's shape inference included
+    ops = _ops(program)
+    if (mode, name) in NATIVE:
+        assert mode in ops and "Scan" not in ops, ops
+    else:
+        assert "Scan" in ops and not ops & {"LSTM", "GRU", "RNN"}, ops
+    session = _session(program)
+    for i, (batch, steps) in enumerate(SHAPES):
+        inputs = _inputs(model.layer, batch, steps, i + 1)
+        with torch.no_grad():
+            want = model(**inputs)
+        _assert_equal(_run(session, inputs), want, f"{mode} {name} (B, T) = {(batch, steps)}")
+
+
+@pytest.mark.parametrize("mode,name", [case for case in CASES if case not in NATIVE])
+def test_scan_in_float64_equals_eager(mode, name):
+    """The Scan's step is the layer's math: in float64 (ONNX Runtime's LSTM / GRU / RNN kernels are
+    float32 only, its Scan ops are not) it equals eager to 1e-9 (the LayerNorms' epsilon is an ONNX
+    float attribute: 1e-5 rounded to float32)."""
+    model = _Call(_build(mode, name, False, dtype=torch.float64), lengths=True, hx=True).eval()
+    session = _session(_export_call(model, torch.float64))
+    for i, (batch, steps) in enumerate(SHAPES[:2]):
+        inputs = _inputs(model.layer, batch, steps, i + 1, torch.float64)
+        with torch.no_grad():
+            want = model(**inputs)
+        _assert_equal(_run(session, inputs), want, f"{mode} {name} float64", rtol=1e-9, dtype=np.float64)
+
+
+@pytest.mark.parametrize("mode,name,lengths,hx,layers,bidirectional,batch_first", [
+    ("LSTM", "plain", False, False, 2, True, False),
+    ("LSTM", "plain", True, False, 1, False, True),
+    ("LSTM", "all + proj", False, False, 2, True, True),
+    ("LSTM", "all + proj", True, False, 1, False, False),
+    ("LSTM", "layer_norm", False, True, 1, True, False),
+    ("GRU", "plain", False, True, 1, False, False),
+    ("GRU", "all", False, False, 2, True, False),
+    ("GRU", "all", True, False, 1, False, True),
+    ("RNN", "tanh", False, False, 2, True, True),
+    ("RNN", "relu", True, False, 1, False, False),
+])
+def test_variants_equal_eager(mode, name, lengths, hx, layers, bidirectional, batch_first):
+    """Without lengths and / or hx, one direction, one layer."""
+    model = _Call(_build(mode, name, batch_first, layers, bidirectional), lengths, hx).eval()
+    session = _session(_export_call(model))
+    for i, (batch, steps) in enumerate(SHAPES[:3]):
+        inputs = _inputs(model.layer, batch, steps, i + 1)
+        with torch.no_grad():
+            want = model(**inputs)
+        _assert_equal(_run(session, inputs), want, f"{mode} {name} (B, T) = {(batch, steps)}")
+
+
+def test_torch_onnx_export_with_the_table_and_unbatched_input():
+    """The table route (torch.onnx.export itself) and an unbatched (T, F) input with a dynamic T."""
+    layer = _build("LSTM", "layer_norm", False, layers=1, bidirectional=False)
+    program = torch.onnx.export(layer, (torch.randn(7, 5),), dynamo=True, dynamic_shapes={"input": {0: T}},
+                                custom_translation_table=fastlayers.onnx.translations(), verbose=False)
+    session = _session(program)
+    for steps in (3, 11):
+        x = torch.randn(steps, 5)
+        with torch.no_grad():
+            want = layer(x)
+        _assert_equal(_run_positional(session, [x]), want, f"unbatched T = {steps}")
+
+
+def _run_positional(session, tensors) -> list[np.ndarray]:
+    return session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), tensors)})
+
+
+def test_translations_table():
+    table = fastlayers.onnx.translations()
+    ops = torch.ops.fastlayers
+    assert set(table) == {ops.lstm_padded.default, ops.gru_padded.default, ops.rnn_padded.default,
+                          ops.locally_connected2d.default}
+
+
+@pytest.mark.parametrize("build", [
+    lambda: fastlayers.LSTM(5, 6, zoneout=0.1),
+    lambda: torch.nn.Sequential(fastlayers.GRUCell(5, 6, recurrent_dropout=0.2)),
+])
+def test_training_mode_masks_are_refused(build):
+    model = build().train()
+    x = torch.randn(3, 5)
+    with pytest.raises(ValueError, match=r"model(\.0)?: fastlayers\.(LSTM|GRUCell) in training mode draws random masks "
+                                         r"\((zoneout|recurrent_dropout)=.* call model\.eval\(\)"):
+        fastlayers.onnx.export(model, (x,))
+
+
+def test_training_mode_masks_refused_by_the_translation():
+    """torch.onnx.export with the table of a model traced in training mode: the translation refuses."""
+    layer = fastlayers.LSTM(5, 6, recurrent_dropout=0.2).train()
+    with pytest.raises(Exception) as info:
+        torch.onnx.export(layer, (torch.randn(3, 2, 5),), dynamo=True, verbose=False,
+                          custom_translation_table=fastlayers.onnx.translations())
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any("call model.eval() before exporting to ONNX" in m for m in chain), chain
+
+
+def test_missing_onnxscript_is_named(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else find_spec(name, *a))
+    with pytest.raises(ImportError, match=r"fastlayers\.onnx needs onnxscript .*pip install onnxscript"):
+        fastlayers.onnx.export(fastlayers.LSTM(5, 6).eval(), (torch.randn(3, 2, 5),))
+
+
+@pytest.mark.subprocess
+def test_import_leaves_onnx_packages_out():
+    """import fastlayers (and fastlayers.onnx) imports neither onnxscript nor onnxruntime: export does."""
+    probe = ("import sys, fastlayers; fastlayers.onnx.export; "
+             "print(sorted(m for m in ('onnxscript', 'onnxruntime', 'onnx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_dynamo_false_is_refused():
+    with pytest.raises(ValueError, match="dynamo"):
+        fastlayers.onnx.export(fastlayers.LSTM(5, 6).eval(), (torch.randn(3, 2, 5),), dynamo=False)
+
+
+@pytest.mark.parametrize("build,args,dynamic,others", [
+    (lambda: fastlayers.LSTMCell(4, 5, layer_norm=True, peephole=True, proj_size=3, zoneout=0.2), (torch.randn(3, 4),),
+     ({0: B},), [(torch.randn(6, 4),), (torch.randn(1, 4),)]),
+    (lambda: fastlayers.GRUCell(4, 5, layer_norm=True, zoneout=0.2), (torch.randn(3, 4),), ({0: B},),
+     [(torch.randn(6, 4),), (torch.randn(1, 4),)]),
+    (lambda: fastlayers.RNNCell(4, 5, nonlinearity="relu"), (torch.randn(3, 4),), ({0: B},),
+     [(torch.randn(6, 4),), (torch.randn(1, 4),)]),
+    (lambda: fastlayers.LocallyConnected2d(2, 3, (6, 6), 3, padding=1), (torch.randn(2, 2, 6, 6),), ({0: B},),
+     [(torch.randn(5, 2, 6, 6),), (torch.randn(1, 2, 6, 6),)]),
+    (lambda: fastlayers.LocallyConnected2d(2, 3, (7, 9), (2, 3), stride=(2, 1), padding=(0, 1), dilation=(1, 2)),
+     (torch.randn(2, 2, 7, 9),), ({0: B},), [(torch.randn(5, 2, 7, 9),), (torch.randn(1, 2, 7, 9),)]),
+    (lambda: fastlayers.LocallyConnected1d(2, 3, 9, 3, stride=2, padding=1, bias=False), (torch.randn(2, 2, 9),),
+     ({0: B},), [(torch.randn(5, 2, 9),), (torch.randn(1, 2, 9),)]),
+    (lambda: fastlayers.AttentionPooling(4, score="additive"), (torch.randn(3, 4), torch.randn(3, 7, 4)),
+     ({0: B}, {0: B, 1: T}), [(torch.randn(5, 4), torch.randn(5, 9, 4)), (torch.randn(1, 4), torch.randn(1, 2, 4))]),
+])
+def test_cells_local_and_attention(build, args, dynamic, others):
+    torch.manual_seed(0)
+    module = build().eval()
+    session = _session(fastlayers.onnx.export(module, args, dynamic_shapes=dynamic, verbose=False))
+    for other in others:
+        with torch.no_grad():
+            want = module(*other)
+        _assert_equal(_run_positional(session, other), want, f"{type(module).__name__} {other[0].shape}")
+
+
+@pytest.mark.parametrize("score", ["dot", "scaled_dot", "additive"])
+def test_attention_pool_with_lengths(score):
+    """fastlayers.attention_pool (functional) and AttentionPooling with lengths: dynamic B, T, lengths."""
+    class Pool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = fastlayers.AttentionPooling(4, score=score) if score == "additive" else None
+
+        def forward(self, q, k, v, lengths):
+            if self.pool is not None:
+                return self.pool(q, k, v, lengths=lengths)
+            return fastlayers.attention_pool(q, k, v, lengths, score=score)
+
+    torch.manual_seed(0)
+    module = Pool().eval()
+    args = (torch.randn(3, 4), torch.randn(3, 7, 4), torch.randn(3, 7, 2), torch.tensor([7, 2, 5]))
+    session = _session(fastlayers.onnx.export(module, args, dynamic_shapes=({0: B}, {0: B, 1: T}, {0: B, 1: T}, {0: B}),
+                                              verbose=False))
+    for batch, steps in SHAPES[:3]:
+        lengths = torch.randint(1, steps + 1, (batch,))
+        lengths[0] = steps
+        other = (torch.randn(batch, 4), torch.randn(batch, steps, 4), torch.randn(batch, steps, 2), lengths)
+        with torch.no_grad():
+            want = module(*other)
+        _assert_equal(_run_positional(session, other), want, f"attention {score} (B, T) = {(batch, steps)}")
