@@ -12,7 +12,10 @@ were allocated and touched (what the run adds: activations, kept states, work sp
 output and its gradient).
 
     python benchmarks/bench_remat.py --steps 800 --batch 32 [--every 28] [--json FILE]
-    python benchmarks/bench_remat.py --scaling 1000,4000,16000 --batch 8
+    python benchmarks/bench_remat.py --scaling 1000,4000,16000,100000 --batch 8 --with-torch [--max-gib 18]
+
+With --scaling a run whose peak RSS, scaled linearly in T from the largest T measured of the same
+candidate, would exceed --max-gib is not run; its row gives the scaled peak and time instead.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def main() -> None:
     parser.add_argument("--every", default="auto")
     parser.add_argument("--scaling", default=None, help="comma-separated T values (fastlayers with and without)")
     parser.add_argument("--with-torch", action="store_true", help="torch.nn.LSTM at each --scaling T too")
+    parser.add_argument("--max-gib", type=float, default=18.0,
+                        help="--scaling: skip a run whose peak, scaled from a smaller T, would exceed this")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import torch
@@ -104,11 +109,24 @@ def main() -> None:
     else:
         plan = [("fastlayers", args.steps, "none"), ("fastlayers", args.steps, args.every), ("torch", args.steps, "none"),
                 ("torch-checkpointed", args.steps, args.every)]
+    measured: dict[tuple[str, str], dict] = {}  # the largest T run so far per (candidate, every)
     for name, steps, every in plan:
-        row = one(name, steps, args.batch, every)
-        rows.append(row)
         label = {"fastlayers": "fastlayers.LSTM(layer_norm=True)", "torch": "torch.nn.LSTM",
                  "torch-checkpointed": "torch.nn.LSTM chunks under torch.utils.checkpoint"}[name]
+        last = measured.get((name, every))
+        if last is not None:  # peak scaled linearly in T from the largest T measured: skip what cannot fit
+            need = last["base_gib"] * steps / last["steps"] + last["beyond_gib"] * steps / last["steps"]
+            if need > args.max_gib:
+                rows.append({"name": name, "steps": steps, "batch": args.batch, "every": every, "skipped": True,
+                             "scaled_peak_gib": need, "scaled_s": last["second_s"] * steps / last["steps"]})
+                print(f"| {label} | {steps} | {args.batch} | {every} | not run: about {need:.0f} GiB scaled from "
+                      f"T = {last['steps']} (over --max-gib {args.max_gib:g}); about "
+                      f"{last['second_s'] * steps / last['steps']:.0f} s | | |", flush=True)
+                continue
+        row = one(name, steps, args.batch, every)
+        rows.append(row)
+        if "error" not in row:
+            measured[(name, every)] = row
         if "error" in row:
             print(f"| {label} | {steps} | {args.batch} | {every} | failed: {row['error']} | | |")
         else:

@@ -16,6 +16,12 @@ for one more forward of each segment. The reverse direction runs forward over th
 valid steps of each sequence (its padding stays in place), so its segments walk each sequence
 back to front from its own last step, as a PackedSequence does.
 
+One autograd Function runs a layer's directions: each segment's rows are taken from the input by
+flat row index (a slice for the forward direction) and written into the layer's (T, B, D*P)
+output, and the backward adds each segment's input gradient into one (T, B, F) gradient, so
+no per-direction copy of the input, the output or the input gradient exists (at T = 100,000 those
+are 1.5 GiB each at B = 8).
+
 Gradients are those of the run without segments up to the order of sums (the weight gradients
 add k-step partial sums); with k >= T the same kernels run in the same order. Second derivatives
 (a backward recorded with ``create_graph=True``) recompute the whole layer with autograd instead:
@@ -28,7 +34,7 @@ Cost"; sqrt(T) segments), as JAX/Flax ``nn.remat_scan``.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,35 +57,56 @@ def segment_length(every: int | str, steps: int) -> int:
     return max(1, round(math.sqrt(steps))) if every == "auto" else int(every)
 
 
-def _reversal(lengths: Tensor | None, steps: int, batch: int, device: torch.device) -> Tensor:
-    """(T, B) time index: row t of sequence b reversed within its length (padding rows stay)."""
+def _row_maps(lengths: Tensor | None, steps: int, batch: int, dirs: int, device: torch.device) -> list[Tensor]:
+    """Per direction, (T, B) flat row index into a (T*B, X) view of the padded tensor: row t of
+    sequence b in the direction's own time. Forward: t*B + b. Reverse: the time reversed within
+    each sequence's length (padding rows stay in place), as a PackedSequence reads it."""
     t = torch.arange(steps, device=device).unsqueeze(1).expand(steps, batch)
-    if lengths is None:
-        return (steps - 1 - t).contiguous()
-    n = lengths.to(device).unsqueeze(0)
-    return torch.where(t < n, n - 1 - t, t).contiguous()
+    col = torch.arange(batch, device=device)
+    maps = [(t * batch + col).contiguous()]
+    if dirs == 2:
+        if lengths is None:
+            rev = steps - 1 - t
+        else:
+            n = lengths.to(device).unsqueeze(0)
+            rev = torch.where(t < n, n - 1 - t, t)
+        maps.append((rev * batch + col).contiguous())
+    return maps
 
 
-def _rows(x: Tensor, index: Tensor | None, start: int, stop: int) -> Tensor:
-    """Steps [start, stop) of x (T, B, ...) in the direction's own time (``index``: reversal or None)."""
-    if index is None:
-        return x[start:stop]
-    idx = index[start:stop]
-    return x.gather(0, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
+def _index(fmap: Tensor, start: int, stop: int, rows: Tensor | None) -> Tensor:
+    """The flat rows of steps [start, stop) (batch rows ``rows`` or all), (k * B_j,)."""
+    idx = fmap[start:stop]
+    return (idx if rows is None else idx[:, rows]).reshape(-1)
 
 
-def _put(out: Tensor, index: Tensor | None, start: int, stop: int, rows: Tensor, value: Tensor) -> None:
-    """out[steps start..stop of the direction's time, batch rows ``rows``] += value (in place)."""
-    if index is None:
-        out[start:stop, rows] += value
-        return
-    full = value.new_zeros(stop - start, out.size(1), *out.shape[2:])
-    full[:, rows] = value
-    out.scatter_add_(0, index[start:stop].view(stop - start, -1, *([1] * (out.dim() - 2))).expand_as(full), full)
+def _take(flat: Tensor, fmap: Tensor, identity: bool, start: int, stop: int, rows: Tensor | None) -> Tensor:
+    """Steps [start, stop) of ``flat`` ((T*B, X), any row stride) in the direction's time: (k, B_j, X).
+    ``identity``: fmap is the forward direction's (a slice then, no copy)."""
+    k, batch = stop - start, fmap.size(1)
+    if identity and rows is None:
+        return flat[start * batch:stop * batch].view(k, batch, flat.size(1))
+    return flat.index_select(0, _index(fmap, start, stop, rows)).view(k, -1, flat.size(1))
+
+
+def _give(flat: Tensor, fmap: Tensor, identity: bool, start: int, stop: int, rows: Tensor | None, value: Tensor,
+          add: bool) -> None:
+    """Steps [start, stop) of ``flat`` ((T*B, X) view) in the direction's time (batch rows ``rows``)
+    receive ``value`` (k, B_j, X): copied, or added (``add``). In place."""
+    k, batch = stop - start, fmap.size(1)
+    value = value.reshape(-1, flat.size(1))
+    if identity and rows is None:
+        part = flat[start * batch:stop * batch]
+        part.add_(value) if add else part.copy_(value)
+    elif add:
+        flat.index_add_(0, _index(fmap, start, stop, rows), value)
+    else:
+        flat.index_copy_(0, _index(fmap, start, stop, rows), value)
 
 
 class _Plan:
-    """The segments of one direction: bounds, and per segment the running batch rows and lengths."""
+    """The segments of one layer (both directions share them, each in its own time): bounds, and
+    per segment the running batch rows and lengths."""
 
     def __init__(self, steps: int, k: int, lengths: Tensor | None, device: torch.device) -> None:
         self.bounds = [(s, min(s + k, steps)) for s in range(0, steps, k)]
@@ -103,75 +130,93 @@ class _Plan:
             self.parts = [self.parts[i] for i in keep]
 
 
-class _Segments(torch.autograd.Function):
-    """One layer and direction over its segments (see the module docstring).
+class _Spec(NamedTuple):
+    """What a layer's segments need besides tensors (the Function's first argument)."""
+    engine: Engine
+    plan: _Plan
+    maps: list[Tensor]  # per direction, (T, B) flat rows in its own time (_row_maps)
+    options: CellOptions
+    training: bool
+    masks: list[dict[str, Tensor] | None]  # per direction, full-time masks in its own time
+    n_states: int
+    names: list[str]  # parameter names of one direction
+    width: int  # P, the output columns of one direction
 
-    forward(ctx, spec, x, *tensors): ``spec`` = (engine, plan, reversal or None, options, training,
-    masks (dict of full-time masks in the direction's time, or None), number of states, parameter
-    names); ``tensors`` = the states (1, B, width) then the parameters. Returns the output (T, B, P)
-    and the final states (1, B, width).
+
+class _Segments(torch.autograd.Function):
+    """One layer, every direction, over its segments (see the module docstring).
+
+    forward(ctx, spec, x, *tensors): ``spec`` a :class:`_Spec`; x (T, B, F); ``tensors`` = the
+    states (D, B, width) then each direction's parameters (``spec.names`` order, direction after
+    direction). Returns the output (T, B, D*P) and the final states (D, B, width).
     """
 
     @staticmethod
-    def forward(ctx, spec: tuple, x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        kept: list[tuple[Tensor, ...]] = []
+    def forward(ctx, spec: _Spec, x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        kept: list[Tensor] = []
         out, states = _all_segments(spec, x, tensors, kept)
         ctx.spec = spec
-        ctx.save_for_backward(x, *tensors, *(s for pair in kept for s in pair))
+        ctx.save_for_backward(x, *tensors, *kept)
         return (out, *states)
 
     @staticmethod
     def backward(ctx, dy: Tensor, *dfinal: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        engine, plan, index, options, training, masks, n_states, names = ctx.spec
+        spec: _Spec = ctx.spec
+        n_states, n_params, dirs = spec.n_states, len(spec.names), len(spec.maps)
         saved = ctx.saved_tensors
-        x, tensors, kept_flat = saved[0], saved[1:1 + n_states + len(names)], saved[1 + n_states + len(names):]
+        x, tensors = saved[0], saved[1:1 + n_states + dirs * n_params]
+        kept_flat = saved[1 + n_states + dirs * n_params:]
         if torch.is_grad_enabled():  # create_graph: the whole layer again, recorded, for higher derivatives
-            return _recorded_backward(ctx.spec, x, tensors, dy, dfinal)
-        kept = [kept_flat[i:i + n_states] for i in range(0, len(kept_flat), n_states)]
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors[n_states:]]
-        params = dict(zip(names, leaves))
-        dx = torch.zeros_like(x) if ctx.needs_input_grad[1] else None
-        carry = [g.clone() if g is not None else torch.zeros_like(s) for g, s in zip(dfinal, tensors[:n_states])]
+            return _recorded_backward(spec, x, tensors, dy, dfinal)
+        steps, batch = x.shape[:2]
+        # kept[j][d] = the states entering segment j of direction d, each (1, B, width)
+        per_seg = n_states * dirs
+        kept = [[kept_flat[j * per_seg + d * n_states:j * per_seg + (d + 1) * n_states] for d in range(dirs)]
+                for j in range(len(kept_flat) // per_seg)]
+        params = tensors[n_states:]
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in params]
+        dx = x.new_zeros(x.shape) if ctx.needs_input_grad[1] else None
+        x2, dy2 = x.reshape(steps * batch, -1), dy.reshape(steps * batch, -1)  # copies only if strided
+        dx2 = dx.view(steps * batch, -1) if dx is not None else None
+        carry = [(g.clone() if g is not None else torch.zeros_like(s)) for g, s in zip(dfinal, tensors[:n_states])]
         dparams: list[Tensor | None] = [None] * len(leaves)
-        for j in reversed(range(len(plan.bounds))):
-            start, stop = plan.bounds[j]
-            rows = plan.parts[j][0]
+        for j in reversed(range(len(spec.plan.bounds))):
+            start, stop = spec.plan.bounds[j]
+            rows = spec.plan.parts[j][0]
             pick = rows if rows is not None else slice(None)
-            with torch.enable_grad():
-                xs = _rows(x, index, start, stop)
-                xs = (xs if rows is None else xs[:, rows]).detach().requires_grad_(dx is not None)
-                s_in = [s[:, pick].detach().requires_grad_() for s in kept[j]]
-                y, new = _segment(engine, plan, j, index, options, training, masks, xs, s_in, params, rows_done=True)
-            dys = _rows(dy, index, start, stop)
-            dys = dys if rows is None else dys[:, rows]
-            wrt = [t for t in (xs, *s_in, *leaves) if t.requires_grad]
-            grads = torch.autograd.grad([y, *new], wrt, [dys, *(c[:, pick] for c in carry)], allow_unused=True)
-            it = iter(grads)
-            gx = next(it) if xs.requires_grad else None
-            gs = [next(it) for _ in s_in]
-            if gx is not None:
-                _put(dx, index, start, stop, pick, gx)
-            for c, g in zip(carry, gs):
-                c[:, pick] = g if g is not None else 0.0
-            for i, leaf in enumerate(leaves):
-                if leaf.requires_grad:
+            for d in range(dirs):
+                fmap, ident = spec.maps[d], d == 0
+                mine = leaves[d * n_params:(d + 1) * n_params]
+                with torch.enable_grad():
+                    xs = _take(x2, fmap, ident, start, stop, rows).detach().requires_grad_(dx is not None)
+                    s_in = [s[:, pick].detach().requires_grad_() for s in kept[j][d]]
+                    y, new = _segment(spec, j, d, xs, s_in, dict(zip(spec.names, mine)))
+                block = dy2[:, d * spec.width:(d + 1) * spec.width]
+                dys = _take(block, fmap, ident, start, stop, rows)
+                wrt = [t for t in (xs, *s_in, *mine) if t.requires_grad]
+                grads = torch.autograd.grad([y, *new], wrt, [dys, *(c[d:d + 1, pick] for c in carry)],
+                                            allow_unused=True)
+                it = iter(grads)
+                if xs.requires_grad:  # added: the directions' rows of one segment differ
+                    _give(dx2, fmap, ident, start, stop, rows, next(it), add=True)
+                for c in carry:
                     g = next(it)
-                    if g is not None:
-                        dparams[i] = g if dparams[i] is None else dparams[i] + g
+                    c[d:d + 1, pick] = g if g is not None else 0.0
+                for i in range(d * n_params, (d + 1) * n_params):
+                    if leaves[i].requires_grad:
+                        g = next(it)
+                        if g is not None:
+                            dparams[i] = g if dparams[i] is None else dparams[i] + g
         return (None, dx, *carry, *dparams)
 
 
-def _segment(engine: Engine, plan: _Plan, j: int, index: Tensor | None, options: CellOptions, training: bool,
-             masks: dict[str, Tensor] | None, x: Tensor, states: list[Tensor] | tuple[Tensor, ...],
-             params: dict[str, Tensor], rows_done: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """Segment j through ``engine``: (its output (k_j, B_j, P), its final states (1, B_j, width)).
-    ``rows_done``: x and states are already the segment's running rows (the backward's leaves)."""
-    start, stop = plan.bounds[j]
-    rows, seg_lengths = plan.parts[j]
-    if not rows_done:
-        x = _rows(x, index, start, stop)
-        if rows is not None:
-            x, states = x[:, rows], [s[:, rows] for s in states]
+def _segment(spec: _Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tuple[Tensor, ...],
+             params: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """Segment j of direction d through the engine, from its running rows' input x (k_j, B_j, F)
+    and states (1, B_j, width): (its output (k_j, B_j, P), its final states (1, B_j, width))."""
+    start, stop = spec.plan.bounds[j]
+    rows, seg_lengths = spec.plan.parts[j]
+    masks = spec.masks[d]
     m = None
     if masks:
         m = {}
@@ -181,8 +226,36 @@ def _segment(engine: Engine, plan: _Plan, j: int, index: Tensor | None, options:
             else:  # (1, T, B, width) in the direction's time
                 part = mask[:, start:stop]
                 m[key] = part if rows is None else part[:, :, rows]
-    return engine(x, tuple(states), [[params]], seg_lengths, options, dropout=0.0, training=training,
-                  masks=[m] if m is not None else None)
+    return spec.engine(x, tuple(states), [[params]], seg_lengths, spec.options, dropout=0.0, training=spec.training,
+                       masks=[m] if m is not None else None)
+
+
+def _all_segments(spec: _Spec, x: Tensor, tensors: tuple[Tensor, ...],
+                  kept: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+    """Every segment of every direction in order from the states and parameters ``tensors``: (the
+    output (T, B, D*P), the final states (D, B, width)); ``kept`` receives the states entering
+    each segment (segment after segment, direction after direction, state after state)."""
+    n_states, n_params, dirs = spec.n_states, len(spec.names), len(spec.maps)
+    steps, batch = x.shape[:2]
+    states = [[s[d:d + 1] for s in tensors[:n_states]] for d in range(dirs)]
+    params = [dict(zip(spec.names, tensors[n_states + d * n_params:n_states + (d + 1) * n_params]))
+              for d in range(dirs)]
+    out = x.new_zeros(steps, batch, dirs * spec.width)  # zeros stay at t >= len_b
+    out2 = out.view(steps * batch, -1)
+    x2 = x.reshape(steps * batch, -1)
+    for j in range(len(spec.plan.bounds)):
+        start, stop = spec.plan.bounds[j]
+        rows = spec.plan.parts[j][0]
+        for d in range(dirs):
+            if kept is not None:
+                kept.extend(states[d])
+            xs = _take(x2, spec.maps[d], d == 0, start, stop, rows)
+            y, new = _segment(spec, j, d, xs, states[d] if rows is None else [s[:, rows] for s in states[d]],
+                              params[d])
+            _give(out2[:, d * spec.width:(d + 1) * spec.width], spec.maps[d], d == 0, start, stop, rows, y,
+                  add=False)
+            states[d] = _merge(states[d], new, rows)
+    return out, [torch.cat([states[d][i] for d in range(dirs)]) for i in range(n_states)]
 
 
 def _merge(states: list[Tensor], new: tuple[Tensor, ...], rows: Tensor | None) -> list[Tensor]:
@@ -196,26 +269,7 @@ def _merge(states: list[Tensor], new: tuple[Tensor, ...], rows: Tensor | None) -
     return merged
 
 
-def _all_segments(spec: tuple, x: Tensor, tensors: tuple[Tensor, ...],
-                  kept: list[tuple[Tensor, ...]] | None = None) -> tuple[Tensor, list[Tensor]]:
-    """Every segment in order from the states and parameters ``tensors``: (the output (T, B, P),
-    the final states); ``kept`` receives the states entering each segment."""
-    engine, plan, index, options, training, masks, n_states, names = spec
-    states, params = list(tensors[:n_states]), dict(zip(names, tensors[n_states:]))
-    out = None
-    for j in range(len(plan.bounds)):
-        if kept is not None:
-            kept.append(tuple(states))
-        y, new = _segment(engine, plan, j, index, options, training, masks, x, states, params)
-        if out is None:
-            out = x.new_zeros(x.size(0), x.size(1), y.size(-1))
-        rows = plan.parts[j][0]
-        _put(out, index, *plan.bounds[j], rows if rows is not None else slice(None), y)
-        states = _merge(states, new, rows)
-    return out, states
-
-
-def _recorded_backward(spec: tuple, x: Tensor, tensors: tuple[Tensor, ...], dy: Tensor,
+def _recorded_backward(spec: _Spec, x: Tensor, tensors: tuple[Tensor, ...], dy: Tensor,
                        dfinal: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
     out, states = _all_segments(spec, x, tensors)
     inputs = [x, *tensors]
@@ -238,32 +292,25 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
     dirs = len(layers[0])
     dev = input.device
     plan = _Plan(steps, k, lengths, dev)
-    index = _reversal(lengths, steps, batch, dev) if dirs == 2 else None
-    finals: list[list[Tensor]] = [[] for _ in hx]
+    maps = _row_maps(lengths, steps, batch, dirs, dev)
+    finals: list[Tensor] = []
     x = input
     for li, dir_params in enumerate(layers):
-        outs = []
-        for d, params in enumerate(dir_params):
-            idx = index if d == 1 else None
-            width = params["weight_hr"].size(0) if "weight_hr" in params else params["weight_hh"].size(1)
-            hidden = params["weight_hh"].size(0) // (4 if cell == "LSTM" else 3)
-            m = _direction_masks(masks[li] if masks is not None else None, d, idx, options, training, cell,
-                                 (steps, batch, width, hidden), x)
-            names = list(params)
-            n = li * dirs + d
-            states = tuple(s[n:n + 1] for s in hx)
-            spec = (engine, plan, idx, options, training, m, len(states), names)
-            y, *last = _Segments.apply(spec, x, *states, *params.values())
-            outs.append(y)
-            for acc, s in zip(finals, last):
-                acc.append(s)
-        x = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        width = dir_params[0]["weight_hr"].size(0) if "weight_hr" in dir_params[0] else dir_params[0]["weight_hh"].size(1)
+        hidden = dir_params[0]["weight_hh"].size(0) // (4 if cell == "LSTM" else 3)
+        m = [_direction_masks(masks[li] if masks is not None else None, d, maps[d] if d else None, options, training,
+                              cell, (steps, batch, width, hidden), x) for d in range(dirs)]
+        names = list(dir_params[0])
+        states = tuple(s[li * dirs:(li + 1) * dirs] for s in hx)
+        spec = _Spec(engine, plan, maps, options, training, m, len(states), names, width)
+        x, *last = _Segments.apply(spec, x, *states, *(p[n] for p in dir_params for n in names))
+        finals.append(last)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
-    return x, tuple(torch.cat(f) for f in finals)
+    return x, tuple(torch.cat([f[i] for f in finals]) for i in range(len(hx)))
 
 
-def _direction_masks(given: dict[str, Tensor] | None, d: int, index: Tensor | None, options: CellOptions,
+def _direction_masks(given: dict[str, Tensor] | None, d: int, fmap: Tensor | None, options: CellOptions,
                      training: bool, cell: str, sizes: tuple[int, int, int, int], like: Tensor
                      ) -> dict[str, Tensor] | None:
     """Direction d's masks for the whole sequence, drawn once here (so the recomputation sees the
@@ -279,8 +326,8 @@ def _direction_masks(given: dict[str, Tensor] | None, d: int, index: Tensor | No
         mask = given.get(key) if given else None
         if mask is not None:
             mask = mask[d:d + 1]
-            if key != "recurrent" and index is not None:  # original time -> the direction's time
-                mask = _rows(mask[0], index, 0, steps).unsqueeze(0)
+            if key != "recurrent" and fmap is not None:  # original time -> the direction's time
+                mask = _take(mask[0].reshape(steps * batch, -1), fmap, False, 0, steps, None).unsqueeze(0)
         elif needed:
             if key == "recurrent":
                 keep = 1 - options.recurrent_dropout
