@@ -123,3 +123,16 @@ def assert_engine_equals_torch(engine, ours_cls, torch_cls, **kwargs):
     got = run_and_grad(fn, ours, x, hx)
     want = run_and_grad(lambda x, h: torch_packed(ref, x, h, lengths), ref, x, hx)
     assert_close_all(got, want, atol=1e-5, rtol=1e-5)
+
+
+class CallAsUser(nn.Module):
+    """A recurrent layer called as a user would, with lengths and hx or without (for export tests:
+    every variant takes the same four inputs, x, lengths, h0, c0)."""
+
+    def __init__(self, layer, lengths: bool, hx: bool):
+        super().__init__()
+        self.layer, self.with_lengths, self.with_hx = layer, lengths, hx
+
+    def forward(self, x, lengths, h0, c0):
+        hx = ((h0, c0) if self.layer.mode == "LSTM" else h0) if self.with_hx else None
+        return self.layer(x, hx, lengths=lengths if self.with_lengths else None)

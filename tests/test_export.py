@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 import fastlayers
 from fastlayers import _ops_lib
+from rnn_helpers import CallAsUser
 
 pytestmark = pytest.mark.compile  # (see pyproject's markers: tracing, no kernel path of its own)
 
@@ -37,18 +38,6 @@ def _build(mode, name, batch_first, layers=2, bidirectional=True, dtype=torch.fl
                                      dtype=dtype, **kwargs).eval()
 
 
-class _Call(torch.nn.Module):
-    """The layer called with the arguments of one variant (lengths and hx or not), as a user would."""
-
-    def __init__(self, layer, lengths: bool, hx: bool):
-        super().__init__()
-        self.layer, self.with_lengths, self.with_hx = layer, lengths, hx
-
-    def forward(self, x, lengths, h0, c0):
-        hx = ((h0, c0) if self.layer.mode == "LSTM" else h0) if self.with_hx else None
-        return self.layer(x, hx, lengths=lengths if self.with_lengths else None)
-
-
 def _inputs(layer, batch, steps, dtype, seed, grad=False):
     g = torch.Generator().manual_seed(seed)
     shape = (batch, steps, 5) if layer.batch_first else (steps, batch, 5)
@@ -71,7 +60,7 @@ def _export(model, dtype):
 @pytest.mark.parametrize("lengths,hx", [(True, True), (False, False), (True, False)])
 def test_exported_equals_eager(mode, name, lengths, hx):
     batch_first = (hash(name) + lengths) % 2 == 0  # both layouts over the cases
-    model = _Call(_build(mode, name, batch_first), lengths, hx)
+    model = CallAsUser(_build(mode, name, batch_first), lengths, hx)
     exported = _export(model, torch.float32).module()
     for i, (batch, steps) in enumerate(SHAPES):
         args = _inputs(model.layer, batch, steps, torch.float32, i + 1)
@@ -84,7 +73,7 @@ def test_exported_equals_eager(mode, name, lengths, hx):
 @pytest.mark.parametrize("mode,name", [("LSTM", "plain"), ("LSTM", "all + proj"), ("GRU", "all"), ("RNN", "relu")])
 def test_exported_gradients_equal_eager(mode, name):
     """The exported program trains: its gradients (the operators' autograd) equal eager's (float64)."""
-    model = _Call(_build(mode, name, False, dtype=torch.float64), True, True)
+    model = CallAsUser(_build(mode, name, False, dtype=torch.float64), True, True)
     exported = _export(model, torch.float64).module()
     for i, (batch, steps) in enumerate(SHAPES):
         grads = []
@@ -113,7 +102,7 @@ def test_unbatched_and_single_direction():
 
 def test_training_mode_export_draws_masks_and_trains():
     layer = _build("LSTM", "all + proj", True).train()
-    model = _Call(layer, True, False)
+    model = CallAsUser(layer, True, False)
     exported = _export(model, torch.float32).module()  # (captured in training mode: masks drawn in the graph)
     args = _inputs(layer, 3, 9, torch.float32, 1, grad=True)
     out, (h, c) = exported(*args)

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 import fastlayers
 import fastlayers.onnx
+from rnn_helpers import CallAsUser
 
 ort = pytest.importorskip("onnxruntime")  # (make test installs them: the test extra)
 onnx = pytest.importorskip("onnx")  # (onnxscript's dependency)
@@ -58,18 +59,6 @@ def _build(mode, name, batch_first, layers=2, bidirectional=True, dtype=torch.fl
     torch.manual_seed(0)
     return getattr(fastlayers, mode)(5, 6, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
                                      dtype=dtype, **OPTIONS[mode][name]).eval()
-
-
-class _Call(torch.nn.Module):
-    """The layer called as a user would, with lengths and hx or without."""
-
-    def __init__(self, layer, lengths: bool, hx: bool):
-        super().__init__()
-        self.layer, self.with_lengths, self.with_hx = layer, lengths, hx
-
-    def forward(self, x, lengths, h0, c0):
-        hx = ((h0, c0) if self.layer.mode == "LSTM" else h0) if self.with_hx else None
-        return self.layer(x, hx, lengths=lengths if self.with_lengths else None)
 
 
 def _inputs(layer, batch, steps, seed, dtype=torch.float32):
@@ -125,7 +114,7 @@ CASES = [(m, k) for m in OPTIONS for k in OPTIONS[m]]
 def test_layer_equals_eager(mode, name):
     """Each layer and option (bidirectional, 2 layers) with lengths and hx; batch_first in half the cases."""
     batch_first = CASES.index((mode, name)) % 2 == 1
-    model = _Call(_build(mode, name, batch_first), lengths=True, hx=True).eval()
+    model = CallAsUser(_build(mode, name, batch_first), lengths=True, hx=True).eval()
     program = _export_call(model)
     onnx.checker.check_model(program.model_proto, full_check=True)  # a valid model, ONNX's shape inference included
     ops = _ops(program)
@@ -146,7 +135,7 @@ def test_scan_in_float64_equals_eager(mode, name):
     """The Scan's step is the layer's math: in float64 (ONNX Runtime's LSTM / GRU / RNN kernels are
     float32 only, its Scan ops are not) it equals eager to 1e-9 (the LayerNorms' epsilon is an ONNX
     float attribute: 1e-5 rounded to float32)."""
-    model = _Call(_build(mode, name, False, dtype=torch.float64), lengths=True, hx=True).eval()
+    model = CallAsUser(_build(mode, name, False, dtype=torch.float64), lengths=True, hx=True).eval()
     session = _session(_export_call(model, torch.float64))
     for i, (batch, steps) in enumerate(SHAPES[:2]):
         inputs = _inputs(model.layer, batch, steps, i + 1, torch.float64)
@@ -169,7 +158,7 @@ def test_scan_in_float64_equals_eager(mode, name):
 ])
 def test_variants_equal_eager(mode, name, lengths, hx, layers, bidirectional, batch_first):
     """Without lengths and / or hx, one direction, one layer."""
-    model = _Call(_build(mode, name, batch_first, layers, bidirectional), lengths, hx).eval()
+    model = CallAsUser(_build(mode, name, batch_first, layers, bidirectional), lengths, hx).eval()
     session = _session(_export_call(model))
     for i, (batch, steps) in enumerate(SHAPES[:3]):
         inputs = _inputs(model.layer, batch, steps, i + 1)

@@ -234,17 +234,27 @@ def _zoneout(b, z: float, keep: Value | None, drop: Value | None, old: Value, ne
     return b.Add(b.Mul(keep, old), b.Mul(drop, new)) if z else new
 
 
+def _projected(scan: _Scan, x: Value, w_ih: Value, ln_ih: Value | None, biases: Sequence[Value | None]
+               ) -> tuple[Value, Value | None]:
+    """Every step's input projection before the Scan: (T, D, B, G) = x W_ih^T, its LayerNorm (gain
+    ln_ih) where given, plus the biases added outside the recurrence (LSTM: b_ih and b_hh; GRU: b_ih);
+    and the (G,) ones the LayerNorms of that width use (None without layer_norm)."""
+    xp = op.MatMul(scan.inputs(), op.Transpose(w_ih, perm=[0, 2, 1]))
+    ones = None
+    if ln_ih is not None:
+        ones = op.Expand(_scalar(1.0, x), _ints(_dims(w_ih)[1]))
+        xp = _layer_norm(xp, ones, _per_direction(ln_ih), None)
+    for b in biases:
+        if b is not None:
+            xp = op.Add(xp, _per_direction(b))
+    return xp, ones
+
+
 def _lstm_scan(x, lengths, h0, c0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, ln_cell_weight, ln_cell_bias, peephole,
                w_hr, cell_clip, z_c, z_h, proj_clip):
     scan = _Scan(x, lengths, w_ih)
     hidden = _dims(w_hh)[1] // 4
-    xp = op.MatMul(scan.inputs(), op.Transpose(w_ih, perm=[0, 2, 1]))  # (T, D, B, 4H)
-    gates_ones = op.Expand(_scalar(1.0, x), _ints(4 * hidden)) if ln_ih is not None else None
-    if ln_ih is not None:
-        xp = _layer_norm(xp, gates_ones, _per_direction(ln_ih), None)
-    for b in (b_ih, b_hh):
-        if b is not None:
-            xp = op.Add(xp, _per_direction(b))
+    xp, gates_ones = _projected(scan, x, w_ih, ln_ih, (b_ih, b_hh))  # (T, D, B, 4H)
     w_hh_t = op.Transpose(w_hh, perm=[0, 2, 1])  # (D, P, 4H)
     w_hr_t = None if w_hr is None else op.Transpose(w_hr, perm=[0, 2, 1])  # (D, H, P)
     g_hh = _per_direction(ln_hh)
@@ -299,13 +309,7 @@ def _lstm_body(b, h, c, xp_t, alive, *, w_hh_t, gates_ones, g_hh, cell_ones, g_c
 
 def _gru_scan(x, lengths, h0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, z_h):
     scan = _Scan(x, lengths, w_ih)
-    hidden = _dims(w_hh)[1] // 3
-    xp = op.MatMul(scan.inputs(), op.Transpose(w_ih, perm=[0, 2, 1]))  # (T, D, B, 3H)
-    ones = op.Expand(_scalar(1.0, x), _ints(3 * hidden)) if ln_ih is not None else None
-    if ln_ih is not None:
-        xp = _layer_norm(xp, ones, _per_direction(ln_ih), None)
-    if b_ih is not None:
-        xp = op.Add(xp, _per_direction(b_ih))
+    xp, ones = _projected(scan, x, w_ih, ln_ih, (b_ih,))  # (T, D, B, 3H)
     w_hh_t = op.Transpose(w_hh, perm=[0, 2, 1])
     g_hh, bias_hh = _per_direction(ln_hh), _per_direction(b_hh)
     zh = (_scalar(z_h, x), _scalar(1.0 - z_h, x)) if z_h else (None, None)
