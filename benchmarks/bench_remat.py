@@ -11,7 +11,7 @@ direction runs over the flipped sequence, so the batch has no padding here).
 were allocated and touched (what the run adds: activations, kept states, work space, and the
 output and its gradient).
 
-    python benchmarks/bench_remat.py --steps 800 --batch 32 [--every 28] [--json FILE]
+    python benchmarks/bench_remat.py --steps 800 --batch 32 [--every 28] [--json FILE] [--device cuda]
     python benchmarks/bench_remat.py --scaling 1000,4000,16000,100000 --batch 8 --with-torch [--max-gib 18]
 
 With --scaling a run whose peak RSS, scaled linearly in T from the largest T measured of the same
@@ -30,7 +30,7 @@ import json, resource, sys, time
 import torch
 import fastlayers
 from torch.utils.checkpoint import checkpoint
-name, steps, batch, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+name, steps, batch, every, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 every = None if every == "none" else (every if every == "auto" else int(every))
 torch.manual_seed(0)
 if name == "torch":
@@ -39,10 +39,21 @@ elif name == "torch-checkpointed":
     model = torch.nn.ModuleList([torch.nn.LSTM(512, 256), torch.nn.LSTM(512, 256)])
 else:
     model = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=True, checkpoint_every=every)
-x = torch.randn(steps, batch, 512, requires_grad=True)
-grad = torch.randn(steps, batch, 512)
-def rss():
+cuda = device == "cuda"
+if cuda:
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+model = model.to(device)
+x = torch.randn(steps, batch, 512, device=device, requires_grad=True)
+grad = torch.randn(steps, batch, 512, device=device)
+def rss():  # CPU: the process's peak RSS; CUDA: the allocator's peak
+    if cuda:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss in KiB)
+def now():
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
 def flat(r):
     return r[0], r[1][0], r[1][1]
 def chunked(lstm, x, k):
@@ -62,19 +73,19 @@ def run():
     else:
         y = model(x)[0]
     y.backward(grad)
-base = rss()
-t0 = time.perf_counter(); run(); t1 = time.perf_counter()
+base = torch.cuda.memory_allocated() / 2**30 if cuda else rss()
+t0 = now(); run(); t1 = now()
 x.grad = None
 for p in model.parameters():
     p.grad = None
-t2 = time.perf_counter(); run(); t3 = time.perf_counter()
+t2 = now(); run(); t3 = now()
 print(json.dumps({"name": name, "steps": steps, "batch": batch, "every": every, "first_s": t1 - t0,
                   "second_s": t3 - t2, "peak_gib": rss(), "beyond_gib": rss() - base, "base_gib": base}))
 """
 
 
-def one(name: str, steps: int, batch: int, every: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _PROBE, name, str(steps), str(batch), every],
+def one(name: str, steps: int, batch: int, every: str, device: str = "cpu") -> dict:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, name, str(steps), str(batch), every, device],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         return {"name": name, "steps": steps, "batch": batch, "every": every,
@@ -87,6 +98,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--every", default="auto")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the GPU engine; memory is the CUDA allocator's peak, not RSS (fp32, TF32 off)")
     parser.add_argument("--scaling", default=None, help="comma-separated T values (fastlayers with and without)")
     parser.add_argument("--with-torch", action="store_true", help="torch.nn.LSTM at each --scaling T too")
     parser.add_argument("--max-gib", type=float, default=18.0,
@@ -95,9 +108,12 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; fwd+bwd float32, 512 -> 256 x 2, "
-          f"fresh process per row; times: the second of two calls")
-    print("| candidate | T | B | checkpoint_every | s (fwd+bwd) | peak RSS GiB | beyond inputs GiB |\n"
+    where = (torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads")
+    print(f"# torch {torch.__version__}, {where}; fwd+bwd float32, 512 -> 256 x 2, "
+          f"fresh process per row; times: the second of two calls; memory: "
+          f"{'CUDA allocator peak' if args.device == 'cuda' else 'peak RSS'}")
+    peak = "peak allocated GiB" if args.device == "cuda" else "peak RSS GiB"
+    print(f"| candidate | T | B | checkpoint_every | s (fwd+bwd) | {peak} | beyond inputs GiB |\n"
           "|---|---:|---:|---|---:|---:|---:|")
     rows = []
     if args.scaling:
@@ -123,7 +139,7 @@ def main() -> None:
                       f"T = {last['steps']} (over --max-gib {args.max_gib:g}); about "
                       f"{last['second_s'] * steps / last['steps']:.0f} s | | |", flush=True)
                 continue
-        row = one(name, steps, args.batch, every)
+        row = one(name, steps, args.batch, every, args.device)
         rows.append(row)
         if "error" not in row:
             measured[(name, every)] = row
@@ -135,6 +151,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if any("error" in row for row in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

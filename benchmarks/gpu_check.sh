@@ -19,7 +19,9 @@
 # (60; 30 ran out on 2026-11-24). Issue 41 (not run on a GPU yet; limits estimated): the random-T
 # workload, T ~ U[100, 1000] per call, plain and layer_norm LSTM / GRU against cuDNN on the
 # PackedSequence, captures counted, peak memory against fixed T = 1000 (150); the same for LSTM
-# with chunks of 16 and of 64 steps instead of 32 (150); fastlayers train on the digits and the
+# with chunks of 16 and of 64 steps instead of 32 (150); issue 40: checkpoint_every through the GPU
+# engine, bench_remat.py at T = 800, B = 32 and the T = 1k..100k scaling at B = 8, the allocator's
+# peak (240); fastlayers train on the digits and the
 # vowels against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA).
 # All steps take longer than one 10-minute command: name a few in STEPS per command. A step that
 # fails or runs out of time is recorded in summary.json (rc 124 for a timeout) and the next one runs.
@@ -38,11 +40,14 @@ if [ "$mode" = "--dry-run" ]; then
         only_profile="GRU zoneout"
     random_t=(--device cpu --size small --calls 1 --warmup 1 --fixed-calls 1 --only GRU)
     train=(--device cpu --epochs 1 --max-samples 32 --datasets vowels)
+    remat=(--device cpu --steps 12 --batch 2) remat_scaling=(--device cpu --scaling 8,16 --batch 2 --with-torch)
 else
     device=cuda size=seed local_size=seed repeats=5 only_all="" only_ln="layer_norm" \
         only_profile="LSTM layer_norm"
     random_t=(--device cuda)
     train=(--device cuda)
+    remat=(--device cuda --steps 800 --batch 32)
+    remat_scaling=(--device cuda --scaling 1000,4000,16000,100000 --batch 8 --with-torch --max-gib 70)
 fi
 steps=()
 
@@ -85,6 +90,9 @@ if [ "$mode" != "--dry-run" ]; then  # the chunk's length: 16 and 64 steps again
     step chunk_sweep 150 bash -c "'$py' benchmarks/bench_gpu_random_t.py --device cuda --only LSTM --chunk 16 && \
 '$py' benchmarks/bench_gpu_random_t.py --device cuda --only LSTM --chunk 64"
 fi
+# checkpoint_every through the GPU engine (issue 40): time and the allocator's peak, with and without
+step remat 240 bash -c "'$py' benchmarks/bench_remat.py ${remat[*]} --json '$out/remat.json' && \
+'$py' benchmarks/bench_remat.py ${remat_scaling[*]} --json '$out/remat_scaling.json'"
 step train 300 "$py" benchmarks/bench_gpu_train.py "${train[@]}" --json "$out/train.json"
 
 "$py" - "$out" "${steps[@]}" <<'EOF'

@@ -129,6 +129,27 @@ def test_engine_matches_the_float64_reference(cell, opts, proj, training):
     assert torch.equal(y[3:, 0], torch.zeros_like(y[3:, 0])) and torch.equal(y[1:, 2], torch.zeros_like(y[1:, 2]))
 
 
+@pytest.mark.parametrize("case, k", [(4, 2), (1, 7), (6, 2)],
+                         ids=["LSTM-training-masks-k2", "LSTM-options-k7", "GRU-training-masks-k2"])
+def test_checkpoint_every_through_the_triton_engine(case, k):
+    """checkpoint_every (rnn/_remat.py) runs the GPU engine's segments: outputs and every gradient
+    equal the engine without segments (float64), for k not dividing T and k > T, with lengths
+    (a sequence of length 1), hx, both directions, 2 layers and the training masks passed in."""
+    from fastlayers.rnn._remat import checkpointed
+
+    cell, opts, proj, training = CASES[case]
+    engine, _ = ENGINES[cell]
+    layers = _parameters(cell, opts, proj)
+    x, hx = _inputs(cell, proj)
+    masks = _masks(cell, proj) if training else None
+
+    def remat(*args, **kwargs):
+        return checkpointed(engine, k, *args, cell=cell, **kwargs)
+
+    _assert_same(_run(remat, x, hx, layers, LENGTHS, opts, training, masks),
+                 _run(engine, x, hx, layers, LENGTHS, opts, training, masks), 1e-12)
+
+
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
 def test_float32_engine_matches_the_float64_reference(cell):
     opts = CellOptions.make(layer_norm=True, peephole=cell == "LSTM", zoneout=(0.1, 0.1))
