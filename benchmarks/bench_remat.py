@@ -1,6 +1,7 @@
-"""checkpoint_every (issue 40): peak memory and time of one forward + backward, each run in a
-fresh process (peak RSS from getrusage, so no run sees another's pages), seed sizes (512 -> 256 x 2
-directions), float32, CPU.
+"""checkpoint_every (issue 40): peak memory and time of one forward + backward, each candidate in a
+fresh process (peak RSS from getrusage, so no run sees another's pages; with --device cuda the
+allocator's peak), seed sizes (512 -> 256 x 2 directions), float32. Time: the median of --calls
+calls after one warm-up call (--calls 1 for the long scaling runs).
 
 Candidates: fastlayers.LSTM(layer_norm=True) with and without checkpoint_every; torch.nn.LSTM;
 and the anchor a user writes by hand: torch.nn.LSTM over chunks of the sequence under
@@ -12,7 +13,11 @@ were allocated and touched (what the run adds: activations, kept states, work sp
 output and its gradient).
 
     python benchmarks/bench_remat.py --steps 800 --batch 32 [--every 28] [--json FILE] [--device cuda]
-    python benchmarks/bench_remat.py --scaling 1000,4000,16000,100000 --batch 8 --with-torch [--max-gib 18]
+    python benchmarks/bench_remat.py --scaling 1000,4000,16000,100000 --batch 8 --with-torch --calls 1 [--max-gib 18]
+
+Then (not with --scaling) the time ratio of the layer with and without the option measured side by
+side in one process, calls interleaved, median of --side-calls: the figure the time bar is read
+from (a fresh process per row varies by about 10% from run to run on the 2-core machine).
 
 With --scaling a run whose peak RSS, scaled linearly in T from the largest T measured of the same
 candidate, would exceed --max-gib is not run; its row gives the scaled peak and time instead.
@@ -30,7 +35,8 @@ import json, resource, sys, time
 import torch
 import fastlayers
 from torch.utils.checkpoint import checkpoint
-name, steps, batch, every, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+name, steps, batch, every, device, calls = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
+                                             int(sys.argv[6]))
 every = None if every == "none" else (every if every == "auto" else int(every))
 torch.manual_seed(0)
 if name == "torch":
@@ -74,18 +80,59 @@ def run():
         y = model(x)[0]
     y.backward(grad)
 base = torch.cuda.memory_allocated() / 2**30 if cuda else rss()
-t0 = now(); run(); t1 = now()
-x.grad = None
-for p in model.parameters():
-    p.grad = None
-t2 = now(); run(); t3 = now()
-print(json.dumps({"name": name, "steps": steps, "batch": batch, "every": every, "first_s": t1 - t0,
-                  "second_s": t3 - t2, "peak_gib": rss(), "beyond_gib": rss() - base, "base_gib": base}))
+times = []
+for _ in range(1 + calls):  # the first call warms up (kernel caches, pools); the median of the others
+    x.grad = None
+    for p in model.parameters():
+        p.grad = None
+    t0 = now(); run(); times.append(now() - t0)
+later = sorted(times[1:])
+print(json.dumps({"name": name, "steps": steps, "batch": batch, "every": every, "first_s": times[0],
+                  "second_s": later[len(later) // 2], "times_s": times, "peak_gib": rss(),
+                  "beyond_gib": rss() - base, "base_gib": base}))
+"""
+
+_SIDE = r"""
+import json, statistics, sys, time
+import torch
+import fastlayers
+steps, batch, every, calls = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+every = every if every == "auto" else int(every)
+torch.manual_seed(0)
+plain = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=True)
+remat = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=True, checkpoint_every=every)
+remat.load_state_dict(plain.state_dict())
+x = torch.randn(steps, batch, 512, requires_grad=True)
+grad = torch.randn(steps, batch, 512)
+def call(model):
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    model(x)[0].backward(grad)
+    return time.perf_counter() - t0
+times = {"plain": [], "remat": []}
+for i in range(1 + calls):  # interleaved; the first round warms up
+    for name, model in (("plain", plain), ("remat", remat)):
+        t = call(model)
+        if i:
+            times[name].append(t)
+med = {k: statistics.median(v) for k, v in times.items()}
+print(json.dumps({"steps": steps, "batch": batch, "every": every, "times_s": times, "median_s": med,
+                  "ratio": med["remat"] / med["plain"]}))
 """
 
 
-def one(name: str, steps: int, batch: int, every: str, device: str = "cpu") -> dict:
-    proc = subprocess.run([sys.executable, "-c", _PROBE, name, str(steps), str(batch), every, device],
+def side_by_side(steps: int, batch: int, every: str, calls: int) -> dict:
+    """The time of the layer with and without checkpoint_every in ONE process, calls interleaved."""
+    proc = subprocess.run([sys.executable, "-c", _SIDE, str(steps), str(batch), every, str(calls)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def one(name: str, steps: int, batch: int, every: str, device: str = "cpu", calls: int = 3) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, name, str(steps), str(batch), every, device, str(calls)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         return {"name": name, "steps": steps, "batch": batch, "every": every,
@@ -98,6 +145,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--every", default="auto")
+    parser.add_argument("--calls", type=int, default=3, help="timed calls after one warm-up call (median)")
+    parser.add_argument("--side-calls", type=int, default=9,
+                        help="the time ratio with / without the option, both in one process, interleaved (0: off)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: the GPU engine; memory is the CUDA allocator's peak, not RSS (fp32, TF32 off)")
     parser.add_argument("--scaling", default=None, help="comma-separated T values (fastlayers with and without)")
@@ -110,7 +160,7 @@ def main() -> None:
 
     where = (torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads")
     print(f"# torch {torch.__version__}, {where}; fwd+bwd float32, 512 -> 256 x 2, "
-          f"fresh process per row; times: the second of two calls; memory: "
+          f"fresh process per row; times: median of {args.calls} calls after one; memory: "
           f"{'CUDA allocator peak' if args.device == 'cuda' else 'peak RSS'}")
     peak = "peak allocated GiB" if args.device == "cuda" else "peak RSS GiB"
     print(f"| candidate | T | B | checkpoint_every | s (fwd+bwd) | {peak} | beyond inputs GiB |\n"
@@ -139,7 +189,7 @@ def main() -> None:
                       f"T = {last['steps']} (over --max-gib {args.max_gib:g}); about "
                       f"{last['second_s'] * steps / last['steps']:.0f} s | | |", flush=True)
                 continue
-        row = one(name, steps, args.batch, every, args.device)
+        row = one(name, steps, args.batch, every, args.device, args.calls)
         rows.append(row)
         if "error" not in row:
             measured[(name, every)] = row
@@ -148,6 +198,16 @@ def main() -> None:
         else:
             print(f"| {label} | {steps} | {args.batch} | {row['every']} | {row['second_s']:.2f} | "
                   f"{row['peak_gib']:.2f} | {row['beyond_gib']:.2f} |", flush=True)
+    if not args.scaling and args.device == "cpu" and args.side_calls:
+        side = side_by_side(args.steps, args.batch, args.every, args.side_calls)
+        rows.append({"side_by_side": side})
+        if "error" in side:
+            rows.append({"error": side["error"]})
+            print(f"side by side: failed: {side['error']}")
+        else:
+            print(f"\nside by side in one process (interleaved, median of {args.side_calls} after one round): "
+                  f"without {side['median_s']['plain']:.3f} s, checkpoint_every={args.every} "
+                  f"{side['median_s']['remat']:.3f} s: {side['ratio']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -40,14 +40,14 @@ if [ "$mode" = "--dry-run" ]; then
         only_profile="GRU zoneout"
     random_t=(--device cpu --size small --calls 1 --warmup 1 --fixed-calls 1 --only GRU)
     train=(--device cpu --epochs 1 --max-samples 32 --datasets vowels)
-    remat=(--device cpu --steps 12 --batch 2) remat_scaling=(--device cpu --scaling 8,16 --batch 2 --with-torch)
+    remat=(--device cpu --steps 12 --batch 2) remat_scaling=(--device cpu --scaling 8,16 --batch 2 --with-torch --calls 1)
 else
     device=cuda size=seed local_size=seed repeats=5 only_all="" only_ln="layer_norm" \
         only_profile="LSTM layer_norm"
     random_t=(--device cuda)
     train=(--device cuda)
     remat=(--device cuda --steps 800 --batch 32)
-    remat_scaling=(--device cuda --scaling 1000,4000,16000,100000 --batch 8 --with-torch --max-gib 70)
+    remat_scaling=(--device cuda --scaling 1000,4000,16000,100000 --batch 8 --with-torch --calls 1 --max-gib 70)
 fi
 steps=()
 

@@ -120,8 +120,10 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     src = torch.stack([plan.forward_rows, plan.reverse_rows][:dirs])  # (D, N)
     dst = (src * dirs + torch.arange(dirs, device=dev).unsqueeze(1)).flatten()
     order = plan.sorted_indices
-    states = [s.index_select(1, order) for s in hx]  # (h_0,) or (h_0, c_0), sorted batch
-    clip = options.cell_clip or 0.0
+    # without lengths the plan is the identity (batch order, packed rows = padded rows of each step):
+    # no gathers then, and for one direction no scatter either
+    identity = lengths is None
+    states = list(hx) if identity else [s.index_select(1, order) for s in hx]  # (h_0,) or (h_0, c_0), sorted batch
     z_h, z_c = options.zoneout
     finals: list[list[Tensor]] = [[] for _ in states]
     x = input
@@ -129,10 +131,11 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     if mm.lowered and x.dtype != mm.low:  # float32 under autocast with hardware bf16/fp16 GEMMs: convert
         x = x.to(mm.low)  # once, before the gather (half the bytes gathered; later layers get low inputs)
     for li, dir_params in enumerate(layers):
-        stack = lambda name, use=True: torch.stack([p[name] for p in dir_params]) if use else None  # noqa: E731
         # the valid rows of both directions (one gather); the Function projects them (one batched GEMM)
-        xs = x.reshape(steps * batch, -1).index_select(0, src.flatten()).view(dirs, rows, -1)
-        has_bias, bias = input_bias(cell, dir_params, stack)
+        if identity and dirs == 1:
+            xs = x.reshape(1, rows, -1)
+        else:
+            xs = x.reshape(steps * batch, -1).index_select(0, src.flatten()).view(dirs, rows, -1)
         m = (masks[li] if masks is not None else None) or {}
         rmask = recurrent_mask(m, options, training, (dirs, batch, out_size), x)
         if rmask is not None and "recurrent" in m:
@@ -146,23 +149,49 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
                 zm = torch.stack([zm[d].reshape(steps * batch, width).index_select(0, src[d]) for d in range(dirs)])
             zmasks.append(zm)
         k = slice(li * dirs, (li + 1) * dirs)
-        ln, peep = options.layer_norm, options.peephole
-        if cell == "LSTM":
-            consts = (clip, 0.0 if training else z_c, 0.0 if training else z_h, options.proj_clip or 0.0)
-            y, *last = run_layer(
-                "LSTM", xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0][k], states[1][k],
-                stack("weight_hh"), stack("ln_hh_weight", ln), stack("ln_cell_weight", ln), stack("ln_cell_bias", ln),
-                stack("weight_peephole", peep), stack("weight_hr", proj), rmask, zmasks[0], zmasks[1], active, consts)
-        else:
-            y, *last = run_layer("GRU", xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0][k],
-                                 stack("weight_hh"), stack("bias_hh", has_bias), stack("ln_hh_weight", ln), rmask,
-                                 zmasks[1], active, (0.0 if training else z_h,))
+        y, last = packed_layer(cell, xs, dir_params, tuple(s[k] for s in states), rmask, zmasks[0], zmasks[1], active,
+                               options, training)
         # back to the padded layout: one scatter of both directions, zeros at t >= len_b
-        x = y.new_zeros(steps * batch * dirs, out_size).index_copy(0, dst, y.reshape(dirs * rows, out_size))
-        x = x.view(steps, batch, dirs * out_size)
+        if identity and dirs == 1:
+            x = y.view(steps, batch, out_size)
+        else:
+            x = y.new_zeros(steps * batch * dirs, out_size).index_copy(0, dst, y.reshape(dirs * rows, out_size))
+            x = x.view(steps, batch, dirs * out_size)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
         for acc, s in zip(finals, last):
             acc.append(s)
     unorder = plan.unsorted_indices
-    return x, tuple(torch.cat(f).index_select(1, unorder) for f in finals)
+    return x, tuple(torch.cat(f) if identity else torch.cat(f).index_select(1, unorder) for f in finals)
+
+
+def packed_layer(cell: str, xs: Tensor, dir_params: list[dict[str, Tensor]], states: tuple[Tensor, ...],
+                 rmask: Tensor | None, zc: Tensor | None, zh: Tensor | None, active: tuple[int, ...],
+                 options: CellOptions, training: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """One layer, every direction, on packed rows (:class:`LSTMRecurrence` / :class:`GRURecurrence`).
+
+    xs (D, N, F_l) the packed input rows (step after step, each step's rows the active prefix of the
+    length-sorted batch); ``dir_params`` per direction as :func:`lstm_engine`'s; states (h (D, B, P),
+    c (D, B, H)) or (h (D, B, H),) in the sorted batch; rmask (D, B, P) sorted, zc (D, N, H), zh (D,
+    N, P) packed keep-masks, or None; ``active`` the T active-prefix sizes (sum N). Returns y (D, N,
+    P) and the final states (D, B, width), sorted. Each direction runs forward over its rows: the
+    caller's gather decides which time they are (the engine reads the reverse direction's back to
+    front)."""
+    def stack(name: str, use: bool = True) -> Tensor | None:
+        return torch.stack([p[name] for p in dir_params]) if use else None
+
+    has_bias, bias = input_bias(cell, dir_params, stack)
+    ln, peep, proj = options.layer_norm, options.peephole, "weight_hr" in dir_params[0]
+    z_h, z_c = options.zoneout
+    if cell == "LSTM":
+        consts = (options.cell_clip or 0.0, 0.0 if training else z_c, 0.0 if training else z_h,
+                  options.proj_clip or 0.0)
+        y, *last = run_layer(
+            "LSTM", xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0], states[1],
+            stack("weight_hh"), stack("ln_hh_weight", ln), stack("ln_cell_weight", ln), stack("ln_cell_bias", ln),
+            stack("weight_peephole", peep), stack("weight_hr", proj), rmask, zc, zh, active, consts)
+    else:
+        y, *last = run_layer("GRU", xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0],
+                             stack("weight_hh"), stack("bias_hh", has_bias), stack("ln_hh_weight", ln), rmask,
+                             zh, active, (0.0 if training else z_h,))
+    return y, tuple(last)

@@ -20,7 +20,12 @@ One autograd Function runs a layer's directions: each segment's rows are taken f
 flat row index (a slice for the forward direction) and written into the layer's (T, B, D*P)
 output, and the backward adds each segment's input gradient into one (T, B, F) gradient, so
 no per-direction copy of the input, the output or the input gradient exists (at T = 100,000 those
-are 1.5 GiB each at B = 8).
+are 1.5 GiB each at B = 8). With the C kernels' engine (``lstm_engine`` / ``gru_engine``) the
+forward runs each segment through the layer's C++ operator (:mod:`._export`, what eager calls
+without autograd run: no Python driver per step block), and the backward recomputes a segment's
+directions together in one engine call (:func:`._engine.packed_layer`, their packed rows gathered by
+their original rows), as the layer without segments runs them; other engines run each direction's
+segment alone.
 
 Gradients are those of the run without segments up to the order of sums (the weight gradients
 add k-step partial sums); with k >= T the same kernels run in the same order. Second derivatives
@@ -40,6 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _ops_lib
+from ._engine import gru_engine, lstm_engine, packed_layer
+from ._lengths import make_plan
 from ._options import CellOptions
 
 Engine = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
@@ -52,9 +60,11 @@ def check_every(name: str, every: Any) -> int | str | None:
     raise ValueError(f"{name}: expected None, an int >= 1 or 'auto', got {every!r}")
 
 
-def segment_length(every: int | str, steps: int) -> int:
-    """k: ``every`` itself, or for ``"auto"`` about sqrt(T) (at least 1)."""
-    return max(1, round(math.sqrt(steps))) if every == "auto" else int(every)
+def segment_length(every: int | str, steps: int, dirs: int = 1) -> int:
+    """k: ``every`` itself, or for ``"auto"`` about sqrt(T / D) (at least 1): the backward recomputes
+    a segment's D directions together, so it holds the activations of about sqrt(T * D) steps, as
+    sqrt(T) segments of one direction would."""
+    return max(1, round(math.sqrt(steps / dirs))) if every == "auto" else int(every)
 
 
 def _row_maps(lengths: Tensor | None, steps: int, batch: int, dirs: int, device: torch.device) -> list[Tensor]:
@@ -141,6 +151,8 @@ class _Spec(NamedTuple):
     n_states: int
     names: list[str]  # parameter names of one direction
     width: int  # P, the output columns of one direction
+    cell: str  # "LSTM" or "GRU"
+    native: bool  # the engine is the C kernels' (lstm_engine / gru_engine): no-grad segments may run its operator
 
 
 class _Segments(torch.autograd.Function):
@@ -184,6 +196,9 @@ class _Segments(torch.autograd.Function):
             start, stop = spec.plan.bounds[j]
             rows = spec.plan.parts[j][0]
             pick = rows if rows is not None else slice(None)
+            if spec.native:  # both directions in one engine call
+                _native_segment_backward(spec, j, x2, dy2, dx2, kept[j], leaves, carry, dparams)
+                continue
             for d in range(dirs):
                 fmap, ident = spec.maps[d], d == 0
                 mine = leaves[d * n_params:(d + 1) * n_params]
@@ -205,9 +220,82 @@ class _Segments(torch.autograd.Function):
                 for i in range(d * n_params, (d + 1) * n_params):
                     if leaves[i].requires_grad:
                         g = next(it)
-                        if g is not None:
-                            dparams[i] = g if dparams[i] is None else dparams[i] + g
+                        if g is not None:  # summed in place into one buffer of ours (no allocation per segment)
+                            _accumulate(dparams, i, g)
         return (None, dx, *carry, *dparams)
+
+
+def _accumulate(sums: list[Tensor | None], i: int, g: Tensor) -> None:
+    """sums[i] += g, in one buffer of ours (no allocation per segment)."""
+    if sums[i] is None:
+        sums[i] = g.clone(memory_format=torch.contiguous_format)
+    else:
+        sums[i].add_(g)  # type: ignore[union-attr]
+
+
+def _native_segment_backward(spec: _Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
+                             kept: list[tuple[Tensor, ...]], leaves: list[Tensor], carry: list[Tensor],
+                             dparams: list[Tensor | None]) -> None:
+    """Segment j's backward with the C kernels' engine, every direction in one call (as the layer
+    without segments runs them): the segment's packed rows of both directions gathered from the
+    input by their original flat rows (each direction in its own time), recomputed with autograd
+    (:func:`._engine.packed_layer`), and back-propagated; the input gradient added into ``dx2``,
+    the state gradients into ``carry`` (D, B, width) and the parameter gradients into ``dparams``."""
+    start, stop = spec.plan.bounds[j]
+    rows, seg_lengths = spec.plan.parts[j]
+    pick = rows if rows is not None else slice(None)
+    dirs, n_params = len(spec.maps), len(spec.names)
+    k = stop - start
+    batch = spec.maps[0].size(1) if rows is None else rows.numel()
+    if seg_lengths is None:  # every running sequence runs all k steps: packed rows = padded rows
+        active, packed, order = (batch,) * k, None, None
+    else:
+        plan = make_plan(seg_lengths, k, False, x2.device)
+        active = tuple(n for span, n in plan.segments for _ in range(span))
+        packed, order = plan.forward_rows, plan.sorted_indices
+
+    def pack(t: Tensor) -> Tensor:  # (k * B_j, ...) in (step, batch) order -> packed rows
+        return t if packed is None else t.index_select(0, packed)
+
+    def sort(t: Tensor) -> Tensor:  # (D, B_j, ...) batch order -> length-sorted
+        return t if order is None else t.index_select(1, order)
+
+    idx = torch.stack([pack(_index(spec.maps[d], start, stop, rows)) for d in range(dirs)])  # (D, N)
+    rows_n = idx.size(1)
+    masks: dict[str, Tensor] = {}
+    for key in (spec.masks[0] or {}):
+        parts = []
+        for d in range(dirs):
+            mask = spec.masks[d][key]  # type: ignore[index]
+            if key == "recurrent":  # (1, B, P)
+                parts.append(mask[:, pick])
+            else:  # (1, T, B, width) in the direction's time
+                part = mask[0, start:stop][:, pick]
+                parts.append(pack(part.reshape(-1, part.size(-1))).unsqueeze(0))
+        masks[key] = torch.cat(parts)
+    with torch.enable_grad():
+        xs = x2.index_select(0, idx.reshape(-1)).view(dirs, rows_n, -1).detach().requires_grad_(dx2 is not None)
+        s_in = [torch.cat([kept[d][i] for d in range(dirs)])[:, pick].detach().requires_grad_()
+                for i in range(spec.n_states)]
+        dir_params = [dict(zip(spec.names, leaves[d * n_params:(d + 1) * n_params])) for d in range(dirs)]
+        rmask = masks.get("recurrent")
+        y, last = packed_layer(spec.cell, xs, dir_params, tuple(sort(s) for s in s_in),
+                               sort(rmask) if rmask is not None else None, masks.get("zoneout_c"),
+                               masks.get("zoneout_h"), active, spec.options, spec.training)
+    width = spec.width
+    dys = torch.stack([dy2[:, d * width:(d + 1) * width].index_select(0, idx[d]) for d in range(dirs)])
+    wrt = [t for t in (xs, *s_in, *leaves) if t.requires_grad]
+    grads = iter(torch.autograd.grad([y, *last], wrt, [dys, *(sort(c[:, pick]) for c in carry)], allow_unused=True))
+    if xs.requires_grad:
+        dx2.index_add_(0, idx.reshape(-1), next(grads).reshape(dirs * rows_n, -1))  # type: ignore[union-attr]
+    for c in carry:
+        g = next(grads)
+        c[:, pick] = g if g is not None else 0.0
+    for i, leaf in enumerate(leaves):
+        if leaf.requires_grad:
+            g = next(grads)
+            if g is not None:
+                _accumulate(dparams, i, g)
 
 
 def _segment(spec: _Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tuple[Tensor, ...],
@@ -226,8 +314,33 @@ def _segment(spec: _Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tupl
             else:  # (1, T, B, width) in the direction's time
                 part = mask[:, start:stop]
                 m[key] = part if rows is None else part[:, :, rows]
+    if spec.native and _ops_lib.serves(x):  # the forward's pass, no gradient recorded
+        return _operator(spec, x, states, params, seg_lengths, m or {})
     return spec.engine(x, tuple(states), [[params]], seg_lengths, spec.options, dropout=0.0, training=spec.training,
                        masks=[m] if m is not None else None)
+
+
+def _operator(spec: _Spec, x: Tensor, states: list[Tensor] | tuple[Tensor, ...], params: dict[str, Tensor],
+              lengths: Tensor | None, m: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """A segment without autograd as one call of the layer's C++ operator (:mod:`._export`; what
+    eager calls without autograd run): the C kernels' step without the engine's Python driver.
+    Parameters of one direction as they are (the operator takes them without the leading D = 1)."""
+    opt, training, get = spec.options, spec.training, params.get
+    z_h, z_c = opt.zoneout
+    with _ops_lib.eager_below_autograd():
+        if spec.cell == "LSTM":
+            y, h, c = torch.ops.fastlayers.lstm_padded.default(
+                x, lengths, states[0], states[1], params["weight_ih"], params["weight_hh"], get("bias_ih"),
+                get("bias_hh"), get("ln_ih_weight"), get("ln_hh_weight"), get("ln_cell_weight"), get("ln_cell_bias"),
+                get("weight_peephole"), get("weight_hr"), m.get("recurrent"), m.get("zoneout_c"), m.get("zoneout_h"),
+                float(opt.cell_clip or 0.0), 0.0 if training else float(z_c), 0.0 if training else float(z_h),
+                float(opt.proj_clip or 0.0))
+            return y, (h, c)
+        y, h = torch.ops.fastlayers.gru_padded.default(
+            x, lengths, states[0], params["weight_ih"], params["weight_hh"], get("bias_ih"), get("bias_hh"),
+            get("ln_ih_weight"), get("ln_hh_weight"), m.get("recurrent"), m.get("zoneout_h"),
+            0.0 if training else float(z_h))
+        return y, (h,)
 
 
 def _all_segments(spec: _Spec, x: Tensor, tensors: tuple[Tensor, ...],
@@ -288,8 +401,8 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
     masks and results) with every layer and direction run as segments of :func:`segment_length`
     steps, recomputed in the backward (module docstring). ``cell``: "LSTM" or "GRU"."""
     steps, batch = input.shape[:2]
-    k = segment_length(every, steps)
     dirs = len(layers[0])
+    k = segment_length(every, steps, dirs)
     dev = input.device
     plan = _Plan(steps, k, lengths, dev)
     maps = _row_maps(lengths, steps, batch, dirs, dev)
@@ -302,7 +415,8 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
                               cell, (steps, batch, width, hidden), x) for d in range(dirs)]
         names = list(dir_params[0])
         states = tuple(s[li * dirs:(li + 1) * dirs] for s in hx)
-        spec = _Spec(engine, plan, maps, options, training, m, len(states), names, width)
+        spec = _Spec(engine, plan, maps, options, training, m, len(states), names, width, cell,
+                     engine in (lstm_engine, gru_engine))
         x, *last = _Segments.apply(spec, x, *states, *(p[n] for p in dir_params for n in names))
         finals.append(last)
         if dropout > 0 and training and li < len(layers) - 1:
