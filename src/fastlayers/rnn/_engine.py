@@ -118,13 +118,13 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     # packed row k of direction d reads padded row src[d, k] of the (T*B, ...) input; the output
     # of direction d goes to column block d of padded row src[d, k]
     src = torch.stack([plan.forward_rows, plan.reverse_rows][:dirs])  # (D, N)
-    dst = (src * dirs + torch.arange(dirs, device=dev).unsqueeze(1)).flatten()
     order = plan.sorted_indices
     # without lengths the plan is the identity (batch order, packed rows = padded rows of each step):
     # no gathers then, and for one direction no scatter either
     identity = lengths is None
     states = list(hx) if identity else [s.index_select(1, order) for s in hx]  # (h_0,) or (h_0, c_0), sorted batch
     z_h, z_c = options.zoneout
+    dst = None  # the output's padded rows (one scatter per layer), made where the packing is not the identity
     finals: list[list[Tensor]] = [[] for _ in states]
     x = input
     mm = _precision.Products.of(input)
@@ -155,6 +155,8 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         if identity and dirs == 1:
             x = y.view(steps, batch, out_size)
         else:
+            if dst is None:
+                dst = (src * dirs + torch.arange(dirs, device=dev).unsqueeze(1)).flatten()
             x = y.new_zeros(steps * batch * dirs, out_size).index_copy(0, dst, y.reshape(dirs * rows, out_size))
             x = x.view(steps, batch, dirs * out_size)
         if dropout > 0 and training and li < len(layers) - 1:

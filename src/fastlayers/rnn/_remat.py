@@ -39,7 +39,7 @@ Cost"; sqrt(T) segments), as JAX/Flax ``nn.remat_scan``.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +103,7 @@ def _give(flat: Tensor, fmap: Tensor, identity: bool, start: int, stop: int, row
           add: bool) -> None:
     """Steps [start, stop) of ``flat`` ((T*B, X) view) in the direction's time (batch rows ``rows``)
     receive ``value`` (k, B_j, X): copied, or added (``add``). In place."""
-    k, batch = stop - start, fmap.size(1)
+    batch = fmap.size(1)
     value = value.reshape(-1, flat.size(1))
     if identity and rows is None:
         part = flat[start * batch:stop * batch]
@@ -193,12 +193,12 @@ class _Segments(torch.autograd.Function):
         carry = [(g.clone() if g is not None else torch.zeros_like(s)) for g, s in zip(dfinal, tensors[:n_states])]
         dparams: list[Tensor | None] = [None] * len(leaves)
         for j in reversed(range(len(spec.plan.bounds))):
-            start, stop = spec.plan.bounds[j]
-            rows = spec.plan.parts[j][0]
-            pick = rows if rows is not None else slice(None)
             if spec.native:  # both directions in one engine call
                 _native_segment_backward(spec, j, x2, dy2, dx2, kept[j], leaves, carry, dparams)
                 continue
+            start, stop = spec.plan.bounds[j]
+            rows = spec.plan.parts[j][0]
+            pick = rows if rows is not None else slice(None)
             for d in range(dirs):
                 fmap, ident = spec.maps[d], d == 0
                 mine = leaves[d * n_params:(d + 1) * n_params]
@@ -212,25 +212,30 @@ class _Segments(torch.autograd.Function):
                 grads = torch.autograd.grad([y, *new], wrt, [dys, *(c[d:d + 1, pick] for c in carry)],
                                             allow_unused=True)
                 it = iter(grads)
-                if xs.requires_grad:  # added: the directions' rows of one segment differ
+                if xs.requires_grad:  # added: the other direction's segments write these rows too
                     _give(dx2, fmap, ident, start, stop, rows, next(it), add=True)
-                for c in carry:
-                    g = next(it)
-                    c[d:d + 1, pick] = g if g is not None else 0.0
-                for i in range(d * n_params, (d + 1) * n_params):
-                    if leaves[i].requires_grad:
-                        g = next(it)
-                        if g is not None:  # summed in place into one buffer of ours (no allocation per segment)
-                            _accumulate(dparams, i, g)
+                _hand_out(it, carry, slice(d, d + 1), pick, leaves, range(d * n_params, (d + 1) * n_params), dparams)
         return (None, dx, *carry, *dparams)
 
 
-def _accumulate(sums: list[Tensor | None], i: int, g: Tensor) -> None:
-    """sums[i] += g, in one buffer of ours (no allocation per segment)."""
-    if sums[i] is None:
-        sums[i] = g.clone(memory_format=torch.contiguous_format)
-    else:
-        sums[i].add_(g)  # type: ignore[union-attr]
+def _hand_out(grads: Iterator[Tensor | None], carry: list[Tensor], lanes: slice, pick: Tensor | slice,
+              leaves: list[Tensor], which: range, dparams: list[Tensor | None]) -> None:
+    """A segment's gradients after its input's: the entering states' become the carried state
+    gradients (directions ``lanes``, batch rows ``pick``); those of the parameters ``leaves[i]``, i in
+    ``which``, that want one are summed into ``dparams[i]``, in one buffer of ours (no allocation per
+    segment)."""
+    for c in carry:
+        g = next(grads)
+        c[lanes, pick] = g if g is not None else 0.0
+    for i in which:
+        if leaves[i].requires_grad:
+            g = next(grads)
+            if g is None:
+                continue
+            if dparams[i] is None:
+                dparams[i] = g.clone(memory_format=torch.contiguous_format)
+            else:
+                dparams[i].add_(g)  # type: ignore[union-attr]
 
 
 def _native_segment_backward(spec: _Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
@@ -262,16 +267,11 @@ def _native_segment_backward(spec: _Spec, j: int, x2: Tensor, dy2: Tensor, dx2: 
 
     idx = torch.stack([pack(_index(spec.maps[d], start, stop, rows)) for d in range(dirs)])  # (D, N)
     rows_n = idx.size(1)
-    masks: dict[str, Tensor] = {}
-    for key in (spec.masks[0] or {}):
-        parts = []
-        for d in range(dirs):
-            mask = spec.masks[d][key]  # type: ignore[index]
-            if key == "recurrent":  # (1, B, P)
-                parts.append(mask[:, pick])
-            else:  # (1, T, B, width) in the direction's time
-                part = mask[0, start:stop][:, pick]
-                parts.append(pack(part.reshape(-1, part.size(-1))).unsqueeze(0))
+    masks: dict[str, Tensor] = {}  # the directions' masks together: (D, B_j, P) or packed (D, N, width)
+    per_dir = [_segment_masks(spec, j, d) or {} for d in range(dirs)]
+    for key in per_dir[0]:
+        parts = [m[key] if key == "recurrent" else pack(m[key].reshape(-1, m[key].size(-1))).unsqueeze(0)
+                 for m in per_dir]
         masks[key] = torch.cat(parts)
     with torch.enable_grad():
         xs = x2.index_select(0, idx.reshape(-1)).view(dirs, rows_n, -1).detach().requires_grad_(dx2 is not None)
@@ -288,36 +288,37 @@ def _native_segment_backward(spec: _Spec, j: int, x2: Tensor, dy2: Tensor, dx2: 
     grads = iter(torch.autograd.grad([y, *last], wrt, [dys, *(sort(c[:, pick]) for c in carry)], allow_unused=True))
     if xs.requires_grad:
         dx2.index_add_(0, idx.reshape(-1), next(grads).reshape(dirs * rows_n, -1))  # type: ignore[union-attr]
-    for c in carry:
-        g = next(grads)
-        c[:, pick] = g if g is not None else 0.0
-    for i, leaf in enumerate(leaves):
-        if leaf.requires_grad:
-            g = next(grads)
-            if g is not None:
-                _accumulate(dparams, i, g)
+    _hand_out(grads, carry, slice(None), pick, leaves, range(len(leaves)), dparams)
 
 
 def _segment(spec: _Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tuple[Tensor, ...],
              params: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
     """Segment j of direction d through the engine, from its running rows' input x (k_j, B_j, F)
     and states (1, B_j, width): (its output (k_j, B_j, P), its final states (1, B_j, width))."""
-    start, stop = spec.plan.bounds[j]
-    rows, seg_lengths = spec.plan.parts[j]
-    masks = spec.masks[d]
-    m = None
-    if masks:
-        m = {}
-        for key, mask in masks.items():
-            if key == "recurrent":  # (1, B, P)
-                m[key] = mask if rows is None else mask[:, rows]
-            else:  # (1, T, B, width) in the direction's time
-                part = mask[:, start:stop]
-                m[key] = part if rows is None else part[:, :, rows]
+    seg_lengths = spec.plan.parts[j][1]
+    m = _segment_masks(spec, j, d)
     if spec.native and _ops_lib.serves(x):  # the forward's pass, no gradient recorded
         return _operator(spec, x, states, params, seg_lengths, m or {})
     return spec.engine(x, tuple(states), [[params]], seg_lengths, spec.options, dropout=0.0, training=spec.training,
                        masks=[m] if m is not None else None)
+
+
+def _segment_masks(spec: _Spec, j: int, d: int) -> dict[str, Tensor] | None:
+    """Direction d's masks for segment j's running rows: recurrent (1, B_j, P), zoneout_h
+    (1, k_j, B_j, P) and zoneout_c (1, k_j, B_j, H) in the direction's time; None without masks."""
+    masks = spec.masks[d]
+    if not masks:
+        return None
+    start, stop = spec.plan.bounds[j]
+    rows = spec.plan.parts[j][0]
+    m = {}
+    for key, mask in masks.items():
+        if key == "recurrent":  # (1, B, P)
+            m[key] = mask if rows is None else mask[:, rows]
+        else:  # (1, T, B, width)
+            part = mask[:, start:stop]
+            m[key] = part if rows is None else part[:, :, rows]
+    return m
 
 
 def _operator(spec: _Spec, x: Tensor, states: list[Tensor] | tuple[Tensor, ...], params: dict[str, Tensor],
