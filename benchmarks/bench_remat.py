@@ -17,7 +17,10 @@ output and its gradient).
 
 Then (not with --scaling) the time ratio of the layer with and without the option measured side by
 side in one process, calls interleaved, median of --side-calls: the figure the time bar is read
-from (a fresh process per row varies by about 10% from run to run on the 2-core machine).
+from (a fresh process per row varies by about 10% from run to run on the 2-core machine); beside it
+the floor of any exact recomputation that keeps no per-step activation: the same segments run as
+plain calls of the layer without the option (a no-grad forward of each, then each one's forward +
+backward), with no bookkeeping.
 
 With --scaling a run whose peak RSS, scaled linearly in T from the largest T measured of the same
 candidate, would exceed --max-gib is not run; its row gives the scaled peak and time instead.
@@ -96,29 +99,41 @@ _SIDE = r"""
 import json, statistics, sys, time
 import torch
 import fastlayers
+from fastlayers.rnn._remat import segment_length
 steps, batch, every, calls = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 every = every if every == "auto" else int(every)
+k = segment_length(every, steps, 2)
 torch.manual_seed(0)
 plain = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=True)
 remat = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=True, checkpoint_every=every)
 remat.load_state_dict(plain.state_dict())
 x = torch.randn(steps, batch, 512, requires_grad=True)
 grad = torch.randn(steps, batch, 512)
-def call(model):
+def whole(model):
+    model(x)[0].backward(grad)
+def floor(model):  # the same work with no recomputation bookkeeping: a no-grad forward of every
+    # segment, then each segment's forward + backward as a plain call of the layer without the option
+    segments = [x[s:s + k] for s in range(0, steps, k)]
+    with torch.no_grad():
+        for part in segments:
+            model(part)
+    for s, part in zip(range(0, steps, k), segments):
+        model(part)[0].backward(grad[s:s + k])
+def call(run, model):
     x.grad = None
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    model(x)[0].backward(grad)
+    run(model)
     return time.perf_counter() - t0
-times = {"plain": [], "remat": []}
+times = {"plain": [], "remat": [], "floor": []}
 for i in range(1 + calls):  # interleaved; the first round warms up
-    for name, model in (("plain", plain), ("remat", remat)):
-        t = call(model)
+    for name, run, model in (("plain", whole, plain), ("remat", whole, remat), ("floor", floor, plain)):
+        t = call(run, model)
         if i:
             times[name].append(t)
-med = {k: statistics.median(v) for k, v in times.items()}
-print(json.dumps({"steps": steps, "batch": batch, "every": every, "times_s": times, "median_s": med,
-                  "ratio": med["remat"] / med["plain"]}))
+med = {name: statistics.median(v) for name, v in times.items()}
+print(json.dumps({"steps": steps, "batch": batch, "every": every, "k": k, "times_s": times, "median_s": med,
+                  "ratio": med["remat"] / med["plain"], "floor_ratio": med["floor"] / med["plain"]}))
 """
 
 
@@ -207,7 +222,9 @@ def main() -> None:
         else:
             print(f"\nside by side in one process (interleaved, median of {args.side_calls} after one round): "
                   f"without {side['median_s']['plain']:.3f} s, checkpoint_every={args.every} "
-                  f"{side['median_s']['remat']:.3f} s: {side['ratio']:.2f}x")
+                  f"{side['median_s']['remat']:.3f} s: {side['ratio']:.2f}x; the floor (k = {side['k']}: a no-grad "
+                  f"forward of every segment, then each one's forward + backward, as plain calls) "
+                  f"{side['median_s']['floor']:.3f} s: {side['floor_ratio']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
