@@ -113,7 +113,8 @@ def whole(model):
     model(x)[0].backward(grad)
 def floor(model):  # the same work with no recomputation bookkeeping: a no-grad forward of every
     # segment, then each segment's forward + backward as a plain call of the layer without the option
-    segments = [x[s:s + k] for s in range(0, steps, k)]
+    # (each its own leaf: slices of x would accumulate a whole-sequence gradient per segment)
+    segments = [x[s:s + k].detach().requires_grad_() for s in range(0, steps, k)]
     with torch.no_grad():
         for part in segments:
             model(part)
