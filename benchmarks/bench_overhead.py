@@ -1,17 +1,20 @@
 """Per-call overhead at small shapes: every layer and cell against its torch counterpart (issue 42).
 
 Each row: time per call of fastlayers' call and of the counterpart, measured side by side in this
-one process with torch.utils.benchmark (blocked_autorange, median of blocks), 1 thread; forward
+one process with torch.utils.benchmark, 1 thread, in alternating rounds (ours, theirs, ours, ...:
+--rounds of blocked_autorange each, so a slow spell of a shared machine falls on both columns);
+a column's figure is the median of its rounds' medians; forward
 under torch.no_grad(), and forward + backward (a sum of the outputs) with gradients of the input
 and the parameters. The shapes are the issue's: the calls of step-wise decoding, streaming
 inference and small models, where the fixed cost of a call dominates.
 
-    python benchmarks/bench_overhead.py [--min-run-time 0.3]
+    python benchmarks/bench_overhead.py [--min-run-time 0.3] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.utils.benchmark as benchmark
@@ -78,6 +81,17 @@ def _time(fn, min_run_time: float) -> float:
         min_run_time=min_run_time).median
 
 
+def _side_by_side(ours, theirs, min_run_time: float, rounds: int) -> tuple[float, float]:
+    """(ours, theirs): the medians of ``rounds`` alternating measurements of each (the first of the
+    pair alternates too), each a blocked_autorange of min_run_time / rounds seconds."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    fns = (ours, theirs)
+    for i in range(rounds):
+        for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+            times[j].append(_time(fns[j], min_run_time / rounds))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def _fwd_bwd(fn, leaves):
     def run():
         for t in leaves:
@@ -90,18 +104,19 @@ def _fwd_bwd(fn, leaves):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per column and pass")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per column and pass")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{cpu_name()}, 1 thread, torch {torch.__version__}; time per call (us), torch.utils.benchmark "
-          f"blocked_autorange medians, both columns in this process")
+          f"blocked_autorange, the median of {args.rounds} alternating rounds a column, both columns in this process")
     print(f"| call | fastlayers fwd | torch fwd | x | target | fastlayers fwd+bwd | torch fwd+bwd | x |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, (ours, theirs, our_leaves, their_leaves, target) in _rows().items():
         with torch.no_grad():
-            f_ours, f_theirs = _time(ours, args.min_run_time), _time(theirs, args.min_run_time)
-        b_ours = _time(_fwd_bwd(ours, our_leaves), args.min_run_time)
-        b_theirs = _time(_fwd_bwd(theirs, their_leaves), args.min_run_time)
+            f_ours, f_theirs = _side_by_side(ours, theirs, args.min_run_time, args.rounds)
+        b_ours, b_theirs = _side_by_side(_fwd_bwd(ours, our_leaves), _fwd_bwd(theirs, their_leaves),
+                                         args.min_run_time, args.rounds)
         print(f"| {name} | {f_ours * 1e6:.0f} | {f_theirs * 1e6:.0f} | {f_ours / f_theirs:.2f} | {target} | "
               f"{b_ours * 1e6:.0f} | {b_theirs * 1e6:.0f} | {b_ours / b_theirs:.2f} |")
 

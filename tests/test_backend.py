@@ -55,6 +55,23 @@ def test_environment_variable(monkeypatch):
         select("lstm", X32)
 
 
+@pytest.mark.parametrize("env", [None, "auto", "cpu", "reference"])
+@pytest.mark.parametrize("context", [None, "cpu", "reference"])
+def test_cpu_kernels_shortcut_agrees_with_select(monkeypatch, env, context):
+    """The no-autograd paths of the cells and the local layers ask cpu_kernels (a few lookups)
+    where select() was asked: the same answer for every way of forcing, read at every call."""
+    if env is None:
+        monkeypatch.delenv(_backend.ENV, raising=False)
+    else:
+        monkeypatch.setenv(_backend.ENV, env)
+    with fastlayers.backend(context) if context else torch.no_grad():
+        for op in ("lstm", "gru", "local2d"):
+            for x in (X32, X32.double()):
+                assert _backend.cpu_kernels(op, x) == (select(op, x) == "cpu"), (op, x.dtype)
+    monkeypatch.delenv(_backend.ENV, raising=False)
+    assert _backend.cpu_kernels("lstm", X32)
+
+
 def test_unknown_name():
     with pytest.raises(ValueError, match=r"backend: expected one of .*got 'cuda'"):
         with fastlayers.backend("cuda"):

@@ -209,9 +209,11 @@ def test_cpu_without_bf16_instructions_multiplies_in_float32(monkeypatch):
     """The two routes of a low-precision product give the same numbers (bf16 operands, fp32 sums)."""
     a, b = _x(2, 5, 7), _x(2, 7, 3, seed=1)
     emulated = _precision.Products(BF16, torch.float32, torch.device("cpu"))
-    monkeypatch.setattr(emulated, "native", True)
+    monkeypatch.setattr(emulated, "native", True)  # (lowered = mixed and native, as __init__ sets it on a
+    monkeypatch.setattr(emulated, "lowered", True)  # CPU with bf16 instructions: the test runs on either CPU)
     fast = _precision.Products(BF16, torch.float32, torch.device("cpu"))
     monkeypatch.setattr(fast, "native", False)
+    monkeypatch.setattr(fast, "lowered", False)
     torch.testing.assert_close(fast.bmm(a, b), emulated.bmm(a, b), atol=1e-2, rtol=1e-2)
     exact = torch.bmm(a.to(BF16).double(), b.to(BF16).double())
     assert _rel(fast.bmm(a, b), exact) < 1e-6  # exact products, float32 sums

@@ -67,15 +67,43 @@ def backend(name: str) -> Iterator[str]:
         _FORCED.reset(token)
 
 
+# os.environ's own store: CPython's os._Environ keeps the encoded variables in ``_data`` and updates
+# it with every change made through os.environ, so reading it is reading os.environ, in one dict
+# lookup instead of Mapping.get's encode, KeyError and decode (a microsecond in every layer's call)
+_ENV_STORE = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV) if _ENV_STORE is not None and hasattr(os.environ, "encodekey") else None
+
+
+def _env() -> str:
+    if _ENV_KEY is None:
+        return os.environ.get(ENV, "")
+    raw = _ENV_STORE.get(_ENV_KEY)  # type: ignore[union-attr]
+    return "" if raw is None else os.environ.decodevalue(raw)  # type: ignore[attr-defined]
+
+
 def forced() -> tuple[str, str] | None:
     """(backend, where it was forced) or None for the automatic choice."""
     name = _FORCED.get()
     if name is not None:
         return name, "fastlayers.backend(...)"
-    env = os.environ.get(ENV, "").strip()
+    env = _env().strip()
     if env and env != "auto":
         return _validate(env, f"environment variable {ENV}"), f"{ENV}={env}"
     return None
+
+
+def cpu_kernels(op: str, x: Tensor) -> bool:
+    """``select(op, x) == "cpu"`` for a CPU tensor ``x`` of float32 / float64 (the calls that the C++
+    operators serve, :func:`fastlayers._ops_lib.serves`), in the few lookups of the common case: no
+    backend forced but "cpu", and the op's C library loaded. False: callers ask :func:`select`,
+    which says what runs (or refuses a forced backend)."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():  # (compiled code: select(), made once)
+        return False
+    chosen = forced()
+    if chosen is not None and chosen[0] != "cpu":
+        return False
+    library = _NATIVE_LIBRARY.get(op)
+    return library is None or _native.load(library) is not None
 
 
 @functools.lru_cache(maxsize=None)

@@ -93,10 +93,13 @@ def attention_pool(
     values = keys if values is None else values
     _check(query, keys, values)
     which = select("attention", query)
-    mm = _precision.Products.of(query)
     batch, steps = keys.shape[:2]
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+    if score != "additive" and which != "triton" and query.dtype in _ONE_DTYPE \
+            and not torch.is_autocast_enabled(query.device.type):
+        return _dot_one_dtype(query, keys, values, lengths, score == "scaled_dot")
+    mm = _precision.Products.of(query)
     if score == "additive":
         if additive is None:
             raise ValueError("additive: expected (weight_query, weight_key, v, bias) for score='additive', got None")
@@ -109,10 +112,7 @@ def attention_pool(
             hidden = hidden + bias.to(mm.acc)
         scores = mm.matmul(torch.tanh(hidden), v)  # (B, T)
     else:
-        if query.size(1) != keys.size(2):
-            raise ValueError(
-                f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, got {keys.size(2)}"
-            )
+        _check_dot(query, keys, score)
         scale = 1 / math.sqrt(keys.size(2)) if score == "scaled_dot" else 1.0
         if which == "triton":  # one fused kernel per pass (the additive score runs the torch ops below)
             lens = as_lengths(lengths, batch, steps).to(keys.device) if lengths is not None else None
@@ -121,15 +121,41 @@ def attention_pool(
         scores = mm.matmul(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
         if score == "scaled_dot":
             scores = scores * scale
-    if lengths is not None:
-        lens = as_lengths(lengths, batch, steps).to(keys.device)
-        padding = torch.arange(steps, device=keys.device) >= lens.unsqueeze(1)
-        scores = scores.masked_fill(padding, float("-inf"))
-    weights = torch.softmax(scores, dim=1)
+    weights = torch.softmax(_masked(scores, lengths, batch, steps), dim=1)
     context = mm.matmul(weights.unsqueeze(1), values).squeeze(1)
     if mm.mixed:  # scores, softmax and the weights in float32; results in the low dtype
         return context.to(mm.low), weights.to(mm.low)
     return context, weights
+
+
+_ONE_DTYPE = (torch.float32, torch.float64)
+
+
+def _check_dot(query: Tensor, keys: Tensor, score: str) -> None:
+    if query.size(1) != keys.size(2):
+        raise ValueError(f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, got "
+                         f"{keys.size(2)}")
+
+
+def _masked(scores: Tensor, lengths: Tensor | list[int] | None, batch: int, steps: int) -> Tensor:
+    """scores (B, T) with -inf at the steps t >= len_b (lengths validated)."""
+    if lengths is None:
+        return scores
+    lens = as_lengths(lengths, batch, steps).to(scores.device)
+    return scores.masked_fill(torch.arange(steps, device=scores.device) >= lens.unsqueeze(1), float("-inf"))
+
+
+def _dot_one_dtype(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor | list[int] | None,
+                   scaled: bool) -> tuple[Tensor, Tensor]:
+    """The dot / scaled-dot score in one dtype (float32 or float64) without autocast: the products are
+    torch.bmm itself (what torch.matmul runs for these 3-D operands), with none of the mixed-precision
+    bookkeeping, the fixed cost that dominates small calls."""
+    _check_dot(query, keys, "scaled_dot" if scaled else "dot")
+    scores = torch.bmm(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
+    if scaled:
+        scores = scores * (1 / math.sqrt(keys.size(2)))
+    weights = torch.softmax(_masked(scores, lengths, keys.size(0), keys.size(1)), dim=1)
+    return torch.bmm(weights.unsqueeze(1), values).squeeze(1), weights
 
 
 class _AttentionTriton(torch.autograd.Function):

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ._checks import check_floating, check_same_dtype_device, check_tensor
 from . import _ops_lib
-from ._backend import select
+from ._backend import cpu_kernels, select
 from ._jit import TRITON, NotScriptable, refuse_trace
 from ._local_function import (LocallyConnected2dNative, LocallyConnected2dTriton, locally_connected2d_operator,
                               locally_connected2d_reference)
@@ -122,6 +122,10 @@ def _run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: 
     """Validated (B, C_in, H, W) input, weight, bias and pairs -> (B, C_out, OH, OW), on the backend
     of :func:`fastlayers._backend.select`: on CPU the C kernels (eager with autograd: an autograd
     Function; without autograd, torch.compile or torch.export: the C++ operator)."""
+    if cpu_kernels("local2d", x) and _ops_lib.serves(x):  # no autograd: one dispatcher call (never while compiling)
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.fastlayers.locally_connected2d.default(x, weight, bias, list(stride), list(padding),
+                                                                    list(dilation))
     which = select("local2d", x)
     if which == "cpu":
         args = (x, weight, bias, list(stride), list(padding), list(dilation))
@@ -131,9 +135,6 @@ def _run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: 
             if operators_loaded():
                 return locally_connected2d_operator(*args)
             return locally_connected2d_reference(x, weight, bias, stride, padding, dilation)
-        if _ops_lib.serves(x):  # no autograd: one dispatcher call
-            with _ops_lib.eager_below_autograd():
-                return torch.ops.fastlayers.locally_connected2d.default(*args)
         return LocallyConnected2dNative.apply(*args)
     if which == "triton":
         refuse_trace("fastlayers.functional.locally_connected2d on the Triton backend", TRITON)

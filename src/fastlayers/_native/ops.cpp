@@ -101,9 +101,11 @@ template <typename T> T* at_row(const at::Tensor& t, int64_t row) {
 struct Plan {
   at::Tensor order, unorder;  // (B,) int64: sorted -> original, original -> sorted
   std::vector<int64_t> active, offsets;  // per step; offsets has one more entry (the total N)
-  at::Tensor src;  // (D, N) int64
+  at::Tensor src;  // (D, N) int64; undefined where the packing is the identity (identity())
   int64_t rows = 0;
   bool full = true;  // every sequence runs all T steps: the sorted order is the batch order
+  // one direction, no padding: packed row k is padded row k (no index tensor, no gather or scatter)
+  bool identity() const { return !src.defined(); }
 };
 
 Plan make_plan(const std::optional<at::Tensor>& lengths, int64_t steps, int64_t batch, int64_t dirs) {
@@ -133,6 +135,7 @@ Plan make_plan(const std::optional<at::Tensor>& lengths, int64_t steps, int64_t 
     p.offsets.push_back(p.offsets.back() + n);
   }
   p.rows = p.offsets.back();
+  if (p.full && dirs == 1) return p;
   p.src = at::empty({dirs, p.rows}, at::kLong);
   int64_t* s = p.src.data_ptr<int64_t>();
   for (int64_t t = 0, k = 0; t < longest; t++) {
@@ -162,20 +165,29 @@ at::Tensor unsorted(const at::Tensor& t, const Plan& p) { return p.full ? t : t.
 at::Tensor pack_mask(const at::Tensor& m, const Plan& p, int64_t steps, int64_t batch, at::ScalarType dtype) {
   if (!m.defined()) return m;
   const int64_t dirs = m.size(0), width = m.size(3);
+  if (p.identity()) return m.reshape({1, steps * batch, width}).to(dtype).contiguous();
   std::vector<at::Tensor> parts;
   for (int64_t d = 0; d < dirs; d++)
     parts.push_back(m[d].reshape({steps * batch, width}).index_select(0, p.src[d]));
   return at::stack(parts).to(dtype).contiguous();
 }
 
-// The packed output (D, N, P) -> padded (T, B, D*P), zeros at t >= len_b.
+// The packed output (D, N, P) -> padded (T, B, D*P), zeros at t >= len_b. With the identity
+// packing `y` is the caller's own fresh tensor (out_rows), returned as a view.
 at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t batch) {
   const int64_t dirs = y.size(0), width = y.size(2);
-  if (p.full && dirs == 1) return y.view({steps, batch, width}).clone();  // packed rows = padded rows
+  if (p.identity()) return y.view({steps, batch, width});
   auto dst = (p.src * dirs + at::arange(dirs, at::kLong).unsqueeze(1)).flatten();
   return at::zeros({steps * batch * dirs, width}, y.options())
       .index_copy(0, dst, y.reshape({dirs * p.rows, width}))
       .view({steps, batch, dirs * width});
+}
+
+// The packed output rows (D, N, X): the work space's region, or with the identity packing a fresh
+// tensor that scatter() hands out as it is (no copy).
+at::Tensor out_rows(const at::Tensor& region, const Plan& p, int64_t dirs, int64_t width,
+                    const at::TensorOptions& opt) {
+  return p.identity() ? at::empty({dirs, p.rows, width}, opt) : region;
 }
 
 // A per-thread work space reused across calls, as the eager engine's buffer pool (fastlayers/_pool.py):
@@ -229,7 +241,7 @@ Workspace& workspace() {
 // The packed input rows (D, N, F): `out` (work space) filled by one gather, or x itself where the
 // packing is the identity (one direction, no padding).
 at::Tensor gather_into(at::Tensor& out, const at::Tensor& x, const Plan& p) {
-  if (p.full && p.src.size(0) == 1) return x.contiguous().view({1, p.rows, x.size(2)});
+  if (p.identity()) return x.contiguous().view({1, p.rows, x.size(2)});
   auto flat = out.view({-1, x.size(2)});
   at::index_select_out(flat, x.reshape({-1, x.size(2)}), 0, p.src.flatten());
   return out;
@@ -278,12 +290,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
     return Workspace::Region{use ? std::vector<int64_t>{dirs, rows, width} : std::vector<int64_t>{}, view};
   };
   auto [ws, raw] = workspace().take(
-      {rows3(x_in.size(2), true, true), rows3(gsize, true, true), rows3(out, true, true), rows3(out, true, true),
+      {rows3(x_in.size(2), true, true), rows3(gsize, true, true), rows3(out, true, true),
+       rows3(out, !p.identity(), true),
        {{dirs * first * gsize}, true}, rows3(hidden, proj, true), rows3(gsize, true, false),
        rows3(hidden, true, false), rows3(2, gx.defined(), false), rows3(gsize, gh.defined(), false),
        {gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{}, false},
        rows3(2, gc.defined(), false), rows3(hidden, zc.defined() || zc_const != 0, false)}, dt);
-  auto xs = ws[0], xp = ws[1], hd = ws[2], y = ws[3], r = ws[4];
+  auto xs = ws[0], xp = ws[1], hd = ws[2], y = out_rows(ws[3], p, dirs, out, opt), r = ws[4];
   const auto y1 = ws[5];
   // kernel-only buffers: the step's rows start at row o (width X: pointer + o * X)
   T *gates = reinterpret_cast<T*>(raw[6]), *c1 = reinterpret_cast<T*>(raw[7]), *xstat = reinterpret_cast<T*>(raw[8]);
@@ -292,11 +305,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   auto row = [](T* base, int64_t o, int64_t width) { return base ? base + o * width : nullptr; };
   xs = gather_into(xs, as(x_in, dt), p);
   const auto w_t = w_ih.transpose(1, 2);
-  if (!gx.defined() && bias.defined()) at::baddbmm_out(xp, bias.unsqueeze(1), xs, w_t);
+  if (!gx.defined() && bias.defined()) at::baddbmm_out(xp, bias.view({dirs, 1, gsize}), xs, w_t);
   else at::bmm_out(xp, xs, w_t);
   auto hk = proj ? at::zeros({dirs, batch, hidden}, opt) : h;
   const auto ybuf = proj ? y1 : y;
-  if (first) hd.narrow(1, 0, first).copy_(rmask.defined() ? h * rmask : h);
+  const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
   const auto w_hh_t = w_hh.transpose(1, 2);
   const auto w_hr_t = proj ? w_hr.transpose(1, 2) : at::Tensor();
   const int threads = at::get_num_threads();
@@ -304,7 +317,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   for (int64_t t = 0; t <= last; t++) {
     const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
     auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
-    at::bmm_out(rt, hd.narrow(1, o, n), w_hh_t);
+    at::bmm_out(rt, (t == 0 ? h_first : hd).narrow(1, o, n), w_hh_t);
     Kernels<T>::lstm(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), row(xstat, o, 2), ptr<T>(gx),
                      ptr<T>(bias), ptr<T>(rt), ptr<T>(c), ptr<T>(hk), proj ? nullptr : ptr<T>(rmask),
                      at_row<T>(ybuf, o), row(gates, o, gsize), row(c1, o, hidden), row(chist, o, hidden),
@@ -336,7 +349,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   return {as(scatter(y, p, steps, batch), low), as(unsorted(h, p), low), as(unsorted(c, p), low)};
 }
 
-// One direction may come without its leading D = 1 (the cells pass their parameters as they are).
+// One direction may come without its leading D = 1 (the cells pass their parameters as they are). The
+// per-gate vectors (biases, LayerNorm gains, peepholes) are read through their pointers only (d * G + j),
+// so (G,) and (1, G) need no view.
 at::Tensor one_dir(const at::Tensor& t, int64_t dims) { return t.dim() == dims - 1 ? t.unsqueeze(0) : t; }
 std::optional<at::Tensor> one_dir(const std::optional<at::Tensor>& t, int64_t dims) {
   if (!t.has_value() || !t->defined()) return t;
@@ -358,14 +373,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_padded(
               "c0: expected (D, B, H), got ", c0.sizes());
   at::NoGradGuard no_grad;
   if (compute_dtype(x.scalar_type()) == at::kDouble)
-    return lstm_impl<double>(x, lengths, h0, c0, w_ih, w_hh, one_dir(b_ih, 2), one_dir(b_hh, 2), one_dir(ln_ih, 2),
-                             one_dir(ln_hh, 2), one_dir(ln_cell_weight, 2), one_dir(ln_cell_bias, 2),
-                             one_dir(peephole, 2), one_dir(w_hr, 3), one_dir(rmask, 3), one_dir(zc, 4),
-                             one_dir(zh, 4), cell_clip, z_c, z_h, proj_clip);
-  return lstm_impl<float>(x, lengths, h0, c0, w_ih, w_hh, one_dir(b_ih, 2), one_dir(b_hh, 2), one_dir(ln_ih, 2),
-                          one_dir(ln_hh, 2), one_dir(ln_cell_weight, 2), one_dir(ln_cell_bias, 2), one_dir(peephole, 2),
-                          one_dir(w_hr, 3), one_dir(rmask, 3), one_dir(zc, 4), one_dir(zh, 4), cell_clip, z_c, z_h,
-                          proj_clip);
+    return lstm_impl<double>(x, lengths, h0, c0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, ln_cell_weight, ln_cell_bias,
+                             peephole, one_dir(w_hr, 3), one_dir(rmask, 3), one_dir(zc, 4), one_dir(zh, 4), cell_clip,
+                             z_c, z_h, proj_clip);
+  return lstm_impl<float>(x, lengths, h0, c0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, ln_cell_weight, ln_cell_bias,
+                          peephole, one_dir(w_hr, 3), one_dir(rmask, 3), one_dir(zc, 4), one_dir(zh, 4), cell_clip, z_c,
+                          z_h, proj_clip);
 }
 
 template <typename T>
@@ -393,26 +406,26 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   };
   auto [ws, raw] = workspace().take(
       {rows3(x_in.size(2), true, true), rows3(gsize, true, true), rows3(hidden, true, true),
-       rows3(hidden, true, true), {{dirs * first * gsize}, true}, rows3(gsize, true, false),
+       rows3(hidden, !p.identity(), true), {{dirs * first * gsize}, true}, rows3(gsize, true, false),
        rows3(hidden, true, false), rows3(hidden, true, false), rows3(2, gx.defined(), false),
        rows3(gsize, gh.defined(), false), {gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{},
                                            false}}, dt);
-  auto xs = ws[0], xp = ws[1], hd = ws[2], y = ws[3], r = ws[4];
+  auto xs = ws[0], xp = ws[1], hd = ws[2], y = out_rows(ws[3], p, dirs, hidden, h.options()), r = ws[4];
   T *gates = reinterpret_cast<T*>(raw[5]), *hbn = reinterpret_cast<T*>(raw[6]), *hist = reinterpret_cast<T*>(raw[7]);
   T *xstat = reinterpret_cast<T*>(raw[8]), *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]);
   auto row = [](T* base, int64_t o, int64_t width) { return base ? base + o * width : nullptr; };
   xs = gather_into(xs, as(x_in, dt), p);
   const auto w_t = w_ih.transpose(1, 2);
-  if (!gx.defined() && b_ih.defined()) at::baddbmm_out(xp, b_ih.unsqueeze(1), xs, w_t);
+  if (!gx.defined() && b_ih.defined()) at::baddbmm_out(xp, b_ih.view({dirs, 1, gsize}), xs, w_t);
   else at::bmm_out(xp, xs, w_t);
-  if (first) hd.narrow(1, 0, first).copy_(rmask.defined() ? h * rmask : h);
+  const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
   const auto w_hh_t = w_hh.transpose(1, 2);
   const int threads = at::get_num_threads();
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
   for (int64_t t = 0; t <= last; t++) {
     const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
     auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
-    at::bmm_out(rt, hd.narrow(1, o, n), w_hh_t);
+    at::bmm_out(rt, (t == 0 ? h_first : hd).narrow(1, o, n), w_hh_t);
     Kernels<T>::gru(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), row(xstat, o, 2), ptr<T>(gx),
                     ptr<T>(b_ih), ptr<T>(rt), ptr<T>(h), ptr<T>(rmask), ptr<T>(b_hh), at_row<T>(y, o),
                     row(gates, o, gsize), row(hbn, o, hidden), row(hist, o, hidden),
@@ -437,10 +450,9 @@ std::tuple<at::Tensor, at::Tensor> gru_padded(const at::Tensor& x, const std::op
   check_layer(x, w_ih, w_hh, h0, 3);
   at::NoGradGuard no_grad;
   if (compute_dtype(x.scalar_type()) == at::kDouble)
-    return gru_impl<double>(x, lengths, h0, w_ih, w_hh, one_dir(b_ih, 2), one_dir(b_hh, 2), one_dir(ln_ih, 2),
-                            one_dir(ln_hh, 2), one_dir(rmask, 3), one_dir(zh, 4), z_h);
-  return gru_impl<float>(x, lengths, h0, w_ih, w_hh, one_dir(b_ih, 2), one_dir(b_hh, 2), one_dir(ln_ih, 2),
-                         one_dir(ln_hh, 2), one_dir(rmask, 3), one_dir(zh, 4), z_h);
+    return gru_impl<double>(x, lengths, h0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, one_dir(rmask, 3), one_dir(zh, 4),
+                            z_h);
+  return gru_impl<float>(x, lengths, h0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, one_dir(rmask, 3), one_dir(zh, 4), z_h);
 }
 
 // Elman RNN (torch.nn.RNN): h_t = act(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh), ATen ops per step on

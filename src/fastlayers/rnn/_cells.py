@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _ops_lib, _precision
-from .._backend import select
+from .._backend import cpu_kernels, select
 from .._jit import NotScriptable
 from ._engine_reference import gru_cell_step, lstm_cell_step
 from ._options import CellOptions
@@ -43,8 +43,8 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
             return (torch._VF.gru_cell(x, states[0], *args),)
         cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
         return (cell(x, states[0], *args),)
-    if mode != "RNN" and _ops_lib.serves(x) and select(mode.lower(), x) == "cpu":  # no autograd: the layer's
-        # C++ operator over one step (the C kernels' backend: a forced "reference" keeps the equations below)
+    if mode != "RNN" and _ops_lib.serves(x) and _on_operator(mode, x):  # no autograd: the layer's C++ operator
+        # over one step (the C kernels' backend: a forced "reference" keeps the equations below)
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
     mm = _precision.Products.of(x)
     h_in = states[0] * recurrent_mask if recurrent_mask is not None else states[0]
@@ -61,6 +61,14 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
     return tuple(out)
 
 
+def _on_operator(mode: str, x: Tensor) -> bool:
+    """Whether a call that :func:`fastlayers._ops_lib.serves` runs on the operator: the backend
+    choice for it is the C kernels (a forced other backend goes through :func:`select`, which may
+    refuse it)."""
+    op = mode.lower()
+    return cpu_kernels(op, x) or select(op, x) == "cpu"
+
+
 def _step_on_operator(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Tensor],
                       options: CellOptions, training: bool, recurrent_mask: Tensor | None) -> tuple[Tensor, ...]:
     """:func:`step` as one call of the layer operator (``torch.ops.fastlayers.lstm_padded`` /
@@ -75,7 +83,7 @@ def _step_on_operator(mode: str, x: Tensor, states: tuple[Tensor, ...], params: 
         return torch.bernoulli(torch.full((1, 1, batch, width), z, dtype=x.dtype, device=x.device)) \
             if training and z else None
 
-    with _ops_lib.eager_below_autograd():
+    with torch._C._AutoDispatchBelowAutograd():  # (serves(): never under torch.compile)
         if mode == "LSTM":
             _, h, c = torch.ops.fastlayers.lstm_padded.default(
                 xt, None, states[0].unsqueeze(0), states[1].unsqueeze(0), params["weight_ih"], params["weight_hh"],
@@ -117,7 +125,7 @@ class _Cell(NotScriptable):
         # torch's cells never read self.training; ours only where an option draws masks in training
         training = any(self.options.zoneout) and self.training
         new = step(self.mode, x, states, self._params(), self.options, training=training,
-                   recurrent_mask=recurrent_mask, nonlinearity=getattr(self, "nonlinearity", "tanh"))
+                   recurrent_mask=recurrent_mask, nonlinearity=self.nonlinearity if self.mode == "RNN" else "tanh")
         new = new if batched else tuple(s.squeeze(0) for s in new)
         return new if self.mode == "LSTM" else new[0]
 
