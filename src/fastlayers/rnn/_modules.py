@@ -81,6 +81,10 @@ class _LengthsMixin(NotScriptable):
                 return self._forward_packed(input, hx)
             return super().forward(input, hx)  # type: ignore[misc]
         exporting = torch.compiler.is_exporting()  # every layer one operator (._export): T and B stay dynamic
+        if lengths is None and hx is None and not exporting and type(input) is Tensor and input.dim() == 3 \
+                and input.size(2) == self.input_size and input.dtype == self._flat_weights[0].dtype \
+                and self._engine_backend(input) is None:  # the common plain call, which _check_args passes
+            return super().forward(input)  # type: ignore[misc]
         if lengths is not None and torch.compiler.is_compiling() and not exporting:
             from .._compiling import forward_eagerly  # one graph break: the plan reads the lengths on the host
 
