@@ -81,16 +81,20 @@ class _LengthsMixin(NotScriptable):
                 return self._forward_packed(input, hx)
             return super().forward(input, hx)  # type: ignore[misc]
         exporting = torch.compiler.is_exporting()  # every layer one operator (._export): T and B stay dynamic
-        if lengths is None and hx is None and not exporting and type(input) is Tensor and input.dim() == 3 \
-                and input.size(2) == self.input_size and input.dtype == self._flat_weights[0].dtype \
-                and self._engine_backend(input) is None:  # the common plain call, which _check_args passes
+        # an input that _check_args passes as it is: the backend is decided first (once), and the plain
+        # call goes straight to torch's forward
+        common = (lengths is None and hx is None and not exporting and type(input) is Tensor and input.dim() == 3
+                  and input.size(2) == self.input_size and input.dtype == self._flat_weights[0].dtype)
+        engine = self._engine_backend(input) if common else None
+        if common and engine is None:
             return super().forward(input)  # type: ignore[misc]
         if lengths is not None and torch.compiler.is_compiling() and not exporting:
             from .._compiling import forward_eagerly  # one graph break: the plan reads the lengths on the host
 
             return forward_eagerly(self, input, hx, lengths)
         input, states = self._check_args(input, hx)
-        engine = None if exporting else self._engine_backend(input)  # decided once per call, passed on to _run
+        if not common:
+            engine = None if exporting else self._engine_backend(input)  # decided once per call, passed on to _run
         if lengths is None and engine is None and not exporting:
             return super().forward(input, hx)  # type: ignore[misc]
         refuse_trace(f"fastlayers.{type(self).__name__} with {'lengths' if lengths is not None else 'cell options'}",
