@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.fastlayers-installed
 TRITON_NEWEST := 3.9.0
 TRITON_NEWEST_DIR := $(VENV)/triton-$(TRITON_NEWEST)
+JOBS ?= $(shell nproc 2>/dev/null || echo 1)
+PYTEST := $(BIN)/python -m pytest -n $(JOBS)
 
 .PHONY: setup demo test bench gpu-static gpu-check clean
 
@@ -31,13 +33,22 @@ demo: setup
 
 # The suite twice: as is, then with uninitialised memory poisoned (torch.empty & co. filled with NaN,
 # deterministic algorithms on), so a kernel or module that reads memory nobody wrote fails a test.
+# One pytest process per core (pytest-xdist; each takes one torch thread, tests/conftest.py), a
+# file's tests in one process (--dist loadfile) except for the two interpreter files of the second
+# Triton run. Last, the static checks (one process) beside the GPU check's dry run (one process).
 test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
-	$(BIN)/python -m pytest
-	$(BIN)/python -m pytest --poison-memory -m "not subprocess and not compile and not reference_only"
-	$(BIN)/python benchmarks/gpu_static.py --set ci
-	PYTHONPATH=$(TRITON_NEWEST_DIR) $(BIN)/python -m pytest tests/test_triton.py tests/test_rnn_triton.py
-	PYTHONPATH=$(TRITON_NEWEST_DIR) $(BIN)/python benchmarks/gpu_static.py --set ci --arch sm_90a
-	PYTHON=$(BIN)/python benchmarks/gpu_check.sh "$$(mktemp -d)" --dry-run
+	$(PYTEST) --dist loadfile
+	$(PYTEST) --dist loadfile --poison-memory -m "not subprocess and not compile and not reference_only"
+	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PYTEST) --dist load tests/test_triton.py tests/test_rnn_triton.py
+	@static=$$(mktemp); \
+	{ $(BIN)/python benchmarks/gpu_static.py --set ci && \
+	  PYTHONPATH=$(TRITON_NEWEST_DIR) $(BIN)/python benchmarks/gpu_static.py --set ci --arch sm_90a; } >$$static 2>&1 & \
+	pid=$$!; \
+	PYTHON=$(BIN)/python benchmarks/gpu_check.sh "$$(mktemp -d)" --dry-run; dry=$$?; \
+	wait $$pid; rc=$$?; \
+	echo "benchmarks/gpu_static.py --set ci (Triton 3.6.0, sm_80), then --arch sm_90a (Triton $(TRITON_NEWEST)):"; \
+	cat $$static; rm -f $$static; \
+	exit $$(( dry || rc ))
 
 # Triton for the tests only (never for make demo): they run the Triton kernels on CPU tensors
 # through Triton's interpreter. 3.6.0 is the release on the project's GPU machines. Its interpreter

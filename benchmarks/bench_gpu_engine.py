@@ -13,7 +13,7 @@ of fwd+bwd above what was allocated before the call (max_memory_allocated, MiB),
 chunk of steps from the first call and replay it ceil(T / chunk) times (fastlayers.rnn._graphs);
 every call here has the same T: bench_gpu_random_t.py draws a new T per call.
 
-    python benchmarks/bench_gpu_engine.py [--device cuda] [--repeats 7] [--tf32] [--autocast bf16]
+    python benchmarks/bench_gpu_engine.py [--device cuda] [--repeats 7] [--warmup 2] [--tf32] [--autocast bf16]
                                           [--size seed|small] [--only LABEL] [--profile]
     python benchmarks/bench_gpu_engine.py --sweep [--autocast bf16]
 
@@ -152,14 +152,14 @@ def sweep(args, device, timer, autocast) -> int:
             # the engine called directly: the module dispatches to it only where this measured it faster
             cands = {"cudnn": (theirs, lambda x, m=theirs: m(x)[0]), "ours": (ours, _engine_call(ours, False, None, True))}
             with fastlayers.backend("triton") if device.type != "cuda" else _null():
-                res = measure(cands, x, timer, args.repeats, autocast)
+                res = measure(cands, x, timer, args.repeats, autocast, args.warmup)
             med = {k: (statistics.median(r["fwd"]), statistics.median(r["both"])) for k, r in res.items()}
             print(f"| {cell} | {steps}, {batch}, {features}, {hidden} | {med['cudnn'][0]:.2f} | {med['ours'][0]:.2f} | "
                   f"{med['cudnn'][1]:.2f} | {med['ours'][1]:.2f} | {med['ours'][1] / med['cudnn'][1]:.2f} |")
     return 0
 
 
-def measure(cands, x, timer, repeats, autocast):
+def measure(cands, x, timer, repeats, autocast, warmup=2):
     names = list(cands)
     res = {k: {"fwd": [], "both": [], "first": None, "peak": None} for k in names}
     device = x.device
@@ -170,7 +170,7 @@ def measure(cands, x, timer, repeats, autocast):
     for name in names:  # first call (Triton compile, CUDA graph capture)
         module, fn = cands[name]
         res[name]["first"] = timer(lambda: _both(fn, module, x, ctx))
-    for rep in range(-2, repeats):
+    for rep in range(-warmup, repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             module, fn = cands[name]
             with torch.no_grad(), ctx():
@@ -234,6 +234,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the first call (the dry run: 0)")
     p.add_argument("--size", choices=list(SIZES), default="seed")
     p.add_argument("--tf32", action="store_true")
     p.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
@@ -263,9 +264,9 @@ def main() -> int:
     if device.type != "cuda":  # the interpreter: Triton kernels on CPU tensors need the backend forced
         forced = {k: v for k, v in cands.items() if k.startswith("fastlayers")}
         with fastlayers.backend("triton"):
-            res = measure(forced, x, timer, args.repeats, autocast)
+            res = measure(forced, x, timer, args.repeats, autocast, args.warmup)
     else:
-        res = measure(cands, x, timer, args.repeats, autocast)
+        res = measure(cands, x, timer, args.repeats, autocast, args.warmup)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter: times mean nothing)"
     features, hidden, steps, batch = SIZES[args.size]
     print(f"# {name}; torch {torch.__version__}; BLSTM {features} -> {hidden}x2, T={steps}, B={batch}; "

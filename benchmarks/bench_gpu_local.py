@@ -14,7 +14,7 @@ and the first call's time (Triton's compile).
 Then attention pooling at seed 001's shape (T=256, B=128, 32-d keys, 100-d values, lengths) for
 each score, values requiring grad or not: fwd, fwd+bwd and their ratio.
 
-    python benchmarks/bench_gpu_local.py [--device cuda] [--repeats 20] [--size seed|small]
+    python benchmarks/bench_gpu_local.py [--device cuda] [--repeats 20] [--warmup 2] [--size seed|small]
 
 ``TRITON_INTERPRET=1 python benchmarks/bench_gpu_local.py --device cpu --size small`` runs the same
 script on Triton's interpreter (a smoke test of the script only: its times mean nothing).
@@ -73,13 +73,14 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int = 1 << 30) ->
     return 2 * nbytes / (statistics.median(timer(lambda: dst.copy_(src)) for _ in range(10)) / 1e3)
 
 
-def interleaved(candidates: dict, inputs: tuple, timer: Timer, repeats: int) -> dict[str, tuple[float, float]]:
+def interleaved(candidates: dict, inputs: tuple, timer: Timer, repeats: int,
+                warmup: int = 2) -> dict[str, tuple[float, float]]:
     """name -> (median fwd ms, median fwd+bwd ms), candidates interleaved, order rotated, all on the
     same inputs (the 1 GiB shape took minutes when they were drawn on the host for every call)."""
     times = {k: ([], []) for k in candidates}
     names = list(candidates)
     x, w, b = inputs
-    for rep in range(-2, repeats):
+    for rep in range(-warmup, repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             fn = candidates[name]
             fwd = timer(lambda: fn(x, w, b))
@@ -136,7 +137,7 @@ def local_section(args, device, timer, bandwidth) -> None:
                 return locally_connected2d(x, w, b, 1, pad)
 
         candidates["fastlayers reference (einsum per offset)"] = plain_reference
-        results = interleaved(candidates, (x, w, b), timer, args.repeats)
+        results = interleaved(candidates, (x, w, b), timer, args.repeats, args.warmup)
         x_b, w_b = batch * chans * hw * hw * elem, out * chans * k * k * hw * hw * elem
         y_b, b_b = batch * out * hw * hw * elem, out * hw * hw * elem
         fwd_floor = (x_b + w_b + b_b + y_b) / bandwidth * 1e3
@@ -209,7 +210,7 @@ def attention_section(args, device, timer) -> None:
             v = torch.rand(b, t, dv, generator=g).to(device).requires_grad_(values_grad)
             lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
             times = {name: ([], []) for name in BACKENDS}
-            for rep in range(-2, args.repeats):
+            for rep in range(-args.warmup, args.repeats):
                 for name in BACKENDS:  # interleaved
                     with fastlayers.backend(name):
                         f = timer(lambda: pool(q, k, v, lengths))
@@ -227,6 +228,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones (the dry run: 0)")
     p.add_argument("--size", default="seed", choices=sorted(SHAPES))
     args = p.parse_args()
     device = torch.device(args.device)

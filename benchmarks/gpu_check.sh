@@ -36,19 +36,20 @@ py=${PYTHON:-python3}
 if [ "$mode" = "--dry-run" ]; then
     export TRITON_INTERPRET=1
     # one option set per engine step: the interpreter runs every step kernel in Python
-    device=cpu size=small local_size=small repeats=1 only_all="LSTM zoneout" only_ln="GRU zoneout" \
+    device=cpu size=small local_size=small repeats=1 warmup=0 only_all="LSTM zoneout" only_ln="GRU zoneout" \
         only_profile="GRU zoneout"
     random_t=(--device cpu --size small --calls 1 --warmup 1 --fixed-calls 1 --only GRU)
     train=(--device cpu --epochs 1 --max-samples 32 --datasets vowels)
     remat=(--device cpu --steps 12 --batch 2) remat_scaling=(--device cpu --scaling 8,16 --batch 2 --with-torch --calls 1)
 else
-    device=cuda size=seed local_size=seed repeats=5 only_all="" only_ln="layer_norm" \
+    device=cuda size=seed local_size=seed repeats=5 warmup=2 only_all="" only_ln="layer_norm" \
         only_profile="LSTM layer_norm"
     random_t=(--device cuda)
     train=(--device cuda)
     remat=(--device cuda --steps 800 --batch 32)
     remat_scaling=(--device cuda --scaling 1000,4000,16000,100000 --batch 8 --with-torch --calls 1 --max-gib 70)
 fi
+rounds=(--repeats "$repeats" --warmup "$warmup")  # timed rounds, untimed rounds before them
 steps=()
 
 step() {  # step NAME LIMIT_S COMMAND...: run it with a time limit, log to OUTDIR/NAME.log
@@ -71,17 +72,17 @@ torch.version.cuda, 'triton', triton.__version__, 'python', platform.python_vers
 print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 if command -v nvidia-smi >/dev/null; then nvidia-smi >"$out/nvidia-smi.txt" 2>&1; fi
 step cuda_tests 60 "$py" -m pytest -p no:cacheprovider -m cuda tests/test_cuda.py
-step engine_fp32 120 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
+step engine_fp32 120 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" "${rounds[@]}" \
     --only "$only_all"
-step engine_tf32 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
+step engine_tf32 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" "${rounds[@]}" \
     --tf32 --only "$only_ln"
-step engine_bf16 70 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --repeats "$repeats" \
+step engine_bf16 70 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" "${rounds[@]}" \
     --autocast bf16 --only "$only_ln"
 step engine_profile 30 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --only "$only_profile" \
     --profile
-step engine_sweep 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" --repeats "$repeats" --sweep
+step engine_sweep 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" "${rounds[@]}" --sweep
 step local_attention 60 "$py" benchmarks/bench_gpu_local.py --device "$device" --size "$local_size" \
-    --repeats "$((repeats * 4))"
+    --repeats "$((repeats * 4))" --warmup "$warmup"
 if [ "$mode" != "--dry-run" ]; then  # (make test runs the static check itself)
     step static 60 "$py" benchmarks/gpu_static.py --set ci --arch sm_90a --json "$out/static.json"
 fi

@@ -9,7 +9,9 @@ if not torch.cuda.is_available():
     # is decorated (fastlayers._triton imports them lazily, when a call first forces "triton")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# make test runs the suite in one process per core (pytest-xdist): each takes its share of the cores
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _workers))
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.load_profile("ci")
 
