@@ -34,21 +34,16 @@ demo: setup
 # The suite twice: as is, then with uninitialised memory poisoned (torch.empty & co. filled with NaN,
 # deterministic algorithms on), so a kernel or module that reads memory nobody wrote fails a test.
 # One pytest process per core (pytest-xdist; each takes one torch thread, tests/conftest.py), a
-# file's tests in one process (--dist loadfile) except for the two interpreter files of the second
-# Triton run. Last, the static checks (one process) beside the GPU check's dry run (one process).
+# file's tests in one process (--dist loadfile). The poisoned pass runs the two interpreter files
+# under the newest Triton (so each Triton runs them once, and the poisoning checks the kernels
+# under both), its other files under the venv's. Last, the static checks beside the dry run.
+POISONED := --poison-memory -m "not subprocess and not compile and not reference_only"
+INTERPRETER_TESTS := tests/test_triton.py tests/test_rnn_triton.py
 test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
 	$(PYTEST) --dist loadfile
-	$(PYTEST) --dist loadfile --poison-memory -m "not subprocess and not compile and not reference_only"
-	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PYTEST) --dist load tests/test_triton.py tests/test_rnn_triton.py
-	@static=$$(mktemp); \
-	{ $(BIN)/python benchmarks/gpu_static.py --set ci && \
-	  PYTHONPATH=$(TRITON_NEWEST_DIR) $(BIN)/python benchmarks/gpu_static.py --set ci --arch sm_90a; } >$$static 2>&1 & \
-	pid=$$!; \
-	PYTHON=$(BIN)/python benchmarks/gpu_check.sh "$$(mktemp -d)" --dry-run; dry=$$?; \
-	wait $$pid; rc=$$?; \
-	echo "benchmarks/gpu_static.py --set ci (Triton 3.6.0, sm_80), then --arch sm_90a (Triton $(TRITON_NEWEST)):"; \
-	cat $$static; rm -f $$static; \
-	exit $$(( dry || rc ))
+	$(PYTEST) --dist loadfile $(POISONED) $(addprefix --ignore=,$(INTERPRETER_TESTS))
+	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PYTEST) --dist load $(POISONED) $(INTERPRETER_TESTS)
+	PYTHON=$(BIN)/python NEWEST=$(TRITON_NEWEST_DIR) benchmarks/gpu_check_cpu.sh
 
 # Triton for the tests only (never for make demo): they run the Triton kernels on CPU tensors
 # through Triton's interpreter. 3.6.0 is the release on the project's GPU machines. Its interpreter
