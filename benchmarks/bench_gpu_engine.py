@@ -159,7 +159,7 @@ def sweep(args, device, timer, autocast) -> int:
     return 0
 
 
-def measure(cands, x, timer, repeats, autocast, warmup=2):
+def measure(cands, x, timer, repeats, autocast, warmup):
     names = list(cands)
     res = {k: {"fwd": [], "both": [], "first": None, "peak": None} for k in names}
     device = x.device

@@ -74,7 +74,7 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int = 1 << 30) ->
 
 
 def interleaved(candidates: dict, inputs: tuple, timer: Timer, repeats: int,
-                warmup: int = 2) -> dict[str, tuple[float, float]]:
+                warmup: int) -> dict[str, tuple[float, float]]:
     """name -> (median fwd ms, median fwd+bwd ms), candidates interleaved, order rotated, all on the
     same inputs (the 1 GiB shape took minutes when they were drawn on the host for every call)."""
     times = {k: ([], []) for k in candidates}
