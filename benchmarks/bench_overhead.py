@@ -8,7 +8,11 @@ under torch.no_grad(), and forward + backward (a sum of the outputs) with gradie
 and the parameters. The shapes are the issue's: the calls of step-wise decoding, streaming
 inference and small models, where the fixed cost of a call dominates.
 
-    python benchmarks/bench_overhead.py [--min-run-time 0.3] [--rounds 5]
+    python benchmarks/bench_overhead.py [--min-run-time 0.3] [--rounds 5] [--device cuda]
+
+With ``--device cuda`` every module and tensor is on the GPU: the time per call is then that of an
+eager call on CUDA (torch.utils.benchmark synchronizes once per block of calls), at these shapes
+the host's Python and launch time, not the GPU's work.
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ from fastlayers._system import cpu_name
 def _torch_attention(q, k, v, lengths):
     """The plain-torch formulation of attention_pool (dot score): einsum, mask, softmax, einsum."""
     scores = torch.einsum("bd,btd->bt", q, k)
-    mask = torch.arange(k.size(1)).unsqueeze(0) >= lengths.unsqueeze(1)
+    mask = torch.arange(k.size(1), device=k.device).unsqueeze(0) >= lengths.unsqueeze(1)
     weights = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=1)
     return torch.einsum("bt,btd->bd", weights, v)
 
 
-def _rows():
+def _rows(device: torch.device):
     """(name, ours, theirs, target ratio) with ``ours`` / ``theirs`` returning (forward, inputs that want grads)."""
     torch.manual_seed(0)
+    torch.set_default_device(device)  # modules and tensors below are made on the device
 
     def layer(ours_cls, theirs_cls, x, target, **options):
         ours, theirs = ours_cls(4, 4, **options), theirs_cls(4, 4)
@@ -73,6 +78,7 @@ def _rows():
     rows["attention_pool(q, k, k, lengths), B=8, T=20, D=16"] = (
         lambda: fastlayers.attention_pool(q, k, k, lengths), lambda: _torch_attention(q, k, k, lengths), [q, k], [q, k],
         1.3)
+    torch.set_default_device(None)
     return rows
 
 
@@ -106,13 +112,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per column and pass")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per column and pass")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: eager calls on the GPU")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(1)
-    print(f"{cpu_name()}, 1 thread, torch {torch.__version__}; time per call (us), torch.utils.benchmark "
+    where = f"{cpu_name()}, 1 thread" if device.type == "cpu" else f"{torch.cuda.get_device_name(device)} (host: {cpu_name()})"
+    print(f"{where}, torch {torch.__version__}; time per call (us), torch.utils.benchmark "
           f"blocked_autorange, the median of {args.rounds} alternating rounds a column, both columns in this process")
     print(f"| call | fastlayers fwd | torch fwd | x | target | fastlayers fwd+bwd | torch fwd+bwd | x |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, (ours, theirs, our_leaves, their_leaves, target) in _rows().items():
+    for name, (ours, theirs, our_leaves, their_leaves, target) in _rows(device).items():
         with torch.no_grad():
             f_ours, f_theirs = _side_by_side(ours, theirs, args.min_run_time, args.rounds)
         b_ours, b_theirs = _side_by_side(_fwd_bwd(ours, our_leaves), _fwd_bwd(theirs, their_leaves),

@@ -24,7 +24,15 @@ plain calls of the layer without the option (a no-grad forward of each, then eac
 backward), with no bookkeeping.
 
 With --scaling a run whose peak RSS, scaled linearly in T from the largest T measured of the same
-candidate, would exceed --max-gib is not run; its row gives the scaled peak and time instead.
+candidate, would exceed --max-gib is not run; its row gives the scaled peak and time instead. A
+torch.nn.LSTM run that cuDNN refuses (CUDNN_STATUS_NOT_SUPPORTED: at T = 100,000, B = 8 on the
+H200) gets the same scaled row, marked refused; a failure of any other run, or of ours, fails the
+script (exit 1).
+
+    python benchmarks/bench_remat.py --device cuda --steps 800 --batch 32 --sweep none,auto,32,64,128,200,400,800
+
+times each checkpoint_every value in ONE process instead (on CUDA with the allocator's peak beyond
+what the process held before the call).
 """
 
 from __future__ import annotations
@@ -144,6 +152,54 @@ print(json.dumps({"steps": steps, "batch": batch, "every": every, "k": k, "times
 """
 
 
+_SWEEP = r"""
+import json, statistics, sys, time
+import torch
+import fastlayers
+steps, batch, values, device, calls = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4], int(sys.argv[5])
+dev = torch.device(device)
+cuda = dev.type == "cuda"
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.manual_seed(0)
+model = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=True).to(dev)
+x = torch.randn(steps, batch, 512, device=dev, requires_grad=True)
+grad = torch.randn(steps, batch, 512, device=dev)
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
+def call():
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    sync()
+    t0 = time.perf_counter()
+    model(x)[0].backward(grad)
+    sync()
+    return time.perf_counter() - t0
+for value in values:
+    model.checkpoint_every = None if value == "none" else value if value == "auto" else int(value)
+    call()  # warm-up (compiles, captures)
+    if cuda:
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = [call() for _ in range(calls)]
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
+    print(json.dumps({"every": value, "median_s": statistics.median(times), "times_s": times,
+                      "peak_beyond_start_gib": peak}), flush=True)
+"""
+
+
+def sweep(steps: int, batch: int, values: str, device: str, calls: int) -> list[dict]:
+    """fwd+bwd time (and on CUDA the allocator's peak beyond what the process held before the call:
+    activations, the output and the gradients) for each checkpoint_every in ``values``, one process."""
+    proc = subprocess.run([sys.executable, "-c", _SWEEP, str(steps), str(batch), values, device, str(calls)],
+                          capture_output=True, text=True)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0:
+        rows.append({"error": (proc.stderr.strip().splitlines() or ["?"])[-1]})
+    return rows
+
+
 def side_by_side(steps: int, batch: int, every: str, calls: int) -> dict:
     """The time of the layer with and without checkpoint_every in ONE process, calls interleaved."""
     proc = subprocess.run([sys.executable, "-c", _SIDE, str(steps), str(batch), every, str(calls)],
@@ -177,8 +233,30 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=18.0,
                         help="--scaling: skip a run whose peak, scaled from a smaller T, would exceed this")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", default=None,
+                        help="comma-separated checkpoint_every values (none, auto, ints) timed in ONE process at "
+                             "--steps, --batch (median of --calls after one), instead of the table")
     args = parser.parse_args()
     import torch
+
+    if args.sweep:
+        rows = sweep(args.steps, args.batch, args.sweep, args.device, args.calls)
+        where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
+        print(f"# torch {torch.__version__}, {where}; fastlayers.LSTM(512, 256, bidirectional, layer_norm), "
+              f"T={args.steps}, B={args.batch}, fwd+bwd float32, one process, median of {args.calls} after one")
+        print("| checkpoint_every | s (fwd+bwd) | x without | peak beyond the call's start GiB |\n|---|---:|---:|---:|")
+        plain = next((r["median_s"] for r in rows if r.get("every") == "none"), None)
+        for r in rows:
+            if "error" in r:
+                print(f"failed: {r['error']}")
+                continue
+            ratio = f"{r['median_s'] / plain:.2f}" if plain else ""
+            peak = "" if r["peak_beyond_start_gib"] is None else f"{r['peak_beyond_start_gib']:.3f}"
+            print(f"| {r['every']} | {r['median_s']:.4f} | {ratio} | {peak} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        sys.exit(1 if any("error" in r for r in rows) else 0)
 
     where = (torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads")
     print(f"# torch {torch.__version__}, {where}; fwd+bwd float32, 512 -> 256 x 2, "
@@ -212,6 +290,16 @@ def main() -> None:
                       f"{last['second_s'] * steps / last['steps']:.0f} s | | | |", flush=True)
                 continue
         row = one(name, steps, args.batch, every, args.device, args.calls)
+        if name == "torch" and "CUDNN_STATUS_NOT_SUPPORTED" in row.get("error", "") and last is not None:
+            # the anchor where cuDNN refuses T: the figure from the largest T it ran, scaled (not our failure)
+            need = (last["base_gib"] + last["beyond_gib"]) * steps / last["steps"]
+            rows.append({"name": name, "steps": steps, "batch": args.batch, "every": every, "skipped": True,
+                         "refused": row["error"], "scaled_peak_gib": need,
+                         "scaled_s": last["second_s"] * steps / last["steps"]})
+            print(f"| {label} | {steps} | {args.batch} | {every} | refused by cuDNN (CUDNN_STATUS_NOT_SUPPORTED); "
+                  f"about {need:.0f} GiB and {last['second_s'] * steps / last['steps']:.0f} s scaled from "
+                  f"T = {last['steps']} | | | |", flush=True)
+            continue
         rows.append(row)
         if "error" not in row:
             measured[(name, every)] = row

@@ -8,6 +8,8 @@
 #     benchmarks/gpu_check.sh OUTDIR --dry-run  # anywhere: Triton's interpreter, tiny shapes, CPU
 #     STEPS="random_t train" benchmarks/gpu_check.sh OUTDIR   # only the steps named (each <= 10 min)
 #     SKIP_STEPS="remat" benchmarks/gpu_check.sh OUTDIR        # every step but those named
+#     DEADLINE=$(( $(date +%s) + 540 )) benchmarks/gpu_check.sh OUTDIR  # no step runs past that time
+#                                    # (epoch seconds): a device lease is short; steps run in order
 #
 # The dry run (make test runs it) checks that every step still starts and finishes; its times
 # mean nothing. Steps and limits (seconds, 540 in all before issue 41's 600; on the H100 with torch 2.11 on 2026-11-24,
@@ -17,13 +19,16 @@
 # per kernel of the LSTM layer_norm rows, eager, with and without lengths (30); plain LSTM / GRU
 # against cuDNN at several shapes (--sweep, 60); bench_gpu_local.py, every shape with its copy
 # floor, then attention pooling (60); gpu_static.py's CI set compiled for this machine's Triton
-# (60; 30 ran out on 2026-11-24). Issue 41 (not run on a GPU yet; limits estimated): the random-T
-# workload, T ~ U[100, 1000] per call, plain and layer_norm LSTM / GRU against cuDNN on the
-# PackedSequence, captures counted, peak memory against fixed T = 1000 (150); the same for LSTM
-# with chunks of 16 and of 64 steps instead of 32 (150); issue 40: checkpoint_every through the GPU
-# engine, bench_remat.py at T = 800, B = 32 and the T = 1k..100k scaling at B = 8, the allocator's
-# peak (240); fastlayers train on the digits and the
-# vowels against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA).
+# (60; 30 ran out on 2026-11-24). Issue 41: the random-T workload, T ~ U[100, 1000] per call,
+# plain and layer_norm LSTM / GRU against cuDNN on the PackedSequence, captures counted, peak memory
+# against fixed T = 1000 (150); the same for LSTM with chunks of 16 and of 64 steps instead of 32
+# (150); issue 40: checkpoint_every through the GPU engine, bench_remat.py at T = 800, B = 32, its
+# --sweep of k there, and the T = 1k..100k scaling at B = 8, the allocator's peak (240); issue 42:
+# bench_overhead.py, eager calls on CUDA (120); fastlayers train on the digits and the vowels
+# against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA). On the
+# H200 on 2026-11-26 (torch 2.11, Triton 3.6) the steps took: versions 5, cuda_tests 50,
+# local_attention 12, remat 136 (before the sweep), random_t 29, train 51, engine_fp32 52,
+# chunk_sweep 29 s.
 # All steps take longer than one 10-minute command: name a few in STEPS per command. A step that
 # fails or runs out of time is recorded in summary.json (rc 124 for a timeout) and the next one runs.
 set -uo pipefail
@@ -42,6 +47,8 @@ if [ "$mode" = "--dry-run" ]; then
     random_t=(--device cpu --size small --calls 1 --warmup 1 --fixed-calls 1 --only GRU)
     train=(--device cpu --epochs 1 --max-samples 32 --datasets vowels)
     remat=(--device cpu --steps 12 --batch 2) remat_scaling=(--device cpu --scaling 8,16 --batch 2 --with-torch --calls 1)
+    remat_sweep=(--device cpu --steps 12 --batch 2 --calls 1 --sweep none,auto,5)
+    overhead=(--device cpu --min-run-time 0.01 --rounds 1)
 else
     device=cuda size=seed local_size=seed repeats=5 warmup=2 only_all="" only_ln="layer_norm" \
         only_profile="LSTM layer_norm"
@@ -49,6 +56,8 @@ else
     train=(--device cuda)
     remat=(--device cuda --steps 800 --batch 32)
     remat_scaling=(--device cuda --scaling 1000,4000,16000,100000 --batch 8 --with-torch --calls 1 --max-gib 70)
+    remat_sweep=(--device cuda --steps 800 --batch 32 --sweep none,auto,32,64,128,200,400,800)
+    overhead=(--device cuda)
 fi
 rounds=(--repeats "$repeats" --warmup "$warmup")  # timed rounds, untimed rounds before them
 steps=()
@@ -63,6 +72,15 @@ step() {  # step NAME LIMIT_S COMMAND...: run it with a time limit, log to OUTDI
         return 0
     fi
     local start end rc
+    if [ -n "${DEADLINE:-}" ]; then  # cap the step's limit at what is left; skip it under 10 s
+        local left=$(( DEADLINE - $(date +%s) ))
+        if [ "$left" -lt 10 ]; then
+            echo "$name: skipped, DEADLINE reached" | tee "$out/$name.log"
+            steps+=("$name 124 0 0")
+            return 0
+        fi
+        if [ "$left" -lt "$limit" ]; then limit=$left; fi
+    fi
     start=$(date +%s.%N)
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     rc=$?
@@ -97,7 +115,10 @@ if [ "$mode" != "--dry-run" ]; then  # the chunk's length: 16 and 64 steps again
 fi
 # checkpoint_every through the GPU engine (issue 40): time and the allocator's peak, with and without
 step remat 240 bash -c "'$py' benchmarks/bench_remat.py ${remat[*]} --json '$out/remat.json' && \
+'$py' benchmarks/bench_remat.py ${remat_sweep[*]} && \
 '$py' benchmarks/bench_remat.py ${remat_scaling[*]} --json '$out/remat_scaling.json'"
+# per-call cost of every layer and cell at small shapes against torch.nn, eager calls on CUDA (issue 42)
+step overhead 120 "$py" benchmarks/bench_overhead.py "${overhead[@]}"
 step train 300 "$py" benchmarks/bench_gpu_train.py "${train[@]}" --json "$out/train.json"
 
 "$py" - "$out" "${steps[@]}" <<'EOF'

@@ -72,6 +72,27 @@ def test_locally_connected2d_runs_the_triton_function():
     assert type(y.grad_fn).__name__ == "LocallyConnected2dTritonBackward"
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_locally_connected2d_without_autograd_runs_the_kernels_directly(geometry, monkeypatch):
+    """Under no_grad the kernels run without the autograd Function (its bookkeeping is host time of
+    every inference call): the float64 loop's values, and the Function never applied."""
+    from fastlayers import _local_function
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran under no_grad")
+
+    monkeypatch.setattr(_local_function.LocallyConnected2dTriton, "apply", refuse)
+    x, w, b, s, p, d = _random(geometry, dtype=torch.float32)
+    with fastlayers.backend("triton"), torch.no_grad():
+        y = locally_connected2d(x, w.requires_grad_(), b, s, p, d)
+        with torch.autocast("cpu", torch.bfloat16):
+            y_low = locally_connected2d(x, w, b, s, p, d)
+    assert y.grad_fn is None and y_low.dtype == torch.bfloat16
+    want = loop_reference(x.double(), w.detach().double(), b.double(), s, p, d)
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y_low.double(), want, atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, True), (False, True, False), (False, False, True)])
 def test_locally_connected2d_gradient_subsets(needs):
     x, w, b, s, p, d = _random(GEOMETRIES[2], dtype=torch.float64)

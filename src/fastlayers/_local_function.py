@@ -210,6 +210,20 @@ def register_operators() -> None:
     torch.library.register_autograd("fastlayers::locally_connected2d", backward, setup_context=setup_context)
 
 
+def triton_forward(input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
+                   dilation: Pair) -> Tensor:
+    """The Triton kernels' forward, nothing recorded: (B, C_in, H, W) -> (B, C_out, OH, OW) in the
+    call's low dtype (:func:`fastlayers._precision.dtypes`); what :class:`LocallyConnected2dTriton`
+    runs, and what calls without autograd run directly (none of a Function's bookkeeping)."""
+    from ._triton import local as kernels
+
+    low = _precision.dtypes(input)[0]  # operands rounded to it, float32 sums, output in it
+    x, w = _pad(input, list(padding)), weight
+    x = x if x.dtype == low and x.is_contiguous() else x.to(low).contiguous()
+    w = w if w.dtype == low and w.is_contiguous() else w.to(low).contiguous()
+    return kernels.forward(x, w, bias.contiguous() if bias is not None else None, stride, dilation, low)
+
+
 class LocallyConnected2dTriton(torch.autograd.Function):
     """The Triton kernels (``fastlayers._triton.local``): CUDA tensors, or CPU tensors under
     Triton's interpreter. Low-precision calls as the C kernels: operands rounded to the low dtype,
@@ -218,13 +232,9 @@ class LocallyConnected2dTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
                 dilation: Pair) -> Tensor:
-        from ._triton import local as kernels
-
-        low = _precision.dtypes(input)[0]  # operands rounded to it, float32 sums, output in it
-        x, w = _pad(input, list(padding)).to(low).contiguous(), weight.to(low).contiguous()
         ctx.save_for_backward(input, weight, bias)
-        ctx.geometry, ctx.low, ctx.has_bias = (stride, padding, dilation), low, bias is not None
-        return kernels.forward(x, w, bias.contiguous() if bias is not None else None, stride, dilation, low)
+        ctx.geometry, ctx.low, ctx.has_bias = (stride, padding, dilation), _precision.dtypes(input)[0], bias is not None
+        return triton_forward(input, weight, bias, stride, padding, dilation)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -33,7 +33,7 @@ from . import _ops_lib
 from ._backend import cpu_kernels, select
 from ._jit import TRITON, NotScriptable, refuse_trace
 from ._local_function import (LocallyConnected2dNative, LocallyConnected2dTriton, locally_connected2d_operator,
-                              locally_connected2d_reference)
+                              locally_connected2d_reference, triton_forward)
 
 Pair = tuple[int, int]
 
@@ -138,6 +138,8 @@ def _run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: 
         return LocallyConnected2dNative.apply(*args)
     if which == "triton":
         refuse_trace("fastlayers.functional.locally_connected2d on the Triton backend", TRITON)
+        if not torch.is_grad_enabled():  # nothing to record: the kernels without a Function's bookkeeping
+            return triton_forward(x, weight, bias, stride, padding, dilation)
         return LocallyConnected2dTriton.apply(x, weight, bias, stride, padding, dilation)
     return locally_connected2d_reference(x, weight, bias, stride, padding, dilation)
 
