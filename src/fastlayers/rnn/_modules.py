@@ -242,8 +242,7 @@ _OPTIONS_DOC = """
       ``h_t = clamp(W_hr (o_t * tanh(.)), -p, p)``. With a projection, zoneout and recurrent
       dropout act on the projected h_t (what recurs), the cell options on the H-sized cell.
 
-    * ``checkpoint_every=k`` (an int >= 1, or ``"auto"`` for about sqrt(T / D), at least 128 steps
-      on the GPU engine, whose per-segment host cost dominates shorter segments; default None):
+    * ``checkpoint_every=k`` (an int >= 1, or ``"auto"`` for about sqrt(T / D); default None):
       recomputation through time for long sequences (:mod:`._remat`). In a call that records
       gradients, each layer and direction runs as segments of k steps; the forward keeps only the
       state entering each segment (and the masks it drew), the backward runs each segment again

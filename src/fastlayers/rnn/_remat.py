@@ -47,7 +47,6 @@ from torch import Tensor
 
 from .. import _ops_lib
 from ._engine import gru_engine, lstm_engine, packed_layer
-from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._lengths import make_plan
 from ._options import CellOptions
 
@@ -61,22 +60,13 @@ def check_every(name: str, every: Any) -> int | str | None:
     raise ValueError(f"{name}: expected None, an int >= 1 or 'auto', got {every!r}")
 
 
-# "auto"'s least k on the Triton engine: a segment costs about 1 ms of host time per direction there
-# (the engine's call, its graph replays, the gathers), against 10-25 us of GPU time per step, so
-# segments of sqrt(T / D) steps (20 at T = 800, D = 2) made the backward host-bound: at the seed
-# shape on the H200 (2026-11-26), fwd+bwd 213 ms with k = 20, 66 ms with k = 128, 22 ms without
-# (benchmarks/bench_remat.py --sweep, BENCHMARKS.md). Four captured chunks (_graphs.CHUNK = 32) hold
-# one segment's steps; 128 steps of one direction's activations are a bounded cost (0.25 GiB beyond
-# the inputs at the seed shape, against 2.27 GiB without the option).
-GPU_MIN_SEGMENT = 128
-
-
-def segment_length(every: int | str, steps: int, dirs: int = 1, least: int = 1) -> int:
-    """k: ``every`` itself, or for ``"auto"`` about sqrt(T / D), at least ``least`` (1 on the CPU
-    engines, :data:`GPU_MIN_SEGMENT` on the Triton engine): the backward recomputes a segment's D
-    directions together, so it holds the activations of about sqrt(T * D) steps, as sqrt(T)
-    segments of one direction would."""
-    return max(least, round(math.sqrt(steps / dirs))) if every == "auto" else int(every)
+def segment_length(every: int | str, steps: int, dirs: int = 1) -> int:
+    """k: ``every`` itself, or for ``"auto"`` about sqrt(T / D) (at least 1): the backward recomputes
+    a segment's D directions together, so it holds the activations of about sqrt(T * D) steps, as
+    sqrt(T) segments of one direction would. (On the Triton engine a segment costs about 1 ms of
+    host time per direction, so longer segments are faster there at the price of memory:
+    ``bench_remat.py --sweep``, BENCHMARKS.md.)"""
+    return max(1, round(math.sqrt(steps / dirs))) if every == "auto" else int(every)
 
 
 def _row_maps(lengths: Tensor | None, steps: int, batch: int, dirs: int, device: torch.device) -> list[Tensor]:
@@ -415,7 +405,7 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
     steps, recomputed in the backward (module docstring). ``cell``: "LSTM" or "GRU"."""
     steps, batch = input.shape[:2]
     dirs = len(layers[0])
-    k = segment_length(every, steps, dirs, GPU_MIN_SEGMENT if engine in (lstm_engine_gpu, gru_engine_gpu) else 1)
+    k = segment_length(every, steps, dirs)
     dev = input.device
     plan = _Plan(steps, k, lengths, dev)
     maps = _row_maps(lengths, steps, batch, dirs, dev)

@@ -36,7 +36,7 @@ class TrainConfig:
         loadable checkpoint in ``out``; overwrite: replace the run that ``out`` holds (its files are
         removed first). Without either, an ``out`` that holds a run is refused.
     rnn_checkpoint_every: the encoder's ``checkpoint_every`` (recomputation through time: an int
-        k >= 1, ``"auto"`` for about sqrt(T / D), at least 128 steps on the GPU engine, or None), memory for time; it changes no result
+        k >= 1, ``"auto"`` for about sqrt(T / D), or None), memory for time; it changes no result
         beyond the order of sums, so a run may resume with another value.
     max_samples: train on the first N training sequences only (quick runs); max_steps: stop after
         N optimisation steps in total (tests). device: ``"cpu"`` or ``"cuda"``.
