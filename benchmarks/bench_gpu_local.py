@@ -165,6 +165,8 @@ def local_section(args, device, timer, bandwidth) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         print(f"host time per forward call (no wait for the GPU): {host:.3f} ms")
+        print(f"host time per forward call of the LocallyConnected2d module, default backend (median of 5 rounds "
+              f"of 20, no wait for the GPU inside a round): {module_host(x, w, b, k, pad, device):.3f} ms")
         if device.type == "cuda":
             try:  # a diagnostic line: its failure is printed, and the shapes and attention still run
                 graphed = f"{graph_forward(ours, x, w, b, timer):.3f} ms"
@@ -172,6 +174,29 @@ def local_section(args, device, timer, bandwidth) -> None:
                 graphed = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(f"device time per forward (20 captured in a CUDA graph, replayed): {graphed}")
         print(host_profile(lambda: ours(x, w, b), calls=200 if device.type == "cuda" else 2))
+
+
+def module_host(x, w, b, k: int, pad: int, device: torch.device, rounds: int = 5, calls: int = 20) -> float:
+    """Milliseconds of host time per no-grad forward of the layer as users call it (the module, the
+    backend chosen per call, no ``fastlayers.backend`` context), with the weights ``w``, ``b``:
+    ``calls`` calls without waiting for the GPU, the median of ``rounds`` (the GPU drained between)."""
+    layer = fastlayers.LocallyConnected2d(x.size(1), w.size(0), tuple(x.shape[2:]), kernel_size=k, padding=pad,
+                                          device=device)
+    times = []
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+        layer(x)  # warm-up
+        for _ in range(rounds):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                layer(x)
+            times.append((time.perf_counter() - start) / calls * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def graph_forward(fn, x, w, b, timer, calls: int = 20) -> float:

@@ -150,6 +150,56 @@ def test_checkpoint_every_through_the_triton_engine(case, k):
                  _run(engine, x, hx, layers, LENGTHS, opts, training, masks), 1e-12)
 
 
+@pytest.mark.parametrize("case, k, lengths, needs", [(2, 3, None, None), (3, 2, LENGTHS, (False, True)),
+                                                    (7, 4, None, (True, False))],
+                         ids=["LSTM-proj-training-masks-k3-no-lengths", "LSTM-proj-eval-zoneout-k2-no-x-grad",
+                              "GRU-eval-zoneout-k4-no-weight-grads"])
+def test_checkpoint_every_runs_both_directions_in_one_triton_call(case, k, lengths, needs, monkeypatch):
+    """A bidirectional layer's segments on the Triton engine run both directions in one engine call
+    (the reverse direction's rows flipped within each sequence's length, rnn/_remat.py _paired):
+    every engine call of the layer's forward and backward takes (D, k, B, F) inputs, one per
+    segment, and the outputs and every gradient wanted equal the engine without segments (float64),
+    with a projection, the training masks passed in, eval-mode zoneout, with and without lengths."""
+    from fastlayers.rnn import _remat
+    from fastlayers.rnn._remat import checkpointed
+
+    cell, opts, proj, training = CASES[case]
+    engine, _ = ENGINES[cell]
+    shapes = []
+
+    def counting(x, *args, **kwargs):
+        shapes.append(tuple(x.shape))
+        return engine(x, *args, **kwargs)
+
+    monkeypatch.setattr(_remat, "lstm_engine_gpu" if cell == "LSTM" else "gru_engine_gpu", counting)
+    layers = _parameters(cell, opts, proj, layers=1)
+    x, hx = _inputs(cell, proj, layers=1)
+    masks = _masks(cell, proj, layers=1) if training else None
+
+    def remat(*args, **kwargs):
+        return checkpointed(counting, k, *args, cell=cell, **kwargs)
+
+    got = _run(remat, x, hx, layers, lengths, opts, training, masks, needs)
+    want = _run(engine, x, hx, layers, lengths, opts, training, masks, needs)
+    _assert_same(got, want, 1e-12)
+    segments = -(-(T if lengths is None else int(lengths.max())) // k)
+    assert len(shapes) == 2 * segments and all(len(shape) == 4 and shape[0] == D for shape in shapes)
+
+
+def test_per_direction_inputs_refuse_second_derivatives():
+    """The engine with an input per direction (what checkpoint_every's segments run) says it cannot
+    differentiate twice rather than returning a wrong or zero second derivative."""
+    opts = CellOptions()
+    layers = _parameters("LSTM", opts, None, layers=1)
+    x, hx = _inputs("LSTM", None, layers=1)
+    x2 = torch.stack([x, x.flip(0)]).requires_grad_()
+    y, _ = lstm_engine_gpu(x2, hx, layers, None, opts)
+    (g,) = torch.autograd.grad(y.sum(), x2, retain_graph=True)  # first derivatives: fine
+    assert g.shape == x2.shape
+    with pytest.raises(RuntimeError, match="cannot differentiate twice"):
+        torch.autograd.grad(y.sum(), x2, create_graph=True)
+
+
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
 def test_float32_engine_matches_the_float64_reference(cell):
     opts = CellOptions.make(layer_norm=True, peephole=cell == "LSTM", zoneout=(0.1, 0.1))

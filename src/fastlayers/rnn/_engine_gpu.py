@@ -71,7 +71,10 @@ def lstm_engine_gpu(input: Tensor, hx: tuple[Tensor, Tensor], layers: list[list[
                     lengths: Tensor | None, options: CellOptions, *, dropout: float = 0.0, training: bool = False,
                     masks: list[dict[str, Tensor]] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """As :func:`fastlayers.rnn._engine.lstm_engine` (same arguments, results and masks), on the
-    Triton backend (CUDA tensors; CPU tensors under Triton's interpreter)."""
+    Triton backend (CUDA tensors; CPU tensors under Triton's interpreter). Also takes, for one
+    layer, an input per direction: (D, T, B, F), direction d reading its own as it would the
+    layer's (the reverse one from each sequence's last valid row back); its gradient is then
+    (D, T, B, F), and such a call does not differentiate twice (RuntimeError)."""
     return _engine("LSTM", input, hx, layers, lengths, options, dropout, training, masks)
 
 
@@ -145,8 +148,14 @@ def _prepare(module, x: Tensor, steps: int, grad: bool, sig: tuple) -> None:
 
 
 def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks):
-    steps, batch, _ = input.shape
+    # input (T, B, F), or (D, T, B, F) for one layer whose directions read inputs of their own
+    # (direction d's row (t, b) read as the layer's row (t, b) would be: the reverse direction runs
+    # t from len_b - 1 down to 0; what _remat runs a segment's directions with, in one call)
+    steps, batch = input.shape[-3:-1]
     dirs = len(layers[0])
+    if input.dim() == 4 and (len(layers) != 1 or input.size(0) != dirs):
+        raise ValueError(f"input: a (D, T, B, F) input is for one layer of D = {dirs} directions, got shape "
+                         f"{tuple(input.shape)} for {len(layers)} layer(s)")
     gates = 4 if cell == "LSTM" else 3
     hidden = layers[0][0]["weight_hh"].size(0) // gates
     out_size = layers[0][0]["weight_hr"].size(0) if "weight_hr" in layers[0][0] else hidden
@@ -162,7 +171,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     z_h, z_c = options.zoneout
     ln, peep = options.layer_norm, options.peephole
     finals: list[list[Tensor]] = [[] for _ in hx]
-    x = input[:longest]
+    x = input[..., :longest, :, :]
     if lens is not None:  # padding is never read: zeros there keep NaN / inf out of dW_ih = dpre^T x
         x = x.masked_fill((torch.arange(longest, device=dev).unsqueeze(1) >= lens).unsqueeze(2), 0)
     for li, dir_params in enumerate(layers):
@@ -200,9 +209,15 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
 
 
 def _project_input(mm: _precision.Products, x: Tensor, w_ih: Tensor, bias: Tensor | None) -> Tensor:
-    """x (T, B, F) @ W_ih^T for every direction, one GEMM: (T, B, D, G) in mm.acc, + bias if given."""
-    steps, batch, features = x.shape
+    """x (T, B, F) @ W_ih^T for every direction, one GEMM: (T, B, D, G) in mm.acc, + bias if given.
+    x (D, T, B, F), each direction's own input: one batched GEMM, then laid out as (T, B, D, G)."""
+    steps, batch, features = x.shape[-3:]
     dirs, gsize, _ = w_ih.shape
+    if x.dim() == 4:
+        xp = mm.bmm(x.reshape(dirs, steps * batch, features), w_ih.transpose(1, 2))  # (D, T*B, G)
+        if bias is not None:
+            xp += bias.unsqueeze(1).to(xp.dtype)
+        return xp.view(dirs, steps, batch, gsize).permute(1, 2, 0, 3).contiguous()
     xp = mm.matmul(x.reshape(steps * batch, features), w_ih.reshape(dirs * gsize, features).t())
     if bias is not None:
         xp += bias.reshape(1, dirs * gsize).to(xp.dtype)
@@ -210,8 +225,14 @@ def _project_input(mm: _precision.Products, x: Tensor, w_ih: Tensor, bias: Tenso
 
 
 def _input_grads(mm, dpre: Tensor, x: Tensor, w_ih: Tensor, need_x: bool, need_w: bool):
-    """dX (T, B, F) and dW_ih (D, G, F) from dpre (T, B, D, G): one GEMM each."""
+    """dX (T, B, F) and dW_ih (D, G, F) from dpre (T, B, D, G): one GEMM each. With x (D, T, B, F)
+    (each direction's own input): dX (D, T, B, F), batched GEMMs."""
     steps, batch, dirs, gsize = dpre.shape
+    if x.dim() == 4:
+        per_dir = dpre.permute(2, 0, 1, 3).reshape(dirs, steps * batch, gsize)
+        d_x = mm.bmm(per_dir, w_ih).view(dirs, steps, batch, -1) if need_x else None
+        d_w = mm.bmm(per_dir.transpose(1, 2), x.reshape(dirs, steps * batch, -1)) if need_w else None
+        return d_x, d_w
     flat = dpre.view(steps * batch, dirs * gsize)
     d_x = mm.matmul(flat, w_ih.reshape(dirs * gsize, -1)).view(steps, batch, -1) if need_x else None
     d_w = mm.matmul(flat.t(), x.reshape(steps * batch, -1)).view(dirs, gsize, -1) if need_w else None
@@ -281,7 +302,7 @@ class LSTMLayer(torch.autograd.Function):
         mm = _precision.Products.of(x)  # read the autocast state before switching it off
         with torch.autocast(x.device.type, enabled=False):
             acc = mm.acc
-            steps, batch, _ = x.shape
+            steps, batch = x.shape[-3:-1]
             dirs, gsize, _ = w_ih.shape
             hidden, out_size = gsize // 4, h0.size(2)
             _, zc_const, _, pclip = consts
@@ -437,7 +458,7 @@ class GRULayer(torch.autograd.Function):
         mm = _precision.Products.of(x)
         with torch.autocast(x.device.type, enabled=False):
             acc = mm.acc
-            steps, batch, _ = x.shape
+            steps, batch = x.shape[-3:-1]
             dirs, gsize, _ = w_ih.shape
             hidden = gsize // 3
             ln = gx is not None
@@ -536,6 +557,9 @@ def _recorded_backward(cell: str, ctx, grads: tuple) -> tuple[Tensor | None, ...
     inputs (:mod:`fastlayers._twice`)."""
     count = 15 if cell == "LSTM" else 10
     inputs, lengths = ctx.saved_tensors[:count], ctx.saved_tensors[count]
+    if inputs[0].dim() == 4:
+        raise RuntimeError(f"fastlayers: a {cell} layer run with per-direction inputs (checkpoint_every's segments) "
+                           "cannot differentiate twice; the layer's second derivatives recompute it whole instead")
 
     def layout(x, params, states, options, masks):
         return layer_reference(cell, x, params, states, lengths, options, masks)

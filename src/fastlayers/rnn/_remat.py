@@ -24,8 +24,12 @@ are 1.5 GiB each at B = 8). With the C kernels' engine (``lstm_engine`` / ``gru_
 forward runs each segment through the layer's C++ operator (:mod:`._export`, what eager calls
 without autograd run: no Python driver per step block), and the backward recomputes a segment's
 directions together in one engine call (:func:`._engine.packed_layer`, their packed rows gathered by
-their original rows), as the layer without segments runs them; other engines run each direction's
-segment alone.
+their original rows), as the layer without segments runs them. With the Triton engine a
+segment's two directions also run in one engine call (one launch per step serves both, as without
+segments; the engine then takes each direction's own input, (D, k, B, F)), the reverse direction's
+rows flipped within each sequence's length so that the engine's reverse loop walks them in their
+own time (:func:`_paired`); recorded backwards (second derivatives) and the reference engine run
+each direction's segment alone.
 
 Gradients are those of the run without segments up to the order of sums (the weight gradients
 add k-step partial sums); with k >= T the same kernels run in the same order. Second derivatives
@@ -47,6 +51,7 @@ from torch import Tensor
 
 from .. import _ops_lib
 from ._engine import gru_engine, lstm_engine, packed_layer
+from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._lengths import make_plan
 from ._options import CellOptions
 
@@ -155,6 +160,7 @@ class _Spec(NamedTuple):
     width: int  # P, the output columns of one direction
     cell: str  # "LSTM" or "GRU"
     native: bool  # the engine is the C kernels' (lstm_engine / gru_engine): no-grad segments may run its operator
+    triton: bool  # the engine is the Triton one: a segment's two directions run in one call (_paired)
 
 
 class _Segments(torch.autograd.Function):
@@ -197,6 +203,9 @@ class _Segments(torch.autograd.Function):
         for j in reversed(range(len(spec.plan.bounds))):
             if spec.native:  # both directions in one engine call
                 _native_segment_backward(spec, j, x2, dy2, dx2, kept[j], leaves, carry, dparams)
+                continue
+            if spec.triton and dirs == 2:  # likewise, each direction with its own input
+                _paired_segment_backward(spec, j, x2, dy2, dx2, kept[j], leaves, carry, dparams)
                 continue
             start, stop = spec.plan.bounds[j]
             rows = spec.plan.parts[j][0]
@@ -293,6 +302,68 @@ def _native_segment_backward(spec: _Spec, j: int, x2: Tensor, dy2: Tensor, dx2: 
     _hand_out(grads, carry, slice(None), pick, leaves, range(len(leaves)), dparams)
 
 
+def _flip(t: Tensor, lengths: Tensor | None) -> Tensor:
+    """A segment's rows (k, B_j, ...) with each sequence's first lengths[b] steps in reverse order
+    (all k without lengths); the rows after them stay. Its own inverse. The Triton engine's reverse
+    direction runs row t from len_b - 1 down to 0, so a direction's own-time rows given flipped run
+    in their own order there."""
+    if lengths is None:
+        return t.flip(0)
+    k = t.size(0)
+    p = torch.arange(k, device=t.device).unsqueeze(1)
+    n = lengths.to(t.device).unsqueeze(0)
+    idx = torch.where(p < n, n - 1 - p, p)  # (k, B_j)
+    return t.gather(0, idx.view(*idx.shape, *(1,) * (t.dim() - 2)).expand_as(t))
+
+
+def _paired(spec: _Spec, j: int, xs: list[Tensor], states: list[Tensor], params: list[dict[str, Tensor]]
+            ) -> tuple[list[Tensor], tuple[Tensor, ...]]:
+    """Segment j of both directions in ONE call of the Triton engine (each direction's launches then
+    serve both, as the layer without segments runs them): xs[d] direction d's input rows in its own
+    time (k_j, B_j, F), states (2, B_j, width) per state, params[d] direction d's parameters.
+    Returns ([direction d's output in its own time, (k_j, B_j, P)], the final states (2, B_j, width)).
+    The reverse direction's rows go in flipped within each sequence's length (:func:`_flip`)."""
+    seg_lengths = spec.plan.parts[j][1]
+    x = torch.stack([xs[0], _flip(xs[1], seg_lengths)])  # (2, k_j, B_j, F)
+    per_dir = [_segment_masks(spec, j, d) for d in range(2)]
+    masks = None
+    if per_dir[0] is not None:
+        masks = {key: torch.cat([per_dir[0][key], per_dir[1][key] if key == "recurrent"
+                                 else _flip(per_dir[1][key][0], seg_lengths).unsqueeze(0)])
+                 for key in per_dir[0]}
+    y, last = spec.engine(x, tuple(states), [list(params)], seg_lengths, spec.options, dropout=0.0,
+                          training=spec.training, masks=[masks] if masks is not None else None)
+    width = spec.width
+    return [y[..., :width], _flip(y[..., width:], seg_lengths)], last
+
+
+def _paired_segment_backward(spec: _Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
+                             kept: list[tuple[Tensor, ...]], leaves: list[Tensor], carry: list[Tensor],
+                             dparams: list[Tensor | None]) -> None:
+    """Segment j's backward with the Triton engine, both directions in one call (:func:`_paired`),
+    recomputed with autograd and back-propagated: the input gradient added into ``dx2``, the state
+    gradients into ``carry`` (2, B, width), the parameter gradients into ``dparams``."""
+    start, stop = spec.plan.bounds[j]
+    rows = spec.plan.parts[j][0]
+    pick = rows if rows is not None else slice(None)
+    n_params = len(spec.names)
+    with torch.enable_grad():
+        xs = [_take(x2, spec.maps[d], d == 0, start, stop, rows).detach().requires_grad_(dx2 is not None)
+              for d in range(2)]
+        s_in = [torch.cat([kept[d][i] for d in range(2)])[:, pick].detach().requires_grad_()
+                for i in range(spec.n_states)]
+        params = [dict(zip(spec.names, leaves[d * n_params:(d + 1) * n_params])) for d in range(2)]
+        y, last = _paired(spec, j, xs, s_in, params)
+    width = spec.width
+    dys = [_take(dy2[:, d * width:(d + 1) * width], spec.maps[d], d == 0, start, stop, rows) for d in range(2)]
+    wrt = [t for t in (*xs, *s_in, *leaves) if t.requires_grad]
+    grads = iter(torch.autograd.grad([*y, *last], wrt, [*dys, *(c[:, pick] for c in carry)], allow_unused=True))
+    if dx2 is not None:  # added: the other direction's segments write these rows too
+        for d in range(2):
+            _give(dx2, spec.maps[d], d == 0, start, stop, rows, next(grads), add=True)
+    _hand_out(grads, carry, slice(None), pick, leaves, range(len(leaves)), dparams)
+
+
 def _segment(spec: _Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tuple[Tensor, ...],
              params: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
     """Segment j of direction d through the engine, from its running rows' input x (k_j, B_j, F)
@@ -359,9 +430,23 @@ def _all_segments(spec: _Spec, x: Tensor, tensors: tuple[Tensor, ...],
     out = x.new_zeros(steps, batch, dirs * spec.width)  # zeros stay at t >= len_b
     out2 = out.view(steps * batch, -1)
     x2 = x.reshape(steps * batch, -1)
+    paired = spec.triton and dirs == 2 and not torch.is_grad_enabled()  # (recorded: per direction, differentiable twice)
     for j in range(len(spec.plan.bounds)):
         start, stop = spec.plan.bounds[j]
         rows = spec.plan.parts[j][0]
+        if paired:
+            if kept is not None:
+                for d in range(dirs):
+                    kept.extend(states[d])
+            pick = rows if rows is not None else slice(None)
+            xs = [_take(x2, spec.maps[d], d == 0, start, stop, rows) for d in range(dirs)]
+            y, new = _paired(spec, j, xs, [torch.cat([states[d][i] for d in range(dirs)])[:, pick]
+                                           for i in range(n_states)], params)
+            for d, part in enumerate(y):
+                _give(out2[:, d * spec.width:(d + 1) * spec.width], spec.maps[d], d == 0, start, stop, rows, part,
+                      add=False)
+                states[d] = _merge(states[d], tuple(s[d:d + 1] for s in new), rows)
+            continue
         for d in range(dirs):
             if kept is not None:
                 kept.extend(states[d])
@@ -419,7 +504,7 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
         names = list(dir_params[0])
         states = tuple(s[li * dirs:(li + 1) * dirs] for s in hx)
         spec = _Spec(engine, plan, maps, options, training, m, len(states), names, width, cell,
-                     engine in (lstm_engine, gru_engine))
+                     engine in (lstm_engine, gru_engine), engine in (lstm_engine_gpu, gru_engine_gpu))
         x, *last = _Segments.apply(spec, x, *states, *(p[n] for p in dir_params for n in names))
         finals.append(last)
         if dropout > 0 and training and li < len(layers) - 1:
