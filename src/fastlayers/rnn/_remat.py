@@ -69,7 +69,7 @@ def segment_length(every: int | str, steps: int, dirs: int = 1) -> int:
     """k: ``every`` itself, or for ``"auto"`` about sqrt(T / D) (at least 1): the backward recomputes
     a segment's D directions together, so it holds the activations of about sqrt(T * D) steps, as
     sqrt(T) segments of one direction would. (On the Triton engine a segment costs about 1 ms of
-    host time per direction, so longer segments are faster there at the price of memory:
+    host time per engine call, so longer segments are faster there at the price of memory:
     ``bench_remat.py --sweep``, BENCHMARKS.md.)"""
     return max(1, round(math.sqrt(steps / dirs))) if every == "auto" else int(every)
 
