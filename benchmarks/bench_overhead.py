@@ -36,10 +36,9 @@ def _torch_attention(q, k, v, lengths):
     return torch.einsum("bt,btd->bd", weights, v)
 
 
-def _rows(device: torch.device):
+def _rows():
     """(name, ours, theirs, target ratio) with ``ours`` / ``theirs`` returning (forward, inputs that want grads)."""
     torch.manual_seed(0)
-    torch.set_default_device(device)  # modules and tensors below are made on the device
 
     def layer(ours_cls, theirs_cls, x, target, **options):
         ours, theirs = ours_cls(4, 4, **options), theirs_cls(4, 4)
@@ -78,7 +77,6 @@ def _rows(device: torch.device):
     rows["attention_pool(q, k, k, lengths), B=8, T=20, D=16"] = (
         lambda: fastlayers.attention_pool(q, k, k, lengths), lambda: _torch_attention(q, k, k, lengths), [q, k], [q, k],
         1.3)
-    torch.set_default_device(None)
     return rows
 
 
@@ -121,7 +119,9 @@ def main() -> None:
           f"blocked_autorange, the median of {args.rounds} alternating rounds a column, both columns in this process")
     print(f"| call | fastlayers fwd | torch fwd | x | target | fastlayers fwd+bwd | torch fwd+bwd | x |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, (ours, theirs, our_leaves, their_leaves, target) in _rows(device).items():
+    with device:  # the rows' modules and tensors are made on the device
+        rows = _rows()
+    for name, (ours, theirs, our_leaves, their_leaves, target) in rows.items():
         with torch.no_grad():
             f_ours, f_theirs = _side_by_side(ours, theirs, args.min_run_time, args.rounds)
         b_ours, b_theirs = _side_by_side(_fwd_bwd(ours, our_leaves), _fwd_bwd(theirs, their_leaves),

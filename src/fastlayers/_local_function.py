@@ -211,13 +211,14 @@ def register_operators() -> None:
 
 
 def triton_forward(input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
-                   dilation: Pair) -> Tensor:
+                   dilation: Pair, low: torch.dtype | None = None) -> Tensor:
     """The Triton kernels' forward, nothing recorded: (B, C_in, H, W) -> (B, C_out, OH, OW) in the
-    call's low dtype (:func:`fastlayers._precision.dtypes`); what :class:`LocallyConnected2dTriton`
-    runs, and what calls without autograd run directly (none of a Function's bookkeeping)."""
+    call's low dtype ``low`` (default :func:`fastlayers._precision.dtypes`' for the input); what
+    :class:`LocallyConnected2dTriton` runs, and what calls without autograd run directly (none of a
+    Function's bookkeeping)."""
     from ._triton import local as kernels
 
-    low = _precision.dtypes(input)[0]  # operands rounded to it, float32 sums, output in it
+    low = low or _precision.dtypes(input)[0]  # operands rounded to it, float32 sums, output in it
     x, w = _pad(input, list(padding)), weight
     x = x if x.dtype == low and x.is_contiguous() else x.to(low).contiguous()
     w = w if w.dtype == low and w.is_contiguous() else w.to(low).contiguous()
@@ -232,9 +233,10 @@ class LocallyConnected2dTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
                 dilation: Pair) -> Tensor:
+        low = _precision.dtypes(input)[0]
         ctx.save_for_backward(input, weight, bias)
-        ctx.geometry, ctx.low, ctx.has_bias = (stride, padding, dilation), _precision.dtypes(input)[0], bias is not None
-        return triton_forward(input, weight, bias, stride, padding, dilation)
+        ctx.geometry, ctx.low, ctx.has_bias = (stride, padding, dilation), low, bias is not None
+        return triton_forward(input, weight, bias, stride, padding, dilation, low)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

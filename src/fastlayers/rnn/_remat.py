@@ -82,13 +82,19 @@ def _row_maps(lengths: Tensor | None, steps: int, batch: int, dirs: int, device:
     col = torch.arange(batch, device=device)
     maps = [(t * batch + col).contiguous()]
     if dirs == 2:
-        if lengths is None:
-            rev = steps - 1 - t
-        else:
-            n = lengths.to(device).unsqueeze(0)
-            rev = torch.where(t < n, n - 1 - t, t)
-        maps.append((rev * batch + col).contiguous())
+        maps.append((_reversed_steps(steps, batch, lengths, device) * batch + col).contiguous())
     return maps
+
+
+def _reversed_steps(steps: int, batch: int, lengths: Tensor | None, device: torch.device) -> Tensor:
+    """(T, B): for row t of sequence b, the row of the same step with the time reversed within the
+    sequence's length (lengths[b] - 1 - t), rows at or after the length unchanged; all T reversed
+    without lengths. Its own inverse."""
+    t = torch.arange(steps, device=device).unsqueeze(1).expand(steps, batch)
+    if lengths is None:
+        return steps - 1 - t
+    n = lengths.to(device).unsqueeze(0)
+    return torch.where(t < n, n - 1 - t, t)
 
 
 def _index(fmap: Tensor, start: int, stop: int, rows: Tensor | None) -> Tensor:
@@ -309,10 +315,7 @@ def _flip(t: Tensor, lengths: Tensor | None) -> Tensor:
     in their own order there."""
     if lengths is None:
         return t.flip(0)
-    k = t.size(0)
-    p = torch.arange(k, device=t.device).unsqueeze(1)
-    n = lengths.to(t.device).unsqueeze(0)
-    idx = torch.where(p < n, n - 1 - p, p)  # (k, B_j)
+    idx = _reversed_steps(t.size(0), t.size(1), lengths, t.device)  # (k, B_j)
     return t.gather(0, idx.view(*idx.shape, *(1,) * (t.dim() - 2)).expand_as(t))
 
 
