@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import fastlayers
-from fastlayers._triton import local as triton_local
+from fastlayers._triton import _launch, local as triton_local
 from fastlayers.functional import locally_connected2d
 from fastlayers.rnn import _graphs
 
@@ -113,13 +113,6 @@ def local_section(args, device, timer, bandwidth) -> None:
             with fastlayers.backend("triton"):
                 return locally_connected2d(x, w, b, 1, pad)
 
-        def one_channel(x, w, b):  # the forward kernel as first measured: one output channel per program
-            previous, triton_local.OUT_BLOCK = triton_local.OUT_BLOCK, 1
-            try:
-                return ours(x, w, b)
-            finally:
-                triton_local.OUT_BLOCK = previous
-
         g = torch.Generator(device).manual_seed(0)  # inputs drawn once per shape, on the device
         x = torch.rand(batch, chans, hw, hw, generator=g, device=device)
         w = (torch.rand(out, chans, k, k, hw, hw, generator=g, device=device) - 0.5).requires_grad_(True)
@@ -129,9 +122,6 @@ def local_section(args, device, timer, bandwidth) -> None:
         torch.testing.assert_close(ours(x, w, b), reference, atol=1e-4, rtol=1e-4)
         candidates = {"fastlayers (Triton)": ours, ("broadcast-and-sum" if k == 1 else "einsum over unfold"):
                       broadcast_sum if k == 1 else unfold_einsum}
-        if triton_local.out_block(out, k * k) > 1:
-            candidates["fastlayers (Triton), one output channel per program"] = one_channel
-
         def plain_reference(x, w, b):
             with fastlayers.backend("reference"):
                 return locally_connected2d(x, w, b, 1, pad)
@@ -165,14 +155,25 @@ def local_section(args, device, timer, bandwidth) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         print(f"host time per forward call (no wait for the GPU): {host:.3f} ms")
+        fast = module_host(x, w, b, k, pad, device)
+        _launch.ENABLED = False
+        try:
+            triton_path = module_host(x, w, b, k, pad, device)
+        finally:
+            _launch.ENABLED = True
         print(f"host time per forward call of the LocallyConnected2d module, default backend (median of 5 rounds "
-              f"of 20, no wait for the GPU inside a round): {module_host(x, w, b, k, pad, device):.3f} ms")
+              f"of 20, no wait for the GPU inside a round): {fast:.3f} ms; with Triton's own launch path "
+              f"(fastlayers._triton._launch off): {triton_path:.3f} ms")
         if device.type == "cuda":
             try:  # a diagnostic line: its failure is printed, and the shapes and attention still run
                 graphed = f"{graph_forward(ours, x, w, b, timer):.3f} ms"
             except Exception as e:  # noqa: BLE001
                 graphed = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(f"device time per forward (20 captured in a CUDA graph, replayed): {graphed}")
+            print(f"time per forward, 20 eager no-grad calls back to back between two events: "
+                  f"{back_to_back(ours, x, w, b, timer):.3f} ms")
+            if args.sweep:
+                print(tile_sweep(ours, x, w, b, timer, fwd_floor))
         print(host_profile(lambda: ours(x, w, b), calls=200 if device.type == "cuda" else 2))
 
 
@@ -197,6 +198,50 @@ def module_host(x, w, b, k: int, pad: int, device: torch.device, rounds: int = 5
     if device.type == "cuda":
         torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def back_to_back(fn, x, w, b, timer, calls: int = 20) -> float:
+    """Milliseconds per forward of ``calls`` eager no-grad forwards between two CUDA events (the
+    host's time overlaps the device's after the first), median of 5."""
+    def loop() -> None:
+        with torch.no_grad():
+            for _ in range(calls):
+                fn(x, w, b)
+
+    loop()
+    return statistics.median(timer(loop) for _ in range(5)) / calls
+
+
+# forward blocks (sequences, rows, columns, output channels, warps, full-block loads) that --sweep
+# times besides the default (output channels None: the default's)
+SWEEP = [(16, 1, 64, None, 4, False), (8, 2, 64, None, 4, False), (16, 4, 64, None, 4, False),
+         (16, 4, 64, None, 8, False), (32, 2, 64, None, 4, False), (32, 4, 64, None, 8, False),
+         (16, 8, 64, None, 8, False), (8, 1, 64, 16, 8, False), (8, 1, 64, 16, 4, False), (8, 2, 64, 8, 4, False),
+         (16, 1, 64, 8, 8, False)]
+
+
+def tile_sweep(fn, x, w, b, timer, floor: float) -> str:
+    """Device time per forward (graph_forward) of every block in SWEEP, the default's first."""
+    out_ch = w.size(0)
+    default = triton_local.forward_config(x.size(0), out_ch, w.size(4), w.size(5), w.size(2) * w.size(3))
+    configs = {None: None}
+    for cb, bh, bw, og, warps, full in SWEEP:
+        config = (cb, bh, bw, min(og or default[3], triton_local.next_power_of_2(out_ch)), warps, full)
+        if config != default:
+            configs[config] = config
+    rows = []
+    for config in configs:
+        triton_local.FORWARD_CONFIG = config
+        try:
+            ms = graph_forward(fn, x, w, b, timer)
+            rows.append((ms, f"{config or f'{default} (default)'}: {ms * 1e3:.0f} us {ms / floor:.2f}x"))
+        except Exception as e:  # noqa: BLE001
+            rows.append((float("inf"), f"{config}: failed {type(e).__name__}"))
+        finally:
+            triton_local.FORWARD_CONFIG = None
+    rows.sort(key=lambda r: r[0])
+    return ("forward blocks (CB, BH, BW, OG, warps, full loads), device time per forward, x floor, fastest first: "
+            + "; ".join(r for _, r in rows))
 
 
 def graph_forward(fn, x, w, b, timer, calls: int = 20) -> float:
@@ -261,6 +306,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones (the dry run: 0)")
     p.add_argument("--size", default="seed", choices=sorted(SHAPES))
+    p.add_argument("--sweep", action="store_true", help="time the forward tiles of SWEEP at every shape (CUDA)")
+    p.add_argument("--only-local", action="store_true", help="skip attention pooling")
     args = p.parse_args()
     device = torch.device(args.device)
     timer = Timer(device)
@@ -275,7 +322,8 @@ def main() -> int:
     bandwidth = copy_bandwidth(device, timer, 1 << 30 if args.size == "seed" else 1 << 20)
     print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     local_section(args, device, timer, bandwidth)
-    attention_section(args, device, timer)
+    if not args.only_local:
+        attention_section(args, device, timer)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"torch {torch.__version__}, {name}")
     return 0

@@ -17,7 +17,8 @@ Each recurrent workload runs its loops eagerly at T=16, then as captured chunks 
 (``fastlayers.rnn._graphs.emulated``: the chunk's launches, with their step offsets and the
 buffers' larger time capacity, compile as a replay on the GPU would launch them).
 
-Fails (exit 1) on a compile error, a float32 / bfloat16 kernel that spills more than 16 bytes, a
+Fails (exit 1) on a compile error, a float32 / bfloat16 kernel that spills more than 16 bytes (more
+than SPILL_ALLOWED's figure for the kernels measured faster with spills), a
 recurrent step kernel with a load that waits for len_b (or without its load of len_b), or a
 recurrent step kernel or step GEMM configuration compiled more than once (one compile per
 configuration: the step, T and the time capacity are data, not specialisations).
@@ -63,6 +64,11 @@ from fastlayers.rnn._engine_gpu import gru_engine_gpu, lstm_engine_gpu  # noqa: 
 # per SM: (registers, warps, programs, shared memory bytes, SMs on the card)
 ARCH = {"sm_90a": (65536, 64, 32, 227 * 1024, 132, 90), "sm_80": (65536, 64, 32, 163 * 1024, 108, 80)}
 SPILL_LIMIT = 16  # bytes, float32 / bfloat16 kernels
+# kernels allowed more, with the measurement that chose their spilling configuration: the local
+# forward's default blocks of 4 warps spill 144-232 bytes at the 3x3 shapes and were the fastest
+# measured on the H200 (2026-11-26, bench_gpu_local.py --sweep): 63 us against 94 us for the same
+# block on 8 warps, which does not spill (32x4x256^2 3x3 -> 2), 242 against 368 us (64x16x64^2 3x3 -> 32)
+SPILL_ALLOWED = {"local._forward_kernel": 256}
 
 
 class CompileOnlyDriver:
@@ -403,9 +409,10 @@ def main() -> int:
               "; ".join(f"{n} {t:.1f} s" for n, t in times.items()) + "\n")
         for k in record.kernels.values():
             low = "float64" not in k.dtypes
-            if low and max(k.spill_stores, k.spill_loads) > SPILL_LIMIT:
+            limit = SPILL_ALLOWED.get(k.kernel, SPILL_LIMIT)
+            if low and max(k.spill_stores, k.spill_loads) > limit:
                 failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: spills {k.spill_stores}/"
-                                f"{k.spill_loads} bytes (limit {SPILL_LIMIT} for float32/bfloat16)")
+                                f"{k.spill_loads} bytes (limit {limit} for float32/bfloat16)")
             recurrent = k.kernel.startswith(("lstm.", "gru."))
             if recurrent and k.lengths_waits is None:  # the walk needs its start (the lengths are always data)
                 failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: no load of len_b found at "

@@ -72,6 +72,14 @@ def test_cpu_kernels_shortcut_agrees_with_select(monkeypatch, env, context):
     assert _backend.cpu_kernels("lstm", X32)
 
 
+def test_triton_kernels_shortcut_is_false_off_cuda():
+    """The CUDA shortcut of the local layers never claims a CPU tensor, whatever is forced (Triton's
+    interpreter on CPU tensors is chosen by select(); tests/test_cuda.py checks CUDA tensors)."""
+    for context in (None, "triton", "reference", "cpu"):
+        with fastlayers.backend(context) if context else torch.no_grad():
+            assert not _backend.triton_kernels("local2d", X32)
+
+
 def test_unknown_name():
     with pytest.raises(ValueError, match=r"backend: expected one of .*got 'cuda'"):
         with fastlayers.backend("cuda"):

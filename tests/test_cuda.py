@@ -50,6 +50,35 @@ def test_local_triton_equals_reference(kernel, stride, padding, dilation):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("context", [None, "triton", "reference"])
+def test_triton_kernels_shortcut_agrees_with_select(context):
+    from fastlayers import _backend
+
+    x = torch.zeros(2, device=DEV)
+    with fastlayers.backend(context) if context else torch.no_grad():
+        for t in (x, x.double(), x.half(), *((x.long(),) if context != "triton" else ())):  # (forced: raises)
+            assert _backend.triton_kernels("local2d", t) == (select("local2d", t) == "triton"), (context, t.dtype)
+
+
+def test_local_forward_repeated_calls_reuse_the_launch_and_stay_right():
+    """Calls after the first launch the compiled kernel directly (fastlayers._triton._launch): the
+    same values for the same input, for an input 4 bytes off a 16-byte boundary, and for another
+    batch, each checked against the reference."""
+    from fastlayers._triton import _launch, local as kernels
+
+    torch.manual_seed(0)
+    m = fastlayers.LocallyConnected2d(3, 4, (17, 15), 3, padding=1, device=DEV)
+    flat = torch.randn(6 * 3 * 17 * 15 + 1, device=DEV)
+    inputs = [flat[:5 * 3 * 17 * 15].view(5, 3, 17, 15), flat[1:1 + 5 * 3 * 17 * 15].view(5, 3, 17, 15),
+              flat[:6 * 3 * 17 * 15].view(6, 3, 17, 15)]
+    with torch.no_grad():
+        for x in inputs + inputs:
+            with fastlayers.backend("reference"):
+                want = m(x)
+            torch.testing.assert_close(m(x), want, atol=1e-4, rtol=1e-4)
+    assert not _launch.SUPPORTED or len(_launch._CACHE[kernels._forward_kernel]) >= 3
+
+
 @pytest.mark.parametrize("score", ["dot", "scaled_dot"])
 def test_attention_triton_equals_reference(score):
     torch.manual_seed(0)

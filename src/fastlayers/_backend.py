@@ -106,6 +106,22 @@ def cpu_kernels(op: str, x: Tensor) -> bool:
     return library is None or _native.load(library) is not None
 
 
+def triton_kernels(op: str, x: Tensor) -> bool:
+    """``select(op, x) == "triton"`` for a CUDA tensor ``x``, in a few lookups (the per-call host time
+    of small GPU calls): no backend forced but "triton", a dtype the kernels take, Triton
+    importable. False: callers ask :func:`select`, which says what runs (or refuses a forced
+    backend)."""
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return False
+    chosen = forced()
+    if chosen is not None and chosen[0] != "triton":
+        return False
+    return op in TRITON_OPS and x.dtype in _TRITON_DTYPES and _triton_importable()
+
+
+_TRITON_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -133,7 +149,7 @@ def unavailable(name: str, op: str, x: Tensor) -> str | None:
             return "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton"
     elif x.device.type != "cuda":
         return f"Triton kernels run on CUDA tensors, got a tensor on {x.device}"
-    if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    if x.dtype not in _TRITON_DTYPES:
         return f"the Triton kernels take floating-point tensors, got {x.dtype}"
     return None
 

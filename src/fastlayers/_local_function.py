@@ -219,10 +219,9 @@ def triton_forward(input: Tensor, weight: Tensor, bias: Tensor | None, stride: P
     from ._triton import local as kernels
 
     low = low or _precision.dtypes(input)[0]  # operands rounded to it, float32 sums, output in it
-    x, w = _pad(input, list(padding)), weight
-    x = x if x.dtype == low and x.is_contiguous() else x.to(low).contiguous()
-    w = w if w.dtype == low and w.is_contiguous() else w.to(low).contiguous()
-    return kernels.forward(x, w, bias.contiguous() if bias is not None else None, stride, dilation, low)
+    x = input if input.dtype == low and input.is_contiguous() else input.to(low).contiguous()
+    w = weight if weight.dtype == low and weight.is_contiguous() else weight.to(low).contiguous()
+    return kernels.forward(x, w, bias.contiguous() if bias is not None else None, stride, padding, dilation, low)
 
 
 class LocallyConnected2dTriton(torch.autograd.Function):

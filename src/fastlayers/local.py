@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ._checks import check_floating, check_same_dtype_device, check_tensor
 from . import _ops_lib
-from ._backend import cpu_kernels, select
+from ._backend import cpu_kernels, select, triton_kernels
 from ._jit import TRITON, NotScriptable, refuse_trace
 from ._local_function import (LocallyConnected2dNative, LocallyConnected2dTriton, locally_connected2d_operator,
                               locally_connected2d_reference, triton_forward)
@@ -122,6 +122,8 @@ def _run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: 
     """Validated (B, C_in, H, W) input, weight, bias and pairs -> (B, C_out, OH, OW), on the backend
     of :func:`fastlayers._backend.select`: on CPU the C kernels (eager with autograd: an autograd
     Function; without autograd, torch.compile or torch.export: the C++ operator)."""
+    if triton_kernels("local2d", x):  # CUDA: the Triton kernels, decided in a few lookups
+        return _triton(x, weight, bias, stride, padding, dilation)
     if cpu_kernels("local2d", x) and _ops_lib.serves(x):  # no autograd: one dispatcher call (never while compiling)
         with torch._C._AutoDispatchBelowAutograd():
             return torch.ops.fastlayers.locally_connected2d.default(x, weight, bias, list(stride), list(padding),
@@ -137,11 +139,15 @@ def _run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: 
             return locally_connected2d_reference(x, weight, bias, stride, padding, dilation)
         return LocallyConnected2dNative.apply(*args)
     if which == "triton":
-        refuse_trace("fastlayers.functional.locally_connected2d on the Triton backend", TRITON)
-        if not torch.is_grad_enabled():  # nothing to record: the kernels without a Function's bookkeeping
-            return triton_forward(x, weight, bias, stride, padding, dilation)
-        return LocallyConnected2dTriton.apply(x, weight, bias, stride, padding, dilation)
+        return _triton(x, weight, bias, stride, padding, dilation)
     return locally_connected2d_reference(x, weight, bias, stride, padding, dilation)
+
+
+def _triton(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair, dilation: Pair) -> Tensor:
+    refuse_trace("fastlayers.functional.locally_connected2d on the Triton backend", TRITON)
+    if not torch.is_grad_enabled():  # nothing to record: the kernels without a Function's bookkeeping
+        return triton_forward(x, weight, bias, stride, padding, dilation)
+    return LocallyConnected2dTriton.apply(x, weight, bias, stride, padding, dilation)
 
 
 def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int = 1,

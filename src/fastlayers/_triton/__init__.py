@@ -16,6 +16,18 @@ from .. import _backend
 OPS = ("local2d", "attention", "lstm", "gru")
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host's grid arithmetic: Triton 3.6's ``triton.cdiv`` and
+    ``triton.next_power_of_2`` are constexpr functions whose every host call unwraps its arguments
+    (about 5 us per call on the H200's host, 2026-11-26: 30 us of a small layer call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), in plain Python (see :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from . import next_power_of_2
 
 
 @triton.jit
@@ -204,7 +205,7 @@ def present_or(t, fallback):
 
 def block(hidden: int) -> int:
     """Lanes per gate block: the hidden size rounded up to a power of two."""
-    return triton.next_power_of_2(hidden)
+    return next_power_of_2(hidden)
 
 
 def parts(g) -> int:

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from . import next_power_of_2
 
 BLOCK_T = 64
 # The backward holds a (time x Dv) tile of the values and of their gradient: at 64 x 128 on 4 warps it
@@ -112,7 +113,7 @@ def _backward_kernel(q, k, v, w, dctx, dw_ext, dq, dk_out, dv_out, T, DK, DV, sc
 
 
 def _blocks(dk: int, dv: int, block_t: int = BLOCK_T) -> dict[str, int]:
-    return {"BLOCK_T": block_t, "BLOCK_DK": triton.next_power_of_2(dk), "BLOCK_DV": triton.next_power_of_2(dv)}
+    return {"BLOCK_T": block_t, "BLOCK_DK": next_power_of_2(dk), "BLOCK_DV": next_power_of_2(dv)}
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scale: float,

@@ -1,8 +1,9 @@
 """Locally connected 2-D layer in Triton: forward, input gradient, weight and bias gradients.
 
-Legend and layout as ``_native/local.c``: B batch, C in channels, O out channels, Hp x Wp padded
-input, KH x KW kernel, OH x OW output, stride (sh, sw), dilation (dh, dw); x [B, C, Hp, Wp], w
-[O, C, KH, KW, OH, OW], bias [O, OH, OW], y [B, O, OH, OW], all contiguous.
+Legend and layout as ``_native/local.c``: B batch, C in channels, O out channels, H x W input,
+Hp x Wp padded input, KH x KW kernel, OH x OW output, stride (sh, sw), dilation (dh, dw); x [B, C,
+Hp, Wp] for the gradient kernels (the forward takes x [B, C, H, W] and pads by masking), w [O, C,
+KH, KW, OH, OW], bias [O, OH, OW], y [B, O, OH, OW], all contiguous.
 
     y[b,o,i,j] = bias[o,i,j] + sum_{c,p,q} w[o,c,p,q,i,j] * x[b,c,i*sh+p*dh,j*sw+q*dw]
 
@@ -10,9 +11,10 @@ Every kernel takes a block of output (or input) positions and sums in float32 (f
 float64 tensors) whatever the storage dtype; each output element is written by one program, in a
 fixed order (no atomics), so results do not depend on scheduling:
 
-* forward: one program per (block of BLOCK / OB OH*OW positions, block of OB output channels
-  (:func:`out_block`), batch chunk); the C*KH*KW (filter, input) pairs are summed for each sequence of the chunk, every
-  input value loaded once for the channels of the block;
+* forward: one program per (group of output channels, chunk of sequences, tile of output
+  positions) sums an [OG, CB, positions] block: each input tap loaded once for the group's
+  channels, each weight once for the chunk's sequences, zero padding by masking (no padded copy of
+  the input); :func:`forward_config` sizes the block;
 * input gradient: a gather: one program per (block of Hp*Wp input positions, input channel,
   sequence) sums w * dy over the (o, p, q) whose output position reads that input;
 * weight gradient: one program per (block of OH*OW positions, output channel, filter pair
@@ -26,49 +28,68 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK = 256
-BATCH_CHUNK = 8
-# output channels per forward program (at most), for 1x1 kernels: the first H100 run (one channel
-# per program) read x once per output channel, 2.17x the copy floor at 1024x4x256^2 1x1 -> 2;
-# bench_gpu_local.py measures 1 against this (H100, 2026-11-24: 1.036 vs 1.051 ms forward there)
-OUT_BLOCK = 4
-# ... and for kernels of more than one tap, where the sums, not the input reads, bound the forward
-# (H100, 2026-11-24, bench_gpu_local.py): 4 channels per program took 2.588 ms against one's 1.189
-# at 64x16x64^2 3x3 -> 32, 2 took 0.586 against 0.532 at 32x4x256^2 3x3 -> 2
-OUT_BLOCK_TAPS = 1
+from . import cdiv, next_power_of_2
+from ._launch import launch
+
+BLOCK = 256  # positions per program of the gradient kernels
 
 
 @triton.jit
-def _forward_kernel(x, w, bias, y, B, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
-                    KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, F64: tl.constexpr,
-                    BLOCK: tl.constexpr, CHUNK: tl.constexpr, OB: tl.constexpr):
+def _forward_kernel(x, w, bias, y, B, C, H, W, O, OH, OW, sh, sw, dh, dw, ph, pw,
+                    KH: tl.constexpr, KW: tl.constexpr, PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    F64: tl.constexpr, CB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, OG: tl.constexpr,
+                    FULL: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    # the input row is loaded as an [OB, BLOCK] tile with the same address in every row (one memory
-    # transaction, cached): a [BLOCK] load broadcast over the rows compiled to a layout conversion
-    # through shared memory with barriers (gpu_static.py, sm_90a)
-    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK))[None, :]
-    o = (tl.program_id(1).to(tl.int64) * OB + tl.arange(0, OB))[:, None]  # OB channels: x read once for all
+    # one program: OG output channels x CB sequences x a tile of BH x BW output positions, summed in
+    # an [OG, CB, BH*BW] block. Each input tap is loaded once for the OG channels, each weight once
+    # for the CB sequences. The chunk of sequences varies fastest over the programs, so the
+    # programs that read the same weights run together (L2); zero padding is a mask (PAD).
+    chunks = tl.cdiv(B, CB)
+    groups = tl.cdiv(O, OG)
+    pid = tl.program_id(0)
+    tile = pid // (chunks * groups)
+    tiles_w = tl.cdiv(OW, BW)
+    r = tl.arange(0, BH * BW)
+    i = (tile // tiles_w) * BH + r // BW  # [BH*BW] output row, column
+    j = (tile % tiles_w) * BW + r % BW
+    inside = (i < OH) & (j < OW)
     ohw = OH * OW
-    inside = offs < ohw
-    tile = (o < O) & inside
-    row0 = o * 0  # [OB, 1] zeros: x's addresses as an [OB, BLOCK] tile (the rows share them)
-    i = offs // OW
-    j = offs % OW
-    base = tl.zeros([OB, BLOCK], dtype=acc_t)
+    pos = i * OW + j
+    o = ((pid // chunks) % groups) * OG + tl.arange(0, OG)  # [OG]
+    seq = (pid % chunks) * CB + tl.arange(0, CB)  # [CB]
+    o_ok = (o < O)[:, None, None]
+    s_ok = (seq < B)[None, :, None]
+    o64 = o.to(tl.int64)[:, None, None]
+    w_mask = o_ok & inside[None, None, :]  # [OG, 1, P]
+    wo = w + o64 * C * KH * KW * ohw + pos[None, None, :]  # [OG, 1, P] each channel's filters
+    xs = x + seq.to(tl.int64)[None, :, None] * C * H * W  # [1, CB, 1] each sequence's input
+    x_ok = s_ok
+    if FULL:  # loads of the whole [OG, CB, P] block, the same addresses along the broadcast axis (a
+        # broadcast of an [OG, 1, P] or [1, CB, P] load can compile to a layout conversion through
+        # shared memory with barriers)
+        wo = wo + tl.zeros([1, CB, 1], dtype=tl.int64)
+        w_mask = w_mask & s_ok
+        xs = xs + tl.zeros([OG, 1, 1], dtype=tl.int64)
+        x_ok = x_ok & o_ok
+    acc = tl.zeros([OG, CB, BH * BW], dtype=acc_t)
     if HAS_BIAS:
-        base += tl.load(bias + o * ohw + offs, mask=tile, other=0.0).to(acc_t)
-    for n in range(CHUNK):
-        b = tl.program_id(2).to(tl.int64) * CHUNK + n
-        if b < B:
-            acc = base
-            for c in range(C):
-                for p in tl.static_range(KH):
-                    for q in tl.static_range(KW):
-                        xv = tl.load(x + ((b * C + c) * Hp + i * sh + p * dh) * Wp + j * sw + q * dw + row0,
-                                     mask=tile, other=0.0)
-                        wv = tl.load(w + (((o * C + c) * KH + p) * KW + q) * ohw + offs, mask=tile, other=0.0)
-                        acc += wv.to(acc_t) * xv.to(acc_t)
-            tl.store(y + (b * O + o) * ohw + offs, acc.to(y.dtype.element_ty), mask=tile)
+        acc += tl.load(bias + o64 * ohw + pos[None, None, :], mask=w_mask, other=0.0).to(acc_t)
+    for c in range(C):
+        for p in tl.static_range(KH):
+            row = i * sh + p * dh - ph  # the unpadded input's row
+            ok_row = inside
+            if PAD:
+                ok_row = ok_row & (row >= 0) & (row < H)
+            for q in tl.static_range(KW):
+                col = j * sw + q * dw - pw
+                ok = ok_row
+                if PAD:
+                    ok = ok & (col >= 0) & (col < W)
+                wv = tl.load(wo + ((c * KH + p) * KW + q) * ohw, mask=w_mask, other=0.0)
+                xv = tl.load(xs + c * H * W + (row * W + col)[None, None, :], mask=x_ok & ok[None, None, :], other=0.0)
+                acc += wv.to(acc_t) * xv.to(acc_t)
+    out = y + (seq.to(tl.int64)[None, :, None] * O + o64) * ohw + pos[None, None, :]
+    tl.store(out, acc.to(y.dtype.element_ty), mask=o_ok & s_ok & inside[None, None, :])
 
 
 @triton.jit
@@ -125,27 +146,48 @@ def _param_grad_kernel(dy, x, dwt, db, B, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
         tl.store(dwt + (o * C * KH * KW + k) * ohw + offs, acc.to(dwt.dtype.element_ty), mask=inside)
 
 
-def forward(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], dilation: tuple[int, int],
-            out_dtype: torch.dtype) -> Tensor:
-    """y [B, O, OH, OW] in ``out_dtype`` from the padded input x and w (any floating dtypes)."""
-    batch, chans, hp, wp = x.shape
+# the forward's block (bench_gpu_local.py --sweep measures others): CB sequences x BH x BW positions
+# x OG output channels per program, num_warps, loads of the full block (FULL); None: forward_config's
+FORWARD_CONFIG: tuple[int, int, int, int, int, bool] | None = None
+BLOCK_ELEMENTS = 8192  # OG x CB x positions summed per program where the rows allow
+_CONFIGS: dict[tuple[int, ...], tuple[int, int, int, int, int, bool]] = {}
+
+
+def forward_config(batch: int, out_ch: int, oh: int, ow: int, taps: int) -> tuple[int, int, int, int, int, bool]:
+    """(CB, BH, BW, OG, num_warps, FULL) of the forward for a kernel of ``taps`` = KH*KW taps: up to 16
+    output channels, up to 16 sequences, rows of up to 64 columns (contiguous loads), and for
+    kernels of more than one tap as many rows as BLOCK_ELEMENTS sums allow (at least one: the taps
+    of neighbouring rows read the same input rows, from L1); 4 warps. On the H200 (bench_gpu_local.py
+    --sweep, 2026-11-26) these were the fastest blocks measured at the four shapes of the benchmark,
+    though the larger ones spill registers (gpu_static.py): 8 warps, which do not, took 94 against
+    63 us at 32x4x256^2 3x3 -> 2."""
+    if FORWARD_CONFIG is not None:
+        return FORWARD_CONFIG
+    key = (batch, out_ch, oh, ow, taps)
+    config = _CONFIGS.get(key)
+    if config is None:
+        og = min(next_power_of_2(out_ch), 16)
+        cb = min(next_power_of_2(batch), 16)
+        bw = min(next_power_of_2(ow), 64)
+        bh = min(next_power_of_2(oh), max(1, BLOCK_ELEMENTS // (og * cb * bw))) if taps > 1 else 1
+        config = _CONFIGS.setdefault(key, (cb, bh, bw, og, 4, False))
+    return config
+
+
+def forward(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], padding: tuple[int, int],
+            dilation: tuple[int, int], out_dtype: torch.dtype) -> Tensor:
+    """y [B, O, OH, OW] in ``out_dtype`` from the (unpadded) input x [B, C, H, W], zero padding
+    ``padding``, and w (any floating dtypes, contiguous)."""
+    batch, chans, height, width = x.shape
     out_ch, _, kh, kw, oh, ow = w.shape
     y = x.new_empty(batch, out_ch, oh, ow, dtype=out_dtype)
-    ob = out_block(out_ch, kh * kw)
-    block = BLOCK // ob  # a tile of BLOCK elements, as one channel per program had
-    grid = (triton.cdiv(oh * ow, block), triton.cdiv(out_ch, ob), triton.cdiv(batch, BATCH_CHUNK))
-    _forward_kernel[grid](x, w, bias if bias is not None else w, y, batch, chans, hp, wp, out_ch, oh, ow, stride[0],
-                          stride[1], dilation[0], dilation[1], KH=kh, KW=kw, HAS_BIAS=bias is not None,
-                          F64=x.dtype == torch.float64, BLOCK=block, CHUNK=BATCH_CHUNK, OB=ob)
+    cb, bh, bw, og, warps, full = forward_config(batch, out_ch, oh, ow, kh * kw)
+    grid = (cdiv(batch, cb) * cdiv(oh, bh) * cdiv(ow, bw) * cdiv(out_ch, og),)
+    launch(_forward_kernel, grid, (x, w, bias if bias is not None else w, y, batch, chans, height, width, out_ch, oh,
+                                   ow, stride[0], stride[1], dilation[0], dilation[1], padding[0], padding[1]),
+           {"KH": kh, "KW": kw, "PAD": bool(padding[0] or padding[1]), "HAS_BIAS": bias is not None,
+            "F64": x.dtype == torch.float64, "CB": cb, "BH": bh, "BW": bw, "OG": og, "FULL": full}, num_warps=warps)
     return y
-
-
-def out_block(out_ch: int, taps: int) -> int:
-    """Output channels per forward program for a kernel of ``taps`` = KH*KW taps: all of them up to
-    OUT_BLOCK (1x1) or OUT_BLOCK_TAPS (larger kernels), rounded up to a power of two, so that each
-    program reads its input positions once for every channel it writes instead of once per
-    channel. 1 gives the one-channel-per-program kernel."""
-    return min(triton.next_power_of_2(out_ch), OUT_BLOCK if taps == 1 else OUT_BLOCK_TAPS)
 
 
 def input_grad(dy: Tensor, w: Tensor, padded_shape: tuple[int, ...], stride: tuple[int, int],
@@ -154,7 +196,7 @@ def input_grad(dy: Tensor, w: Tensor, padded_shape: tuple[int, ...], stride: tup
     batch, chans, hp, wp = padded_shape
     out_ch, _, kh, kw, oh, ow = w.shape
     dx = dy.new_empty(batch, chans, hp, wp, dtype=out_dtype)
-    grid = (triton.cdiv(hp * wp, BLOCK), chans, batch)
+    grid = (cdiv(hp * wp, BLOCK), chans, batch)
     _input_grad_kernel[grid](dy, w, dx, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1], dilation[0], dilation[1],
                              KH=kh, KW=kw, F64=dy.dtype == torch.float64, BLOCK=BLOCK)
     return dx
@@ -167,7 +209,7 @@ def param_grads(dy: Tensor, x: Tensor, w_shape: tuple[int, ...], stride: tuple[i
     out_ch, _, kh, kw, oh, ow = w_shape
     dwt = dy.new_empty(w_shape, dtype=out_dtype)
     db = dy.new_empty(out_ch, oh, ow, dtype=out_dtype)
-    grid = (triton.cdiv(oh * ow, BLOCK), out_ch, chans * kh * kw + 1)
+    grid = (cdiv(oh * ow, BLOCK), out_ch, chans * kh * kw + 1)
     _param_grad_kernel[grid](dy, x, dwt, db, batch, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1], dilation[0],
                              dilation[1], KH=kh, KW=kw, F64=dy.dtype == torch.float64, BLOCK=BLOCK)
     return dwt, db

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from . import cdiv
 
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 64
 # inner size per slice (the backward's product: 8 slices at the seed's LSTM, 6 at its GRU)
@@ -76,7 +77,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as Triton decid
 
 def slices(k: int) -> int:
     """How many slices of K a product of inner size ``k`` is split into (S)."""
-    return triton.cdiv(k, K_PER_SLICE)
+    return cdiv(k, K_PER_SLICE)
 
 
 _ONE_STEP: dict[torch.device, Tensor] = {}  # per device: the clock of a single product (step 0 of 1)
@@ -101,7 +102,7 @@ def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int] | None = No
     parts = out if out.dim() == 4 else out.unsqueeze(0)
     count = parts.size(0)
     assert a.stride(3) == 1 and b.stride(2) == 1 and parts.is_contiguous() and parts.shape[1:] == (dirs, rows, cols)
-    k_slice = triton.cdiv(triton.cdiv(inner, count), BLOCK_K) * BLOCK_K
+    k_slice = cdiv(cdiv(inner, count), BLOCK_K) * BLOCK_K
     # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly (1e11 off at K=128): under it
     # low-precision operands are widened to float32 first
     if b.dtype in _TL:
@@ -114,7 +115,7 @@ def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int] | None = No
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     else:
         precision = None
-    grid = (triton.cdiv(cols, BLOCK_N), triton.cdiv(rows, BLOCK_M), dirs * count)
+    grid = (cdiv(cols, BLOCK_N), cdiv(rows, BLOCK_M), dirs * count)
     _kernel[grid](a, b, parts, clock, j, rows, cols, inner, k_slice, a.stride(0), a.stride(1), a.stride(2),
                   b.stride(0), b.stride(1), parts.stride(0), parts.stride(1), parts.stride(2), SLICES=count,
                   PRECISION=precision, A_DTYPE=a_dtype if a.dtype != b.dtype or low is not None else None,

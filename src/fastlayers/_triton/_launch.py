@@ -1,0 +1,66 @@
+"""Launching a Triton kernel again without Triton's per-call binding (host time of small calls).
+
+``kernel[grid](*args)`` binds the arguments, computes their specialization (dtypes, 16-byte
+alignment of pointers, ints equal to 1 or divisible by 16) and looks the compiled kernel up on
+every call: 30-40 us of the 80-90 us host time of a small locally connected forward on the H200's
+host (Triton 3.6, 2026-11-26). :func:`launch` does that once per *call signature*, a key at least
+as fine as Triton's specialization: every int's (and float's) exact value, every tensor's dtype and
+whether its data pointer is 16-byte aligned, every constexpr, the launch options and the current
+device.
+A later call with the same signature calls the compiled kernel's launcher directly, as
+``JITFunction.run`` does after its lookup (Triton 3.6 to 3.9: ``CompiledKernel.run(grid_0, grid_1,
+grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``).
+
+Every other case takes Triton's own path: another Triton version, a launch hook set (profilers,
+``triton.knobs.runtime.launch_enter_hook``), CPU tensors (Triton's interpreter), or a first call.
+"""
+
+from __future__ import annotations
+
+import triton
+from torch import Tensor
+
+try:  # Triton's runtime settings and driver: where launch hooks and the current stream live
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+except ImportError:  # pragma: no cover - Triton releases before knobs: Triton's own path only
+    _knobs = _driver = None
+
+_VERSIONS = ("3.6.", "3.7.", "3.8.", "3.9.")
+SUPPORTED = _knobs is not None and triton.__version__.startswith(_VERSIONS)
+ENABLED = True  # False: Triton's own path for every call (benchmarks compare the two)
+_MAX_ENTRIES = 64  # compiled kernels remembered per Triton kernel; the cache starts over past it
+_CACHE: dict[object, dict[tuple, object]] = {}
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (Triton 3.6 keeps them in chains that are empty by default)."""
+    for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
+    """``kernel[grid](*args, **constexprs, **options)``: ``args`` the kernel's leading parameters in
+    its order (the first a tensor), ``constexprs`` the rest, by name, in its order (the launcher
+    takes them all, positionally, as Triton passes them), ``options`` the launch options
+    (num_warps, ...)."""
+    if not ENABLED or not SUPPORTED or not args[0].is_cuda or _hooked():
+        kernel[grid](*args, **constexprs, **options)
+        return
+    device = _driver.active.get_current_device()  # where Triton launches: the current device
+    # the call's signature: ints, floats and flags by value, tensors by dtype and 16-byte alignment
+    key = (device, *[(a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor) else a for a in args],
+           *constexprs.values(), *options.items())
+    cache = _CACHE.setdefault(kernel, {})
+    compiled = cache.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **constexprs, **options)  # Triton's path: binds, compiles if needed, launches
+        if len(cache) >= _MAX_ENTRIES:
+            cache.clear()
+        cache[key] = compiled
+        return
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 _driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                 None, *args, *constexprs.values())

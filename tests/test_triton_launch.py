@@ -1,0 +1,124 @@
+"""fastlayers._triton._launch: a kernel's compiled variant is reused only for a call whose signature
+(exact ints, tensor dtypes and 16-byte alignment, other values, options, current device) it was
+compiled for; everything else takes Triton's own path. Fake kernels and CUDA-flagged CPU tensors:
+no GPU needed (tests/test_cuda.py runs the real kernels through it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fastlayers._triton import _launch  # noqa: E402
+
+
+class _Cuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (only the launcher's checks look)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+class _Compiled:
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def run(self, *args) -> None:
+        self.log.append(("direct", args))
+
+
+class _Kernel:
+    """Records Triton-path launches (kernel[grid](*args, **options)) and returns a compiled kernel."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def __getitem__(self, grid):
+        def call(*args, **options):
+            self.log.append(("triton", grid, args, options))
+            return _Compiled(self.log)
+        return call
+
+
+class _Driver:
+    class active:  # noqa: N801 - Triton's attribute name
+        @staticmethod
+        def get_current_device() -> int:
+            return 0
+
+        @staticmethod
+        def get_current_stream(device: int) -> str:
+            return f"stream{device}"
+
+
+@pytest.fixture
+def cuda_launch(monkeypatch):
+    monkeypatch.setattr(_launch, "SUPPORTED", True)
+    monkeypatch.setattr(_launch, "_driver", _Driver)
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    return _Kernel()
+
+
+def _tensor(offset: int = 0) -> torch.Tensor:
+    return torch.zeros(8 + offset)[offset:].as_subclass(_Cuda)
+
+
+def test_a_repeated_signature_calls_the_compiled_launcher(cuda_launch):
+    x = _tensor()
+    _launch.launch(cuda_launch, (3,), (x, 5, 4), {"F": True}, num_warps=4)
+    _launch.launch(cuda_launch, (7, 2), (x, 5, 4), {"F": True}, num_warps=4)
+    assert [entry[0] for entry in cuda_launch.log] == ["triton", "direct"]
+    assert cuda_launch.log[0][2:] == ((x, 5, 4), {"F": True, "num_warps": 4})  # Triton's path: constexprs by name
+    assert cuda_launch.log[1][1] == (7, 2, 1, "stream0", "function", "packed", None, None, None, x, 5, 4, True)
+
+
+@pytest.mark.parametrize("change", ["int", "alignment", "dtype", "constexpr", "options"])
+def test_any_change_of_signature_takes_tritons_path(cuda_launch, change):
+    x = _tensor()
+    args, constexprs, options = (x, 5, 4), {"F": True}, {"num_warps": 4}
+    _launch.launch(cuda_launch, (3,), args, constexprs, **options)
+    if change == "int":
+        args = (x, 6, 4)
+    elif change == "alignment":
+        args = (_tensor(offset=1), 5, 4)  # 4 bytes past an aligned address
+    elif change == "dtype":
+        args = (x.double(), 5, 4)
+    elif change == "constexpr":
+        constexprs = {"F": False}
+    else:
+        options = {"num_warps": 8}
+    _launch.launch(cuda_launch, (3,), args, constexprs, **options)
+    assert [entry[0] for entry in cuda_launch.log] == ["triton", "triton"]
+
+
+def test_cpu_tensors_hooks_and_other_versions_take_tritons_path(cuda_launch, monkeypatch):
+    cpu = torch.zeros(8)
+    for _ in range(2):
+        _launch.launch(cuda_launch, (1,), (cpu, 5), {}, num_warps=4)
+    assert [entry[0] for entry in cuda_launch.log] == ["triton", "triton"]
+    x = _tensor()
+    hook = _launch._knobs.runtime.launch_enter_hook
+    hook.add(print)  # a profiler's hook
+    try:
+        for _ in range(2):
+            _launch.launch(cuda_launch, (1,), (x, 5), {}, num_warps=4)
+    finally:
+        hook.remove(print)
+    monkeypatch.setattr(_launch, "SUPPORTED", False)
+    for _ in range(2):
+        _launch.launch(cuda_launch, (1,), (x, 5), {}, num_warps=4)
+    assert [entry[0] for entry in cuda_launch.log] == ["triton"] * 6
+
+
+def test_the_cache_starts_over_past_its_bound(cuda_launch, monkeypatch):
+    monkeypatch.setattr(_launch, "_MAX_ENTRIES", 3)
+    x = _tensor()
+    for n in range(5):
+        _launch.launch(cuda_launch, (1,), (x, n), {}, num_warps=4)
+    assert len(_launch._CACHE[cuda_launch]) == 2  # cleared at the 4th signature, which then went in
+    _launch.launch(cuda_launch, (1,), (x, 4), {}, num_warps=4)
+    assert cuda_launch.log[-1][0] == "direct"
