@@ -60,10 +60,10 @@ def test_triton_kernels_shortcut_agrees_with_select(context):
             assert _backend.triton_kernels("local2d", t) == (select("local2d", t) == "triton"), (context, t.dtype)
 
 
-def test_local_forward_repeated_calls_reuse_the_launch_and_stay_right():
-    """Calls after the first launch the compiled kernel directly (fastlayers._triton._launch): the
-    same values for the same input, for an input 4 bytes off a 16-byte boundary, and for another
-    batch, each checked against the reference."""
+def test_local_and_attention_repeated_calls_reuse_the_launch_and_stay_right():
+    """Calls after the first launch the compiled kernels directly (fastlayers._triton._launch): the
+    local layer's forward and gradients for the same input, for an input 4 bytes off a 16-byte
+    boundary and for another batch, and attention pooling's, each against the reference."""
     from fastlayers._triton import _launch, local as kernels
 
     torch.manual_seed(0)
@@ -71,12 +71,28 @@ def test_local_forward_repeated_calls_reuse_the_launch_and_stay_right():
     flat = torch.randn(6 * 3 * 17 * 15 + 1, device=DEV)
     inputs = [flat[:5 * 3 * 17 * 15].view(5, 3, 17, 15), flat[1:1 + 5 * 3 * 17 * 15].view(5, 3, 17, 15),
               flat[:6 * 3 * 17 * 15].view(6, 3, 17, 15)]
-    with torch.no_grad():
-        for x in inputs + inputs:
+    fn = lambda x, w, b: locally_connected2d(x, w, b, m.stride, m.padding, m.dilation)  # noqa: E731
+    for x in inputs + inputs:
+        with torch.no_grad():
             with fastlayers.backend("reference"):
                 want = m(x)
             torch.testing.assert_close(m(x), want, atol=1e-4, rtol=1e-4)
+        got = _grads(fn, x, m.weight, m.bias)
+        with fastlayers.backend("reference"):
+            expected = _grads(fn, x, m.weight, m.bias)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert not _launch.SUPPORTED or len(_launch._CACHE[kernels._forward_kernel]) >= 3
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(6, 8, generator=g).to(DEV), torch.randn(6, 11, 8, generator=g).to(DEV)
+    lengths = torch.tensor([11, 3, 7, 11, 1, 5])
+    pool = lambda q, k, v: attention_pool(q, k, v, lengths)  # noqa: E731
+    for _ in range(3):
+        got = _grads(pool, q, k, k)
+        with fastlayers.backend("reference"):
+            expected = _grads(pool, q, k, k)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("score", ["dot", "scaled_dot"])

@@ -1,4 +1,5 @@
-"""Launching a Triton kernel again without Triton's per-call binding (host time of small calls).
+"""Launching a Triton kernel again without Triton's per-call binding (host time of small calls):
+the locally connected and attention-pooling kernels launch through :func:`launch`.
 
 ``kernel[grid](*args)`` binds the arguments, computes their specialization (dtypes, 16-byte
 alignment of pointers, ints equal to 1 or divisible by 16) and looks the compiled kernel up on

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from . import next_power_of_2
+from ._launch import launch
 
 BLOCK_T = 64
 # The backward holds a (time x Dv) tile of the values and of their gradient: at 64 x 128 on 4 warps it
@@ -125,8 +126,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scale: floa
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     ctx = q.new_empty(batch, d_v, dtype=out_dtype)
     w = q.new_empty(batch, steps, dtype=acc)  # float32 scores and weights; cast at the end
-    _forward_kernel[(batch,)](q, k, v, lengths if lengths is not None else q, ctx, w, steps, d_k, d_v, scale,
-                              HAS_LENGTHS=lengths is not None, F64=acc == torch.float64, **_blocks(d_k, d_v))
+    launch(_forward_kernel, (batch,), (q, k, v, lengths if lengths is not None else q, ctx, w, steps, d_k, d_v, scale),
+           {"HAS_LENGTHS": lengths is not None, "F64": acc == torch.float64, **_blocks(d_k, d_v)})
     return ctx, w
 
 
@@ -139,7 +140,8 @@ def backward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, dctx: Tensor, dw: Tenso
     dq = q.new_empty(q.shape, dtype=acc)
     dk = k.new_empty(k.shape, dtype=acc)
     dv = v.new_empty(v.shape, dtype=acc) if need_dv else None
-    _backward_kernel[(batch,)](q, k, v, w, dctx, dw if dw is not None else w, dq, dk, dv if dv is not None else dk,
-                               steps, d_k, d_v, scale, HAS_DW=dw is not None, NEED_DV=need_dv,
-                               F64=acc == torch.float64, **_blocks(d_k, d_v, BACKWARD_BLOCK_T), num_warps=BACKWARD_WARPS)
+    launch(_backward_kernel, (batch,), (q, k, v, w, dctx, dw if dw is not None else w, dq, dk,
+                                        dv if dv is not None else dk, steps, d_k, d_v, scale),
+           {"HAS_DW": dw is not None, "NEED_DV": need_dv, "F64": acc == torch.float64,
+            **_blocks(d_k, d_v, BACKWARD_BLOCK_T)}, num_warps=BACKWARD_WARPS)
     return dq.to(q.dtype), dk.to(k.dtype), (dv.to(v.dtype) if dv is not None else None)

@@ -197,8 +197,8 @@ def input_grad(dy: Tensor, w: Tensor, padded_shape: tuple[int, ...], stride: tup
     out_ch, _, kh, kw, oh, ow = w.shape
     dx = dy.new_empty(batch, chans, hp, wp, dtype=out_dtype)
     grid = (cdiv(hp * wp, BLOCK), chans, batch)
-    _input_grad_kernel[grid](dy, w, dx, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1], dilation[0], dilation[1],
-                             KH=kh, KW=kw, F64=dy.dtype == torch.float64, BLOCK=BLOCK)
+    launch(_input_grad_kernel, grid, (dy, w, dx, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1], dilation[0],
+                                      dilation[1]), {"KH": kh, "KW": kw, "F64": dy.dtype == torch.float64, "BLOCK": BLOCK})
     return dx
 
 
@@ -210,6 +210,7 @@ def param_grads(dy: Tensor, x: Tensor, w_shape: tuple[int, ...], stride: tuple[i
     dwt = dy.new_empty(w_shape, dtype=out_dtype)
     db = dy.new_empty(out_ch, oh, ow, dtype=out_dtype)
     grid = (cdiv(oh * ow, BLOCK), out_ch, chans * kh * kw + 1)
-    _param_grad_kernel[grid](dy, x, dwt, db, batch, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1], dilation[0],
-                             dilation[1], KH=kh, KW=kw, F64=dy.dtype == torch.float64, BLOCK=BLOCK)
+    launch(_param_grad_kernel, grid, (dy, x, dwt, db, batch, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1],
+                                      dilation[0], dilation[1]),
+           {"KH": kh, "KW": kw, "F64": dy.dtype == torch.float64, "BLOCK": BLOCK})
     return dwt, db
