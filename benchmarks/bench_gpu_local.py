@@ -10,11 +10,14 @@ device-to-device copy bandwidth measured in the same run. Also: the forward's ex
 (max_memory_allocated) against the output's size, the host's time per forward call (Python and
 launches, not waiting for the GPU) with the functions that take most of it (cProfile), the device
 time per forward with the host out of the way (forwards captured in a CUDA graph and replayed),
-and the first call's time (Triton's compile).
+the time per forward of 20 eager calls back to back, the module's host time with and without
+fastlayers._triton._launch (Triton's own launch path), and the first call's time (Triton's
+compile); with --sweep the device time of every forward block in SWEEP.
 Then attention pooling at seed 001's shape (T=256, B=128, 32-d keys, 100-d values, lengths) for
 each score, values requiring grad or not: fwd, fwd+bwd and their ratio.
 
     python benchmarks/bench_gpu_local.py [--device cuda] [--repeats 20] [--warmup 2] [--size seed|small]
+                                         [--sweep] [--only-local]
 
 ``TRITON_INTERPRET=1 python benchmarks/bench_gpu_local.py --device cpu --size small`` runs the same
 script on Triton's interpreter (a smoke test of the script only: its times mean nothing).
