@@ -215,12 +215,11 @@ def back_to_back(fn, x, w, b, timer, calls: int = 20) -> float:
     return statistics.median(timer(loop) for _ in range(5)) / calls
 
 
-# forward blocks (sequences, rows, columns, output channels, warps, full-block loads) that --sweep
-# times besides the default (output channels None: the default's)
-SWEEP = [(16, 1, 64, None, 4, False), (8, 2, 64, None, 4, False), (16, 4, 64, None, 4, False),
-         (16, 4, 64, None, 8, False), (32, 2, 64, None, 4, False), (32, 4, 64, None, 8, False),
-         (16, 8, 64, None, 8, False), (8, 1, 64, 16, 8, False), (8, 1, 64, 16, 4, False), (8, 2, 64, 8, 4, False),
-         (16, 1, 64, 8, 8, False)]
+# forward blocks (sequences, rows, columns, output channels, warps) that --sweep times besides the
+# default (output channels None: the default's)
+SWEEP = [(16, 1, 64, None, 4), (8, 2, 64, None, 4), (16, 4, 64, None, 4), (16, 4, 64, None, 8), (32, 2, 64, None, 4),
+         (32, 4, 64, None, 8), (16, 8, 64, None, 8), (8, 1, 64, 16, 8), (8, 1, 64, 16, 4), (8, 2, 64, 8, 4),
+         (16, 1, 64, 8, 8)]
 
 
 def tile_sweep(fn, x, w, b, timer, floor: float) -> str:
@@ -228,8 +227,8 @@ def tile_sweep(fn, x, w, b, timer, floor: float) -> str:
     out_ch = w.size(0)
     default = triton_local.forward_config(x.size(0), out_ch, w.size(4), w.size(5), w.size(2) * w.size(3))
     configs = {None: None}
-    for cb, bh, bw, og, warps, full in SWEEP:
-        config = (cb, bh, bw, min(og or default[3], triton_local.next_power_of_2(out_ch)), warps, full)
+    for cb, bh, bw, og, warps in SWEEP:
+        config = (cb, bh, bw, min(og or default[3], triton_local.next_power_of_2(out_ch)), warps)
         if config != default:
             configs[config] = config
     rows = []
@@ -243,7 +242,7 @@ def tile_sweep(fn, x, w, b, timer, floor: float) -> str:
         finally:
             triton_local.FORWARD_CONFIG = None
     rows.sort(key=lambda r: r[0])
-    return ("forward blocks (CB, BH, BW, OG, warps, full loads), device time per forward, x floor, fastest first: "
+    return ("forward blocks (CB, BH, BW, OG, warps), device time per forward, x floor, fastest first: "
             + "; ".join(r for _, r in rows))
 
 

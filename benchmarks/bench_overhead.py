@@ -9,10 +9,13 @@ and the parameters. The shapes are the issue's: the calls of step-wise decoding,
 inference and small models, where the fixed cost of a call dominates.
 
     python benchmarks/bench_overhead.py [--min-run-time 0.3] [--rounds 5] [--device cuda]
+        [--only SUBSTRING] [--eager-steps N]
 
 With ``--device cuda`` every module and tensor is on the GPU: the time per call is then that of an
 eager call on CUDA (torch.utils.benchmark synchronizes once per block of calls), at these shapes
-the host's Python and launch time, not the GPU's work.
+the host's Python and launch time, not the GPU's work. ``--eager-steps N`` sets
+``fastlayers.rnn._graphs.EAGER_STEPS`` (loops of at most N steps run eagerly, longer ones as
+captured chunks; 0: every loop captured, as before it existed), to compare the two on CUDA.
 """
 
 from __future__ import annotations
@@ -111,10 +114,19 @@ def main() -> None:
     parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds per column and pass")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per column and pass")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: eager calls on the GPU")
+    parser.add_argument("--only", default="", help="only the rows whose name contains this")
+    parser.add_argument("--eager-steps", type=int, default=None,
+                        help="fastlayers.rnn._graphs.EAGER_STEPS for this run (default: the library's)")
     args = parser.parse_args()
+    if args.eager_steps is not None:
+        from fastlayers.rnn import _graphs
+
+        _graphs.EAGER_STEPS = args.eager_steps
     device = torch.device(args.device)
     torch.set_num_threads(1)
     where = f"{cpu_name()}, 1 thread" if device.type == "cpu" else f"{torch.cuda.get_device_name(device)} (host: {cpu_name()})"
+    if args.eager_steps is not None:
+        where += f", EAGER_STEPS={args.eager_steps}"
     print(f"{where}, torch {torch.__version__}; time per call (us), torch.utils.benchmark "
           f"blocked_autorange, the median of {args.rounds} alternating rounds a column, both columns in this process")
     print(f"| call | fastlayers fwd | torch fwd | x | target | fastlayers fwd+bwd | torch fwd+bwd | x |")
@@ -122,6 +134,8 @@ def main() -> None:
     with device:  # the rows' modules and tensors are made on the device
         rows = _rows()
     for name, (ours, theirs, our_leaves, their_leaves, target) in rows.items():
+        if args.only not in name:
+            continue
         with torch.no_grad():
             f_ours, f_theirs = _side_by_side(ours, theirs, args.min_run_time, args.rounds)
         b_ours, b_theirs = _side_by_side(_fwd_bwd(ours, our_leaves), _fwd_bwd(theirs, their_leaves),

@@ -24,7 +24,8 @@
 # against fixed T = 1000 (150); the same for LSTM with chunks of 16 and of 64 steps instead of 32
 # (150); issue 40: checkpoint_every through the GPU engine, bench_remat.py at T = 800, B = 32, its
 # --sweep of k there, and the T = 1k..100k scaling at B = 8, the allocator's peak (240); issue 42:
-# bench_overhead.py, eager calls on CUDA (120); fastlayers train on the digits and the vowels
+# bench_overhead.py, eager calls on CUDA (120), its layer_norm rows with every loop captured
+# (EAGER_STEPS=0, 60); fastlayers train on the digits and the vowels
 # against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA). On the
 # H200 on 2026-11-26 (torch 2.11, Triton 3.6) the steps took: versions 5, cuda_tests 50,
 # local_attention 12, remat 136 (before the sweep), random_t 29, train 51, engine_fp32 52,
@@ -119,6 +120,8 @@ step remat 240 bash -c "'$py' benchmarks/bench_remat.py ${remat[*]} --json '$out
 '$py' benchmarks/bench_remat.py ${remat_scaling[*]} --json '$out/remat_scaling.json'"
 # per-call cost of every layer and cell at small shapes against torch.nn, eager calls on CUDA (issue 42)
 step overhead 120 "$py" benchmarks/bench_overhead.py "${overhead[@]}"
+# the option rows again with every loop captured (EAGER_STEPS=0): what the small calls' eager loops gain
+step overhead_captured 60 "$py" benchmarks/bench_overhead.py "${overhead[@]}" --only layer_norm --eager-steps 0
 step train 300 "$py" benchmarks/bench_gpu_train.py "${train[@]}" --json "$out/train.json"
 
 "$py" - "$out" "${steps[@]}" <<'EOF'

@@ -329,3 +329,24 @@ def test_checkpoint_every_on_cuda_equals_the_run_without_it(name, graphs, monkey
     big = torch.randn(400, 16, 6, dtype=torch.float64, device=DEV, requires_grad=True)
     remat.checkpoint_every = "auto"
     assert peak(remat) < peak(plain)
+
+
+
+def test_small_layer_calls_on_cuda_run_eagerly_and_equal_the_reference():
+    """LSTM / GRU with options at T <= _graphs.EAGER_STEPS (issue 42's T = 2 rows): no capture, the
+    reference's values and gradients; a longer T is captured as before."""
+    from fastlayers.rnn import _graphs
+
+    torch.manual_seed(0)
+    for module in (fastlayers.LSTM(4, 4, layer_norm=True).double(), fastlayers.GRU(4, 4, layer_norm=True).double()):
+        x = torch.randn(_graphs.EAGER_STEPS, 2, 4, dtype=torch.float64)
+        with fastlayers.backend("reference"):
+            want = _module_grads(module, x, [_graphs.EAGER_STEPS, 1])
+        captures = _graphs.stats["captures"]
+        got = _module_grads(module.to(DEV), x.to(DEV), [_graphs.EAGER_STEPS, 1])
+        assert _graphs.stats["captures"] == captures
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+        module(torch.randn(_graphs.EAGER_STEPS + 1, 2, 4, dtype=torch.float64, device=DEV))
+        assert _graphs.stats["captures"] > captures
+        module.cpu()

@@ -22,6 +22,7 @@ def fresh(monkeypatch):
     monkeypatch.setenv(_graphs.MAX_MB, "1")  # 1 MiB: the limit is read from here, never from a GPU
     monkeypatch.delenv(_graphs.ENV, raising=False)
     monkeypatch.setattr(_graphs, "CHUNK", 4)
+    monkeypatch.setattr(_graphs, "EAGER_STEPS", 0)  # every loop captured (test_small_loops_run_eagerly: not)
     before = dict(_graphs.stats)
     yield
     _graphs.stats.update(before)
@@ -108,6 +109,29 @@ def test_every_step_runs_once_in_order(steps, reverse):
     assert loop.captured and _graphs.stats["captures"] == 1 and _graphs.stats["replays"] == math.ceil(steps / 4)
     torch.testing.assert_close(loop.cut(st)["seen"], eager["seen"], atol=0, rtol=0)
     assert st["seen"].size(0) == _graphs.grown(0, steps) and loop.cut(st)["seen"].size(0) == steps
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "backward"])
+def test_small_loops_run_eagerly(monkeypatch, reverse):
+    """Loops of at most EAGER_STEPS steps take no entry and capture nothing, their steps launched
+    once each, in order, on a clock [0, T] kept per device and T (the same tensor for every call,
+    never written); longer ones are captured; so is a small call that readies graphs for a longer
+    T (preparing)."""
+    monkeypatch.setattr(_graphs, "EAGER_STEPS", 3)
+    with _graphs.emulated():
+        clocks = []
+        for steps in (1, 3, 3):
+            loop, st = _loop(steps, reverse=reverse)
+            assert _ran_in_order(loop, st, reverse) and not loop.captured
+            assert st["seen"].size(0) == steps and st["clock"].tolist() == [0, steps]
+            clocks.append(st["clock"])
+        assert clocks[1] is clocks[2] and clocks[0] is not clocks[1]
+        assert _graphs.stats["captures"] == 0 and _graphs.holding(torch.device("cpu")) == (0, 0)
+        loop, st = _loop(4, reverse=reverse)
+        assert _ran_in_order(loop, st, reverse) and loop.captured and _graphs.stats["captures"] == 1
+        with _graphs.preparing(8) as claimed:
+            loop, _ = _loop(1, key="other")
+        assert loop.captured and claimed == [8]
 
 
 def test_captures_and_memory_do_not_grow_with_the_number_of_distinct_t():

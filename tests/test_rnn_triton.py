@@ -363,6 +363,7 @@ def chunked(monkeypatch):
     from fastlayers.rnn import _graphs
 
     monkeypatch.setattr(_graphs, "CHUNK", 2)
+    monkeypatch.setattr(_graphs, "EAGER_STEPS", 0)  # T = 1 is captured too (test_small_calls_...: not)
     monkeypatch.setattr(_graphs, "stats", dict.fromkeys(_graphs.stats, 0))
     _graphs.clear()
     with _graphs.emulated():
@@ -457,3 +458,30 @@ def test_a_plain_call_is_served_only_where_its_loops_replay(cell, chunked):
     assert chunked.stats["captures"] == captured and chunked.stats["replays"] > 0
     assert not replays(ours, torch.randn(20, B, F, dtype=torch.float64))  # longer than the buffers: captures
     assert replays(ours, torch.randn(20, B, F, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_small_calls_run_eagerly(cell, chunked, monkeypatch):
+    """Loops of at most _graphs.EAGER_STEPS steps run eagerly where capture is on: no capture, no
+    replay, results equal to the float64 reference, and each call's results its own (an eager
+    call returns its buffers, not copies); a plain call that short is torch's (replays() is
+    False and captures nothing)."""
+    from fastlayers.rnn._engine_gpu import replays
+
+    monkeypatch.setattr(chunked, "EAGER_STEPS", 4)
+    opts = CellOptions.make(layer_norm=True)
+    engine, reference = ENGINES[cell]
+    layers = _parameters(cell, opts, None, layers=1)
+    x, hx = _inputs(cell, None, layers=1)
+    lengths = torch.tensor([3, 4, 1])
+    want = _run(reference, x[:4], hx, layers, lengths, opts)
+    got = _run(engine, x[:4], hx, layers, lengths, opts)
+    _assert_same(got, want, 1e-10)
+    again = _run(engine, x[:4] + 1, hx, layers, lengths, opts)
+    _assert_same(got, want, 1e-10)
+    assert not torch.equal(again[0][0], got[0][0])
+    assert chunked.stats["captures"] == 0 and chunked.stats["replays"] == 0
+    ours, _ = make_pair(cell, F, H, dtype=torch.float64)
+    assert not replays(ours, torch.randn(4, B, F, dtype=torch.float64))
+    assert chunked.stats["captures"] == 0
+

@@ -272,10 +272,11 @@ def _shutdown_worker(rank: int, world: int, init: str) -> None:
     _distributed.stop()
 
 
-def test_two_processes_exit_cleanly_20_of_20(tmp_path):
+def test_two_processes_exit_cleanly_10_of_10(tmp_path):
     # The shutdown order of fastlayers.train._distributed.stop: with the plain destroy_process_group
-    # this aborted at exit in 8 of 20 runs here ("terminate called without an active exception").
-    for run in range(20):
+    # this aborted at exit in 8 of 20 runs here ("terminate called without an active exception"); 10 runs
+    # pass by chance with probability 0.6^10 < 1%.
+    for run in range(10):
         mp.spawn(_shutdown_worker, args=(2, str(tmp_path / f"init{run}")), nprocs=2, join=True)
 
 

@@ -1,6 +1,6 @@
 """fastlayers._triton._launch: a kernel's compiled variant is reused only for a call whose signature
-(exact ints, tensor dtypes and 16-byte alignment, other values, options, current device) it was
-compiled for; everything else takes Triton's own path. Fake kernels and CUDA-flagged CPU tensors:
+(ints' specialization classes, tensor dtypes and 16-byte alignment, constexprs, options, current
+device) it was compiled for; everything else takes Triton's own path. Fake kernels and CUDA-flagged CPU tensors:
 no GPU needed (tests/test_cuda.py runs the real kernels through it)."""
 
 from __future__ import annotations
@@ -76,13 +76,24 @@ def test_a_repeated_signature_calls_the_compiled_launcher(cuda_launch):
     assert cuda_launch.log[1][1] == (7, 2, 1, "stream0", "function", "packed", None, None, None, x, 5, 4, True)
 
 
-@pytest.mark.parametrize("change", ["int", "alignment", "dtype", "constexpr", "options"])
+def test_ints_of_one_class_share_the_compiled_kernel_with_their_own_values(cuda_launch):
+    """A time loop's step index: one compiled kernel, each launch with its value."""
+    x = _tensor()
+    for j in (5, 7, 2**30 + 3):
+        _launch.launch(cuda_launch, (1,), (x, j), {}, num_warps=4)
+    assert [entry[0] for entry in cuda_launch.log] == ["triton", "direct", "direct"]
+    assert [entry[1][-1] for entry in cuda_launch.log[1:]] == [7, 2**30 + 3]
+
+
+@pytest.mark.parametrize("change", ["one", "divisible", "int64", "uint64", "alignment", "dtype", "constexpr",
+                                    "options"])
 def test_any_change_of_signature_takes_tritons_path(cuda_launch, change):
+    """Triton specializes an int equal to 1, divisible by 16, or past 32 / 63 bits: each a new call."""
     x = _tensor()
     args, constexprs, options = (x, 5, 4), {"F": True}, {"num_warps": 4}
     _launch.launch(cuda_launch, (3,), args, constexprs, **options)
-    if change == "int":
-        args = (x, 6, 4)
+    if change in ("one", "divisible", "int64", "uint64"):
+        args = (x, {"one": 1, "divisible": 32, "int64": 2**31 + 5, "uint64": 2**63 + 5}[change], 4)
     elif change == "alignment":
         args = (_tensor(offset=1), 5, 4)  # 4 bytes past an aligned address
     elif change == "dtype":
@@ -118,7 +129,19 @@ def test_the_cache_starts_over_past_its_bound(cuda_launch, monkeypatch):
     monkeypatch.setattr(_launch, "_MAX_ENTRIES", 3)
     x = _tensor()
     for n in range(5):
-        _launch.launch(cuda_launch, (1,), (x, n), {}, num_warps=4)
+        _launch.launch(cuda_launch, (1,), (x, 3), {"N": n}, num_warps=4)
     assert len(_launch._CACHE[cuda_launch]) == 2  # cleared at the 4th signature, which then went in
-    _launch.launch(cuda_launch, (1,), (x, 4), {}, num_warps=4)
+    _launch.launch(cuda_launch, (1,), (x, 3), {"N": 4}, num_warps=4)
     assert cuda_launch.log[-1][0] == "direct"
+
+
+def test_constexprs_out_of_the_kernels_order_are_refused(cuda_launch):
+    """The launcher takes constexprs by position: named out of order, a first call raises (on CPU
+    tensors too, so the interpreter tests check every kernel's call)."""
+    cuda_launch.arg_names = ["x", "n", "A", "B"]
+    with pytest.raises(AssertionError, match="not the kernel's parameters"):
+        _launch.launch(cuda_launch, (1,), (_tensor(), 3), {"B": 1, "A": 2}, num_warps=4)
+    with pytest.raises(AssertionError, match="not the kernel's parameters"):
+        _launch.launch(cuda_launch, (1,), (torch.zeros(8), 3), {"B": 1, "A": 2}, num_warps=4)
+    _launch.launch(cuda_launch, (1,), (_tensor(), 3), {"A": 2, "B": 1}, num_warps=4)
+    assert [entry[0] for entry in cuda_launch.log] == ["triton"]

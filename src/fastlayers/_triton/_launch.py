@@ -1,19 +1,24 @@
 """Launching a Triton kernel again without Triton's per-call binding (host time of small calls):
-the locally connected and attention-pooling kernels launch through :func:`launch`.
+the locally connected, attention-pooling and recurrent step kernels launch through :func:`launch`.
 
 ``kernel[grid](*args)`` binds the arguments, computes their specialization (dtypes, 16-byte
 alignment of pointers, ints equal to 1 or divisible by 16) and looks the compiled kernel up on
 every call: 30-40 us of the 80-90 us host time of a small locally connected forward on the H200's
 host (Triton 3.6, 2026-11-26). :func:`launch` does that once per *call signature*, a key at least
-as fine as Triton's specialization: every int's (and float's) exact value, every tensor's dtype and
-whether its data pointer is 16-byte aligned, every constexpr, the launch options and the current
-device.
-A later call with the same signature calls the compiled kernel's launcher directly, as
-``JITFunction.run`` does after its lookup (Triton 3.6 to 3.9: ``CompiledKernel.run(grid_0, grid_1,
-grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``).
+as fine as Triton's specialization (Triton 3.6 to 3.9, ``native_specialize_impl``): every
+tensor's dtype and whether its data pointer is 16-byte aligned; every int's class (equal to 1,
+which Triton makes a constant; divisible by 16; 32-bit, 64-bit or unsigned 64-bit), so that a
+step index that changes at every launch of a time loop keeps one entry; bools and floats by
+type (Triton specializes neither on its value); every constexpr by value; the launch options and
+the current device. A later call with the same signature calls the compiled kernel's launcher
+directly with this call's values, as ``JITFunction.run`` does after its lookup (Triton 3.6 to 3.9:
+``CompiledKernel.run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata,
+enter_hook, exit_hook, *args)``).
 
 Every other case takes Triton's own path: another Triton version, a launch hook set (profilers,
 ``triton.knobs.runtime.launch_enter_hook``), CPU tensors (Triton's interpreter), or a first call.
+The constexprs are passed to the launcher by position: the first call of a kernel checks that
+they are named in the kernel's order (AssertionError otherwise, on any device).
 """
 
 from __future__ import annotations
@@ -32,6 +37,31 @@ SUPPORTED = _knobs is not None and triton.__version__.startswith(_VERSIONS)
 ENABLED = True  # False: Triton's own path for every call (benchmarks compare the two)
 _MAX_ENTRIES = 64  # compiled kernels remembered per Triton kernel; the cache starts over past it
 _CACHE: dict[object, dict[tuple, object]] = {}
+_CHECKED: set[tuple] = set()  # (kernel, argument count, constexpr names) whose order was checked
+_I32, _I64 = 2**31, 2**63
+
+
+def _key(a):
+    """An argument's part of the call signature (module docstring)."""
+    if isinstance(a, Tensor):
+        return a.dtype, not a.data_ptr() & 15
+    if type(a) is int:
+        return 1 if a == 1 else (not a & 15, -_I32 <= a < _I32, a < _I64)
+    if type(a) in (bool, float):
+        return type(a)
+    return a  # None and other values: by value
+
+
+def _check_order(kernel, args: tuple, constexprs: dict) -> None:
+    """Assert that ``constexprs`` name the kernel's parameters after ``args``, in its order."""
+    names = getattr(kernel, "arg_names", None)
+    key = (id(kernel), len(args), tuple(constexprs))
+    if names is None or key in _CHECKED:
+        return
+    assert tuple(names[len(args):]) == tuple(constexprs), (
+        f"launch({getattr(kernel, '__name__', kernel)}): constexprs {tuple(constexprs)} are not the kernel's "
+        f"parameters after its {len(args)} leading ones, in order: {tuple(names[len(args):])}")
+    _CHECKED.add(key)
 
 
 def _hooked() -> bool:
@@ -48,15 +78,15 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, **optio
     takes them all, positionally, as Triton passes them), ``options`` the launch options
     (num_warps, ...)."""
     if not ENABLED or not SUPPORTED or not args[0].is_cuda or _hooked():
+        _check_order(kernel, args, constexprs)
         kernel[grid](*args, **constexprs, **options)
         return
     device = _driver.active.get_current_device()  # where Triton launches: the current device
-    # the call's signature: ints, floats and flags by value, tensors by dtype and 16-byte alignment
-    key = (device, *[(a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor) else a for a in args],
-           *constexprs.values(), *options.items())
+    key = (device, *map(_key, args), *constexprs.values(), *options.items())
     cache = _CACHE.setdefault(kernel, {})
     compiled = cache.get(key)
     if compiled is None:
+        _check_order(kernel, args, constexprs)
         compiled = kernel[grid](*args, **constexprs, **options)  # Triton's path: binds, compiles if needed, launches
         if len(cache) >= _MAX_ENTRIES:
             cache.clear()

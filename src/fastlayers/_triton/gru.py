@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, parts, parts_stride,
                     present_or, recurrent_norm, sigmoid, step_of, store_blocks, tanh, zero_unless)
+from ._launch import launch
 
 
 @triton.jit(do_not_specialize=["j", "TC"])  # one compile per configuration (see .lstm)
@@ -129,12 +130,12 @@ def step_forward(at: tuple[Tensor, int], lengths: Tensor, xp: Tensor, b_ih, gx, 
     dirs, batch, hidden = h.shape
     ln = gx is not None
     clock, j = at
-    _forward_kernel[(dirs * batch,)](
-        clock, j, hd.size(1), batch, dirs, hidden, lengths, xp, present_or(b_ih, xp), present_or(gx, xp), r,
-        h, present_or(rmask, h), present_or(b_hh, xp), present_or(gh, xp), present_or(zh, xp), y, hd, buf["gates"],
-        buf["hbn"], buf["hist"], *(present_or(buf.get(n), xp) for n in ("xstat", "rhat", "rrstd")), numbers,
-        LN=ln, HAS_BIH=b_ih is not None and ln, HAS_BHH=b_hh is not None,
-        ZH_MASK=zh is not None, RMASK=rmask is not None, F64=h.dtype.itemsize == 8, BLOCK_H=block(hidden))
+    launch(_forward_kernel, (dirs * batch,), (
+        clock, j, hd.size(1), batch, dirs, hidden, lengths, xp, present_or(b_ih, xp), present_or(gx, xp), r, h,
+        present_or(rmask, h), present_or(b_hh, xp), present_or(gh, xp), present_or(zh, xp), y, hd, buf["gates"],
+        buf["hbn"], buf["hist"], *(present_or(buf.get(n), xp) for n in ("xstat", "rhat", "rrstd")), numbers),
+        {"LN": ln, "HAS_BIH": b_ih is not None and ln, "HAS_BHH": b_hh is not None, "ZH_MASK": zh is not None,
+         "RMASK": rmask is not None, "F64": h.dtype.itemsize == 8, "BLOCK_H": block(hidden)})
 
 
 def step_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tensor, g: Tensor, rmask, xp, gx, gh, zh,
@@ -146,14 +147,12 @@ def step_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tenso
     (D, TC, B, 3H)."""
     dirs, batch, hidden = dh.shape
     clock, j = at
-    _backward_kernel[(dirs * batch,)](
-        clock, j, buf["gates"].size(1), batch, dirs, hidden, lengths, dy, dh, g, parts_stride(g),
-        present_or(rmask, dh),
-        buf["gates"], buf["hbn"], buf["hist"], present_or(xp, dh), present_or(buf.get("xstat"), dh),
-        present_or(gx, dh), present_or(buf.get("rhat"), dh), present_or(buf.get("rrstd"), dh), present_or(gh, dh),
-        present_or(zh, dh), grads["dpre"], grads["dr"], *(present_or(grads.get(n), dh) for n in ("dhb", "pgx", "pb",
-                                                                                             "pgh")), numbers,
-        LN=gx is not None, ZH_MASK=zh is not None, G_PARTS=parts(g),
-        RMASK=rmask is not None, NEED_HB=grads.get("dhb") is not None, NEED_GX=grads.get("pgx") is not None,
-        NEED_B=grads.get("pb") is not None, NEED_GH=grads.get("pgh") is not None, F64=dh.dtype.itemsize == 8,
-        BLOCK_H=block(hidden))
+    launch(_backward_kernel, (dirs * batch,), (
+        clock, j, buf["gates"].size(1), batch, dirs, hidden, lengths, dy, dh, g, parts_stride(g), present_or(rmask, dh),
+        buf["gates"], buf["hbn"], buf["hist"], present_or(xp, dh), present_or(buf.get("xstat"), dh), present_or(gx, dh),
+        present_or(buf.get("rhat"), dh), present_or(buf.get("rrstd"), dh), present_or(gh, dh), present_or(zh, dh),
+        grads["dpre"], grads["dr"], *(present_or(grads.get(n), dh) for n in ("dhb", "pgx", "pb", "pgh")), numbers),
+        {"LN": gx is not None, "ZH_MASK": zh is not None, "G_PARTS": parts(g), "RMASK": rmask is not None,
+         "NEED_HB": grads.get("dhb") is not None, "NEED_GX": grads.get("pgx") is not None,
+         "NEED_B": grads.get("pb") is not None, "NEED_GH": grads.get("pgh") is not None, "F64": dh.dtype.itemsize == 8,
+         "BLOCK_H": block(hidden)})

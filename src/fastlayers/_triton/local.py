@@ -37,8 +37,7 @@ BLOCK = 256  # positions per program of the gradient kernels
 @triton.jit
 def _forward_kernel(x, w, bias, y, B, C, H, W, O, OH, OW, sh, sw, dh, dw, ph, pw,
                     KH: tl.constexpr, KW: tl.constexpr, PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    F64: tl.constexpr, CB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, OG: tl.constexpr,
-                    FULL: tl.constexpr):
+                    F64: tl.constexpr, CB: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, OG: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
     # one program: OG output channels x CB sequences x a tile of BH x BW output positions, summed in
     # an [OG, CB, BH*BW] block. Each input tap is loaded once for the OG channels, each weight once
@@ -63,14 +62,6 @@ def _forward_kernel(x, w, bias, y, B, C, H, W, O, OH, OW, sh, sw, dh, dw, ph, pw
     w_mask = o_ok & inside[None, None, :]  # [OG, 1, P]
     wo = w + o64 * C * KH * KW * ohw + pos[None, None, :]  # [OG, 1, P] each channel's filters
     xs = x + seq.to(tl.int64)[None, :, None] * C * H * W  # [1, CB, 1] each sequence's input
-    x_ok = s_ok
-    if FULL:  # loads of the whole [OG, CB, P] block, the same addresses along the broadcast axis (a
-        # broadcast of an [OG, 1, P] or [1, CB, P] load can compile to a layout conversion through
-        # shared memory with barriers)
-        wo = wo + tl.zeros([1, CB, 1], dtype=tl.int64)
-        w_mask = w_mask & s_ok
-        xs = xs + tl.zeros([OG, 1, 1], dtype=tl.int64)
-        x_ok = x_ok & o_ok
     acc = tl.zeros([OG, CB, BH * BW], dtype=acc_t)
     if HAS_BIAS:
         acc += tl.load(bias + o64 * ohw + pos[None, None, :], mask=w_mask, other=0.0).to(acc_t)
@@ -86,7 +77,7 @@ def _forward_kernel(x, w, bias, y, B, C, H, W, O, OH, OW, sh, sw, dh, dw, ph, pw
                 if PAD:
                     ok = ok & (col >= 0) & (col < W)
                 wv = tl.load(wo + ((c * KH + p) * KW + q) * ohw, mask=w_mask, other=0.0)
-                xv = tl.load(xs + c * H * W + (row * W + col)[None, None, :], mask=x_ok & ok[None, None, :], other=0.0)
+                xv = tl.load(xs + c * H * W + (row * W + col)[None, None, :], mask=s_ok & ok[None, None, :], other=0.0)
                 acc += wv.to(acc_t) * xv.to(acc_t)
     out = y + (seq.to(tl.int64)[None, :, None] * O + o64) * ohw + pos[None, None, :]
     tl.store(out, acc.to(y.dtype.element_ty), mask=o_ok & s_ok & inside[None, None, :])
@@ -147,14 +138,15 @@ def _param_grad_kernel(dy, x, dwt, db, B, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
 
 
 # the forward's block (bench_gpu_local.py --sweep measures others): CB sequences x BH x BW positions
-# x OG output channels per program, num_warps, loads of the full block (FULL); None: forward_config's
-FORWARD_CONFIG: tuple[int, int, int, int, int, bool] | None = None
+# x OG output channels per program, num_warps; None: forward_config's
+FORWARD_CONFIG: tuple[int, int, int, int, int] | None = None
 BLOCK_ELEMENTS = 8192  # OG x CB x positions summed per program where the rows allow
-_CONFIGS: dict[tuple[int, ...], tuple[int, int, int, int, int, bool]] = {}
+_CONFIGS: dict[tuple[int, ...], tuple[int, int, int, int, int]] = {}
+_MAX_CONFIGS = 256  # shapes remembered; the cache starts over past it
 
 
-def forward_config(batch: int, out_ch: int, oh: int, ow: int, taps: int) -> tuple[int, int, int, int, int, bool]:
-    """(CB, BH, BW, OG, num_warps, FULL) of the forward for a kernel of ``taps`` = KH*KW taps: up to 16
+def forward_config(batch: int, out_ch: int, oh: int, ow: int, taps: int) -> tuple[int, int, int, int, int]:
+    """(CB, BH, BW, OG, num_warps) of the forward for a kernel of ``taps`` = KH*KW taps: up to 16
     output channels, up to 16 sequences, rows of up to 64 columns (contiguous loads), and for
     kernels of more than one tap as many rows as BLOCK_ELEMENTS sums allow (at least one: the taps
     of neighbouring rows read the same input rows, from L1); 4 warps. On the H200 (bench_gpu_local.py
@@ -170,7 +162,9 @@ def forward_config(batch: int, out_ch: int, oh: int, ow: int, taps: int) -> tupl
         cb = min(next_power_of_2(batch), 16)
         bw = min(next_power_of_2(ow), 64)
         bh = min(next_power_of_2(oh), max(1, BLOCK_ELEMENTS // (og * cb * bw))) if taps > 1 else 1
-        config = _CONFIGS.setdefault(key, (cb, bh, bw, og, 4, False))
+        if len(_CONFIGS) >= _MAX_CONFIGS:
+            _CONFIGS.clear()
+        config = _CONFIGS.setdefault(key, (cb, bh, bw, og, 4))
     return config
 
 
@@ -181,12 +175,12 @@ def forward(x: Tensor, w: Tensor, bias: Tensor | None, stride: tuple[int, int], 
     batch, chans, height, width = x.shape
     out_ch, _, kh, kw, oh, ow = w.shape
     y = x.new_empty(batch, out_ch, oh, ow, dtype=out_dtype)
-    cb, bh, bw, og, warps, full = forward_config(batch, out_ch, oh, ow, kh * kw)
+    cb, bh, bw, og, warps = forward_config(batch, out_ch, oh, ow, kh * kw)
     grid = (cdiv(batch, cb) * cdiv(oh, bh) * cdiv(ow, bw) * cdiv(out_ch, og),)
     launch(_forward_kernel, grid, (x, w, bias if bias is not None else w, y, batch, chans, height, width, out_ch, oh,
                                    ow, stride[0], stride[1], dilation[0], dilation[1], padding[0], padding[1]),
            {"KH": kh, "KW": kw, "PAD": bool(padding[0] or padding[1]), "HAS_BIAS": bias is not None,
-            "F64": x.dtype == torch.float64, "CB": cb, "BH": bh, "BW": bw, "OG": og, "FULL": full}, num_warps=warps)
+            "F64": x.dtype == torch.float64, "CB": cb, "BH": bh, "BW": bw, "OG": og}, num_warps=warps)
     return y
 
 

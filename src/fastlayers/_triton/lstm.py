@@ -29,6 +29,7 @@ from torch import Tensor
 from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, norm_backward_terms,
                     norm_stats, parts, parts_stride, present_or, recurrent_norm, sigmoid, step_of, store_blocks, tanh,
                     zero_unless)
+from ._launch import launch
 
 
 # the step (j) and the buffers' time capacity (TC) are never specialised: one compile per
@@ -287,16 +288,16 @@ def step_forward(at: tuple[Tensor, int], lengths: Tensor, xp: Tensor, bias, gx, 
     dirs, batch, hidden = c.shape
     ln = gx is not None
     clock, j = at
-    _forward_kernel[(dirs * batch,)](
+    launch(_forward_kernel, (dirs * batch,), (
         clock, j, buf["gates"].size(1), batch, dirs, hidden, lengths, xp, present_or(bias, xp), present_or(gx, xp), r,
         present_or(h, c), c, present_or(rmask, c), present_or(gh, xp), present_or(gc, xp), present_or(bc, xp),
         present_or(peep, xp), present_or(zc, xp), present_or(zh, xp), present_or(y, xp), present_or(hd, xp),
-        buf["gates"], buf["c1"], *(present_or(buf.get(n), xp) for n in ("chist", "xstat", "rhat", "rrstd", "cstat",
-                                                                         "y1")), numbers,
-        LN=ln, PEEP=peep is not None, HAS_BIAS=bias is not None and ln,
-        CLIP=consts[0] > 0, ZC_MASK=zc is not None, ZH_MASK=zh is not None, RMASK=rmask is not None,
-        PROJ=buf.get("y1") is not None, SAVE_CHIST=buf.get("chist") is not None, F64=c.dtype.itemsize == 8,
-        BLOCK_H=block(hidden))
+        buf["gates"], buf["c1"],
+        *(present_or(buf.get(n), xp) for n in ("chist", "xstat", "rhat", "rrstd", "cstat", "y1")), numbers),
+        {"LN": ln, "PEEP": peep is not None, "HAS_BIAS": bias is not None and ln, "CLIP": consts[0] > 0,
+         "ZC_MASK": zc is not None, "ZH_MASK": zh is not None, "RMASK": rmask is not None,
+         "PROJ": buf.get("y1") is not None, "SAVE_CHIST": buf.get("chist") is not None, "F64": c.dtype.itemsize == 8,
+         "BLOCK_H": block(hidden)})
 
 
 def project(at: tuple[Tensor, int], lengths: Tensor, hp: Tensor, h: Tensor, rmask, zh, keep, y: Tensor, hd: Tensor,
@@ -306,10 +307,11 @@ def project(at: tuple[Tensor, int], lengths: Tensor, hp: Tensor, h: Tensor, rmas
     |hp| <= proj_clip for the backward."""
     dirs, batch, size = h.shape
     clock, j = at
-    _project_kernel[(dirs * batch,)](
+    launch(_project_kernel, (dirs * batch,), (
         clock, j, hd.size(1), batch, dirs, size, lengths, hp, h, present_or(rmask, hp), present_or(zh, hp),
-        present_or(keep, hp), y, hd, numbers, PCLIP=keep is not None,
-        ZH_MASK=zh is not None, RMASK=rmask is not None, F64=h.dtype.itemsize == 8, BLOCK_P=block(size))
+        present_or(keep, hp), y, hd, numbers),
+        {"PCLIP": keep is not None, "ZH_MASK": zh is not None, "RMASK": rmask is not None, "F64": h.dtype.itemsize == 8,
+         "BLOCK_P": block(size)})
 
 
 def project_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tensor, g: Tensor, rmask, zh, keep,
@@ -319,11 +321,11 @@ def project_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Te
     (zeros before the loop's first step)."""
     dirs, batch, size = dh.shape
     clock, j = at
-    _project_backward_kernel[(dirs * batch,)](
-        clock, j, dhp.size(1), batch, dirs, size, lengths, dy, dh, g, parts_stride(g),
-        present_or(rmask, dh), present_or(zh, dh), present_or(keep, dh), dhp, numbers, G_PARTS=parts(g),
-        PCLIP=keep is not None, ZH_MASK=zh is not None, RMASK=rmask is not None, F64=dh.dtype.itemsize == 8,
-        BLOCK_P=block(size))
+    launch(_project_backward_kernel, (dirs * batch,), (
+        clock, j, dhp.size(1), batch, dirs, size, lengths, dy, dh, g, parts_stride(g), present_or(rmask, dh),
+        present_or(zh, dh), present_or(keep, dh), dhp, numbers),
+        {"G_PARTS": parts(g), "PCLIP": keep is not None, "ZH_MASK": zh is not None, "RMASK": rmask is not None,
+         "F64": dh.dtype.itemsize == 8, "BLOCK_P": block(size)})
 
 
 def step_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tensor, dc: Tensor, g: Tensor, rmask,
@@ -337,17 +339,16 @@ def step_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tenso
     dirs, batch, hidden = dc.shape
     dy_step = dy.dim() == 3
     clock, j = at
-    _backward_kernel[(dirs * batch,)](
+    launch(_backward_kernel, (dirs * batch,), (
         clock, j, buf["gates"].size(1), batch, dirs, hidden, lengths, dy, dh, dc, g, parts_stride(g),
-        present_or(rmask, dc),
-        buf["gates"], buf["c1"], c0, present_or(buf.get("chist"), dc), present_or(xp, dc),
+        present_or(rmask, dc), buf["gates"], buf["c1"], c0, present_or(buf.get("chist"), dc), present_or(xp, dc),
         present_or(buf.get("xstat"), dc), present_or(gx, dc), present_or(buf.get("rhat"), dc),
         present_or(buf.get("rrstd"), dc), present_or(buf.get("cstat"), dc), present_or(gh, dc), present_or(gc, dc),
         present_or(bc, dc), present_or(peep, dc), present_or(zc, dc), present_or(zh, dc), grads["dpre"], grads["dr"],
-        *(present_or(grads.get(n), dc) for n in ("pgx", "pb", "pgh", "pgc", "pbc", "ppeep")), numbers,
-        LN=gx is not None, PEEP=peep is not None, CLIP=consts[0] > 0,
-        ZC_MASK=zc is not None, ZH_MASK=zh is not None and not dy_step, G_PARTS=parts(g),
-        RMASK=rmask is not None, DY_STEP=dy_step, SAVE_CHIST=buf.get("chist") is not None,
-        NEED_GX=grads.get("pgx") is not None, NEED_B=grads.get("pb") is not None, NEED_GH=grads.get("pgh") is not None,
-        NEED_GC=grads.get("pgc") is not None, NEED_PEEP=grads.get("ppeep") is not None, F64=dc.dtype.itemsize == 8,
-        BLOCK_H=block(hidden))
+        *(present_or(grads.get(n), dc) for n in ("pgx", "pb", "pgh", "pgc", "pbc", "ppeep")), numbers),
+        {"LN": gx is not None, "PEEP": peep is not None, "CLIP": consts[0] > 0, "ZC_MASK": zc is not None,
+         "ZH_MASK": zh is not None and not dy_step, "G_PARTS": parts(g), "RMASK": rmask is not None, "DY_STEP": dy_step,
+         "SAVE_CHIST": buf.get("chist") is not None, "NEED_GX": grads.get("pgx") is not None,
+         "NEED_B": grads.get("pb") is not None, "NEED_GH": grads.get("pgh") is not None,
+         "NEED_GC": grads.get("pgc") is not None, "NEED_PEEP": grads.get("ppeep") is not None,
+         "F64": dc.dtype.itemsize == 8, "BLOCK_H": block(hidden)})

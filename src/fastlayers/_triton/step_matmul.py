@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from . import cdiv
+from ._launch import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 64
 # inner size per slice (the backward's product: 8 slices at the seed's LSTM, 6 at its GRU)
@@ -116,9 +117,10 @@ def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int] | None = No
     else:
         precision = None
     grid = (cdiv(cols, BLOCK_N), cdiv(rows, BLOCK_M), dirs * count)
-    _kernel[grid](a, b, parts, clock, j, rows, cols, inner, k_slice, a.stride(0), a.stride(1), a.stride(2),
-                  b.stride(0), b.stride(1), parts.stride(0), parts.stride(1), parts.stride(2), SLICES=count,
-                  PRECISION=precision, A_DTYPE=a_dtype if a.dtype != b.dtype or low is not None else None,
-                  WIDEN=widen, F64=b.dtype == torch.float64, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4,
-                  num_stages=2)
+    launch(_kernel, grid, (
+        a, b, parts, clock, j, rows, cols, inner, k_slice, a.stride(0), a.stride(1), a.stride(2), b.stride(0),
+        b.stride(1), parts.stride(0), parts.stride(1), parts.stride(2)),
+        {"SLICES": count, "PRECISION": precision, "A_DTYPE": a_dtype if a.dtype != b.dtype or low is not None else None,
+         "WIDEN": widen, "F64": b.dtype == torch.float64, "BM": BLOCK_M, "BN": BLOCK_N, "BK": BLOCK_K},
+        num_warps=4, num_stages=2)
     return out

@@ -97,7 +97,8 @@ def replays(module, input: Tensor) -> bool:
     without a capture. When not (the first call of a batch size, dtype, device or grad mode, a T
     longer than the captured buffers hold, or entries dropped since), the loops are captured now
     for the next such call, by a capture-only run of the engine on one step (its results unused;
-    a failure warns), and False is returned: this call is cuDNN's.
+    a failure warns), and False is returned: this call is cuDNN's. A call of at most
+    ``_graphs.EAGER_STEPS`` steps is cuDNN's too (the engine would run its loops eagerly).
 
     input: (T, B, F), or (B, T, F) if ``module.batch_first``, or unbatched (T, F); on a device
     where :func:`._graphs.enabled`. Raises nothing (a failed capture warns)."""
@@ -105,6 +106,8 @@ def replays(module, input: Tensor) -> bool:
     if module.batch_first:
         x = x.transpose(0, 1)
     steps, batch, features = x.shape
+    if steps <= _graphs.EAGER_STEPS:  # the engine's loops would run eagerly: torch's kernels serve it
+        return False
     grad = torch.is_grad_enabled() and (input.requires_grad or any(w.requires_grad for w in module._flat_weights))
     sig = (module.mode, batch, features, module.hidden_size, getattr(module, "proj_size", 0), module.num_layers,
            module.bidirectional, module.bias, _precision.dtypes(input), input.device, grad)
@@ -175,7 +178,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     if lens is not None:  # padding is never read: zeros there keep NaN / inf out of dW_ih = dpre^T x
         x = x.masked_fill((torch.arange(longest, device=dev).unsqueeze(1) >= lens).unsqueeze(2), 0)
     for li, dir_params in enumerate(layers):
-        stack = lambda name, use=True: torch.stack([p[name] for p in dir_params]) if use else None  # noqa: E731
+        stack = lambda name, use=True: _stack([p[name] for p in dir_params]) if use else None  # noqa: E731
         has_bias, bias = input_bias(cell, dir_params, stack)
         m = (masks[li] if masks is not None else None) or {}
         rmask = recurrent_mask(m, options, training, (dirs, batch, out_size), x)
@@ -205,7 +208,12 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
             acc.append(s)
     if longest < steps:  # the rows after every sequence's end: zeros, as the packed path's output
         x = F.pad(x, (0, 0, 0, 0, 0, steps - longest))
-    return x, tuple(torch.cat(f) for f in finals)
+    return x, tuple(torch.cat(f) if len(f) > 1 else f[0] for f in finals)
+
+
+def _stack(tensors: list[Tensor]) -> Tensor:
+    """The directions' parameters stacked (D, ...): one direction's is a view (no copy)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
 def _project_input(mm: _precision.Products, x: Tensor, w_ih: Tensor, bias: Tensor | None) -> Tensor:
@@ -269,9 +277,42 @@ def _tf32() -> bool:
     return torch.backends.cuda.matmul.allow_tf32
 
 
+_CONSTANTS: dict[tuple, Tensor] = {}  # read-only tensors the kernels take, per value and device
+_MAX_CONSTANTS = 256  # the cache starts over past it
+
+
+def _constant(key: tuple, make: Callable[[], Tensor]) -> Tensor:
+    """``make()``, kept per ``key`` (which names its values, dtype and device): for the tensors the
+    kernels only read (the loops' copies into captured buffers leave them as they are), so that a
+    small call makes no host-to-device copy or fill for them."""
+    value = _CONSTANTS.get(key)
+    if value is None:
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        value = _CONSTANTS[key] = make()
+    return value
+
+
 def _lengths(lengths: Tensor | None, steps: int, batch: int, like: Tensor) -> Tensor:
     """The lengths as the kernels read them: (B,) int64 on like's device, all T when None."""
-    return lengths if lengths is not None else torch.full((batch,), steps, dtype=torch.int64, device=like.device)
+    if lengths is not None:
+        return lengths
+    return _constant(("lengths", steps, batch, like.device),
+                     lambda: torch.full((batch,), steps, dtype=torch.int64, device=like.device))
+
+
+def _numbers(kernels, consts: tuple, like: Tensor) -> Tensor:
+    """``kernels.scalars(consts, EPS, like)``, kept per value, dtype and device."""
+    return _constant(("numbers", kernels.__name__, consts, like.dtype, like.device),
+                     lambda: kernels.scalars(consts, EPS, like))
+
+
+def _result(loop: _graphs.Loop, t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A result of the loops in ``dtype``: a copy where the loop's buffers are an entry's (the next
+    call replays into the same memory), else the buffer itself when already in ``dtype``."""
+    if loop.captured:
+        return t.to(dtype, copy=True)
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _rows_sum(t: Tensor | None) -> Tensor | None:
@@ -315,7 +356,7 @@ class LSTMLayer(torch.autograd.Function):
                        w_t=mm.operand(w_hh.transpose(1, 2)).contiguous(),
                        w_hr_t=mm.operand(w_hr.transpose(1, 2)).contiguous() if proj else None,
                        gh=gh, gc=gc, bc=bc, peep=peep, rmask=rmask, zc=zc, zh=zh,
-                       lengths=_lengths(lengths, steps, batch, x), numbers=kernels.scalars(consts, EPS, xp))
+                       lengths=_lengths(lengths, steps, batch, x), numbers=_numbers(kernels, consts, xp))
             outs = dict(
                 gates=(*step, gsize), c1=(*step, hidden), hd=(*step, out_size),
                 chist=(*step, hidden) if zc is not None or zc_const else None,
@@ -327,11 +368,11 @@ class LSTMLayer(torch.autograd.Function):
             loop.run("forward", loop.st, _lstm_forward_prologue,
                      lambda st, js: _lstm_forward_steps(kernels, mm, st, consts, js))
             st = loop.st
-        ctx.save_for_backward(*originals, x, w_ih, c0.to(acc), w_hh, w_hr)
+        ctx.save_for_backward(*originals, x, w_ih, c0 if c0.dtype == acc else c0.to(acc), w_hh, w_hr)
         ctx.loop, ctx.mm, ctx.consts, ctx.has_bias = loop, mm, consts, bias is not None
-        # the state and output are copies (the next call replays into the same memory)
-        return (st["y"][:steps].view(steps, batch, dirs * out_size).to(mm.low, copy=True),
-                st["h"].to(mm.low, copy=True), st["c"].to(mm.low, copy=True))
+        # captured: the state and output are copies (the next call replays into the same memory)
+        return (_result(loop, st["y"][:steps].view(steps, batch, dirs * out_size), mm.low),
+                _result(loop, st["h"], mm.low), _result(loop, st["c"], mm.low))
 
     @staticmethod
     def backward(ctx, dy, dh_n, dc_n):
@@ -467,7 +508,7 @@ class GRULayer(torch.autograd.Function):
             step = (dirs, TIME, batch)
             ins = dict(xp=xp, b_ih=b_ih, gx=gx, h=h0.to(acc, copy=True),
                        w_t=mm.operand(w_hh.transpose(1, 2)).contiguous(), b_hh=b_hh, gh=gh, rmask=rmask, zh=zh, lengths=_lengths(lengths, steps, batch, x),
-                       numbers=kernels.scalars(consts[0], EPS, xp))
+                       numbers=_numbers(kernels, consts[0], xp))
             outs = dict(gates=(*step, gsize), hbn=(*step, hidden), hist=(*step, hidden), hd=(*step, hidden),
                         xstat=(*step, 2) if ln else None, rhat=(*step, gsize) if ln else None,
                         rrstd=step if ln else None, y=(TIME, batch, dirs, hidden), r=(dirs, batch, gsize))
@@ -476,8 +517,8 @@ class GRULayer(torch.autograd.Function):
             st = loop.st
         ctx.save_for_backward(*originals, x, w_ih, w_hh)
         ctx.loop, ctx.mm, ctx.has_bias, ctx.consts = loop, mm, (b_ih is not None, b_hh is not None), consts
-        return (st["y"][:steps].view(steps, batch, dirs * hidden).to(mm.low, copy=True),
-                st["h"].to(mm.low, copy=True))
+        return (_result(loop, st["y"][:steps].view(steps, batch, dirs * hidden), mm.low),
+                _result(loop, st["h"], mm.low))
 
     @staticmethod
     def backward(ctx, dy, dh_n):

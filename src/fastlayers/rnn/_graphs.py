@@ -27,8 +27,12 @@ all entries of a device exceed ``FASTLAYERS_CUDA_GRAPHS_MAX_MB`` (default: a qua
 device's memory).
 
 Eager loops run where capture is off or impossible: ``FASTLAYERS_CUDA_GRAPHS=0``, CPU tensors
-(Triton's interpreter), inside a capture of the caller's own, under torch.compile. An eager loop
-has buffers of exactly T steps and launches every step once (clock = [0, T], j = s). A capture
+(Triton's interpreter), inside a capture of the caller's own, under torch.compile; and loops of at
+most ``EAGER_STEPS`` steps (small calls: a cell's step, a short sequence), whose few launches cost
+less than an entry's bookkeeping (copies into its buffers, the clock) and a chunk's replay, whose
+CHUNK steps all launch on the device even where T is 2. An eager loop has buffers of exactly T
+steps and launches every step once (clock = [0, T], a constant tensor kept per device and T for
+the small T; j = s). A capture
 that fails warns and runs that loop eagerly on the entry's buffers (the key is not captured
 again in this process).
 
@@ -56,6 +60,7 @@ MAX_MB = "FASTLAYERS_CUDA_GRAPHS_MAX_MB"
 TIME = "T"  # in a buffer's shape: its time dimension (the loop's T eagerly, an entry's capacity captured)
 CHUNK = 32  # steps per captured chunk (to measure on the GPU: benchmarks/bench_gpu_random_t.py --chunk)
 GROWTH = 1.125  # a key's capacity grows at least this much (memory held <= GROWTH x the longest T + CHUNK)
+EAGER_STEPS = 4  # loops of at most this many steps run eagerly (to measure on the GPU: bench_overhead.py --device cuda)
 Chunk = Callable[[dict[str, Any], Iterable[int]], None]
 
 _entries: "OrderedDict[tuple, list[_Entry]]" = OrderedDict()  # least recently used first
@@ -63,6 +68,7 @@ _capacity: dict[tuple, int] = {}  # per key: the capacity of its newest entry
 _broken: set[tuple] = set()  # keys whose capture failed: eager from then on
 _lock = threading.Lock()
 _state = threading.local()  # .emulated (tests), .preparing (capacity of a capture-only call)
+_clocks: dict[tuple, Tensor] = {}  # (device, T) -> int32 [0, T], read-only: the clocks of small eager loops
 stats = {"captures": 0, "evicted": 0, "grown": 0, "replays": 0, "failed": 0}  # since import
 generation = 0  # bumped whenever an entry is dropped: what _engine_gpu's readiness records check
 
@@ -241,7 +247,8 @@ class Loop:
                 stats["replays"] += count
                 return
         prologue(st)
-        _set_clock(clock, 0, steps)
+        if entry is not None:  # an entry's clock (capture failed); an eager loop's is [0, T] already
+            _set_clock(clock, 0, steps)
         chunk(st, range(steps - 1, -1, -1) if reverse else range(steps))
 
     def _capture(self, part: tuple, st: dict[str, Any], chunk: Chunk, reverse: bool) -> Any:
@@ -287,10 +294,11 @@ def open(owner: object | None, key: tuple, steps: int, ins: dict[str, Tensor | N
     assert like is not None
     time_dims = time_dims or {}
     prepare_steps = getattr(_state, "preparing", None)
-    entry = _claim(key, max(steps, prepare_steps or 0), ins, outs, time_dims) if enabled(like) else None
+    most = max(steps, prepare_steps or 0)
+    entry = _claim(key, most, ins, outs, time_dims) if most > EAGER_STEPS and enabled(like) else None
     if entry is None:
         st: dict[str, Any] = {**ins, **{k: _empty(like, s, steps) for k, s in outs.items()}}
-        st["clock"] = torch.empty(2, dtype=torch.int32, device=like.device)
+        st["clock"] = _clock(like.device, steps)
         return Loop(None, st, steps, like.device, _time_dims(outs, time_dims))
     st = {k: _fill(entry.buffers[k], v, time_dims.get(k), steps) if v is not None else None for k, v in ins.items()}
     st.update({k: entry.buffers[k] if s is not None else None for k, s in outs.items()})
@@ -369,6 +377,18 @@ def _fill(buffer: Tensor, value: Tensor, time_dim: int | None, steps: int) -> Te
     dimension); returns the buffer."""
     (buffer if time_dim is None else buffer.narrow(time_dim, 0, steps)).copy_(value)
     return buffer
+
+
+def _clock(device: torch.device, steps: int) -> Tensor:
+    """An eager loop's clock, int32 [0, steps] on ``device`` (the loops only read it): kept for T up
+    to CHUNK (a small call makes no host-to-device copy), made per call for longer loops."""
+    if steps > CHUNK:
+        return torch.tensor([0, steps], dtype=torch.int32).to(device, non_blocking=True)
+    key = (device, steps)
+    clock = _clocks.get(key)
+    if clock is None:
+        clock = _clocks.setdefault(key, torch.tensor([0, steps], dtype=torch.int32).to(device))
+    return clock
 
 
 def _set_clock(clock: Tensor, first: int, steps: int) -> None:
