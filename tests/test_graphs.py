@@ -134,6 +134,24 @@ def test_small_loops_run_eagerly(monkeypatch, reverse):
         assert loop.captured and claimed == [8]
 
 
+def test_constants_are_kept_but_made_anew_inside_a_callers_capture(monkeypatch):
+    """_graphs.constant keeps a read-only tensor per key; while the current CUDA stream captures (a
+    graph of the caller's own, which records a fill without running it) each call makes its own."""
+    made = []
+
+    def make():
+        made.append(torch.zeros(2))
+        return made[-1]
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    first = _graphs.constant(("test", 1), make, cuda)
+    assert _graphs.constant(("test", 1), make, cuda) is first and len(made) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    inside = [_graphs.constant(("test", 1), make, cuda) for _ in range(2)]
+    assert len(made) == 3 and inside[0] is made[1] and inside[1] is made[2]
+
+
 def test_captures_and_memory_do_not_grow_with_the_number_of_distinct_t():
     """200 calls with T drawn from [10, 100] (about 90 distinct T): a capture per growth of the
     capacity only, one entry, its memory that of at most GROWTH x the longest T plus a chunk."""

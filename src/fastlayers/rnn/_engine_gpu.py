@@ -277,34 +277,18 @@ def _tf32() -> bool:
     return torch.backends.cuda.matmul.allow_tf32
 
 
-_CONSTANTS: dict[tuple, Tensor] = {}  # read-only tensors the kernels take, per value and device
-_MAX_CONSTANTS = 256  # the cache starts over past it
-
-
-def _constant(key: tuple, make: Callable[[], Tensor]) -> Tensor:
-    """``make()``, kept per ``key`` (which names its values, dtype and device): for the tensors the
-    kernels only read (the loops' copies into captured buffers leave them as they are), so that a
-    small call makes no host-to-device copy or fill for them."""
-    value = _CONSTANTS.get(key)
-    if value is None:
-        if len(_CONSTANTS) >= _MAX_CONSTANTS:
-            _CONSTANTS.clear()
-        value = _CONSTANTS[key] = make()
-    return value
-
-
 def _lengths(lengths: Tensor | None, steps: int, batch: int, like: Tensor) -> Tensor:
     """The lengths as the kernels read them: (B,) int64 on like's device, all T when None."""
     if lengths is not None:
         return lengths
-    return _constant(("lengths", steps, batch, like.device),
-                     lambda: torch.full((batch,), steps, dtype=torch.int64, device=like.device))
+    return _graphs.constant(("lengths", steps, batch, like.device),
+                            lambda: torch.full((batch,), steps, dtype=torch.int64, device=like.device), like.device)
 
 
 def _numbers(kernels, consts: tuple, like: Tensor) -> Tensor:
-    """``kernels.scalars(consts, EPS, like)``, kept per value, dtype and device."""
-    return _constant(("numbers", kernels.__name__, consts, like.dtype, like.device),
-                     lambda: kernels.scalars(consts, EPS, like))
+    """``kernels.scalars(consts, EPS, like)``, a :func:`._graphs.constant`."""
+    return _graphs.constant(("numbers", kernels.__name__, consts, like.dtype, like.device),
+                            lambda: kernels.scalars(consts, EPS, like), like.device)
 
 
 def _result(loop: _graphs.Loop, t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -31,8 +31,7 @@ Eager loops run where capture is off or impossible: ``FASTLAYERS_CUDA_GRAPHS=0``
 most ``EAGER_STEPS`` steps (small calls: a cell's step, a short sequence), whose few launches cost
 less than an entry's bookkeeping (copies into its buffers, the clock) and a chunk's replay, whose
 CHUNK steps all launch on the device even where T is 2. An eager loop has buffers of exactly T
-steps and launches every step once (clock = [0, T], a constant tensor kept per device and T for
-the small T; j = s). A capture
+steps and launches every step once (clock = [0, T], a :func:`constant` for the small T; j = s). A capture
 that fails warns and runs that loop eagerly on the entry's buffers (the key is not captured
 again in this process).
 
@@ -68,7 +67,8 @@ _capacity: dict[tuple, int] = {}  # per key: the capacity of its newest entry
 _broken: set[tuple] = set()  # keys whose capture failed: eager from then on
 _lock = threading.Lock()
 _state = threading.local()  # .emulated (tests), .preparing (capacity of a capture-only call)
-_clocks: dict[tuple, Tensor] = {}  # (device, T) -> int32 [0, T], read-only: the clocks of small eager loops
+_constants: dict[tuple, Tensor] = {}  # read-only tensors the loops take (see constant)
+_MAX_CONSTANTS = 256  # the cache of constants starts over past it
 stats = {"captures": 0, "evicted": 0, "grown": 0, "replays": 0, "failed": 0}  # since import
 generation = 0  # bumped whenever an entry is dropped: what _engine_gpu's readiness records check
 
@@ -379,16 +379,29 @@ def _fill(buffer: Tensor, value: Tensor, time_dim: int | None, steps: int) -> Te
     return buffer
 
 
+def constant(key: tuple, make: Callable[[], Tensor], device: torch.device) -> Tensor:
+    """``make()``, a tensor on ``device`` that the loops only read (an eager loop's clock, the
+    kernels' scalars), kept per ``key`` (which names its values, dtype and device) so that a small
+    call makes no host-to-device copy or fill for it. Made anew inside a CUDA graph capture of the
+    caller's own: a capture records the fill without running it, and the caller's graph must own
+    the memory it reads."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return make()
+    value = _constants.get(key)
+    if value is None:
+        if len(_constants) >= _MAX_CONSTANTS:
+            _constants.clear()
+        value = _constants[key] = make()
+    return value
+
+
 def _clock(device: torch.device, steps: int) -> Tensor:
-    """An eager loop's clock, int32 [0, steps] on ``device`` (the loops only read it): kept for T up
-    to CHUNK (a small call makes no host-to-device copy), made per call for longer loops."""
-    if steps > CHUNK:
+    """An eager loop's clock, int32 [0, steps] on ``device``: a :func:`constant` for T up to CHUNK,
+    made per call for longer loops."""
+    def make() -> Tensor:
         return torch.tensor([0, steps], dtype=torch.int32).to(device, non_blocking=True)
-    key = (device, steps)
-    clock = _clocks.get(key)
-    if clock is None:
-        clock = _clocks.setdefault(key, torch.tensor([0, steps], dtype=torch.int32).to(device))
-    return clock
+
+    return constant(("clock", steps, device), make, device) if steps <= CHUNK else make()
 
 
 def _set_clock(clock: Tensor, first: int, steps: int) -> None:
