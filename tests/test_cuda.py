@@ -350,3 +350,45 @@ def test_small_layer_calls_on_cuda_run_eagerly_and_equal_the_reference():
         module(torch.randn(_graphs.EAGER_STEPS + 1, 2, 4, dtype=torch.float64, device=DEV))
         assert _graphs.stats["captures"] > captures
         module.cpu()
+
+
+@pytest.mark.parametrize("mode,opts", [
+    ("LSTM", dict(layer_norm=True)),
+    ("LSTM", dict(proj_size=3, proj_clip=0.2, layer_norm=True, peephole=True, cell_clip=0.3, zoneout=(0.1, 0.2))),
+    ("GRU", dict(layer_norm=True, zoneout=0.3)),
+])
+def test_cells_with_options_on_cuda_run_the_step_kernels_and_equal_the_equations(mode, opts, monkeypatch):
+    """LSTMCell / GRUCell with options on CUDA (issue 42's cell rows): one step on the layers' step
+    kernels (rnn/_cell_gpu.py), the per-step equations' values and gradients in float64; float32
+    without autograd close to them."""
+    from fastlayers.rnn import _cell_gpu
+
+    calls = []
+    original = _cell_gpu.step
+    monkeypatch.setattr(_cell_gpu, "step", lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    cell = getattr(fastlayers, mode + "Cell")(6, 5, **opts).double().to(DEV).eval()
+    size = opts.get("proj_size", 0) or 5
+    x = torch.randn(4, 6, dtype=torch.float64, device=DEV)
+    hx = (torch.randn(4, size, dtype=torch.float64, device=DEV), torch.randn(4, 5, dtype=torch.float64, device=DEV))
+    hx = hx if mode == "LSTM" else hx[1]
+    params = dict(cell.named_parameters())
+
+    def fn(x, *states_and_params):
+        states, values = states_and_params[:len(hx) if mode == "LSTM" else 1], states_and_params[-len(params):]
+        return torch.func.functional_call(cell, dict(zip(params, values)), (x, states if mode == "LSTM" else states[0]))
+
+    inputs = (x, *(hx if mode == "LSTM" else (hx,)), *params.values())
+    got = _grads(fn, *inputs)
+    assert len(calls) == 1
+    with fastlayers.backend("reference"):
+        want = _grads(fn, *inputs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    cell.float()
+    with torch.no_grad():
+        got = cell(x.float())
+        with fastlayers.backend("reference"):
+            want = cell(x.float())
+    for a, b in zip(got if mode == "LSTM" else (got,), want if mode == "LSTM" else (want,)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

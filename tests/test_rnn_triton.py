@@ -485,3 +485,78 @@ def test_small_calls_run_eagerly(cell, chunked, monkeypatch):
     assert not replays(ours, torch.randn(4, B, F, dtype=torch.float64))
     assert chunked.stats["captures"] == 0
 
+
+
+CELL_OPTIONS = [
+    ("LSTM", dict(layer_norm=True)),
+    ("LSTM", dict(peephole=True, cell_clip=0.3, zoneout=(0.2, 0.3))),
+    ("LSTM", dict(proj_size=3, proj_clip=0.2, layer_norm=True, peephole=True, zoneout=(0.1, 0.2))),
+    ("LSTM", dict(layer_norm=True, peephole=True, cell_clip=0.2, zoneout=(0.3, 0.1), recurrent_dropout=0.2)),
+    ("GRU", dict(layer_norm=True)),
+    ("GRU", dict(layer_norm=True, zoneout=0.3, recurrent_dropout=0.3)),
+]
+
+
+@pytest.mark.parametrize("mode,opts", CELL_OPTIONS)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_cells_with_options_on_the_step_kernels_equal_the_equations(mode, opts, training, monkeypatch):
+    """LSTMCell / GRUCell with options and the backend "triton": one step on the layers' step
+    kernels (rnn/_cell_gpu.py), equal to the per-step equations (backend "reference") in the new
+    states and the gradients of the input, both states and every parameter; training zoneout
+    draws the same masks from the same seed; a recurrent mask; bias on and off."""
+    from fastlayers.rnn import _cell_gpu
+
+    calls = []
+    original = _cell_gpu.step
+    monkeypatch.setattr(_cell_gpu, "step", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for bias in (True, False):
+        torch.manual_seed(0)
+        cell = getattr(fastlayers, mode + "Cell")(F, H, bias=bias, **opts).double().train(training)
+        with torch.no_grad():  # LayerNorm gains and biases off their initial 1 / 0
+            for p in cell.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        size = opts.get("proj_size", 0) or H
+        x = torch.randn(B, F, dtype=torch.float64, requires_grad=True)
+        states = [torch.randn(B, size, dtype=torch.float64, requires_grad=True)]
+        if mode == "LSTM":
+            states.append(torch.randn(B, H, dtype=torch.float64, requires_grad=True))
+        hx = tuple(states) if mode == "LSTM" else states[0]
+        mask = cell.recurrent_mask(B)
+        assert (mask is not None) == (training and "recurrent_dropout" in opts)
+        results = []
+        for backend in ("triton", "reference"):
+            with fastlayers.backend(backend):
+                torch.manual_seed(5)
+                out = cell(x, hx, recurrent_mask=mask)
+            outs = out if isinstance(out, tuple) else (out,)
+            loss = sum((s * torch.linspace(-1, 1, s.numel(), dtype=s.dtype).view_as(s)).sum() for s in outs)
+            results.append([*outs, *torch.autograd.grad(loss, [x, *states, *cell.parameters()])])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_cells_on_the_step_kernels_differentiate_twice_and_serve_no_grad_calls(mode):
+    """gradcheck and gradgradcheck of a cell with options on the step kernels (a recorded backward
+    differentiates the equations); without autograd, float32, the same states as the equations."""
+    from torch.autograd import gradcheck, gradgradcheck
+
+    torch.manual_seed(0)
+    opts = dict(layer_norm=True, peephole=True, cell_clip=0.5, proj_size=2, zoneout=(0.2, 0.1)) if mode == "LSTM" \
+        else dict(layer_norm=True, zoneout=0.2)
+    cell = getattr(fastlayers, mode + "Cell")(3, 4, **opts).double().eval()
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    w = cell.weight_hh.detach().clone().requires_grad_(True)
+    fn = lambda x, w: torch.func.functional_call(cell, {"weight_hh": w}, (x,))  # noqa: E731
+    with fastlayers.backend("triton"):
+        assert gradcheck(fn, (x, w), fast_mode=True) and gradgradcheck(fn, (x, w), fast_mode=True)
+    cell = cell.float()
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        with fastlayers.backend("triton"):
+            got = cell(x)
+        with fastlayers.backend("reference"):
+            want = cell(x)
+    for a, b in zip(got if mode == "LSTM" else (got,), want if mode == "LSTM" else (want,)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

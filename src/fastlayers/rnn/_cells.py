@@ -6,7 +6,9 @@ Legend: B batch, F = input_size, H = hidden_size, P = proj_size if > 0 else H (L
 views, so both give bitwise-equal steps for equal parameters: options off, torch's fused cell
 kernels (``torch._VF.lstm_cell`` / ``gru_cell`` / ``rnn_*_cell``, what torch.nn's cells run);
 any option on, the engine's per-step equations (:func:`._engine_reference.lstm_cell_step` /
-``gru_cell_step``, written from the papers) and zoneout.
+``gru_cell_step``, written from the papers) and zoneout: as torch ops, or, with the same
+equations, as the C++ operator over one step (CPU, no autograd) or the layers' Triton step kernels
+(:mod:`._cell_gpu`: CUDA, forward and backward).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 from .. import _ops_lib, _precision
 from .._backend import cpu_kernels, select
 from .._jit import NotScriptable
+from . import _cell_gpu
 from ._engine_reference import gru_cell_step, lstm_cell_step
 from ._options import CellOptions
 from ._validate import check_cell, check_mask
@@ -43,6 +46,8 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
             return (torch._VF.gru_cell(x, states[0], *args),)
         cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
         return (cell(x, states[0], *args),)
+    if mode != "RNN" and _cell_gpu.serves(mode, x) and (recurrent_mask is None or not recurrent_mask.requires_grad):
+        return _cell_gpu.step(mode, x, states, params, options, training, recurrent_mask)  # the Triton step kernels
     if mode != "RNN" and _ops_lib.serves(x) and _on_operator(mode, x):  # no autograd: the layer's C++ operator
         # over one step (the C kernels' backend: a forced "reference" keeps the equations below)
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
@@ -182,7 +187,8 @@ _CELL_DOC = """
     under ``torch.autocast`` runs the low-precision rule of :mod:`fastlayers._precision` when an
     option is on). Options off: torch's cell kernel, exactly torch.nn.{name}. Options on: the
     fastlayers engine's step equations (see :class:`fastlayers.{layer}`), the same function as
-    ``fastlayers.{layer}(...).cell(layer, direction)``.
+    ``fastlayers.{layer}(...).cell(layer, direction)``; on CUDA in float32 / float64 the layers'
+    Triton step kernel (forward and backward, one launch each beside torch's GEMMs).
 
     Errors: for every input torch.nn.{name} rejects, an instance of torch's class whose message
     starts with torch's message for it (its Python checks, then its kernel's: ``input has
