@@ -36,11 +36,18 @@ demo: setup
 # One pytest process per core (pytest-xdist; each takes one torch thread, tests/conftest.py), a
 # file's tests in one process (--dist loadfile). The poisoned pass runs the two interpreter files
 # under the newest Triton (so each Triton runs them once, and the poisoning checks the kernels
-# under both), its other files under the venv's. Last, the static checks beside the dry run.
+# under both), its other files under the venv's; those files' driver tests (marker "driver": the
+# engine's Python over the same kernels) run in that pass only. Last, the static checks beside the
+# dry run.
+# The first pass hands out the longest files first (xdist would start with the files of most tests,
+# leaving test_install.py, one test of about 3 minutes, for the end); every file is named, in order.
 POISONED := --poison-memory -m "not subprocess and not compile and not reference_only"
 INTERPRETER_TESTS := tests/test_triton.py tests/test_rnn_triton.py
+LONGEST_FIRST := tests/test_train.py tests/test_install.py tests/test_rnn_triton.py tests/test_kernel_failures.py \
+	tests/test_onnx.py tests/test_second_order.py
+ORDERED_TESTS := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
 test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
-	$(PYTEST) --dist loadfile
+	$(PYTEST) --dist loadfile --no-loadscope-reorder -m "not driver" $(ORDERED_TESTS)
 	$(PYTEST) --dist loadfile $(POISONED) $(addprefix --ignore=,$(INTERPRETER_TESTS))
 	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PYTEST) --dist load $(POISONED) $(INTERPRETER_TESTS)
 	PYTHON=$(BIN)/python NEWEST=$(TRITON_NEWEST_DIR) benchmarks/gpu_check_cpu.sh
