@@ -31,24 +31,26 @@ demo: setup
 	$(BIN)/fastlayers demo
 	$(BIN)/fastlayers demo local
 
-# The suite twice: as is, then with uninitialised memory poisoned (torch.empty & co. filled with NaN,
-# deterministic algorithms on), so a kernel or module that reads memory nobody wrote fails a test.
-# One pytest process per core (pytest-xdist; each takes one torch thread, tests/conftest.py), a
-# file's tests in one process (--dist loadfile). The poisoned pass runs the two interpreter files
-# under the newest Triton (so each Triton runs them once, and the poisoning checks the kernels
-# under both), its other files under the venv's; those files' driver tests (marker "driver": the
-# engine's Python over the same kernels) run in that pass only. Last, the static checks beside the
-# dry run.
-# The first pass hands out the longest files first (xdist would start with the files of most tests,
-# leaving test_install.py, one test of about 3 minutes, for the end); every file is named, in order.
+# Every test runs once where it checks most, the interpreter's kernel tests once under each Triton.
+# Poisoned: uninitialised memory filled with NaN (torch.empty & co.) and deterministic algorithms on,
+# so a kernel or module that reads memory nobody wrote fails a test; every test runs so but those
+# the poisoning cannot reach or adds nothing to (markers subprocess, compile, reference_only), which
+# run as they are, with the kernel tests of the two interpreter files under the venv's Triton (3.6).
+# Those two files run poisoned under the newest Triton, their driver tests (marker driver: the
+# engine's Python over the same kernels) there only. One pytest process per core (pytest-xdist;
+# each takes one torch thread, tests/conftest.py), a file's tests in one process (--dist loadfile),
+# the longest files handed out first (xdist would start with the files of most tests, leaving
+# test_install.py, one test of about 3 minutes, for the end): every file named, in order. Last, the
+# static checks beside the dry run.
+AS_IS := -m "(subprocess or compile or reference_only or interpreter) and not driver"
 POISONED := --poison-memory -m "not subprocess and not compile and not reference_only"
 INTERPRETER_TESTS := tests/test_triton.py tests/test_rnn_triton.py
 LONGEST_FIRST := tests/test_train.py tests/test_install.py tests/test_rnn_triton.py tests/test_kernel_failures.py \
 	tests/test_onnx.py tests/test_second_order.py
 ORDERED_TESTS := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
 test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
-	$(PYTEST) --dist loadfile --no-loadscope-reorder -m "not driver" $(ORDERED_TESTS)
-	$(PYTEST) --dist loadfile $(POISONED) $(addprefix --ignore=,$(INTERPRETER_TESTS))
+	$(PYTEST) --dist loadfile --no-loadscope-reorder $(AS_IS) $(ORDERED_TESTS)
+	$(PYTEST) --dist loadfile --no-loadscope-reorder $(POISONED) $(filter-out $(INTERPRETER_TESTS),$(ORDERED_TESTS))
 	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PYTEST) --dist load $(POISONED) $(INTERPRETER_TESTS)
 	PYTHON=$(BIN)/python NEWEST=$(TRITON_NEWEST_DIR) benchmarks/gpu_check_cpu.sh
 

@@ -44,7 +44,7 @@ from fastlayers.rnn._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 
 from bench_gpu_local import Timer  # CUDA events on the GPU, perf_counter elsewhere
 
-SIZES = {"seed": (512, 256, 800, 32), "small": (6, 5, 7, 3)}  # input_size, hidden, T, B
+SIZES = {"seed": (512, 256, 800, 32), "small": (6, 5, 5, 3)}  # input_size, hidden, T, B
 OPTIONS = {  # label -> (cell, fastlayers kwargs)
     "LSTM layer_norm": ("LSTM", dict(layer_norm=True)),
     "LSTM layer_norm + peephole + cell_clip": ("LSTM", dict(layer_norm=True, peephole=True, cell_clip=3.0)),

@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 newest=${NEWEST:?NEWEST=DIR: the newest Triton, installed with pip --target DIR}
-lane1_steps=${LANE1_STEPS:-remat}  # with the static sets, about as long as the other steps together
+lane1_steps=${LANE1_STEPS:-remat engine_sweep}  # with the static sets, about as long as the other steps together
 logs=$(mktemp -d)
 
 {

@@ -24,8 +24,9 @@ from fastlayers.rnn._options import CellOptions  # noqa: E402
 
 from rnn_helpers import assert_close_all, make_hx, make_pair, run_and_grad, torch_packed  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="no GPU and Triton's interpreter is off")
+pytestmark = [pytest.mark.interpreter,  # (make test: under both Tritons)
+              pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="no GPU and Triton's interpreter is off")]
 
 T, B, F, H, D, L = 5, 3, 4, 5, 2, 2
 LENGTHS = torch.tensor([3, 5, 1])  # unsorted, one sequence of length 1

@@ -17,8 +17,9 @@ from fastlayers.functional import attention_pool, locally_connected1d, locally_c
 
 from test_local import GEOMETRIES, _random, loop_reference  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-                                reason="no GPU and Triton's interpreter is off")
+pytestmark = [pytest.mark.interpreter,  # (make test: under both Tritons)
+              pytest.mark.skipif(not torch.cuda.is_available()
+                                 and __import__("os").environ.get("TRITON_INTERPRET") != "1", reason="no GPU and Triton's interpreter is off")]
 
 
 def _grads(fn, *inputs):

@@ -39,16 +39,17 @@ _DTYPES = (torch.float32, torch.float64)
 
 def serves(mode: str, x: Tensor) -> bool:
     """Whether :func:`step` runs this call of a cell with options (module docstring)."""
+    if not x.is_cuda:  # CPU tensors: Triton's interpreter, only where "triton" is forced (select may refuse it)
+        chosen = forced()
+        if chosen is None or chosen[0] != "triton":
+            return False
     if x.dtype not in _DTYPES or x.size(0) == 0 or torch.jit.is_tracing() or torch.compiler.is_compiling() \
             or torch._C._are_functorch_transforms_active():  # (torch.func.vmap / grad: torch ops)
         return False
     if torch.is_autocast_enabled(x.device.type):
         return False
     op = mode.lower()
-    if x.is_cuda:
-        return triton_kernels(op, x)
-    chosen = forced()  # CPU tensors: Triton's interpreter, only where "triton" is forced (select may refuse it)
-    return chosen is not None and chosen[0] == "triton" and select(op, x) == "triton"
+    return triton_kernels(op, x) if x.is_cuda else select(op, x) == "triton"
 
 
 def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Tensor], options: CellOptions,

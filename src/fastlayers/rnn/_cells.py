@@ -46,11 +46,11 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
             return (torch._VF.gru_cell(x, states[0], *args),)
         cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
         return (cell(x, states[0], *args),)
-    if mode != "RNN" and _cell_gpu.serves(mode, x) and (recurrent_mask is None or not recurrent_mask.requires_grad):
-        return _cell_gpu.step(mode, x, states, params, options, training, recurrent_mask)  # the Triton step kernels
     if mode != "RNN" and _ops_lib.serves(x) and _on_operator(mode, x):  # no autograd: the layer's C++ operator
         # over one step (the C kernels' backend: a forced "reference" keeps the equations below)
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
+    if mode != "RNN" and _cell_gpu.serves(mode, x) and (recurrent_mask is None or not recurrent_mask.requires_grad):
+        return _cell_gpu.step(mode, x, states, params, options, training, recurrent_mask)  # the Triton step kernels
     mm = _precision.Products.of(x)
     h_in = states[0] * recurrent_mask if recurrent_mask is not None else states[0]
     if mode == "LSTM":
