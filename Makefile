@@ -31,22 +31,22 @@ demo: setup
 	$(BIN)/fastlayers demo
 	$(BIN)/fastlayers demo local
 
-# Every test runs once where it checks most, the interpreter's kernel tests once under each Triton.
-# Poisoned: uninitialised memory filled with NaN (torch.empty & co.) and deterministic algorithms on,
-# so a kernel or module that reads memory nobody wrote fails a test; every test runs so but those
-# the poisoning cannot reach or adds nothing to (markers subprocess, compile, reference_only), which
-# run as they are, with the kernel tests of the two interpreter files under the venv's Triton (3.6).
-# Those two files run poisoned under the newest Triton, their driver tests (marker driver: the
-# engine's Python over the same kernels) there only. One pytest process per core (pytest-xdist;
-# each takes one torch thread, tests/conftest.py), a file's tests in one process (--dist loadfile),
-# the longest files handed out first (xdist would start with the files of most tests, leaving
-# test_install.py, one test of about 3 minutes, for the end): every file named, in order. Last, the
-# static checks beside the dry run.
-AS_IS := -m "(subprocess or compile or reference_only or interpreter) and not driver"
+# Every test runs once where it checks most. Poisoned: uninitialised memory filled with NaN
+# (torch.empty & co.) and deterministic algorithms on, so a kernel or module that reads memory
+# nobody wrote fails a test; every test runs so but those the poisoning cannot reach or adds nothing
+# to (markers subprocess, compile, reference_only), which run as they are. The two interpreter
+# files (the Triton kernels on CPU tensors) run poisoned under the newest Triton; their tests
+# marked each_triton (one per kernel family) also as they are under the venv's (3.6.0, the GPU
+# machines' release, whose compiles for sm_90a and sm_80 gpu_static.py checks). One pytest process
+# per core (pytest-xdist; each takes one torch thread, tests/conftest.py), a file's tests in one
+# process (--dist loadfile), the longest files handed out first (xdist would start with the files
+# of most tests, leaving test_install.py, one test of about 3 minutes, for the end): every file
+# named, in order. Last, the static checks beside the dry run.
+AS_IS := -m "subprocess or compile or reference_only or each_triton"
 POISONED := --poison-memory -m "not subprocess and not compile and not reference_only"
 INTERPRETER_TESTS := tests/test_triton.py tests/test_rnn_triton.py
-LONGEST_FIRST := tests/test_train.py tests/test_install.py tests/test_rnn_triton.py tests/test_kernel_failures.py \
-	tests/test_onnx.py tests/test_second_order.py
+LONGEST_FIRST := tests/test_train.py tests/test_install.py tests/test_onnx.py tests/test_second_order.py \
+	tests/test_kernel_failures.py tests/test_rnn_triton.py tests/test_aoti.py tests/test_compile.py tests/test_readme.py
 ORDERED_TESTS := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
 test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
 	$(PYTEST) --dist loadfile --no-loadscope-reorder $(AS_IS) $(ORDERED_TESTS)

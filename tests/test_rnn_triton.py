@@ -4,9 +4,8 @@ the float64 per-step reference (every cell option, training masks passed in, eva
 unsorted lengths with a length-1 sequence, hx, both directions, 2 layers, projection), torch.nn
 equality with the options off, and the modules as constructed with the backend forced; its loops
 eagerly and as captured chunks of steps replayed for any T (rnn/_graphs.py, replays run on CPU);
-the cells with options on the same step kernels (rnn/_cell_gpu.py). Tests marked ``driver`` check
-the Python around the kernels (captures, checkpoint_every, the modules' dispatch): make test runs
-them once, in its poisoned pass under the newest Triton."""
+the cells with options on the same step kernels (rnn/_cell_gpu.py). make test runs this file
+poisoned under the newest Triton, the tests marked ``each_triton`` also under Triton 3.6.0."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ from fastlayers.rnn._options import CellOptions  # noqa: E402
 
 from rnn_helpers import assert_close_all, make_hx, make_pair, run_and_grad, torch_packed  # noqa: E402
 
-pytestmark = [pytest.mark.interpreter,  # (make test: under both Tritons)
-              pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="no GPU and Triton's interpreter is off")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="no GPU and Triton's interpreter is off")
 
 T, B, F, H, D, L = 5, 3, 4, 5, 2, 2
 LENGTHS = torch.tensor([3, 5, 1])  # unsorted, one sequence of length 1
@@ -119,6 +117,7 @@ CASES = [  # (cell, options, proj_size, training with masks)
 ]
 
 
+@pytest.mark.each_triton
 @pytest.mark.parametrize("cell, opts, proj, training", CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_engine_matches_the_float64_reference(cell, opts, proj, training):
@@ -133,7 +132,6 @@ def test_engine_matches_the_float64_reference(cell, opts, proj, training):
     assert torch.equal(y[3:, 0], torch.zeros_like(y[3:, 0])) and torch.equal(y[1:, 2], torch.zeros_like(y[1:, 2]))
 
 
-@pytest.mark.driver
 @pytest.mark.parametrize("case, k", [(4, 2), (1, 7), (6, 2)],
                          ids=["LSTM-training-masks-k2", "LSTM-options-k7", "GRU-training-masks-k2"])
 def test_checkpoint_every_through_the_triton_engine(case, k):
@@ -155,7 +153,6 @@ def test_checkpoint_every_through_the_triton_engine(case, k):
                  _run(engine, x, hx, layers, LENGTHS, opts, training, masks), 1e-12)
 
 
-@pytest.mark.driver
 @pytest.mark.parametrize("case, k, lengths, needs", [(2, 3, None, None), (3, 2, LENGTHS, (False, True)),
                                                     (7, 4, None, (True, False))],
                          ids=["LSTM-proj-training-masks-k3-no-lengths", "LSTM-proj-eval-zoneout-k2-no-x-grad",
@@ -192,7 +189,6 @@ def test_checkpoint_every_runs_both_directions_in_one_triton_call(case, k, lengt
     assert len(shapes) == 2 * segments and all(len(shape) == 4 and shape[0] == D for shape in shapes)
 
 
-@pytest.mark.driver
 def test_per_direction_inputs_refuse_second_derivatives():
     """The engine with an input per direction (what checkpoint_every's segments run) says it cannot
     differentiate twice rather than returning a wrong or zero second derivative."""
@@ -242,6 +238,7 @@ def test_float32_engine_with_the_recurrent_product_in_slices(cell, monkeypatch):
     _assert_same(got, want, 2e-5)
 
 
+@pytest.mark.each_triton
 @pytest.mark.parametrize("slices, dtype", [(1, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
 def test_step_matmul_partial_sums_add_up_to_the_product(slices, dtype):
     """out (S, D, M, N): S partial products of a step of a (D, T, M, K) buffer and w (D, K, N),
@@ -300,7 +297,6 @@ def test_options_off_equal_torch_nn_with_lengths(mode):
     assert_close_all(got, want, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.driver
 @pytest.mark.parametrize("cls, kwargs", [
     (fastlayers.LSTM, dict(layer_norm=True, peephole=True, cell_clip=1.0, batch_first=True, bidirectional=True)),
     (fastlayers.LSTM, dict(layer_norm=True, proj_size=3, num_layers=2, zoneout=0.1)),
@@ -319,7 +315,6 @@ def test_module_as_constructed_forced_triton_equals_reference(cls, kwargs):
     assert_close_all(got, want, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.driver
 def test_module_forced_triton_runs_the_triton_layer():
     module = fastlayers.LSTM(F, H, layer_norm=True).double()
     x = torch.randn(T, B, F, dtype=torch.float64)
@@ -328,7 +323,6 @@ def test_module_forced_triton_runs_the_triton_layer():
     assert type(out.grad_fn).__name__ == "LSTMLayerBackward"
 
 
-@pytest.mark.driver
 def test_plain_module_with_lengths_stays_on_torch_when_triton_is_forced():
     ours, ref = make_pair("LSTM", F, H, dtype=torch.float64)
     x = torch.randn(T, B, F, dtype=torch.float64)
@@ -338,7 +332,6 @@ def test_plain_module_with_lengths_stays_on_torch_when_triton_is_forced():
     assert type(out.grad_fn).__name__ != "LSTMLayerBackward"
 
 
-@pytest.mark.driver
 def test_dropout_between_layers_is_drawn_from_the_seed():
     """dropout between layers in training: F.dropout of the layer output (the global generator)."""
     module = fastlayers.GRU(F, H, num_layers=2, dropout=0.5, layer_norm=True).double().train()
@@ -399,7 +392,6 @@ def test_chunked_loops_match_the_float64_reference(cell, opts, proj, training, c
     assert all(not e.busy for es in chunked._entries.values() for e in es)  # given back after the backward
 
 
-@pytest.mark.driver
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
 def test_a_chunk_longer_than_t(cell, chunked, monkeypatch):
     monkeypatch.setattr(chunked, "CHUNK", 8)
@@ -412,7 +404,6 @@ def test_a_chunk_longer_than_t(cell, chunked, monkeypatch):
     assert chunked.stats["replays"] == 2  # one replay per loop
 
 
-@pytest.mark.driver
 @pytest.mark.parametrize("cell, proj", [("LSTM", 3), ("GRU", None)])
 def test_distinct_t_replay_the_same_captures(cell, proj, chunked):
     """T = 5, 3, 4, 5 (with lengths, without, equal lengths shorter than T): one capture per
@@ -443,7 +434,6 @@ def test_steps_after_the_longest_sequence_are_not_run(chunked):
     assert chunked.stats["replays"] == 4 and not got[0][0][3:].any()
 
 
-@pytest.mark.driver
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
 def test_a_plain_call_is_served_only_where_its_loops_replay(cell, chunked):
     """rnn._engine_gpu.replays (the dispatch of plain calls on CUDA): False for a call whose loops
@@ -474,7 +464,6 @@ def test_a_plain_call_is_served_only_where_its_loops_replay(cell, chunked):
     assert replays(ours, torch.randn(20, B, F, dtype=torch.float64))
 
 
-@pytest.mark.driver
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
 def test_small_calls_run_eagerly(cell, chunked, monkeypatch):
     """Loops of at most _graphs.EAGER_STEPS steps run eagerly where capture is on: no capture, no
@@ -512,6 +501,7 @@ CELL_OPTIONS = [
 ]
 
 
+@pytest.mark.each_triton
 @pytest.mark.parametrize("mode,opts", CELL_OPTIONS)
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_cells_with_options_on_the_step_kernels_equal_the_equations(mode, opts, training, monkeypatch):

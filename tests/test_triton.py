@@ -1,6 +1,8 @@
 """The Triton kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set by
 conftest before any kernel is compiled), forced with fastlayers.backend("triton"): values and every
-gradient against float64 references, every geometry option, tied weights == conv, low precision."""
+gradient against float64 references, every geometry option, tied weights == conv, low precision.
+make test runs this file poisoned under the newest Triton, the tests marked ``each_triton`` also
+under Triton 3.6.0."""
 
 from __future__ import annotations
 
@@ -17,9 +19,8 @@ from fastlayers.functional import attention_pool, locally_connected1d, locally_c
 
 from test_local import GEOMETRIES, _random, loop_reference  # noqa: E402
 
-pytestmark = [pytest.mark.interpreter,  # (make test: under both Tritons)
-              pytest.mark.skipif(not torch.cuda.is_available()
-                                 and __import__("os").environ.get("TRITON_INTERPRET") != "1", reason="no GPU and Triton's interpreter is off")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                reason="no GPU and Triton's interpreter is off")
 
 
 def _grads(fn, *inputs):
@@ -38,6 +39,7 @@ def _assert_close_all(got, want, tol):
         torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol)
 
 
+@pytest.mark.each_triton
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_locally_connected2d_matches_the_float64_loop(geometry, dtype):
@@ -141,6 +143,7 @@ def test_tied_weights_equal_conv2d_and_conv1d():
         torch.testing.assert_close(locally_connected1d(x1, w1, None, 2, 1), y1, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.each_triton
 def test_locally_connected2d_low_precision_equals_the_c_kernels():
     """Rounded operands and float32 sums in both: the same bf16 results up to summation order."""
     x, w, b, s, p, d = _random(GEOMETRIES[3], dtype=torch.float32)
@@ -162,6 +165,7 @@ def _attention_reference(q, k, v, lengths, scale):
     return (w.unsqueeze(-1) * v.double()).sum(1), w
 
 
+@pytest.mark.each_triton
 @pytest.mark.parametrize("score", ["dot", "scaled_dot"])
 @pytest.mark.parametrize("lengths", [None, [70, 3, 1, 45]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
