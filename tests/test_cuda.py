@@ -392,3 +392,31 @@ def test_cells_with_options_on_cuda_run_the_step_kernels_and_equal_the_equations
             want = cell(x.float())
     for a, b in zip(got if mode == "LSTM" else (got,), want if mode == "LSTM" else (want,)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_cells_and_layers_with_options_inside_a_callers_cuda_graph():
+    """A caller's own CUDA graph (a decoding step captured whole): LSTMCell and GRU with options run
+    eagerly inside the capture, with their constants (clock, scalars) made by fills the graph owns,
+    and replays on new input values equal eager calls."""
+    torch.manual_seed(0)
+    cell = fastlayers.LSTMCell(6, 5, layer_norm=True, peephole=True).to(DEV).eval()
+    layer = fastlayers.GRU(6, 5, layer_norm=True).to(DEV).eval()
+    x, seq = torch.randn(4, 6, device=DEV), torch.randn(7, 4, 6, device=DEV)
+    hx = (torch.randn(4, 5, device=DEV), torch.randn(4, 5, device=DEV))
+    with torch.no_grad():
+        side = torch.cuda.Stream()  # warm-up on a side stream, as torch's CUDA graph notes advise
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                cell(x, hx), layer(seq)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            (h, c), (y, h_n) = cell(x, hx), layer(seq)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            seq.copy_(torch.randn_like(seq))
+            graph.replay()
+            want = (*cell(x, hx), *layer(seq))
+            for a, b in zip((h, c, y, h_n), want, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

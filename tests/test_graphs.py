@@ -152,6 +152,19 @@ def test_constants_are_kept_but_made_anew_inside_a_callers_capture(monkeypatch):
     assert len(made) == 3 and inside[0] is made[1] and inside[1] is made[2]
 
 
+def test_values_made_inside_a_capture_are_fills_equal_to_the_copy():
+    """rnn._graphs.values: a copy from the host, or inside a caller's CUDA graph capture (where a
+    copy from unpinned host memory cannot be captured) one fill per value, bitwise the same numbers
+    (the kernels' float64 constants exact, the clock's int32)."""
+    numbers = [0.1, 1e-5, 0.3, 1 / 3, 0.0]
+    for dtype in (torch.float64, torch.float32, torch.int32):
+        want = torch.tensor([int(v * 10) for v in numbers] if dtype == torch.int32 else numbers, dtype=dtype)
+        for made in (_graphs.values(want.tolist(), dtype, torch.device("cpu")),
+                     _graphs._filled(want.tolist(), dtype, torch.device("cpu"))):
+            assert made.dtype == dtype and torch.equal(made, want)
+    assert torch.equal(_graphs._clock(torch.device("cpu"), 7), torch.tensor([0, 7], dtype=torch.int32))
+
+
 def test_captures_and_memory_do_not_grow_with_the_number_of_distinct_t():
     """200 calls with T drawn from [10, 100] (about 90 distinct T): a capture per growth of the
     capacity only, one entry, its memory that of at most GROWTH x the longest T plus a chunk."""

@@ -116,9 +116,9 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, g, g_parts, rmask, 
         store_blocks(dpre + xrow, H, k, km, drg, dz, dn, dn, 3)
 
 
-def scalars(zh_const: float, eps: float, like: Tensor) -> Tensor:
-    """The kernels' float constants [z_h, eps] as a tensor in ``like``'s dtype and device."""
-    return like.new_tensor([zh_const, eps])
+def scalars(zh_const: float, eps: float) -> list[float]:
+    """The kernels' float constants [z_h, eps], to pass as a tensor in the buffers' dtype."""
+    return [zh_const, eps]
 
 
 def step_forward(at: tuple[Tensor, int], lengths: Tensor, xp: Tensor, b_ih, gx, r: Tensor, h: Tensor, rmask, b_hh, gh,

@@ -270,10 +270,10 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, dc, g, g_parts, rma
         store_blocks(dpre + xrow, H, k, km, di, df, dg, do, 4)
 
 
-def scalars(consts: tuple[float, float, float, float], eps: float, like: Tensor) -> Tensor:
-    """The kernels' float constants as a tensor in ``like``'s dtype and device (made once per layer
-    call): [cell_clip, z_c, z_h, proj_clip, eps]; consts = (cell_clip or 0, z_c, z_h, proj_clip or 0)."""
-    return like.new_tensor([*consts, eps])
+def scalars(consts: tuple[float, float, float, float], eps: float) -> list[float]:
+    """The kernels' float constants, to pass as a tensor in the buffers' dtype (``scalars``):
+    [cell_clip, z_c, z_h, proj_clip, eps]; consts = (cell_clip or 0, z_c, z_h, proj_clip or 0)."""
+    return [*consts, eps]
 
 
 def step_forward(at: tuple[Tensor, int], lengths: Tensor, xp: Tensor, bias, gx, r: Tensor, h, c: Tensor, rmask, gh,

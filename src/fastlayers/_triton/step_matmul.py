@@ -94,8 +94,10 @@ def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int] | None = No
     than the above."""
     if at is None:
         clock = _ONE_STEP.get(a.device)
-        if clock is None:
-            clock = _ONE_STEP.setdefault(a.device, torch.tensor([0, 1], dtype=torch.int32, device=a.device))
+        if a.is_cuda and torch.cuda.is_current_stream_capturing():  # a caller's capture: a fill its graph owns
+            clock = torch.arange(2, dtype=torch.int32, device=a.device)
+        elif clock is None:
+            clock = _ONE_STEP.setdefault(a.device, torch.arange(2, dtype=torch.int32, device=a.device))
         at, a = (clock, 0), a.unsqueeze(1)
     clock, j = at
     dirs, _, rows, inner = a.shape

@@ -286,9 +286,9 @@ def _lengths(lengths: Tensor | None, steps: int, batch: int, like: Tensor) -> Te
 
 
 def _numbers(kernels, consts: tuple, like: Tensor) -> Tensor:
-    """``kernels.scalars(consts, EPS, like)``, a :func:`._graphs.constant`."""
+    """``kernels.scalars(consts, EPS)`` as a tensor in like's dtype and device, a :func:`._graphs.constant`."""
     return _graphs.constant(("numbers", kernels.__name__, consts, like.dtype, like.device),
-                            lambda: kernels.scalars(consts, EPS, like), like.device)
+                            lambda: _graphs.values(kernels.scalars(consts, EPS), like.dtype, like.device), like.device)
 
 
 def _result(loop: _graphs.Loop, t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -395,11 +395,27 @@ def constant(key: tuple, make: Callable[[], Tensor], device: torch.device) -> Te
     return value
 
 
+def values(numbers: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``numbers`` as a 1-D tensor on ``device``: one copy from the host, or, while the current CUDA
+    stream captures, one fill per value (a copy from unpinned host memory cannot be captured: torch
+    refuses it or the graph reads freed memory)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _filled(numbers, dtype, device)
+    return torch.tensor(numbers, dtype=dtype).to(device, non_blocking=True)
+
+
+def _filled(numbers: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    out = torch.empty(len(numbers), dtype=dtype, device=device)
+    for i, v in enumerate(numbers):
+        out[i].fill_(v)
+    return out
+
+
 def _clock(device: torch.device, steps: int) -> Tensor:
     """An eager loop's clock, int32 [0, steps] on ``device``: a :func:`constant` for T up to CHUNK,
     made per call for longer loops."""
     def make() -> Tensor:
-        return torch.tensor([0, steps], dtype=torch.int32).to(device, non_blocking=True)
+        return values([0, steps], torch.int32, device)
 
     return constant(("clock", steps, device), make, device) if steps <= CHUNK else make()
 
