@@ -30,7 +30,7 @@ from .. import _twice
 from .._backend import forced, select, triton_kernels
 from . import _graphs
 from ._engine_gpu import _lengths, _numbers
-from ._engine_reference import gru_cell_step, lstm_cell_step
+from ._engine_reference import gru_cell_step, layer_options, lstm_cell_step
 from ._options import CellOptions
 from ._recurrence import _as
 
@@ -262,15 +262,15 @@ def _reference(mode: str, consts: tuple, *tensors: Tensor | None) -> tuple[Tenso
                      ln_cell_bias=bc, weight_peephole=peep, weight_hr=w_hr)
         if bias is not None:
             named.update(bias_ih=bias, bias_hh=torch.zeros_like(bias))
-        clip, z_c, z_h, pclip = consts
-        options = CellOptions(gx is not None, peep is not None, clip or None, (z_h, z_c), 0.0, pclip or None)
+        _, z_c, z_h, _ = consts
+        options = layer_options(consts, cell="LSTM", layer_norm=gx is not None, peephole=peep is not None)
         h_in = h0 * rmask if rmask is not None else h0
         h1, c1 = lstm_cell_step(x, h_in, c0, {k: v for k, v in named.items() if v is not None}, options)
         kh, kc = zh if zh is not None else z_h, zc if zc is not None else z_c
         return kh * h0 + (1 - kh) * h1, kc * c0 + (1 - kc) * c1
     x, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh = tensors
     named = dict(weight_ih=w_ih, weight_hh=w_hh, bias_ih=b_ih, bias_hh=b_hh, ln_ih_weight=gx, ln_hh_weight=gh)
-    options = CellOptions.make_gru(gx is not None, None, 0.0)
+    options = layer_options(consts, cell="GRU", layer_norm=gx is not None)
     h_in = h0 * rmask if rmask is not None else h0
     h1 = gru_cell_step(x, h0, {k: v for k, v in named.items() if v is not None}, options, h_in)
     kh = zh if zh is not None else consts[0]

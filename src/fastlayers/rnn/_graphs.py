@@ -99,8 +99,8 @@ def enabled(like: Tensor) -> bool:
     torch.compile."""
     if getattr(_state, "emulated", False):
         return mode() != "off"
-    return (like.device.type == "cuda" and mode() != "off" and not torch.compiler.is_compiling()
-            and not torch.cuda.is_current_stream_capturing())
+    return like.device.type == "cuda" and mode() != "off" and not torch.compiler.is_compiling() \
+        and not _capturing(like.device)
 
 
 @contextlib.contextmanager
@@ -385,7 +385,7 @@ def constant(key: tuple, make: Callable[[], Tensor], device: torch.device) -> Te
     call makes no host-to-device copy or fill for it. Made anew inside a CUDA graph capture of the
     caller's own: a capture records the fill without running it, and the caller's graph must own
     the memory it reads."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(device):
         return make()
     value = _constants.get(key)
     if value is None:
@@ -399,9 +399,14 @@ def values(numbers: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``numbers`` as a 1-D tensor on ``device``: one copy from the host, or, while the current CUDA
     stream captures, one fill per value (a copy from unpinned host memory cannot be captured: torch
     refuses it or the graph reads freed memory)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(device):
         return _filled(numbers, dtype, device)
     return torch.tensor(numbers, dtype=dtype).to(device, non_blocking=True)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being recorded into a CUDA graph (the current stream captures)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _filled(numbers: list, dtype: torch.dtype, device: torch.device) -> Tensor:
