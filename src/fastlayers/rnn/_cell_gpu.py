@@ -37,8 +37,10 @@ from ._recurrence import _as
 _DTYPES = (torch.float32, torch.float64)
 
 
-def serves(mode: str, x: Tensor) -> bool:
+def serves(mode: str, x: Tensor, recurrent_mask: Tensor | None) -> bool:
     """Whether :func:`step` runs this call of a cell with options (module docstring)."""
+    if mode == "RNN" or (recurrent_mask is not None and recurrent_mask.requires_grad):
+        return False
     if not x.is_cuda:  # CPU tensors: Triton's interpreter, only where "triton" is forced (select may refuse it)
         chosen = forced()
         if chosen is None or chosen[0] != "triton":
@@ -90,6 +92,13 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
 def _at(x: Tensor) -> tuple[Tensor, int]:
     """The launch's step: clock [0, 1], j = 0 (:mod:`fastlayers._triton._cell`)."""
     return _graphs._clock(x.device, 1), 0
+
+
+def _state_grad(dh: Tensor, dr: Tensor, w_hh: Tensor, rmask: Tensor | None) -> Tensor:
+    """The gradient of the state before the step: the kernel's direct part dh (B, P) plus the
+    recurrent product's, dr (B, G) @ w_hh through the recurrent mask."""
+    back = dr @ w_hh
+    return dh + (back * rmask if rmask is not None else back)
 
 
 def _sum(t: Tensor | None) -> Tensor | None:
@@ -178,10 +187,7 @@ class LSTMStep(torch.autograd.Function):
             kernels.step_backward(at, lengths, dy, dh, dc.unsqueeze(0), g, rmask, c0v, ctx.xp, gx, gh, gc, bc, peep,
                                   zc, zh, buf, grads, consts, numbers)
         dpre, dr = grads["dpre"].view(batch, gsize), grads["dr"].view(batch, gsize)
-        d_h0 = None
-        if need[4]:
-            back = dr @ w_hh
-            d_h0 = dh[0] + (back * rmask if rmask is not None else back)
+        d_h0 = _state_grad(dh[0], dr, w_hh, rmask) if need[4] else None
         d_bias = None
         if bias is not None and need[3]:
             d_bias = _sum(grads["pb"]) if ln else dpre.sum(0)
@@ -242,10 +248,7 @@ class GRUStep(torch.autograd.Function):
         kernels.step_backward(_at(x), _lengths(None, 1, batch, x), dh1.contiguous().view(1, batch, 1, hidden), dh, g,
                               rmask, ctx.xp, gx, gh, zh, buf, grads, _numbers(kernels, ctx.consts[0], x))
         dpre, dr = grads["dpre"].view(batch, gsize), grads["dr"].view(batch, gsize)
-        d_h0 = None
-        if need[4]:
-            back = dr @ w_hh
-            d_h0 = dh[0] + (back * rmask if rmask is not None else back)
+        d_h0 = _state_grad(dh[0], dr, w_hh, rmask) if need[4] else None
         d_b_ih = (_sum(grads["pb"]) if ln else dpre.sum(0)) if b_ih is not None and need[3] else None
         d_b_hh = (_sum(grads["dhb"]) if ln else dr.sum(0)) if b_hh is not None and need[6] else None
         return (dpre @ w_ih if need[0] else None, dpre.t() @ x if need[1] else None, _sum(grads["pgx"]), d_b_ih, d_h0,

@@ -49,7 +49,7 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
     if mode != "RNN" and _ops_lib.serves(x) and _on_operator(mode, x):  # no autograd: the layer's C++ operator
         # over one step (the C kernels' backend: a forced "reference" keeps the equations below)
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
-    if mode != "RNN" and _cell_gpu.serves(mode, x) and (recurrent_mask is None or not recurrent_mask.requires_grad):
+    if _cell_gpu.serves(mode, x, recurrent_mask):
         return _cell_gpu.step(mode, x, states, params, options, training, recurrent_mask)  # the Triton step kernels
     mm = _precision.Products.of(x)
     h_in = states[0] * recurrent_mask if recurrent_mask is not None else states[0]
