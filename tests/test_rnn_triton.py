@@ -241,17 +241,19 @@ def test_float32_engine_with_the_recurrent_product_in_slices(cell, monkeypatch):
 @pytest.mark.each_triton
 @pytest.mark.parametrize("slices, dtype", [(1, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
 def test_step_matmul_partial_sums_add_up_to_the_product(slices, dtype):
-    """out (S, D, M, N): S partial products of a step of a (D, T, M, K) buffer and w (D, K, N),
-    M and N not multiples of the tiles, every slice non-empty; a bfloat16 w takes a in bfloat16
-    (a holds bfloat16 values here: Triton 3.6's interpreter rounds float32 to bfloat16 toward
-    zero, the GPU to nearest; test_cuda checks the engine's bfloat16 results on the GPU)."""
+    """out (S, D, M, N): S partial products of a step of a (D, T, M, K) buffer and w (D, K, N), the
+    step clock[0] + j = 1 + 1, M and N not multiples of the tiles, every slice non-empty; a
+    bfloat16 w takes a in bfloat16 (a holds bfloat16 values here: Triton 3.6's interpreter rounds
+    float32 to bfloat16 toward zero, the GPU to nearest; test_cuda checks the engine's bfloat16
+    results on the GPU)."""
     from fastlayers._triton import step_matmul
 
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(2, 4, 35, 400, generator=g).to(dtype).float()[:, 2]
+    buf = torch.randn(2, 4, 35, 400, generator=g).to(dtype).float()
+    a = buf[:, 2]
     w = torch.randn(2, 400, 70, generator=g).to(dtype)
     out = torch.full((slices, 2, 35, 70), float("nan"))
-    step_matmul.matmul(a, w, out)
+    step_matmul.matmul(buf, w, out, (torch.tensor([1, 4], dtype=torch.int32), 1))
     want = torch.bmm(a.to(dtype).double(), w.double())
     torch.testing.assert_close(out.double().sum(0), want, atol=1e-3, rtol=1e-5)
     assert bool((out.abs().sum((1, 2, 3)) > 0).all())

@@ -2,7 +2,7 @@
 
 Legend: D directions, M rows (the batch), K the product's inner size, N columns, S slices of K,
 TC the time capacity of a step-layout buffer.
-a (D, M, K), or a step of a (D, TC, M, K) buffer chosen by device data: the step s = clock[0] + j
+a: one step of a (D, TC, M, K) buffer, chosen by device data: the step s = clock[0] + j
 (``at=(clock, j)``, as the step kernels read it, :mod:`._cell`), and nothing is written when s is
 outside [0, clock[1]) (so a captured chunk of steps replays for any step offset and loop length);
 b (D, K, N); both with unit stride along their last dimension (any other strides); out
@@ -81,24 +81,14 @@ def slices(k: int) -> int:
     return cdiv(k, K_PER_SLICE)
 
 
-_ONE_STEP: dict[torch.device, Tensor] = {}  # per device: the clock of a single product (step 0 of 1)
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int] | None = None,
-           low: torch.dtype | None = None) -> Tensor:
-    """out (S, D, M, N) [or (D, M, N)] = the S partial products of a (D, M, K) @ b (D, K, N); with
-    ``at = (clock, j)``, a is a (D, TC, M, K) buffer and its step clock[0] + j is multiplied (out
-    untouched when that step is outside [0, clock[1])). ``low``: the low dtype of a mixed-precision
-    call whose ``b`` is float32 (``a`` is rounded to it). Raises AssertionError on layouts other
-    than the above."""
-    if at is None:
-        clock = _ONE_STEP.get(a.device)
-        if a.is_cuda and torch.cuda.is_current_stream_capturing():  # a caller's capture: a fill its graph owns
-            clock = torch.arange(2, dtype=torch.int32, device=a.device)
-        elif clock is None:
-            clock = _ONE_STEP.setdefault(a.device, torch.arange(2, dtype=torch.int32, device=a.device))
-        at, a = (clock, 0), a.unsqueeze(1)
+def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int], low: torch.dtype | None = None) -> Tensor:
+    """out (S, D, M, N) [or (D, M, N)] = the S partial products of a[:, s] @ b (D, K, N), a (D, TC,
+    M, K), s = clock[0] + j for ``at = (clock, j)`` (out untouched when s is outside [0, clock[1])).
+    ``low``: the low dtype of a mixed-precision call whose ``b`` is float32 (``a`` is rounded to
+    it). Raises AssertionError on layouts other than the above."""
     clock, j = at
     dirs, _, rows, inner = a.shape
     cols = b.size(2)
