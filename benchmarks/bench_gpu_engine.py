@@ -16,10 +16,16 @@ every call here has the same T: bench_gpu_random_t.py draws a new T per call.
     python benchmarks/bench_gpu_engine.py [--device cuda] [--repeats 7] [--warmup 2] [--tf32] [--autocast bf16]
                                           [--size seed|small] [--only LABEL] [--profile]
     python benchmarks/bench_gpu_engine.py --sweep [--autocast bf16]
+    python benchmarks/bench_gpu_engine.py --small-hidden [--cells LSTM,GRU]
 
 ``--sweep``: plain 2-direction LSTM and GRU (no cell options), the engine called directly with
 CUDA graphs against torch.nn (cuDNN) at several shapes: the measurement behind the modules'
 dispatch of plain calls on CUDA (fastlayers.rnn._modules, ``_plain_on_engine``).
+
+``--small-hidden``: hidden sizes under cuDNN's persistent kernels (H in 32, 64, 128; B in 8, 32, 128;
+T = 800; input_size = H; 2 directions; unpacked input, as torch picks the persistent algorithm
+only there): torch.nn (cuDNN), the plain engine called directly and the LayerNorm layer, both with
+CUDA graphs; us per time step beside each time.
 
 TF32 is off for every candidate unless --tf32 (then torch's default for cuDNN RNNs and
 torch.backends.cuda.matmul.allow_tf32 are on for all). ``TRITON_INTERPRET=1 python
@@ -159,6 +165,36 @@ def sweep(args, device, timer, autocast) -> int:
     return 0
 
 
+SMALL_HIDDEN = [(800, batch, hidden, hidden) for hidden in (32, 64, 128) for batch in (8, 32, 128)]
+
+
+def small_hidden(args, device, timer, autocast) -> int:
+    """torch.nn (cuDNN persistent kernels at these sizes) against the plain engine and the LayerNorm
+    layer, both with CUDA graphs."""
+    shapes = SMALL_HIDDEN if device.type == "cuda" else [(7, 3, 6, 5)]
+    os.environ[_graphs.ENV] = "1"
+    print("| cell | T, B, F, H | cuDNN fwd ms | engine fwd ms | layer_norm fwd ms | cuDNN fwd+bwd ms | "
+          "engine fwd+bwd ms | layer_norm fwd+bwd ms | engine x | layer_norm x | layer_norm us/step fwd+bwd |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for steps, batch, features, hidden in shapes:
+        x = torch.randn(steps, batch, features, device=device)
+        for cell in args.cells.split(","):
+            torch.manual_seed(0)
+            theirs = getattr(nn, cell)(features, hidden, bidirectional=True, device=device)
+            ours = getattr(fastlayers, cell)(features, hidden, bidirectional=True, device=device)
+            norm = getattr(fastlayers, cell)(features, hidden, bidirectional=True, layer_norm=True, device=device)
+            cands = {"cudnn": (theirs, lambda x, m=theirs: m(x)[0]), "ours": (ours, _engine_call(ours, False, None, True)),
+                     "ln": (norm, _engine_call(norm, False, None, True))}
+            with fastlayers.backend("triton") if device.type != "cuda" else _null():
+                res = measure(cands, x, timer, args.repeats, autocast, args.warmup)
+            f = {k: statistics.median(r["fwd"]) for k, r in res.items()}
+            b = {k: statistics.median(r["both"]) for k, r in res.items()}
+            print(f"| {cell} | {steps}, {batch}, {features}, {hidden} | {f['cudnn']:.2f} | {f['ours']:.2f} | "
+                  f"{f['ln']:.2f} | {b['cudnn']:.2f} | {b['ours']:.2f} | {b['ln']:.2f} | "
+                  f"{b['ours'] / b['cudnn']:.2f} | {b['ln'] / b['cudnn']:.2f} | {b['ln'] * 1e3 / steps:.1f} |", flush=True)
+    return 0
+
+
 def measure(cands, x, timer, repeats, autocast, warmup):
     names = list(cands)
     res = {k: {"fwd": [], "both": [], "first": None, "peak": None} for k in names}
@@ -243,6 +279,9 @@ def main() -> int:
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: the device time per kernel of one eager fwd+bwd of each candidate "
                         "(torch.profiler), e.g. to see where a lengths row spends more than its no-lengths row")
+    p.add_argument("--small-hidden", action="store_true",
+                   help="H in 32..128, B in 8..128, T=800: cuDNN, the plain engine and the LayerNorm layer")
+    p.add_argument("--cells", default="LSTM,GRU", help="with --small-hidden: the cell types")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -258,6 +297,8 @@ def main() -> int:
         os.environ[_graphs.MAX_MB] = str(torch.cuda.get_device_properties(device).total_memory * 3 // 4 // 2**20)
     if args.sweep:
         return sweep(args, device, timer, autocast)
+    if args.small_hidden:
+        return small_hidden(args, device, timer, autocast)
     cands, x = candidates(args, device)
     if args.profile:
         return profile(cands, x, device, autocast)

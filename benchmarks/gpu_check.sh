@@ -26,10 +26,11 @@
 # --sweep of k there, and the T = 1k..100k scaling at B = 8, the allocator's peak (240); issue 42:
 # bench_overhead.py, eager calls on CUDA (120), its layer_norm rows with every loop captured
 # (EAGER_STEPS=0, 60); fastlayers train on the digits and the vowels
-# against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA). On the
-# H200 on 2026-11-26 (torch 2.11, Triton 3.6) the steps took: versions 5, cuda_tests 50,
-# local_attention 12, remat 136 (before the sweep), random_t 29, train 51, engine_fp32 52,
-# chunk_sweep 29 s.
+# against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA); issue 67:
+# bench_gpu_engine.py --small-hidden (110), bench_gpu_deterministic.py (90; 45 s on the H200),
+# probe_gpu_persistent.py (50; 15 s there). On the H200 on 2026-11-26 (torch 2.11, Triton 3.6) the
+# steps took: versions 5, cuda_tests 50, local_attention 12, remat 136 (before the sweep), random_t
+# 29, train 51, engine_fp32 52, chunk_sweep 29 s.
 # All steps take longer than one 10-minute command: name a few in STEPS per command. A step that
 # fails or runs out of time is recorded in summary.json (rc 124 for a timeout) and the next one runs.
 set -uo pipefail
@@ -50,6 +51,7 @@ if [ "$mode" = "--dry-run" ]; then
     remat=(--device cpu --steps 12 --batch 2) remat_scaling=(--device cpu --scaling 8,16 --batch 2 --with-torch --calls 1)
     remat_sweep=(--device cpu --steps 12 --batch 2 --calls 1 --sweep none,auto,5)
     overhead=(--device cpu --min-run-time 0.01 --rounds 1)
+    det_runs=2 only_det="GRU zoneout 0.1 + recurrent" small_cells=GRU
 else
     device=cuda size=seed local_size=seed repeats=5 warmup=2 only_all="" only_ln="layer_norm" \
         only_profile="LSTM layer_norm"
@@ -59,6 +61,7 @@ else
     remat_scaling=(--device cuda --scaling 1000,4000,16000,100000 --batch 8 --with-torch --calls 1 --max-gib 70)
     remat_sweep=(--device cuda --steps 800 --batch 32 --sweep none,auto,32,64,128,200,400,800)
     overhead=(--device cuda)
+    det_runs=3 only_det="" small_cells=LSTM,GRU
 fi
 rounds=(--repeats "$repeats" --warmup "$warmup")  # timed rounds, untimed rounds before them
 steps=()
@@ -123,6 +126,13 @@ step overhead 120 "$py" benchmarks/bench_overhead.py "${overhead[@]}"
 # the option rows again with every loop captured (EAGER_STEPS=0): what the small calls' eager loops gain
 step overhead_captured 60 "$py" benchmarks/bench_overhead.py "${overhead[@]}" --only layer_norm --eager-steps 0
 step train 300 "$py" benchmarks/bench_gpu_train.py "${train[@]}" --json "$out/train.json"
+# issue 67: small hidden sizes against cuDNN's persistent kernels, deterministic training (bitwise
+# repeats and the mode's cost), the persistent-step probe (grid barrier, us per step)
+step small_hidden 110 "$py" benchmarks/bench_gpu_engine.py --device "$device" --small-hidden --cells "$small_cells" \
+    "${rounds[@]}"
+step deterministic 90 "$py" benchmarks/bench_gpu_deterministic.py --device "$device" --size "$size" \
+    --runs "$det_runs" --repeats "$repeats" --only "$only_det"
+step persistent_probe 50 "$py" benchmarks/probe_gpu_persistent.py --device "$device"
 
 "$py" - "$out" "${steps[@]}" <<'EOF'
 import json, sys

@@ -20,6 +20,8 @@ buffers' larger time capacity, compile as a replay on the GPU would launch them)
 Fails (exit 1) on a compile error, a float32 / bfloat16 kernel that spills more than 16 bytes (more
 than SPILL_ALLOWED's figure for the kernels measured faster with spills), a
 recurrent step kernel with a load that waits for len_b (or without its load of len_b), or a
+kernel with an atomic instruction in its PTX (``atom.`` / ``red.``: every gradient sums in a fixed
+order, so training repeats bit for bit under torch.use_deterministic_algorithms), or a
 recurrent step kernel or step GEMM configuration compiled more than once (one compile per
 configuration: the step, T and the time capacity are data, not specialisations).
 ``--set ci`` is a representative subset (CI runs it for both architectures); ``--set full`` is
@@ -110,6 +112,7 @@ class Kernel:
     reductions: int = 0  # tt.reduce ops in the Triton IR (one per tl.sum / tl.max)
     barriers: int = 0  # BAR instructions in the SASS
     lengths_waits: int | None = None  # global loads that wait for len_b (recurrent step kernels; None: no len_b load)
+    atomics: int = 0  # atomic instructions (atom., red.) in the PTX: none allowed (deterministic training)
     compiles: int = 1  # specializations of this configuration (kernel, constexprs, dtypes) compiled
 
 
@@ -173,6 +176,12 @@ def _lengths_load_line() -> str:
     return f"_cell.py:{first + next(i for i, line in enumerate(lines) if 'tl.load(lengths' in line)}:"
 
 
+def atomics(ptx: str) -> int:
+    """Atomic read-modify-writes and reductions to memory in a PTX listing (``atom.``, ``red.``):
+    sums whose order depends on scheduling, which deterministic training (issue 67) rules out."""
+    return len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, flags=re.M))
+
+
 def lengths_waits(ptx: str) -> int | None:
     """How many global loads of a kernel's PTX wait for its load of len_b, found by a def-use walk
     from that load's result (through every instruction and predicate); None without such a load.
@@ -226,6 +235,7 @@ def ptxas_facts(kernel: Kernel, compiled, arch: str) -> None:
     kernel.shared = int(compiled.metadata.shared)
     kernel.reductions = compiled.asm["ttir"].count("tt.reduce.return")
     kernel.lengths_waits = lengths_waits(compiled.asm["ptx"])
+    kernel.atomics = atomics(compiled.asm["ptx"])
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
@@ -381,12 +391,12 @@ def run_arch(arch: str, which: str, only: str = "") -> tuple[Record, dict[str, f
 
 def table(record: Record) -> str:
     rows = [f"| kernel ({record.arch}) | constexprs | dtypes | warps | registers | spills st/ld B | stack B | "
-            f"shared B | reductions | barriers | loads after len_b | programs | occupancy | compiles | first seen in |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            f"shared B | reductions | barriers | loads after len_b | atomics | programs | occupancy | compiles | first seen in |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for k in sorted(record.kernels.values(), key=lambda k: (k.kernel, k.dtypes, k.config)):
         rows.append(f"| {k.kernel} | {k.config} | {k.dtypes} | {k.warps} | {k.registers} | {k.spill_stores}/"
                     f"{k.spill_loads} | {k.stack} | {k.shared} | {k.reductions} | {k.barriers} | "
-                    f"{'-' if k.lengths_waits is None else k.lengths_waits} | {k.programs} | "
+                    f"{'-' if k.lengths_waits is None else k.lengths_waits} | {k.atomics} | {k.programs} | "
                     f"{k.occupancy:.2f} | {k.compiles} | "
                     f"{k.workload} |")
     return "\n".join(rows)
@@ -420,6 +430,9 @@ def main() -> int:
             if k.kernel.startswith(("lstm.", "gru.", "step_matmul.")) and k.compiles != 1:
                 failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: compiled {k.compiles} times (expected "
                                 f"1: the step, the loop's length and the buffers' capacity are not specialised)")
+            if k.atomics:
+                failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: {k.atomics} atomic instructions in its "
+                                f"PTX (expected none: every sum runs in a fixed order, results repeat bit for bit)")
             if recurrent and k.lengths_waits:
                 failures.append(f"{arch} {k.kernel} [{k.dtypes}; {k.config}]: {k.lengths_waits} global loads wait "
                                 f"for len_b (expected 0: the lengths decide which rows run, never an address)")

@@ -231,7 +231,10 @@ def test_plain_layers_on_cuda_run_the_engine_where_loops_are_captured_else_cudnn
     assert type(plain(x)[0].grad_fn).__name__ != "LSTMLayerBackward"
     for lengths in ([7, 3, 5], None):
         assert type(plain(x, lengths=lengths)[0].grad_fn).__name__ == "LSTMLayerBackward"
-        assert type(plain(x[:4], lengths=None if lengths is None else [4, 3, 1])[0].grad_fn).__name__ == "LSTMLayerBackward"
+        assert type(plain(x[:5], lengths=None if lengths is None else [5, 3, 1])[0].grad_fn).__name__ == "LSTMLayerBackward"
+        # a call of at most EAGER_STEPS steps is cuDNN's (the engine would run its loops eagerly)
+        short = x[:_graphs.EAGER_STEPS]
+        assert type(plain(short)[0].grad_fn).__name__ != "LSTMLayerBackward"
         assert type(plain.double()(x.double(), lengths=lengths)[0].grad_fn).__name__ != "LSTMLayerBackward"
         plain.float()
         monkeypatch.setenv(_graphs.ENV, "0")  # eager loops: cuDNN is faster
@@ -420,3 +423,52 @@ def test_cells_and_layers_with_options_inside_a_callers_cuda_graph():
             want = (*cell(x, hx), *layer(seq))
             for a, b in zip((h, c, y, h_n), want, strict=True):
                 torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+DETERMINISTIC_OPTIONS = {
+    "LSTM layer_norm + peephole + cell_clip": ("LSTM", dict(layer_norm=True, peephole=True, cell_clip=3.0)),
+    "LSTM zoneout + recurrent_dropout": ("LSTM", dict(zoneout=(0.1, 0.2), recurrent_dropout=0.25)),
+    "LSTM proj_size + layer_norm": ("LSTM", dict(proj_size=3, layer_norm=True)),
+    "LSTM 2 layers, dropout, layer_norm + zoneout": ("LSTM", dict(num_layers=2, dropout=0.3, layer_norm=True,
+                                                                  zoneout=0.1)),
+    "GRU zoneout + recurrent_dropout": ("GRU", dict(zoneout=0.1, recurrent_dropout=0.2)),
+    "GRU layer_norm + zoneout + recurrent_dropout": ("GRU", dict(layer_norm=True, zoneout=0.1, recurrent_dropout=0.2)),
+}
+
+
+@pytest.mark.parametrize("graphs", ["eager", "cuda-graphs"])
+@pytest.mark.parametrize("label", list(DETERMINISTIC_OPTIONS))
+def test_training_under_deterministic_algorithms_is_bitwise_repeatable(label, graphs, monkeypatch):
+    """Issue 67: with torch.use_deterministic_algorithms(True), two runs of two SGD steps from one
+    seed (modules as constructed, training mode: recurrent dropout and zoneout drawn, lengths, T
+    over one captured chunk) give bitwise-equal outputs, input gradients and parameter gradients."""
+    from fastlayers.rnn import _graphs
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setenv(_graphs.ENV, "1" if graphs == "cuda-graphs" else "0")
+    cell, kwargs = DETERMINISTIC_OPTIONS[label]
+
+    def two_steps():
+        torch.manual_seed(0)
+        m = getattr(fastlayers, cell)(6, 16, bidirectional=True, device=DEV, **kwargs).train()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        lengths = torch.tensor([45, 17, 33, 1, 40], device=DEV)
+        seen = []
+        for _ in range(2):
+            x = torch.randn(45, 5, 6, device=DEV, requires_grad=True)
+            y, _ = m(x, lengths=lengths)
+            opt.zero_grad(set_to_none=True)
+            (y * torch.randn_like(y)).sum().backward()
+            seen += [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+            opt.step()
+        return seen
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = two_steps(), two_steps()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert len(first) == len(second) and all(p is not None and bool(torch.isfinite(p).all()) for p in first)
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), (label, i)
