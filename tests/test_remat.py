@@ -5,10 +5,12 @@ option's checks, repr and state_dict."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import fastlayers
 from fastlayers.rnn._engine import gru_engine, lstm_engine
@@ -146,3 +148,63 @@ def test_the_option_checks_its_value_shows_in_repr_and_stays_out_of_state_dict()
     with torch.no_grad():  # no gradient recorded: the plain call (nothing to recompute)
         out, _ = fastlayers.LSTM(3, 4, checkpoint_every=2)(torch.randn(5, 2, 3))
     assert out.shape == (5, 2, 4)
+
+
+def _seeded_training_call(cell, options, every, x, lengths, backend, num_layers):
+    """One training forward + backward from seed 0 (weights) and seed 1 (masks, dropout): the
+    output, final states, input gradient and every parameter gradient."""
+    torch.manual_seed(0)
+    m = getattr(fastlayers, cell)(x.size(-1), 4, bidirectional=True, num_layers=num_layers,
+                                  dropout=0.3 if num_layers > 1 else 0.0, checkpoint_every=every,
+                                  **options).double().train()
+    x = x.detach().requires_grad_(True)
+    torch.manual_seed(1)
+    with fastlayers.backend(backend):
+        out, states = m(x, lengths=lengths)
+    states = states if isinstance(states, tuple) else (states,)
+    loss = (out * out.detach().cos()).sum() + sum((s * s.detach().sin()).sum() for s in states)
+    loss.backward()
+    return [out.detach(), *(s.detach() for s in states), x.grad] + [p.grad for p in m.parameters()]
+
+
+MASKED_OPTIONS = {
+    "LSTM": [dict(zoneout=(0.3, 0.2), recurrent_dropout=0.25), dict(zoneout=0.2, layer_norm=True, peephole=True),
+             dict(recurrent_dropout=0.3, proj_size=3, zoneout=(0.1, 0.4))],
+    "GRU": [dict(zoneout=0.3, recurrent_dropout=0.25), dict(zoneout=0.2, layer_norm=True)],
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(cell=st.sampled_from(["LSTM", "GRU"]), which=st.integers(0, 2), steps=st.integers(1, 12),
+       batch=st.integers(1, 4), layers=st.integers(1, 2), use_lengths=st.booleans(), data=st.data())
+def test_training_with_checkpoint_every_draws_what_the_run_without_it_draws(cell, which, steps, batch, layers,
+                                                                             use_lengths, data):
+    """Turning the memory option on does not change a seeded training run (issue 62): the same
+    zoneout, recurrent-dropout and inter-layer dropout draws, so the same outputs and gradients up to
+    the order of sums, for any k, T and lengths (the C engine)."""
+    options = MASKED_OPTIONS[cell][which % len(MASKED_OPTIONS[cell])]
+    every = data.draw(st.one_of(st.integers(1, steps + 2), st.just("auto")), label="checkpoint_every")
+    lengths = None
+    if use_lengths:
+        lengths = data.draw(st.lists(st.integers(1, steps), min_size=batch, max_size=batch), label="lengths")
+    x = torch.randn(steps, batch, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(steps * 7 + batch))
+    want = _seeded_training_call(cell, options, None, x, lengths, "cpu", layers)
+    got = _seeded_training_call(cell, options, every, x, lengths, "cpu", layers)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="no GPU and Triton's interpreter is off")
+@pytest.mark.parametrize("cell, options, lengths, every", [
+    ("LSTM", dict(zoneout=(0.3, 0.2), recurrent_dropout=0.25, layer_norm=True), [7, 3, 5], 3),
+    ("GRU", dict(zoneout=0.3, recurrent_dropout=0.25), None, 2),
+])
+def test_triton_engine_with_checkpoint_every_draws_what_the_run_without_it_draws(cell, options, lengths, every):
+    """The same on the Triton engine (CPU tensors under the interpreter; the GPU's code path)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(7, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+    want = _seeded_training_call(cell, options, None, x, lengths, "triton", 1)
+    got = _seeded_training_call(cell, options, every, x, lengths, "triton", 1)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

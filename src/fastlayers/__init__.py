@@ -11,6 +11,21 @@ from .rnn import GRUCell as GRUCell, LSTMCell as LSTMCell, RNNCell as RNNCell
 __version__ = "0.1.0"
 
 
+def _allow_whole_module_loads() -> None:
+    """A whole pickled fastlayers module (``torch.save(model, f)``) loads with ``torch.load(f)``, whose
+    ``weights_only=True`` default (torch >= 2.6) unpickles allowlisted globals only: the public
+    module classes and the cell options they hold, which rebuild from tensors and plain values."""
+    import torch
+
+    from .rnn._options import CellOptions
+
+    torch.serialization.add_safe_globals([LSTM, GRU, RNN, LSTMCell, GRUCell, RNNCell, AttentionPooling,
+                                          LocallyConnected1d, LocallyConnected2d, CellOptions])
+
+
+_allow_whole_module_loads()
+
+
 def ops_library() -> str:
     """The path of fastlayers' C++ operator library (built on first call, about 15 s, then cached):
     what a process without fastlayers loads (``torch.ops.load_library(path)``, or ``dlopen`` from

@@ -310,8 +310,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   auto hk = proj ? at::zeros({dirs, batch, hidden}, opt) : h;
   const auto ybuf = proj ? y1 : y;
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
-  const auto w_hh_t = w_hh.transpose(1, 2);
-  const auto w_hr_t = proj ? w_hr.transpose(1, 2) : at::Tensor();
+  const auto w_hh_t = w_hh.transpose(1, 2).contiguous();  // contiguous: see _recurrence.py (issue 62)
+  const auto w_hr_t = proj ? w_hr.transpose(1, 2).contiguous() : at::Tensor();
   const int threads = at::get_num_threads();
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
   for (int64_t t = 0; t <= last; t++) {
@@ -419,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   if (!gx.defined() && b_ih.defined()) at::baddbmm_out(xp, b_ih.view({dirs, 1, gsize}), xs, w_t);
   else at::bmm_out(xp, xs, w_t);
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
-  const auto w_hh_t = w_hh.transpose(1, 2);
+  const auto w_hh_t = w_hh.transpose(1, 2).contiguous();
   const int threads = at::get_num_threads();
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
   for (int64_t t = 0; t <= last; t++) {
@@ -475,7 +475,7 @@ std::tuple<at::Tensor, at::Tensor> rnn_padded(const at::Tensor& x_in, const std:
   if (b_hh_in.has_value() && b_hh_in->defined()) xp.add_(b_hh_in->to(dt).unsqueeze(1));
   auto h = sorted_state(h0_in, p, dt);
   auto y = at::empty({dirs, p.rows, hidden}, xp.options());
-  const auto w_hh_t = w_hh.transpose(1, 2);
+  const auto w_hh_t = w_hh.transpose(1, 2).contiguous();
   for (size_t t = 0; t < p.active.size(); t++) {
     const int64_t n = p.active[t], o = p.offsets[t];
     auto hn = h.narrow(1, 0, n);

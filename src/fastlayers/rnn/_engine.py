@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _precision
-from ._lengths import full_plan, make_plan
+from ._lengths import LengthPlan, full_plan, make_plan
 from ._options import CellOptions
 from ._ops import run_layer
 
@@ -93,15 +93,46 @@ def input_bias(cell: str, dir_params: list[dict[str, Tensor]], stack) -> tuple[b
     return True, stack("bias_ih") + stack("bias_hh") if cell == "LSTM" else stack("bias_ih")
 
 
-def recurrent_mask(m: dict[str, Tensor], options: CellOptions, training: bool, shape: tuple[int, int, int],
-                   x: Tensor) -> Tensor | None:
-    """The recurrent-dropout mask (D, B, P) of a layer, in original batch order: the one passed in
-    ``m``, else one sampled in training (scaled by 1 / keep), else None."""
-    rmask = m.get("recurrent")
-    if rmask is None and training and options.recurrent_dropout > 0:
+def drawn_masks(cell: str, options: CellOptions, training: bool, given: dict[str, Tensor], recurrent_shape: tuple,
+                zoneout_rows: tuple, hidden: int, out_size: int, like: Tensor) -> dict[str, Tensor]:
+    """The masks of one layer that ``given`` lacks, drawn in training in the engines' order: the
+    recurrent-dropout mask ``recurrent_shape`` (scaled by 1 / keep), then zoneout of c (LSTM) and of
+    h, each (*zoneout_rows, width), in ``like``'s dtype and device. Every engine draws through this,
+    each with its own shapes (this engine: the packed rows; the Triton engine: the padded (D, T, B)),
+    and :mod:`._remat` draws what the engine it runs would (the same calls, shapes and order)."""
+    out: dict[str, Tensor] = {}
+    if "recurrent" not in given and training and options.recurrent_dropout > 0:
         keep = 1 - options.recurrent_dropout
-        rmask = torch.bernoulli(torch.full(shape, keep, dtype=x.dtype, device=x.device)) / keep
-    return rmask
+        out["recurrent"] = torch.bernoulli(torch.full(recurrent_shape, keep, dtype=like.dtype, device=like.device)) / keep
+    z_h, z_c = options.zoneout
+    for key, prob, width in (("zoneout_c", z_c if cell == "LSTM" else 0.0, hidden), ("zoneout_h", z_h, out_size)):
+        if key not in given and training and prob > 0:
+            out[key] = torch.bernoulli(torch.full((*zoneout_rows, width), prob, dtype=like.dtype, device=like.device))
+    return out
+
+
+def layer_plan(lengths: Tensor | None, steps: int, batch: int, device: torch.device) -> LengthPlan:
+    """The packing this engine runs a call with: by the lengths, else every row of every step."""
+    return make_plan(lengths, steps, False, device) if lengths is not None else full_plan(steps, batch, device)
+
+
+def given_layout(drawn: dict[str, Tensor], plan: LengthPlan, steps: int, batch: int) -> dict[str, Tensor]:
+    """Masks this engine drew (:func:`drawn_masks` with its shapes: recurrent (D, B, P), used in
+    length-sorted batch order; zoneout (D, N, width) on the packed rows of ``plan``) in the layout of
+    given masks, which :func:`_engine` moves back to exactly these: recurrent (D, B, P) in original
+    batch order, zoneout (D, T, B, width) in original time and batch order (zeros at the padding,
+    which no step reads)."""
+    out: dict[str, Tensor] = {}
+    for key, mask in drawn.items():
+        dirs = mask.size(0)
+        if key == "recurrent":
+            out[key] = torch.empty_like(mask).index_copy_(1, plan.sorted_indices, mask)
+            continue
+        flat = mask.new_zeros(dirs, steps * batch, mask.size(-1))
+        for d, rows in enumerate((plan.forward_rows, plan.reverse_rows)[:dirs]):
+            flat[d].index_copy_(0, rows, mask[d])
+        out[key] = flat.view(dirs, steps, batch, -1)
+    return out
 
 
 def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks):
@@ -112,7 +143,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     proj = "weight_hr" in layers[0][0]
     out_size = layers[0][0]["weight_hr"].size(0) if proj else hidden
     dev = input.device
-    plan = make_plan(lengths, steps, False, dev) if lengths is not None else full_plan(steps, batch, dev)
+    plan = layer_plan(lengths, steps, batch, dev)
     active = tuple(n for span, n in plan.segments for _ in range(span))
     rows = sum(active)
     # packed row k of direction d reads padded row src[d, k] of the (T*B, ...) input; the output
@@ -137,17 +168,16 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         else:
             xs = x.reshape(steps * batch, -1).index_select(0, src.flatten()).view(dirs, rows, -1)
         m = (masks[li] if masks is not None else None) or {}
-        rmask = recurrent_mask(m, options, training, (dirs, batch, out_size), x)
-        if rmask is not None and "recurrent" in m:
-            rmask = rmask.index_select(1, order).contiguous()
+        # drawn masks are used as drawn: the recurrent one in length-sorted batch order, zoneout on the
+        # packed rows; given ones (original order, :func:`given_layout` makes drawn ones so) are moved there
+        drawn = drawn_masks(cell, options, training, m, (dirs, batch, out_size), (dirs, rows), hidden, out_size, x)
+        rmask = m["recurrent"].index_select(1, order).contiguous() if "recurrent" in m else drawn.get("recurrent")
         zmasks = []
-        for key, prob, width in (("zoneout_c", z_c if cell == "LSTM" else 0.0, hidden), ("zoneout_h", z_h, out_size)):
+        for key, width in (("zoneout_c", hidden), ("zoneout_h", out_size)):
             zm = m.get(key)
-            if zm is None and training and prob > 0:
-                zm = torch.bernoulli(torch.full((dirs, rows, width), prob, dtype=x.dtype, device=dev))
-            elif zm is not None:  # (D, T, B, width) in original time and batch order -> packed rows
+            if zm is not None:  # (D, T, B, width) in original time and batch order -> packed rows
                 zm = torch.stack([zm[d].reshape(steps * batch, width).index_select(0, src[d]) for d in range(dirs)])
-            zmasks.append(zm)
+            zmasks.append(zm if zm is not None else drawn.get(key))
         k = slice(li * dirs, (li + 1) * dirs)
         y, last = packed_layer(cell, xs, dir_params, tuple(s[k] for s in states), rmask, zmasks[0], zmasks[1], active,
                                options, training)

@@ -59,7 +59,7 @@ from torch import Tensor
 from .. import _precision, _twice
 from . import _graphs
 from ._graphs import TIME
-from ._engine import input_bias, recurrent_mask
+from ._engine import drawn_masks, input_bias
 from ._engine_reference import layer_reference, recorded_layer_backward
 from ._options import CellOptions
 from ._recurrence import _as, _in_dtypes
@@ -181,13 +181,12 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         stack = lambda name, use=True: _stack([p[name] for p in dir_params]) if use else None  # noqa: E731
         has_bias, bias = input_bias(cell, dir_params, stack)
         m = (masks[li] if masks is not None else None) or {}
-        rmask = recurrent_mask(m, options, training, (dirs, batch, out_size), x)
-        zmasks = []
-        for key, prob, width in (("zoneout_c", z_c if cell == "LSTM" else 0.0, hidden), ("zoneout_h", z_h, out_size)):
-            zm = m.get(key)  # (D, T, B, width), original time and batch order, as the kernels read it
-            if zm is None and training and prob > 0:
-                zm = torch.bernoulli(torch.full((dirs, steps, batch, width), prob, dtype=x.dtype, device=dev))
-            zmasks.append(zm[:, :longest] if zm is not None else None)
+        # drawn in the layout of given masks: (D, B, P); zoneout (D, T, B, width), original time and
+        # batch order, as the kernels read them
+        m = {**m, **drawn_masks(cell, options, training, m, (dirs, batch, out_size), (dirs, steps, batch), hidden,
+                                out_size, x)}
+        rmask = m.get("recurrent")
+        zmasks = [m[key][:, :longest] if key in m else None for key in ("zoneout_c", "zoneout_h")]
         k = slice(li * dirs, (li + 1) * dirs)
         if cell == "LSTM":
             consts = (options.cell_clip or 0.0, 0.0 if training else z_c, 0.0 if training else z_h,

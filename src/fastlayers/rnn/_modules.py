@@ -93,6 +93,11 @@ class _LengthsMixin(NotScriptable):
 
             return forward_eagerly(self, input, hx, lengths)
         input, states = self._check_args(input, hx)
+        time_dim = 1 if self.batch_first and input.dim() == 3 else 0
+        if input.size(time_dim) == 0:  # torch.nn's RNNs raise this (their kernel's message)
+            raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
+        if input.dim() == 3 and input.size(1 - time_dim) == 0 and not exporting:
+            return self._empty_batch(input, states, lengths)
         if not common:
             engine = None if exporting else self._engine_backend(input)  # decided once per call, passed on to _run
         if lengths is None and engine is None and not exporting:
@@ -113,6 +118,25 @@ class _LengthsMixin(NotScriptable):
             output = output.squeeze(time_dim ^ 1)
             final = tuple(s.squeeze(1) for s in final)
         return output, (final if self.mode == "LSTM" else final[0])
+
+    def _empty_batch(self, x: Tensor, states: tuple[Tensor, ...] | None, lengths: Any) -> Any:
+        """A batch of no sequences (B = 0), as torch.nn returns it: output (T, 0, D * H_out) and states
+        (L * D, 0, H) of zeros, on the autograd graph (the parameters' gradients are zeros). The
+        plain-PyTorch reference computes it for every cell option (nothing runs per row)."""
+        time_dim = 1 if self.batch_first else 0
+        if lengths is not None:
+            as_lengths(lengths, 0, x.size(time_dim))  # still validated: a (0,) integer tensor or list
+        if self.mode not in ("LSTM", "GRU"):
+            return super().forward(x, states[0] if states is not None else None)  # type: ignore[misc]
+        if states is None:
+            layers = self.num_layers * (2 if self.bidirectional else 1)
+            states = tuple(x.new_zeros(layers, 0, size) for size in self._state_sizes())
+        impl = lstm_reference if self.mode == "LSTM" else gru_reference
+        xt = x.transpose(0, 1) if self.batch_first else x
+        out, final = impl(xt, states, self._layer_parameters(), None, self.options, dropout=self.dropout,
+                          training=self.training)
+        out = out.transpose(0, 1) if self.batch_first else out
+        return out, (final if self.mode == "LSTM" else final[0])
 
     def _forward_packed(self, packed: PackedSequence, hx: Any) -> Any:
         """A PackedSequence through the lengths path (the cell options have no packed kernel in torch):

@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _ops_lib
-from ._engine import gru_engine, lstm_engine, packed_layer
+from .. import _ops_lib, _precision
+from ._engine import drawn_masks, given_layout, gru_engine, layer_plan, lstm_engine, packed_layer
 from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._lengths import make_plan
 from ._options import CellOptions
@@ -502,8 +502,10 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
     for li, dir_params in enumerate(layers):
         width = dir_params[0]["weight_hr"].size(0) if "weight_hr" in dir_params[0] else dir_params[0]["weight_hh"].size(1)
         hidden = dir_params[0]["weight_hh"].size(0) // (4 if cell == "LSTM" else 3)
-        m = [_direction_masks(masks[li] if masks is not None else None, d, maps[d] if d else None, options, training,
-                              cell, (steps, batch, width, hidden), x) for d in range(dirs)]
+        given = _engine_draws(engine, cell, options, training, masks[li] if masks is not None else None, x, lengths,
+                              (dirs, steps, batch, width, hidden))
+        m = [_direction_masks(given, d, maps[d] if d else None, options, training, cell, (steps, batch, width, hidden),
+                              x) for d in range(dirs)]
         names = list(dir_params[0])
         states = tuple(s[li * dirs:(li + 1) * dirs] for s in hx)
         spec = _Spec(engine, plan, maps, options, training, m, len(states), names, width, cell,
@@ -513,6 +515,28 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
     return x, tuple(torch.cat([f[i] for f in finals]) for i in range(len(hx)))
+
+
+def _engine_draws(engine: Engine, cell: str, options: CellOptions, training: bool, given: dict[str, Tensor] | None,
+                  x: Tensor, lengths: Tensor | None, sizes: tuple[int, int, int, int, int]) -> dict[str, Tensor] | None:
+    """One layer's masks in the engines' given layout ((D, B, P); zoneout (D, T, B, width), original
+    time and batch order): ``given``'s, and those it lacks drawn as ``engine`` draws them when it runs
+    the layer whole (the same torch.bernoulli calls, shapes and order, :func:`._engine.drawn_masks`),
+    so that a training call with checkpoint_every sees the masks the same call without it sees
+    from the same seed (the C and Triton engines; the reference draws per step, and its masks are
+    drawn per direction by :func:`_direction_masks` instead)."""
+    dirs, steps, batch, width, hidden = sizes
+    m = dict(given) if given else {}
+    if engine in (lstm_engine_gpu, gru_engine_gpu):
+        m.update(drawn_masks(cell, options, training, m, (dirs, batch, width), (dirs, steps, batch), hidden, width, x))
+    elif engine in (lstm_engine, gru_engine):
+        mm = _precision.Products.of(x)  # the engine draws in the dtype its GEMMs take x in
+        like = x.new_empty(0, dtype=mm.low) if mm.lowered and x.dtype != mm.low else x
+        plan = layer_plan(lengths, steps, batch, x.device)
+        rows = sum(span * n for span, n in plan.segments)
+        drawn = drawn_masks(cell, options, training, m, (dirs, batch, width), (dirs, rows), hidden, width, like)
+        m.update(given_layout(drawn, plan, steps, batch))
+    return m or None
 
 
 def _direction_masks(given: dict[str, Tensor] | None, d: int, fmap: Tensor | None, options: CellOptions,
