@@ -18,31 +18,15 @@ seconds, x the floor, x torch's module.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 
 import fastlayers
+from fastlayers._system import cpu_description
 
 F_IN, HIDDEN, STEPS, BATCH, DIRS = 512, 256, 800, 32, 2
-
-
-def cpu_name() -> str:
-    """Vendor, family / model and the ISA extensions that decide the kernels (from /proc/cpuinfo)."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    flags = set(info.get("flags", "").split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return (f"{info.get('model name', '?')} ({info.get('vendor_id', '?')}, family {info.get('cpu family', '?')} "
-            f"model {info.get('model', '?')}; {', '.join(isa) or 'no AVX2'})")
 
 
 def sgemm_rate(repeats: int = 5, n: int = 2048) -> float:
@@ -72,7 +56,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rate = sgemm_rate()
-    print(f"# {cpu_name()}; torch {torch.__version__}, {args.threads} threads")
+    print(f"# {cpu_description()}; torch {torch.__version__}, {args.threads} threads")
     print(f"# torch.mm 2048^3 float32: {rate / 1e9:.1f} GFLOP/s")
     torch.manual_seed(0)
     x = torch.randn(STEPS, BATCH, F_IN, requires_grad=True)

@@ -21,7 +21,7 @@ import time
 import torch
 
 import fastlayers
-from bench_cpu_floor import cpu_name
+from fastlayers._system import cpu_description
 
 OPTIONS = {  # option -> (cells it applies to, fastlayers kwargs)
     "layer_norm": (("LSTM", "GRU"), dict(layer_norm=True)),
@@ -67,7 +67,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     hiddens = [int(v) for v in args.hidden.split(",")]
     batches = [int(v) for v in args.batch.split(",")]
-    print(f"# {cpu_name()}; torch {torch.__version__}, {args.threads} threads; T={args.steps}, bidirectional, "
+    print(f"# {cpu_description()}; torch {torch.__version__}, {args.threads} threads; T={args.steps}, bidirectional, "
           f"input = hidden = H, fwd+bwd, training mode; fastlayers / torch.nn, median of {args.repeats}")
     worst = (0.0, "")
     for cell in args.cells.split(","):

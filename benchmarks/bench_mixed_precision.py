@@ -30,6 +30,7 @@ from torch import nn
 
 import fastlayers
 from fastlayers import _precision
+from fastlayers._system import cpuinfo
 from fastlayers.bench import compare
 
 
@@ -50,13 +51,8 @@ class Call(nn.Module):
 
 def cpu_model() -> str:
     """'family F model M' from /proc/cpuinfo: tells AMD Zen 3 (19h model 1) from Zen 4 (19h model 11h), say."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
+    fields = cpuinfo()
+    if not fields:
         return "unknown"
     return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
 
