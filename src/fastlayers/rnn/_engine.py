@@ -154,7 +154,6 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
     # no gathers then, and for one direction no scatter either
     identity = lengths is None
     states = list(hx) if identity else [s.index_select(1, order) for s in hx]  # (h_0,) or (h_0, c_0), sorted batch
-    z_h, z_c = options.zoneout
     dst = None  # the output's padded rows (one scatter per layer), made where the packing is not the identity
     finals: list[list[Tensor]] = [[] for _ in states]
     x = input

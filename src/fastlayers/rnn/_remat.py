@@ -527,6 +527,8 @@ def _engine_draws(engine: Engine, cell: str, options: CellOptions, training: boo
     drawn per direction by :func:`_direction_masks` instead)."""
     dirs, steps, batch, width, hidden = sizes
     m = dict(given) if given else {}
+    if not (training and (options.recurrent_dropout > 0 or any(z > 0 for z in options.zoneout))):
+        return m or None  # nothing to draw: no packing plan to build
     if engine in (lstm_engine_gpu, gru_engine_gpu):
         m.update(drawn_masks(cell, options, training, m, (dirs, batch, width), (dirs, steps, batch), hidden, width, x))
     elif engine in (lstm_engine, gru_engine):
