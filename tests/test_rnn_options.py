@@ -202,3 +202,27 @@ def test_step_cell_matches_layer_with_projection():
 def test_bad_options(kwargs, err, msg):
     with pytest.raises(err, match=msg):
         fastlayers.LSTM(3, 4, **kwargs)
+
+
+# the C time loops (lstm.c's lstm_forward_loop / lstm_backward_loop with gemm.h's step products): sizes
+# past one register block of rows (13 sequences, ending at different steps), a partial panel of
+# columns (H = 17, 70) and, in the backward product (k = 4H = 280), more than one block of k
+@pytest.mark.parametrize("hidden_size", [17, 70])
+@pytest.mark.parametrize("name", ["layer_norm", "peephole", "all"])
+@pytest.mark.parametrize("training", [False, True])
+def test_time_loop_sizes_match_reference(hidden_size, name, training):
+    _compare(OPTION_SETS[name], training=training, hidden_size=hidden_size, input_size=6,
+             lengths=(9, 3, 9, 1, 7, 8, 2, 9, 5, 6, 4, 9, 8))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_time_loop_threads_match_reference(threads):
+    """The loops split every step between the threads (panels of the product, rows, column blocks
+    of the parameter sums; the suite's workers run one thread each): 2 and 3 threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _compare(OPTION_SETS["all"], training=True, hidden_size=40, input_size=6, lengths=(7, 2, 7, 5, 1, 6, 7))
+        _compare(OPTION_SETS["layer_norm"], hidden_size=23, input_size=4, lengths=(5, 5, 3))
+    finally:
+        torch.set_num_threads(before)

@@ -17,7 +17,8 @@
  *   acc_b[k] += d[k] (acc_b may be NULL) for k in [k0, k1): the gain and bias gradients of a row.
  *   fl_input_norm_backward_SUFFIX(D, n, ds, G, dpre, xp, xstat, gx, nthreads): for the n packed
  *   rows of a step of both directions (row (d, b) at (d*ds + b)*G), dpre = d LN(xp; gx) / d xp
- *   applied to dpre in place (the step kernels' input LayerNorm).
+ *   applied to dpre in place (the step kernels' input LayerNorm); one row of it:
+ *   fl_input_norm_backward_row_SUFFIX(dp, xp, xstat, gx_d, G).
  */
 #ifndef FASTLAYERS_FASTMATH_H
 #define FASTLAYERS_FASTMATH_H
@@ -92,14 +93,17 @@ static inline void fl_accumulate_norm_##SUFFIX(T* acc_g, T* acc_b, const T* d, c
     for (int64_t k = k0; k < k1; k++) acc_g[k] += d[k] * ((v[k] - mean) * rstd);                     \
     if (acc_b) for (int64_t k = k0; k < k1; k++) acc_b[k] += d[k];                                   \
 }                                                                                                    \
-static void fl_input_norm_backward_##SUFFIX(int64_t D, int64_t n, int64_t ds, int64_t G, T* dpre,     \
+static inline void fl_input_norm_backward_row_##SUFFIX(T* dp, const T* xp, const T* xstat, const T* gxd,    \
+                                                      int64_t G) {                                   \
+    for (int64_t k = 0; k < G; k++) dp[k] *= gxd[k];                                                 \
+    fl_layer_norm_backward_stat_##SUFFIX(dp, xp, xstat, G, dp);                                      \
+}                                                                                                    \
+static inline void fl_input_norm_backward_##SUFFIX(int64_t D, int64_t n, int64_t ds, int64_t G, T* dpre,     \
                                             const T* xp, const T* xstat, const T* gx, int nthreads) { \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) {                                                   \
         const int64_t d = task / n, row = d * ds + task % n;                                         \
-        T* dp = dpre + row * G; const T* gxd = gx + d * G;                                           \
-        for (int64_t k = 0; k < G; k++) dp[k] *= gxd[k];                                             \
-        fl_layer_norm_backward_stat_##SUFFIX(dp, xp + row * G, xstat + 2 * row, G, dp);              \
+        fl_input_norm_backward_row_##SUFFIX(dpre + row * G, xp + row * G, xstat + 2 * row, gx + d * G, G); \
     }                                                                                                \
 }                                                                                                    \
 static inline void fl_next_input_##SUFFIX(T* hn, const T* h, const T* mask, int64_t len) {          \

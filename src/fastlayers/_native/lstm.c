@@ -27,16 +27,97 @@
  * hd_next is the next step's block of the same packed layout, so only its first n_next rows
  * (the sequences still running at the next step) are written.
  *
+ * Entry points: lstm_step_forward / lstm_step_backward run one step (the caller runs the recurrent
+ * product between steps: the Python loop with a projection or bf16 products, the C++ no-grad
+ * operator); lstm_forward_loop / lstm_backward_loop run a whole layer's time loop in one call and
+ * one OpenMP region, with the recurrent product of each step on gemm.h's kernel (each thread owns
+ * a fixed share of the weight's column panels, packed once per call), two barriers per step and
+ * no return to the caller in between. Both run the same per-row functions.
+ *
  * float uses fastmath.h's vectorisable exp; double uses libm. Built with -fno-trapping-math
  * -fno-signed-zeros (see __init__.py) so that the clamps and selects vectorise; NaN propagates
  * (every clamp is written `v < lo ? lo : v`, which keeps a NaN v).
  */
+#include <omp.h>
 #include <string.h>
 
 #include "fastmath.h"
+#include "gemm.h"
 
 #define DEFINE_LSTM(T, SUFFIX, EXP, TANH, SQRT)                                                        \
 static inline T sig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                                      \
+                                                                                                     \
+/* one step's arguments; the per-row buffers point at (d = 0, the step's first packed row) */        \
+typedef struct {                                                                                     \
+    int64_t D, B, n, n_next, H, ds;                                                                  \
+    const T* xp; T* xstat; const T* gx; const T* bias;                                               \
+    const T* r; T* c; T* h; const T* rmask;                                                          \
+    T* y; T* gates; T* c1; T* chist; T* hd_next;                                                     \
+    T* rhat; T* rrstd; T* cstat;                                                                     \
+    const T* gh; const T* gc; const T* bc; const T* peep; T clip; T eps;                             \
+    const T* zc; const T* zh; T zc_const; T zh_const;                                                \
+} lstm_fwd_##SUFFIX;                                                                                 \
+                                                                                                     \
+/* row task = d * n + b of one step. Every loop is written so that it vectorises: the options are    \
+ * decided outside the loops (a select that reads a possibly-NULL mask keeps a loop scalar). */     \
+static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task)                     \
+{                                                                                                    \
+    const int64_t H = a->H, G = 4 * H, n = a->n;                                                     \
+    const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
+    const T* restrict xr = a->xp + row * G;                                                          \
+    const T* restrict rr = a->r + (d * n + b) * G;                                                   \
+    T* restrict gr = a->gates + row * G;                                                             \
+    T* restrict cr = a->c + srow * H; /* c0 until the zoneout pass overwrites it with the new state */ \
+    T* restrict hr = a->h + srow * H; T* restrict yr = a->y + row * H;                               \
+    T* restrict c1r = a->c1 + row * H;                                                               \
+    const T* restrict pi = a->peep ? a->peep + d * 3 * H : 0;                                        \
+    if (a->chist) memcpy(a->chist + row * H, cr, sizeof(T) * H);                                     \
+    if (a->xstat) fl_row_stats_##SUFFIX(xr, G, a->eps, a->xstat + 2 * row);                          \
+    if (a->gh) { /* gates = LNh(r), then + the input part */                                         \
+        fl_layer_norm_##SUFFIX(rr, G, a->eps, a->rhat + row * G, a->rrstd + row);                    \
+        const T* restrict ghd = a->gh + d * G; const T* restrict rh = a->rhat + row * G;             \
+        for (int64_t k = 0; k < G; k++) gr[k] = ghd[k] * rh[k];                                      \
+    } else {                                                                                         \
+        memcpy(gr, rr, sizeof(T) * G);                                                               \
+    }                                                                                                \
+    if (a->xstat) {                                                                                  \
+        const T* xs = a->xstat + 2 * row; const T mx = xs[0], rx = xs[1];                            \
+        const T* restrict gxd = a->gx + d * G; const T* restrict bd = a->bias ? a->bias + d * G : 0; \
+        if (bd) for (int64_t k = 0; k < G; k++) gr[k] += gxd[k] * ((xr[k] - mx) * rx) + bd[k];      \
+        else for (int64_t k = 0; k < G; k++) gr[k] += gxd[k] * ((xr[k] - mx) * rx);                  \
+    } else {                                                                                         \
+        for (int64_t k = 0; k < G; k++) gr[k] += xr[k];                                              \
+    }                                                                                                \
+    if (pi) for (int64_t k = 0; k < H; k++) { gr[k] += pi[k] * cr[k]; gr[H + k] += pi[H + k] * cr[k]; } \
+    for (int64_t k = 0; k < 2 * H; k++) gr[k] = sig_##SUFFIX(gr[k]); /* two loops: one exp each */   \
+    for (int64_t k = 2 * H; k < 3 * H; k++) gr[k] = TANH(gr[k]);                                   \
+    for (int64_t k = 0; k < H; k++) c1r[k] = gr[H + k] * cr[k] + gr[k] * gr[2 * H + k];             \
+    const T clip = a->clip;                                                                          \
+    if (clip > 0)                                                                                    \
+        for (int64_t k = 0; k < H; k++) c1r[k] = c1r[k] > clip ? clip : (c1r[k] < -clip ? -clip : c1r[k]); \
+    if (pi) for (int64_t k = 0; k < H; k++) gr[3 * H + k] += pi[2 * H + k] * c1r[k];                 \
+    for (int64_t k = 0; k < H; k++) gr[3 * H + k] = sig_##SUFFIX(gr[3 * H + k]);                     \
+    if (a->gc) { /* h1 = o * tanh(LNc(c1)), into y first */                                          \
+        T* cs = a->cstat + 2 * row; fl_row_stats_##SUFFIX(c1r, H, a->eps, cs);                       \
+        const T mc = cs[0], rc = cs[1];                                                              \
+        const T* restrict gcd = a->gc + d * H; const T* restrict bcd = a->bc + d * H;                \
+        for (int64_t k = 0; k < H; k++) yr[k] = gr[3 * H + k] * TANH(gcd[k] * ((c1r[k] - mc) * rc) + bcd[k]); \
+    } else {                                                                                         \
+        for (int64_t k = 0; k < H; k++) yr[k] = gr[3 * H + k] * TANH(c1r[k]);                        \
+    }                                                                                                \
+    const T* restrict zcr = a->zc ? a->zc + row * H : 0;                                             \
+    const T* restrict zhr = a->zh ? a->zh + row * H : 0;                                             \
+    const T zc = a->zc_const, zh = a->zh_const;                                                      \
+    /* zoneout: c = zc*c0 + (1-zc)*c1, h = zh*h0 + (1-zh)*h1; without it c = c1, h = h1 */           \
+    if (zcr) for (int64_t k = 0; k < H; k++) cr[k] = zcr[k] * cr[k] + (1 - zcr[k]) * c1r[k];        \
+    else if (zc != 0) for (int64_t k = 0; k < H; k++) cr[k] = zc * cr[k] + (1 - zc) * c1r[k];       \
+    else memcpy(cr, c1r, sizeof(T) * H);                                                             \
+    if (zhr) for (int64_t k = 0; k < H; k++) { hr[k] = zhr[k] * hr[k] + (1 - zhr[k]) * yr[k]; yr[k] = hr[k]; } \
+    else if (zh != 0) for (int64_t k = 0; k < H; k++) { hr[k] = zh * hr[k] + (1 - zh) * yr[k]; yr[k] = hr[k]; } \
+    else memcpy(hr, yr, sizeof(T) * H);                                                              \
+    if (a->hd_next && b < a->n_next)                                                                 \
+        fl_next_input_##SUFFIX(a->hd_next + row * H, hr, a->rmask ? a->rmask + srow * H : 0, H);     \
+}                                                                                                    \
                                                                                                      \
 void lstm_step_forward_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t n, int64_t n_next, int64_t H, int64_t ds,                          \
@@ -47,59 +128,11 @@ void lstm_step_forward_##SUFFIX(                                                
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
     const T* zc, const T* zh, T zc_const, T zh_const, int nthreads)                                  \
 {                                                                                                    \
-    const int64_t G = 4 * H;                                                                         \
+    const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, xp, xstat, gx, bias, r, c, h, rmask, y,     \
+                                 gates, c1_out, chist, hd_next, rhat, rrstd, cstat, gh, gc, bc, peep, \
+                                 clip, eps, zc, zh, zc_const, zh_const};                             \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * n; task++) {                                                   \
-        const int64_t d = task / n, b = task % n, row = d * ds + b, srow = d * B + b;               \
-        const T* restrict xr = xp + row * G;                                                         \
-        const T* restrict rr = r + (d * n + b) * G;                                                  \
-        T* restrict gr = gates + row * G;                                                            \
-        T* cr = c + srow * H; /* c0 until the last loop overwrites it with the new state */         \
-        T* restrict hr = h + srow * H; T* restrict yr = y + row * H;                                 \
-        T* restrict c1r = c1_out + row * H;                                                          \
-        const T* restrict pi = peep ? peep + d * 3 * H : 0;                                          \
-        if (chist) memcpy(chist + row * H, cr, sizeof(T) * H);                                       \
-        if (xstat) fl_row_stats_##SUFFIX(xr, G, eps, xstat + 2 * row);                               \
-        if (gh) { /* gates = LNh(r), then + the input part */                                        \
-            fl_layer_norm_##SUFFIX(rr, G, eps, rhat + row * G, rrstd + row);                         \
-            const T* ghd = gh + d * G; const T* rh = rhat + row * G;                                 \
-            for (int64_t k = 0; k < G; k++) gr[k] = ghd[k] * rh[k];                                  \
-        } else {                                                                                     \
-            memcpy(gr, rr, sizeof(T) * G);                                                           \
-        }                                                                                            \
-        if (xstat) {                                                                                 \
-            const T* xs = xstat + 2 * row; const T mx = xs[0], rx = xs[1];                           \
-            const T* gxd = gx + d * G; const T* bd = bias ? bias + d * G : 0;                        \
-            if (bd) for (int64_t k = 0; k < G; k++) gr[k] += gxd[k] * ((xr[k] - mx) * rx) + bd[k];  \
-            else for (int64_t k = 0; k < G; k++) gr[k] += gxd[k] * ((xr[k] - mx) * rx);              \
-        } else {                                                                                     \
-            for (int64_t k = 0; k < G; k++) gr[k] += xr[k];                                          \
-        }                                                                                            \
-        if (pi) for (int64_t k = 0; k < H; k++) { gr[k] += pi[k] * cr[k]; gr[H + k] += pi[H + k] * cr[k]; } \
-        for (int64_t k = 0; k < 2 * H; k++) gr[k] = sig_##SUFFIX(gr[k]); /* two loops: one exp each */ \
-        for (int64_t k = 2 * H; k < 3 * H; k++) gr[k] = TANH(gr[k]);                               \
-        for (int64_t k = 0; k < H; k++) c1r[k] = gr[H + k] * cr[k] + gr[k] * gr[2 * H + k];         \
-        if (clip > 0)                                                                                \
-            for (int64_t k = 0; k < H; k++) c1r[k] = c1r[k] > clip ? clip : (c1r[k] < -clip ? -clip : c1r[k]); \
-        if (pi) for (int64_t k = 0; k < H; k++) gr[3 * H + k] += pi[2 * H + k] * c1r[k];             \
-        for (int64_t k = 0; k < H; k++) gr[3 * H + k] = sig_##SUFFIX(gr[3 * H + k]);                 \
-        const T* zcr = zc ? zc + row * H : 0; const T* zhr = zh ? zh + row * H : 0;                  \
-        T mc = 0, rc = 1; const T* gcd = 0; const T* bcd = 0;                                        \
-        if (gc) {                                                                                    \
-            T* cs = cstat + 2 * row; fl_row_stats_##SUFFIX(c1r, H, eps, cs);                         \
-            mc = cs[0]; rc = cs[1]; gcd = gc + d * H; bcd = bc + d * H;                              \
-        }                                                                                            \
-        for (int64_t k = 0; k < H; k++) {                                                            \
-            const T zck = zcr ? zcr[k] : zc_const, zhk = zhr ? zhr[k] : zh_const;                    \
-            const T nk = gcd ? gcd[k] * ((c1r[k] - mc) * rc) + bcd[k] : c1r[k];                      \
-            const T h1 = gr[3 * H + k] * TANH(nk);                                                   \
-            cr[k] = zck * cr[k] + (1 - zck) * c1r[k];                                                \
-            hr[k] = zhk * hr[k] + (1 - zhk) * h1;                                                    \
-            yr[k] = hr[k];                                                                           \
-        }                                                                                            \
-        if (hd_next && b < n_next)                                                                   \
-            fl_next_input_##SUFFIX(hd_next + row * H, hr, rmask ? rmask + srow * H : 0, H);          \
-    }                                                                                                \
+    for (int64_t task = 0; task < D * n; task++) lstm_forward_row_##SUFFIX(&a, task);                \
 }                                                                                                    \
                                                                                                      \
 /* Backward of one step. In: dy (grad of y), dh/dc (grad of the state after this step, [D,B,H];     \
@@ -109,7 +142,128 @@ void lstm_step_forward_##SUFFIX(                                                
  * of xp: through LNx when xstat != NULL), dr (grad of r; may alias dpre when gh == NULL and xstat  \
  * == NULL); dn_scratch [D,B,H] (work space for LNc). Parameter gradients are accumulated (+=) over  \
  * the active rows into acc_gx / acc_b / acc_gh [D,G], acc_gc / acc_bc [D,H], acc_peep [D,3H]       \
- * (each may be NULL). */                                                                           \
+ * (each may be NULL). Three passes over the step, each split between the threads: the rows         \
+ * (lstm_backward_row), the parameter sums by column blocks (lstm_backward_sums), the input          \
+ * LayerNorm's backward by rows. */                                                                 \
+typedef struct {                                                                                     \
+    int64_t D, B, n, H, ds, cds;                                                                     \
+    const T* dy; T* dh; T* dc; const T* chist;                                                       \
+    const T* xp; const T* xstat; const T* gx;                                                        \
+    const T* gates; const T* c1; const T* rhat; const T* rrstd; const T* cstat;                      \
+    const T* gh; const T* gc; const T* bc; const T* peep; T clip;                                    \
+    const T* zc; const T* zh; T zc_const; T zh_const;                                                \
+    T* dpre; T* dr; T* dn;                                                                           \
+    T* acc_gx; T* acc_b; T* acc_gh; T* acc_gc; T* acc_bc; T* acc_peep;                               \
+} lstm_bwd_##SUFFIX;                                                                                 \
+                                                                                                     \
+static void lstm_backward_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                    \
+{                                                                                                    \
+    const int64_t H = a->H, G = 4 * H, n = a->n;                                                     \
+    const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
+    T* restrict dp = a->dpre + row * G;                                                              \
+    const T* restrict gr = a->gates + row * G;                                                       \
+    const T* restrict c1r = a->c1 + row * H; const T* restrict c0r = a->chist + (d * a->cds + b) * H; \
+    T* restrict dhr = a->dh + srow * H; T* restrict dcr = a->dc + srow * H;                          \
+    const T* restrict dyr = a->dy + row * H;                                                         \
+    const T* restrict pi = a->peep ? a->peep + d * 3 * H : 0;                                        \
+    T* restrict dn = a->dn + srow * H;                                                               \
+    const T* restrict zcr = a->zc ? a->zc + row * H : 0;                                             \
+    const T* restrict zhr = a->zh ? a->zh + row * H : 0;                                             \
+    const T zc = a->zc_const, zh = a->zh_const;                                                      \
+    const T* restrict gcd = a->gc ? a->gc + d * H : 0;                                               \
+    /* through h = zh*h0 + (1-zh)*o*tanh(n): tanh(n) first into dn, d h1 into dp[2H, 3H) (free      \
+     * until the gate pass) */                                                                       \
+    if (gcd) {                                                                                       \
+        const T mc = a->cstat[2 * row], rc = a->cstat[2 * row + 1];                                  \
+        const T* restrict bcd = a->bc + d * H;                                                       \
+        for (int64_t k = 0; k < H; k++) dn[k] = TANH(gcd[k] * ((c1r[k] - mc) * rc) + bcd[k]);       \
+    } else {                                                                                         \
+        for (int64_t k = 0; k < H; k++) dn[k] = TANH(c1r[k]);                                        \
+    }                                                                                                \
+    T* restrict dh1 = dp + 2 * H;                                                                    \
+    if (zhr) for (int64_t k = 0; k < H; k++) {                                                       \
+        const T dhout = dyr[k] + dhr[k]; dh1[k] = (1 - zhr[k]) * dhout; dhr[k] = zhr[k] * dhout; }   \
+    else for (int64_t k = 0; k < H; k++) {                                                           \
+        const T dhout = dyr[k] + dhr[k]; dh1[k] = (1 - zh) * dhout; dhr[k] = zh * dhout; }           \
+    for (int64_t k = 0; k < H; k++) {                                                                \
+        const T o = gr[3 * H + k], th = dn[k];                                                       \
+        dp[3 * H + k] = dh1[k] * th * o * (1 - o);                                                   \
+        dn[k] = dh1[k] * o * (1 - th * th);                                                          \
+    }                                                                                                \
+    T* restrict dc1 = dp; /* dp[0..H) holds d c1 until the gate pass */                              \
+    if (gcd) {                                                                                       \
+        T* dhat = dp + H;                                                                            \
+        for (int64_t k = 0; k < H; k++) dhat[k] = dn[k] * gcd[k];                                    \
+        fl_layer_norm_backward_stat_##SUFFIX(dhat, c1r, a->cstat + 2 * row, H, dc1);                 \
+    } else {                                                                                         \
+        memcpy(dc1, dn, sizeof(T) * H);                                                              \
+    }                                                                                                \
+    /* c = zc*c0 + (1-zc)*c1: d c1 += (1-zc) dc; the carried part zc*dc stays in dc, to which the   \
+     * gate pass adds d c1 * f (and the peepholes theirs) */                                         \
+    if (zcr) for (int64_t k = 0; k < H; k++) { const T dck = dcr[k]; dc1[k] += (1 - zcr[k]) * dck; dcr[k] = zcr[k] * dck; } \
+    else for (int64_t k = 0; k < H; k++) { const T dck = dcr[k]; dc1[k] += (1 - zc) * dck; dcr[k] = zc * dck; } \
+    if (pi) for (int64_t k = 0; k < H; k++) dc1[k] += dp[3 * H + k] * pi[2 * H + k];                 \
+    const T clip = a->clip;                                                                          \
+    if (clip > 0) for (int64_t k = 0; k < H; k++) {                                                  \
+        const T v = gr[H + k] * c0r[k] + gr[k] * gr[2 * H + k];                                      \
+        dc1[k] = v > clip || v < -clip ? 0 : dc1[k]; }                                               \
+    for (int64_t k = 0; k < H; k++) {                                                                \
+        const T i = gr[k], f = gr[H + k], g = gr[2 * H + k], dc1k = dc1[k];                          \
+        const T di = dc1k * g * i * (1 - i);                                                         \
+        const T df = dc1k * c0r[k] * f * (1 - f);                                                    \
+        const T dg = dc1k * i * (1 - g * g);                                                         \
+        dcr[k] += dc1k * f;                                                                          \
+        dp[k] = di; dp[H + k] = df; dp[2 * H + k] = dg;                                              \
+    }                                                                                                \
+    if (pi) for (int64_t k = 0; k < H; k++) dcr[k] += dp[k] * pi[k] + dp[H + k] * pi[H + k];         \
+    if (a->gh) {                                                                                     \
+        const T* restrict ghd = a->gh + d * G; T* restrict drr = a->dr + row * G;                    \
+        for (int64_t k = 0; k < G; k++) drr[k] = dp[k] * ghd[k];                                     \
+        fl_layer_norm_backward_##SUFFIX(drr, a->rhat + row * G, a->rrstd[row], G, drr);              \
+    } else if (a->dr != a->dpre) {                                                                   \
+        memcpy(a->dr + row * G, dp, sizeof(T) * G);                                                  \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+enum { LSTM_SUM_CHUNK_##SUFFIX = 64 };                                                               \
+static inline int lstm_has_sums_##SUFFIX(const lstm_bwd_##SUFFIX* a)                                 \
+{                                                                                                    \
+    return a->acc_gx || a->acc_b || a->acc_gh || a->acc_gc || a->acc_peep;                           \
+}                                                                                                    \
+/* parameter-gradient sums over the step's rows; task = d * chunks + column block (a task owns its  \
+ * columns of the accumulators) */                                                                   \
+static void lstm_backward_sums_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                   \
+{                                                                                                    \
+    const int64_t H = a->H, G = 4 * H, nchunks = (G + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX; \
+    const int64_t d = task / nchunks, k0 = (task % nchunks) * LSTM_SUM_CHUNK_##SUFFIX;                \
+    const int64_t k1 = k0 + LSTM_SUM_CHUNK_##SUFFIX < G ? k0 + LSTM_SUM_CHUNK_##SUFFIX : G;           \
+    const int64_t h0 = k0 < H ? k0 : H, h1 = k1 < H ? k1 : H; /* H-sized sums on k < H */            \
+    for (int64_t b = 0; b < a->n; b++) {                                                             \
+        const int64_t row = d * a->ds + b, srow = d * a->B + b;                                      \
+        const T* dp = a->dpre + row * G;                                                             \
+        if (a->acc_gx || a->acc_b)                                                                   \
+            fl_accumulate_norm_##SUFFIX(a->acc_gx + d * G, a->acc_b ? a->acc_b + d * G : 0, dp,       \
+                                        a->xp + row * G, a->xstat + 2 * row, k0, k1);                \
+        if (a->acc_gh) { const T* rh = a->rhat + row * G; T* acc = a->acc_gh + d * G;                \
+            for (int64_t k = k0; k < k1; k++) acc[k] += dp[k] * rh[k]; }                             \
+        if (a->acc_gc && h0 < h1)                                                                    \
+            fl_accumulate_norm_##SUFFIX(a->acc_gc + d * H, a->acc_bc + d * H, a->dn + srow * H,       \
+                                        a->c1 + row * H, a->cstat + 2 * row, h0, h1);                \
+        if (a->acc_peep && h0 < h1) { const T* c0r = a->chist + (d * a->cds + b) * H;                \
+            const T* c1r = a->c1 + row * H; T* ap = a->acc_peep + d * 3 * H;                         \
+            for (int64_t k = h0; k < h1; k++) {                                                      \
+                ap[k] += dp[k] * c0r[k]; ap[H + k] += dp[H + k] * c0r[k];                            \
+                ap[2 * H + k] += dp[3 * H + k] * c1r[k]; } }                                         \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+static void lstm_backward_input_norm_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)             \
+{                                                                                                    \
+    const int64_t G = 4 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
+    fl_input_norm_backward_row_##SUFFIX(a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row,     \
+                                        a->gx + d * G, G);                                           \
+}                                                                                                    \
+                                                                                                     \
 void lstm_step_backward_##SUFFIX(                                                                    \
     int64_t D, int64_t B, int64_t n, int64_t H, int64_t ds,                                          \
     const T* dy, T* dh, T* dc, const T* chist, int64_t cds,                                          \
@@ -120,88 +274,134 @@ void lstm_step_backward_##SUFFIX(                                               
     T* dpre, T* dr, T* dn_scratch,                                                                   \
     T* acc_gx, T* acc_b, T* acc_gh, T* acc_gc, T* acc_bc, T* acc_peep, int nthreads)                 \
 {                                                                                                    \
-    const int64_t G = 4 * H;                                                                         \
+    const lstm_bwd_##SUFFIX a = {D, B, n, H, ds, cds, dy, dh, dc, chist, xp, xstat, gx, gates, c1_in, \
+                                 rhat, rrstd, cstat, gh, gc, bc, peep, clip, zc, zh, zc_const,       \
+                                 zh_const, dpre, dr, dn_scratch, acc_gx, acc_b, acc_gh, acc_gc,       \
+                                 acc_bc, acc_peep};                                                  \
+    const int64_t nchunks = (4 * H + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;          \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * n; task++) {                                                   \
-        const int64_t d = task / n, b = task % n, row = d * ds + b, srow = d * B + b;               \
-        T* dp = dpre + row * G;                                                                      \
-        const T* gr = gates + row * G;                                                               \
-        const T* c1r = c1_in + row * H; const T* c0r = chist + (d * cds + b) * H;                    \
-        T* dhr = dh + srow * H; T* dcr = dc + srow * H; const T* dyr = dy + row * H;                 \
-        const T* pi = peep ? peep + d * 3 * H : 0;                                                   \
-        T* dn = dn_scratch + srow * H;                                                               \
-        const T* zcr = zc ? zc + row * H : 0; const T* zhr = zh ? zh + row * H : 0;                  \
-        T mc = 0, rc = 1; const T* gcd = 0; const T* bcd = 0;                                        \
-        if (gc) { mc = cstat[2 * row]; rc = cstat[2 * row + 1]; gcd = gc + d * H; bcd = bc + d * H; } \
-        for (int64_t k = 0; k < H; k++) { /* through h = zh*h0 + (1-zh)*o*tanh(n) */                 \
-            const T zhk = zhr ? zhr[k] : zh_const;                                                   \
-            const T dhout = dyr[k] + dhr[k];                                                         \
-            const T dh1 = (1 - zhk) * dhout;                                                         \
-            const T o = gr[3 * H + k];                                                               \
-            const T th = TANH(gcd ? gcd[k] * ((c1r[k] - mc) * rc) + bcd[k] : c1r[k]);                \
-            dp[3 * H + k] = dh1 * th * o * (1 - o);                                                  \
-            dn[k] = dh1 * o * (1 - th * th);                                                         \
-            dhr[k] = zhk * dhout;                                                                    \
-        }                                                                                            \
-        T* dc1 = dp; /* dp[0..H) holds d c1 until the gate pass */                                   \
-        if (gc) {                                                                                    \
-            T* dhat = dp + H;                                                                        \
-            for (int64_t k = 0; k < H; k++) dhat[k] = dn[k] * gcd[k];                                \
-            fl_layer_norm_backward_stat_##SUFFIX(dhat, c1r, cstat + 2 * row, H, dc1);                \
-        } else {                                                                                     \
-            memcpy(dc1, dn, sizeof(T) * H);                                                          \
-        }                                                                                            \
-        for (int64_t k = 0; k < H; k++) {                                                            \
-            const T zck = zcr ? zcr[k] : zc_const;                                                   \
-            const T i = gr[k], f = gr[H + k], g = gr[2 * H + k], c0k = c0r[k];                       \
-            T dc1k = dc1[k] + (1 - zck) * dcr[k];                                                    \
-            if (pi) dc1k += dp[3 * H + k] * pi[2 * H + k];                                           \
-            if (clip > 0) { const T v = f * c0k + i * g; if (v > clip || v < -clip) dc1k = 0; }      \
-            const T di = dc1k * g * i * (1 - i);                                                     \
-            const T df = dc1k * c0k * f * (1 - f);                                                   \
-            const T dg = dc1k * i * (1 - g * g);                                                     \
-            T dc0 = dc1k * f + zck * dcr[k];                                                         \
-            if (pi) dc0 += di * pi[k] + df * pi[H + k];                                              \
-            dcr[k] = dc0;                                                                            \
-            dp[k] = di; dp[H + k] = df; dp[2 * H + k] = dg;                                          \
-        }                                                                                            \
-        if (gh) {                                                                                    \
-            const T* ghd = gh + d * G; T* drr = dr + row * G;                                        \
-            for (int64_t k = 0; k < G; k++) drr[k] = dp[k] * ghd[k];                                 \
-            fl_layer_norm_backward_##SUFFIX(drr, rhat + row * G, rrstd[row], G, drr);                \
-        } else if (dr != dpre) {                                                                     \
-            memcpy(dr + row * G, dp, sizeof(T) * G);                                                 \
+    for (int64_t task = 0; task < D * n; task++) lstm_backward_row_##SUFFIX(&a, task);               \
+    if (lstm_has_sums_##SUFFIX(&a)) {                                                                \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
+        for (int64_t task = 0; task < D * nchunks; task++) lstm_backward_sums_##SUFFIX(&a, task);    \
+    }                                                                                                \
+    if (xstat) { /* through x = LNx(xp): dpre becomes the grad of xp, in place */                    \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
+        for (int64_t task = 0; task < D * n; task++) lstm_backward_input_norm_##SUFFIX(&a, task);    \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+/* The whole forward time loop of a layer without a projection, in one call: per step t (n =        \
+ * active[t] rows, starting at packed row o), r[d] = hd[d, o:o+n] @ w_t[d] (gemm.h, each thread its  \
+ * panels of w_t, packed into wp once), then the step's rows, which write the next step's recurrent \
+ * input hd[:, o+n : o+n+n_next]. The caller fills hd's first active[0] rows (h0 * rmask). w_t      \
+ * (D, H, G) contiguous (W_hh transposed); wp work space of D * H * round_up(G, 32) values; r of    \
+ * D * active[0] * G; the other buffers as lstm_step_forward's, at packed row 0. */                  \
+void lstm_forward_loop_##SUFFIX(                                                                     \
+    int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
+    const T* w_t, T* wp, T* r,                                                                       \
+    const T* xp, T* xstat, const T* gx, const T* bias, T* c, T* h, const T* rmask,                   \
+    T* y, T* gates, T* c1, T* chist, T* hd, T* rhat, T* rrstd, T* cstat,                             \
+    const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
+    const T* zc, const T* zh, T zc_const, T zh_const, int nthreads)                                  \
+{                                                                                                    \
+    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(G), W = FL_W_##SUFFIX;                     \
+    _Pragma("omp parallel num_threads(nthreads)")                                                    \
+    {                                                                                                \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
+        int64_t p0, p1, t0, t1;                                                                      \
+        fl_share(D * np, tid, nt, &p0, &p1); /* this thread's panels, every step */                  \
+        for (int64_t q = p0; q < p1; q++)                                                            \
+            fl_gemm_pack_##SUFFIX(H, G, w_t + (q / np) * H * G, G, wp + (q / np) * np * H * W, q % np, q % np + 1); \
+        int64_t o = 0;                                                                               \
+        for (int64_t t = 0; t < steps; t++) {                                                        \
+            const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
+            for (int64_t q = p0; q < p1; q++) {                                                      \
+                const int64_t d = q / np, p = q % np;                                                \
+                fl_gemm_##SUFFIX(n, p, p + 1, H, G, hd + (d * ds + o) * H, H, wp + d * np * H * W,    \
+                                 r + d * n * G, G, 0);                                               \
+            }                                                                                        \
+            _Pragma("omp barrier")                                                                   \
+            const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, xp + o * G, xstat ? xstat + 2 * o : 0, gx, \
+                bias, r, c, h, rmask, y + o * H, gates + o * G, c1 + o * H, chist ? chist + o * H : 0,  \
+                n_next ? hd + (o + n) * H : 0, rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0,          \
+                cstat ? cstat + 2 * o : 0, gh, gc, bc, peep, clip, eps, zc ? zc + o * H : 0,           \
+                zh ? zh + o * H : 0, zc_const, zh_const};                                            \
+            fl_share(D * n, tid, nt, &t0, &t1);                                                      \
+            for (int64_t task = t0; task < t1; task++) lstm_forward_row_##SUFFIX(&a, task);          \
+            _Pragma("omp barrier")                                                                   \
+            o += n;                                                                                  \
         }                                                                                            \
     }                                                                                                \
-    if (acc_gx || acc_b || acc_gh || acc_gc || acc_peep) {                                           \
-    /* parameter-gradient sums over the active rows; each thread owns a block of columns */          \
-    const int64_t chunk = 64, nchunks = (G + chunk - 1) / chunk;                                     \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * nchunks; task++) {                                             \
-        const int64_t d = task / nchunks, k0 = (task % nchunks) * chunk;                             \
-        const int64_t k1 = k0 + chunk < G ? k0 + chunk : G;                                          \
-        const int64_t h0 = k0 < H ? k0 : H, h1 = k1 < H ? k1 : H; /* H-sized sums on k < H */        \
-        for (int64_t b = 0; b < n; b++) {                                                            \
-            const int64_t row = d * ds + b, srow = d * B + b;                                        \
-            const T* dp = dpre + row * G;                                                            \
-            if (acc_gx || acc_b)                                                                     \
-                fl_accumulate_norm_##SUFFIX(acc_gx + d * G, acc_b ? acc_b + d * G : 0, dp, xp + row * G, \
-                                            xstat + 2 * row, k0, k1);                                \
-            if (acc_gh) { const T* rh = rhat + row * G; T* a = acc_gh + d * G;                       \
-                for (int64_t k = k0; k < k1; k++) a[k] += dp[k] * rh[k]; }                           \
-            if (acc_gc && h0 < h1)                                                                   \
-                fl_accumulate_norm_##SUFFIX(acc_gc + d * H, acc_bc + d * H, dn_scratch + srow * H,   \
-                                            c1_in + row * H, cstat + 2 * row, h0, h1);               \
-            if (acc_peep && h0 < h1) { const T* c0r = chist + (d * cds + b) * H;                     \
-                const T* c1r = c1_in + row * H; T* ap = acc_peep + d * 3 * H;                        \
-                for (int64_t k = h0; k < h1; k++) {                                                  \
-                    ap[k] += dp[k] * c0r[k]; ap[H + k] += dp[H + k] * c0r[k];                        \
-                    ap[2 * H + k] += dp[3 * H + k] * c1r[k]; } }                                     \
+}                                                                                                    \
+                                                                                                     \
+/* The whole backward time loop of a layer without a projection, in one call: per step, from the    \
+ * last, the three passes of lstm_step_backward, then the recurrent product's gradient             \
+ * dh[d, :n] += (dr[d, o:o+n] @ w[d]) (* rmask) (gemm.h, each thread its panels of w, packed into   \
+ * wp once). w (D, G, H) contiguous (W_hh); wp of D * G * round_up(H, 32) values; g of              \
+ * D * active[0] * H (used with rmask). The cell state before each step: chist where saved, else   \
+ * the previous step's c1, else c0 (D, B, H). The other buffers as lstm_step_backward's, at packed  \
+ * row 0 (dy, dpre, dr, the saved ones). */                                                          \
+void lstm_backward_loop_##SUFFIX(                                                                    \
+    int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
+    const T* w, T* wp, T* g, const T* rmask,                                                         \
+    const T* dy, T* dh, T* dc, const T* chist, const T* c0,                                          \
+    const T* xp, const T* xstat, const T* gx,                                                        \
+    const T* gates, const T* c1, const T* rhat, const T* rrstd, const T* cstat,                      \
+    const T* gh, const T* gc, const T* bc, const T* peep, T clip,                                    \
+    const T* zc, const T* zh, T zc_const, T zh_const,                                                \
+    T* dpre, T* dr, T* dn_scratch,                                                                   \
+    T* acc_gx, T* acc_b, T* acc_gh, T* acc_gc, T* acc_bc, T* acc_peep, int nthreads)                 \
+{                                                                                                    \
+    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(H), W = FL_W_##SUFFIX;                     \
+    const int64_t nchunks = (G + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;              \
+    _Pragma("omp parallel num_threads(nthreads)")                                                    \
+    {                                                                                                \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
+        int64_t p0, p1, t0, t1;                                                                      \
+        fl_share(D * np, tid, nt, &p0, &p1);                                                         \
+        for (int64_t q = p0; q < p1; q++)                                                            \
+            fl_gemm_pack_##SUFFIX(G, H, w + (q / np) * G * H, H, wp + (q / np) * np * G * W, q % np, q % np + 1); \
+        int64_t o = ds;                                                                              \
+        for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
+            const int64_t n = active[t];                                                             \
+            o -= n;                                                                                  \
+            const T* c_before = chist ? chist + o * H : t > 0 ? c1 + (o - active[t - 1]) * H : c0;   \
+            const lstm_bwd_##SUFFIX a = {D, B, n, H, ds, chist || t > 0 ? ds : B, dy + o * H, dh, dc, \
+                c_before, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx, gates + o * G, c1 + o * H,        \
+                rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, cstat ? cstat + 2 * o : 0, gh, gc, bc,  \
+                peep, clip, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const, zh_const, dpre + o * G, \
+                dr + o * G, dn_scratch, acc_gx, acc_b, acc_gh, acc_gc, acc_bc, acc_peep};              \
+            fl_share(D * n, tid, nt, &t0, &t1);                                                      \
+            for (int64_t task = t0; task < t1; task++) lstm_backward_row_##SUFFIX(&a, task);         \
+            _Pragma("omp barrier")                                                                   \
+            if (lstm_has_sums_##SUFFIX(&a)) {                                                        \
+                fl_share(D * nchunks, tid, nt, &t0, &t1);                                            \
+                for (int64_t task = t0; task < t1; task++) lstm_backward_sums_##SUFFIX(&a, task);    \
+                _Pragma("omp barrier")                                                               \
+            }                                                                                        \
+            if (xstat) { /* dpre only: dr, which the product below reads, is its own buffer here */  \
+                fl_share(D * n, tid, nt, &t0, &t1);                                                  \
+                for (int64_t task = t0; task < t1; task++) lstm_backward_input_norm_##SUFFIX(&a, task); \
+            }                                                                                        \
+            for (int64_t q = p0; q < p1; q++) { /* this thread's columns of dh */                    \
+                const int64_t d = q / np, p = q % np;                                                \
+                const T* wd = wp + d * np * G * W;                                                   \
+                if (!rmask) {                                                                        \
+                    fl_gemm_##SUFFIX(n, p, p + 1, G, H, a.dr + d * ds * G, G, wd, dh + d * B * H, H, 1); \
+                    continue;                                                                        \
+                }                                                                                    \
+                T* gd = g + d * n * H;                                                               \
+                fl_gemm_##SUFFIX(n, p, p + 1, G, H, a.dr + d * ds * G, G, wd, gd, H, 0);            \
+                const int64_t j0 = p * W, j1 = j0 + W < H ? j0 + W : H;                              \
+                for (int64_t b = 0; b < n; b++) {                                                    \
+                    T* dhr = dh + (d * B + b) * H; const T* mr = rmask + (d * B + b) * H;            \
+                    for (int64_t j = j0; j < j1; j++) dhr[j] += gd[b * H + j] * mr[j];               \
+                }                                                                                    \
+            }                                                                                        \
+            _Pragma("omp barrier")                                                                   \
         }                                                                                            \
     }                                                                                                \
-    }                                                                                                \
-    if (xstat) /* through x = LNx(xp): dpre becomes the grad of xp, in place */                  \
-        fl_input_norm_backward_##SUFFIX(D, n, ds, G, dpre, xp, xstat, gx, nthreads);                 \
 }
 
 DEFINE_LSTM(float, f32, fl_exp_f32, fl_tanh_f32, sqrtf)

@@ -33,6 +33,11 @@ extern "C" {
                              const T*, const T*, const T*, T*, T*, const T*, T*, T*, T*, T*, T*, T*,  \
                              T*, T*, const T*, const T*, const T*, const T*, T, T, const T*, const T*, \
                              T, T, int);
+#define FL_LSTM_LOOP(T, S)                                                                             \
+  void lstm_forward_loop_##S(int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, const T*, T*, T*, \
+                             const T*, T*, const T*, const T*, T*, T*, const T*, T*, T*, T*, T*, T*, T*,    \
+                             T*, T*, const T*, const T*, const T*, const T*, T, T, const T*, const T*, T, T, \
+                             int);
 #define FL_GRU_FWD(T, S)                                                                               \
   void gru_step_forward_##S(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const T*, T*,      \
                             const T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, \
@@ -49,6 +54,8 @@ extern "C" {
                                 int64_t, int64_t, int);
 FL_LSTM_FWD(float, f32)
 FL_LSTM_FWD(double, f64)
+FL_LSTM_LOOP(float, f32)
+FL_LSTM_LOOP(double, f64)
 FL_GRU_FWD(float, f32)
 FL_GRU_FWD(double, f64)
 FL_LC2D(float, f32)
@@ -62,6 +69,7 @@ constexpr double kEps = 1e-5;  // the LayerNorms' epsilon (fastlayers/rnn/_recur
 template <typename T> struct Kernels;
 template <> struct Kernels<float> {
   static constexpr auto lstm = lstm_step_forward_f32;
+  static constexpr auto lstm_loop = lstm_forward_loop_f32;
   static constexpr auto gru = gru_step_forward_f32;
   static constexpr auto lc2d = lc2d_forward_f32;
   static constexpr auto lc2d_dx = lc2d_backward_input_f32;
@@ -69,6 +77,7 @@ template <> struct Kernels<float> {
 };
 template <> struct Kernels<double> {
   static constexpr auto lstm = lstm_step_forward_f64;
+  static constexpr auto lstm_loop = lstm_forward_loop_f64;
   static constexpr auto gru = gru_step_forward_f64;
   static constexpr auto lc2d = lc2d_forward_f64;
   static constexpr auto lc2d_dx = lc2d_backward_input_f64;
@@ -314,7 +323,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   const auto w_hr_t = proj ? w_hr.transpose(1, 2).contiguous() : at::Tensor();
   const int threads = at::get_num_threads();
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
-  for (int64_t t = 0; t <= last; t++) {
+  if (!proj && last >= 0) {  // the whole time loop in one call, with its own step products (lstm.c)
+    hd.narrow(1, 0, first).copy_(h_first);
+    auto wp = at::empty({dirs * hidden * ((gsize + 31) / 32 * 32)}, opt);  // packed W_hh^T (gemm.h)
+    Kernels<T>::lstm_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh_t), ptr<T>(wp),
+                          ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(bias), ptr<T>(c), ptr<T>(h),
+                          ptr<T>(rmask), ptr<T>(y), gates, c1, chist, ptr<T>(hd), rhat, rrstd, cstat, ptr<T>(gh),
+                          ptr<T>(gc), ptr<T>(bc), ptr<T>(peep), static_cast<T>(clip), static_cast<T>(kEps),
+                          ptr<T>(zc), ptr<T>(zh), static_cast<T>(zc_const), static_cast<T>(zh_const), threads);
+  }
+  for (int64_t t = 0; t <= (proj ? last : -1); t++) {
     const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
     auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
     at::bmm_out(rt, (t == 0 ? h_first : hd).narrow(1, o, n), w_hh_t);

@@ -5,7 +5,10 @@ t's rows are the active prefix of the length-sorted batch), B batch, H hidden si
 Each Function runs, per step, one batched recurrent GEMM (both directions) and one fused C
 pointwise kernel; its backward runs the kernel's backward and the recurrent GEMM in reverse and
 computes the recurrent weight gradient (and LayerNorm / peephole parameter gradients) as large
-reductions after the loop.
+reductions after the loop. The LSTM's time loops run in one C call each (``lstm_forward_loop``,
+``lstm_backward_loop``: the step products on ``_native/gemm.h``'s kernel, no return to Python or
+torch between steps) unless a projection or bf16 / fp16 products need torch ops between the
+steps; then the loop below drives the step kernel from Python.
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ def _lstm_lib():
         "lstm_step_forward": [I64] * 6 + [P] * 4 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real, real] + [P, P, real, real]
         + [INT],
         "lstm_step_backward": [I64] * 5 + [P] * 4 + [I64] + [P] * 3 + [P] * 5 + [P] * 4 + [real] + [P, P, real, real]
-        + [P] * 3 + [P] * 6 + [INT]})
+        + [P] * 3 + [P] * 6 + [INT],
+        "lstm_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 8 + [P] * 4 + [real, real] + [P, P]
+        + [real, real, INT],
+        "lstm_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 5 + [P] * 4 + [real]
+        + [P, P, real, real] + [P] * 3 + [P] * 6 + [INT]})
 
 
 def _gru_lib():
@@ -61,6 +68,16 @@ def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 def _in_dtypes(grads, dtypes) -> tuple[Tensor | None, ...]:
     """Each gradient in the dtype of its input (they are computed in float32 for bf16 / fp16 inputs)."""
     return tuple(g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes))
+
+
+def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
+    """Work space of the C time loops' packed step weight (gemm.h): D * K * N rounded up to 32."""
+    return (dirs * k * -(-n // 32) * 32,)
+
+
+def _active_array(active: tuple[int, ...]):
+    """The active-prefix sizes as the C time loops read them (int64_t[T])."""
+    return (I64 * len(active))(*active)
 
 
 def _offsets(active: tuple[int, ...]) -> tuple[int, ...]:
@@ -179,8 +196,12 @@ class LSTMRecurrence(torch.autograd.Function):
             acc, xs.device, fresh=getattr(ctx, "fresh", False))
         # the forward's own work space: the recurrent product, and the projection unless the backward
         # needs it (it does with the input LayerNorm)
+        # one C call runs the whole time loop (lstm.c's lstm_forward_loop, its own step products) unless
+        # a projection or bf16 / fp16 products need torch between the steps
+        in_c = not proj and not mm.mixed
         tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
-                                         y=(dirs, rows, out_size) if mm.mixed else None), acc, xs.device)
+                                         y=(dirs, rows, out_size) if mm.mixed else None,
+                                         wp=_packed_weight(out_size, gsize, dirs) if in_c else None), acc, xs.device)
         xp, r = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"]
         # the output in acc; with a low output dtype only the converted copy leaves (the float32 one is pooled)
         y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, out_size, dtype=acc)
@@ -199,10 +220,18 @@ class LSTMRecurrence(torch.autograd.Function):
         w_t = mm.operand(w_hh.transpose(1, 2)).contiguous()
         w_hr_t = mm.operand(w_hr.transpose(1, 2)).contiguous() if proj else None
         offsets = _offsets(active)
+        if in_c:
+            getattr(_lstm_lib(), f"lstm_forward_loop_{_SUFFIX[acc]}")(
+                dirs, batch, len(active), _active_array(active), hidden, rows, w_t.data_ptr(), tmp["wp"].data_ptr(),
+                r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(bias), c.data_ptr(),
+                h.data_ptr(), address(rmask), y.data_ptr(), buf["gates"].data_ptr(), buf["c1"].data_ptr(),
+                address(buf["chist"]), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
+                address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, EPS, address(zc),
+                address(zh), zc_const, zh_const, threads)
         P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
         fixed = (address(gh), address(gc), address(bc), address(peep), clip, EPS)
         last = len(active) - 1
-        for t, n in enumerate(active):
+        for t, n in enumerate(active if not in_c else ()):
             o = offsets[t]
             rt = mm.bmm_prepared(_into(hd_low, hd[:, o:o + n], o), w_t,
                                  out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
@@ -252,8 +281,10 @@ class LSTMRecurrence(torch.autograd.Function):
         dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
         # with a projection: the kernel's output gradient is d h1 (dy1), its own state gradient stays 0
         separate_dr = gh is not None or gx is not None
+        in_c = not proj and not mm.mixed  # the whole loop in one C call (lstm_backward_loop), as the forward's
         slab, tmp = _pool.views(dict(
             dpre=(dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr else None,
+            wp=_packed_weight(gsize, out_size, dirs) if in_c else None,
             dn=(dirs, batch, hidden), g=(dirs * ctx.active[0] * out_size,), dy1=(dirs, rows, hidden) if proj else None,
             dhp=(dirs, rows, out_size) if proj else None, **_low_grads(mm, (dirs, rows, gsize), separate_dr),
             dy=_copied(dy, acc, (dirs, rows, out_size))), acc, gates.device)
@@ -276,7 +307,17 @@ class LSTMRecurrence(torch.autograd.Function):
                  address(acc_peep), threads)
         w_hh_p = mm.operand(w_hh)
         w_hr_p = mm.operand(w_hr) if proj else None
-        for t in range(len(ctx.active) - 1, -1, -1):
+        if in_c:
+            w_c = w_hh_p.contiguous()
+            getattr(_lstm_lib(), f"lstm_backward_loop_{_SUFFIX[acc]}")(
+                dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_c.data_ptr(),
+                tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), dc.data_ptr(),
+                address(buf["chist"]), c0.data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
+                gates.data_ptr(), buf["c1"].data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
+                address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, address(zc),
+                address(zh), zc_const, zh_const, dpre.data_ptr(), dr.data_ptr(), dn.data_ptr(), *fixed[1:-1],
+                threads)
+        for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
             n, o = ctx.active[t], offsets[t]
             if proj:  # back through y = h, zoneout of h, proj_clip and the projection
                 dtot = dy[:, o:o + n] + dh[:, :n]

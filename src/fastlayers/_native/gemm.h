@@ -1,0 +1,136 @@
+/* Small dense products for the recurrent step loops (lstm.c, gru.c): C = A @ B on a few rows.
+ *
+ * Why our own: the per-step recurrent product has few rows (the batch, 8-128); torch's BLAS call
+ * for it is about as fast as this kernel, but it is one call into torch per step, which keeps
+ * the time loop in Python (or C++ dispatch) with the second core idle between calls. With this
+ * kernel the whole loop runs in one C call and one OpenMP region (lstm.c).
+ *
+ * B (K x N, the step's weight) is packed once per call into column panels: panel p holds columns
+ * [p*W, p*W + W) as K rows of W contiguous values (W = two vectors; the last panel zero-padded),
+ * so the micro-kernel streams it front to back (a row-major B read W columns at a time jumps a
+ * whole row between loads, out of reach of the prefetcher once N*sizeof(T) > 4 KiB).
+ *
+ * fl_gemm_panels_SUFFIX(N): the number of panels; fl_gemm_pack_SUFFIX(K, N, B, ldb, Bp, p0, p1):
+ *   packs panels [p0, p1) of B (row stride ldb) into Bp (panels * K * W values);
+ * fl_gemm_SUFFIX(m, p0, p1, K, N, A, lda, Bp, C, ldc): C[i, j] = sum_k A[i, k] * B[k, j] for
+ *   i < m and the columns j < N of panels [p0, p1); A is m x K (row stride lda), C has row
+ *   stride ldc and is overwritten (accumulate = 0) or added to (accumulate = 1). Single-threaded: the loops give each thread its panels
+ *   (fl_gemm_share).
+ * The micro-kernel keeps an R x 2 block of vectors of C in registers, broadcasting one A value
+ * per row and loading two B vectors per k (6 x 16 floats with AVX2, 8 x 32 with AVX-512: the
+ * vector width follows the compiler's target, -march=native); m rows run in balanced blocks of
+ * at most R (8 rows as 4 + 4: a block of few rows loads B as often for less work); k runs in
+ * blocks whose panel slice (16 KiB) stays in L1 while the row blocks reuse it.
+ */
+#ifndef FASTLAYERS_GEMM_H
+#define FASTLAYERS_GEMM_H
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define FL_VBYTES 64
+#define FL_GEMM_R 8
+#else
+#define FL_VBYTES 32
+#define FL_GEMM_R 6
+#endif
+#define FL_GEMM_KC (16384 / (2 * FL_VBYTES)) /* k per block: a panel slice of 16 KiB */
+
+#define FL_DEFINE_GEMM(T, SUFFIX)                                                                    \
+typedef T fl_vec_##SUFFIX __attribute__((vector_size(FL_VBYTES), aligned(sizeof(T)), may_alias));   \
+enum { FL_W_##SUFFIX = 2 * FL_VBYTES / (int)sizeof(T) };                                             \
+                                                                                                     \
+static inline int64_t fl_gemm_panels_##SUFFIX(int64_t N) { return (N + FL_W_##SUFFIX - 1) / FL_W_##SUFFIX; } \
+                                                                                                     \
+static void fl_gemm_pack_##SUFFIX(int64_t K, int64_t N, const T* B, int64_t ldb, T* Bp, int64_t p0,  \
+                                  int64_t p1)                                                        \
+{                                                                                                    \
+    const int64_t W = FL_W_##SUFFIX;                                                                 \
+    for (int64_t p = p0; p < p1; p++) {                                                              \
+        const int64_t j = p * W, cols = N - j < W ? N - j : W;                                       \
+        T* dst = Bp + p * K * W;                                                                     \
+        for (int64_t k = 0; k < K; k++) {                                                            \
+            memcpy(dst + k * W, B + k * ldb + j, sizeof(T) * cols);                                  \
+            for (int64_t c = cols; c < W; c++) dst[k * W + c] = 0;                                   \
+        }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+/* rows [0, R) of one panel's columns, over k in [0, K) of the panel slice Bp (K x W); added to     \
+ * C's values when ADD (a later block of k), else overwriting them; `cols` < W: a partial panel */  \
+static inline __attribute__((always_inline)) void fl_gemm_tile_##SUFFIX(                           \
+    const int R, int64_t K, const T* restrict A, int64_t lda, const T* restrict Bp, T* restrict C,  \
+    int64_t ldc, int add, int64_t cols)                                                              \
+{                                                                                                    \
+    const int V = FL_W_##SUFFIX / 2;                                                                 \
+    fl_vec_##SUFFIX acc0[8], acc1[8];                                                                \
+    for (int r = 0; r < R; r++) { acc0[r] = (fl_vec_##SUFFIX){0}; acc1[r] = (fl_vec_##SUFFIX){0}; } \
+    for (int64_t k = 0; k < K; k++) {                                                                \
+        const fl_vec_##SUFFIX b0 = *(const fl_vec_##SUFFIX*)(Bp + k * 2 * V);                       \
+        const fl_vec_##SUFFIX b1 = *(const fl_vec_##SUFFIX*)(Bp + k * 2 * V + V);                   \
+        for (int r = 0; r < R; r++) {                                                                \
+            const T a = A[r * lda + k];                                                              \
+            acc0[r] += a * b0;                                                                       \
+            acc1[r] += a * b1;                                                                       \
+        }                                                                                            \
+    }                                                                                                \
+    for (int r = 0; r < R; r++) {                                                                    \
+        T* c = C + r * ldc;                                                                          \
+        if (cols == 2 * V) {                                                                         \
+            if (add) { acc0[r] += *(const fl_vec_##SUFFIX*)c; acc1[r] += *(const fl_vec_##SUFFIX*)(c + V); } \
+            *(fl_vec_##SUFFIX*)c = acc0[r]; *(fl_vec_##SUFFIX*)(c + V) = acc1[r];                    \
+        } else {                                                                                     \
+            T tmp[2 * V];                                                                            \
+            memcpy(tmp, &acc0[r], sizeof(acc0[r])); memcpy(tmp + V, &acc1[r], sizeof(acc1[r]));      \
+            for (int64_t q = 0; q < cols; q++) c[q] = add ? c[q] + tmp[q] : tmp[q];                  \
+        }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+static void fl_gemm_##SUFFIX(int64_t m, int64_t p0, int64_t p1, int64_t K, int64_t N, const T* A,     \
+                             int64_t lda, const T* Bp, T* C, int64_t ldc, int accumulate)            \
+{                                                                                                    \
+    const int64_t W = FL_W_##SUFFIX, blocks = (m + FL_GEMM_R - 1) / FL_GEMM_R;                       \
+    if (K == 0) {                                                                                    \
+        if (accumulate) return;                                                                      \
+        for (int64_t i = 0; i < m; i++) {                                                            \
+            const int64_t j0 = p0 * W, j1 = p1 * W < N ? p1 * W : N;                                 \
+            if (j1 > j0) memset(C + i * ldc + j0, 0, sizeof(T) * (j1 - j0));                         \
+        }                                                                                            \
+        return;                                                                                      \
+    }                                                                                                \
+    for (int64_t k0 = 0; k0 < K; k0 += FL_GEMM_KC) {                                                 \
+        const int64_t kc = K - k0 < FL_GEMM_KC ? K - k0 : FL_GEMM_KC;                                \
+        for (int64_t p = p0; p < p1; p++) {                                                          \
+            const int64_t j = p * W, cols = N - j < W ? N - j : W;                                   \
+            const T* bp = Bp + p * K * W + k0 * W;                                                   \
+            for (int64_t q = 0, i = 0; q < blocks; q++) {                                            \
+                const int64_t rows = m / blocks + (q < m % blocks);                                  \
+                const T* a = A + i * lda + k0; T* c = C + i * ldc + j;                               \
+                const int add = accumulate || k0 > 0;                                                              \
+                switch (rows) {                                                                      \
+                case 8: fl_gemm_tile_##SUFFIX(8, kc, a, lda, bp, c, ldc, add, cols); break;         \
+                case 7: fl_gemm_tile_##SUFFIX(7, kc, a, lda, bp, c, ldc, add, cols); break;         \
+                case 6: fl_gemm_tile_##SUFFIX(6, kc, a, lda, bp, c, ldc, add, cols); break;         \
+                case 5: fl_gemm_tile_##SUFFIX(5, kc, a, lda, bp, c, ldc, add, cols); break;         \
+                case 4: fl_gemm_tile_##SUFFIX(4, kc, a, lda, bp, c, ldc, add, cols); break;         \
+                case 3: fl_gemm_tile_##SUFFIX(3, kc, a, lda, bp, c, ldc, add, cols); break;         \
+                case 2: fl_gemm_tile_##SUFFIX(2, kc, a, lda, bp, c, ldc, add, cols); break;         \
+                default: fl_gemm_tile_##SUFFIX(1, kc, a, lda, bp, c, ldc, add, cols); break;        \
+                }                                                                                    \
+                i += rows;                                                                           \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+/* the share [*a, *b) of worker `tid` of `nt` in `count` items (contiguous, balanced) */
+static inline void fl_share(int64_t count, int tid, int nt, int64_t* a, int64_t* b)
+{
+    *a = count * tid / nt;
+    *b = count * (tid + 1) / nt;
+}
+
+FL_DEFINE_GEMM(float, f32)
+FL_DEFINE_GEMM(double, f64)
+#endif
