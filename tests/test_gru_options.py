@@ -37,13 +37,13 @@ def _masks(module, steps, batch):
 
 
 def _compare(options, *, num_layers=2, bidirectional=True, lengths=(5, 2, 4, 1), training=False, steps=None, seed=0,
-             bias=True):
+             bias=True, input_size=3, hidden_size=4):
     torch.manual_seed(seed)
-    m = fastlayers.GRU(3, 4, num_layers=num_layers, bidirectional=bidirectional, bias=bias, dtype=torch.float64,
-                       **options)
+    m = fastlayers.GRU(input_size, hidden_size, num_layers=num_layers, bidirectional=bidirectional, bias=bias,
+                       dtype=torch.float64, **options)
     _random_ln(m)
     steps, batch = steps or max(lengths), len(lengths)
-    x = torch.randn(steps, batch, 3, dtype=torch.float64)
+    x = torch.randn(steps, batch, input_size, dtype=torch.float64)
     hx = make_hx(m, batch, dtype=torch.float64)
     masks = _masks(m, steps, batch) if training else None
     lens = torch.tensor(lengths)
@@ -140,3 +140,25 @@ def test_plain_gru_keeps_torch_kernels():
 def test_bad_options(kwargs, err, msg):
     with pytest.raises(err, match=msg):
         fastlayers.GRU(3, 4, **kwargs)
+
+
+# the C time loops (gru.c's gru_forward_loop / gru_backward_loop, gemm.h's step products) past one
+# register block of rows, with a partial panel of columns and (backward, k = 3H = 210) two blocks of k
+@pytest.mark.parametrize("hidden_size", [17, 70])
+@pytest.mark.parametrize("name", ["layer_norm", "all"])
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_time_loop_sizes_match_reference(hidden_size, name, training, bias):
+    _compare(OPTION_SETS[name], training=training, hidden_size=hidden_size, input_size=6, bias=bias,
+             lengths=(9, 3, 9, 1, 7, 8, 2, 9, 5, 6, 4, 9, 8))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_time_loop_threads_match_reference(threads):
+    """The loops split every step between the threads (the suite's workers run one thread each)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _compare(OPTION_SETS["all"], training=True, hidden_size=40, input_size=6, lengths=(7, 2, 7, 5, 1, 6, 7))
+    finally:
+        torch.set_num_threads(before)

@@ -122,6 +122,46 @@ static void fl_gemm_##SUFFIX(int64_t m, int64_t p0, int64_t p1, int64_t K, int64
             }                                                                                        \
         }                                                                                            \
     }                                                                                                \
+}                                                                                                    \
+/* The step loops' use: the weights of D directions (direction d's K x N matrix at w + d*K*N) as    \
+ * D * np panels, q = d * np + p; each thread packs and multiplies the same share [q0, q1) every   \
+ * step (fl_share), so its panels stay in its caches. */                                             \
+static void fl_gemm_pack_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t K, int64_t N,   \
+                                        const T* w, T* wp)                                           \
+{                                                                                                    \
+    for (int64_t q = q0; q < q1; q++)                                                                \
+        fl_gemm_pack_##SUFFIX(K, N, w + (q / np) * K * N, N, wp + (q / np) * np * K * FL_W_##SUFFIX, \
+                              q % np, q % np + 1);                                                   \
+}                                                                                                    \
+/* C_d[:m] = A_d[:m] @ W_d (accumulate = 0) or += (1) for the share's panels: A_d rows at            \
+ * A + d*a_ds*K (stride K), C_d rows at C + d*c_ds*N (stride N) */                                   \
+static void fl_gemm_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t m, int64_t K,        \
+                                   int64_t N, const T* A, int64_t a_ds, const T* wp, T* C,           \
+                                   int64_t c_ds, int accumulate)                                     \
+{                                                                                                    \
+    for (int64_t q = q0; q < q1; q++) {                                                              \
+        const int64_t d = q / np, p = q % np;                                                        \
+        fl_gemm_##SUFFIX(m, p, p + 1, K, N, A + d * a_ds * K, K, wp + d * np * K * FL_W_##SUFFIX,     \
+                         C + d * c_ds * N, N, accumulate);                                           \
+    }                                                                                                \
+}                                                                                                    \
+/* a backward step's recurrent product: dh_d[:m] += (dr_d[:m] @ W_d) * mask_d[:m] for the share's    \
+ * panels (dh and mask (D, B, N); without a mask added in place, else through g (D * m * N)) */       \
+static void fl_gemm_items_add_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t m, int64_t K,    \
+                                       int64_t N, const T* dr, int64_t dr_ds, const T* wp, T* dh,    \
+                                       int64_t B, const T* mask, T* g)                               \
+{                                                                                                    \
+    if (!mask) { fl_gemm_items_##SUFFIX(q0, q1, np, m, K, N, dr, dr_ds, wp, dh, B, 1); return; }     \
+    fl_gemm_items_##SUFFIX(q0, q1, np, m, K, N, dr, dr_ds, wp, g, m, 0);                             \
+    for (int64_t q = q0; q < q1; q++) {                                                              \
+        const int64_t d = q / np, j0 = (q % np) * FL_W_##SUFFIX;                                     \
+        const int64_t j1 = j0 + FL_W_##SUFFIX < N ? j0 + FL_W_##SUFFIX : N;                          \
+        for (int64_t b = 0; b < m; b++) {                                                            \
+            T* dhr = dh + (d * B + b) * N; const T* mr = mask + (d * B + b) * N;                     \
+            const T* gr = g + (d * m + b) * N;                                                       \
+            for (int64_t j = j0; j < j1; j++) dhr[j] += gr[j] * mr[j];                               \
+        }                                                                                            \
+    }                                                                                                \
 }
 
 /* the share [*a, *b) of worker `tid` of `nt` in `count` items (contiguous, balanced) */

@@ -15,14 +15,85 @@
  * Saved for the backward: gates (rg, zg, ng), hbn = hb_n, h0 (hist), rhat/rrstd, xstat (mean,
  * rstd of xp; x-hat is recomputed from xp).
  *
+ * Entry points as lstm.c's: gru_step_forward / gru_step_backward run one step (the caller runs the
+ * recurrent product between steps), gru_forward_loop / gru_backward_loop a layer's whole time loop
+ * in one call and one OpenMP region (the step products on gemm.h's kernel); both run the same
+ * per-row functions, whose loops all vectorise.
+ *
  * float uses fastmath.h's vectorisable exp; double uses libm.
  */
+#include <omp.h>
 #include <string.h>
 
 #include "fastmath.h"
+#include "gemm.h"
 
 #define DEFINE_GRU(T, SUFFIX, EXP, TANH, SQRT)                                                         \
 static inline T gsig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                                     \
+                                                                                                     \
+/* one step's arguments; the per-row buffers point at (d = 0, the step's first packed row) */        \
+typedef struct {                                                                                     \
+    int64_t D, B, n, n_next, H, ds;                                                                  \
+    const T* xp; T* xstat; const T* gx; const T* b_ih;                                               \
+    const T* r; T* h; const T* rmask; const T* b_hh;                                                 \
+    T* y; T* gates; T* hbn; T* hist; T* hd_next; T* rhat; T* rrstd;                                  \
+    const T* gh; T eps; const T* zh; T zh_const;                                                     \
+} gru_fwd_##SUFFIX;                                                                                  \
+                                                                                                     \
+/* the state update; `masked` is a constant after inlining, so each call's loop vectorises */       \
+static inline __attribute__((always_inline)) void gru_update_##SUFFIX(                              \
+    int64_t H, const T* restrict gr, const T* restrict h0r, T* restrict hr, T* restrict yr,         \
+    const T* restrict zhr, T zh_const, const int masked)                                             \
+{                                                                                                    \
+    for (int64_t k = 0; k < H; k++) {                                                                \
+        const T zhk = masked ? zhr[k] : zh_const, zg = gr[H + k];                                    \
+        const T h1 = (1 - zg) * gr[2 * H + k] + zg * h0r[k];                                         \
+        hr[k] = zhk * h0r[k] + (1 - zhk) * h1;                                                       \
+        yr[k] = hr[k];                                                                               \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)                       \
+{                                                                                                    \
+    const int64_t H = a->H, G = 3 * H, n = a->n;                                                     \
+    const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
+    const T* restrict xr = a->xp + row * G;                                                          \
+    const T* restrict rr = a->r + (d * n + b) * G;                                                   \
+    T* restrict gr = a->gates + row * G; T* restrict hbr = a->hbn + row * H;                         \
+    T* restrict hr = a->h + srow * H; T* restrict yr = a->y + row * H;                               \
+    T* restrict h0r = a->hist + row * H;                                                             \
+    const T* restrict bh = a->b_hh ? a->b_hh + d * G : 0;                                            \
+    memcpy(h0r, hr, sizeof(T) * H);                                                                  \
+    if (a->xstat) { /* gates = x, the input part */                                                  \
+        fl_row_stats_##SUFFIX(xr, G, a->eps, a->xstat + 2 * row);                                    \
+        fl_affine_norm_##SUFFIX(xr, a->xstat + 2 * row, a->gx + d * G, a->b_ih ? a->b_ih + d * G : 0, G, gr); \
+    } else {                                                                                         \
+        memcpy(gr, xr, sizeof(T) * G);                                                               \
+    }                                                                                                \
+    /* hb = LNh(r) (or r) + b_hh: its n part into hbn; r and z: gates += hb, then the sigmoid */     \
+    if (a->gh) {                                                                                     \
+        fl_layer_norm_##SUFFIX(rr, G, a->eps, a->rhat + row * G, a->rrstd + row);                    \
+        const T* restrict ghd = a->gh + d * G; const T* restrict rh = a->rhat + row * G;             \
+        if (bh) {                                                                                    \
+            for (int64_t k = 0; k < H; k++) hbr[k] = ghd[2 * H + k] * rh[2 * H + k] + bh[2 * H + k];  \
+            for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + (ghd[k] * rh[k] + bh[k])); \
+        } else {                                                                                     \
+            for (int64_t k = 0; k < H; k++) hbr[k] = ghd[2 * H + k] * rh[2 * H + k];                 \
+            for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + ghd[k] * rh[k]);       \
+        }                                                                                            \
+    } else if (bh) {                                                                                 \
+        for (int64_t k = 0; k < H; k++) hbr[k] = rr[2 * H + k] + bh[2 * H + k];                      \
+        for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + (rr[k] + bh[k]));          \
+    } else {                                                                                         \
+        for (int64_t k = 0; k < H; k++) hbr[k] = rr[2 * H + k];                                      \
+        for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + rr[k]);                    \
+    }                                                                                                \
+    for (int64_t k = 0; k < H; k++) gr[2 * H + k] = TANH(gr[2 * H + k] + gr[k] * hbr[k]);            \
+    if (a->zh) gru_update_##SUFFIX(H, gr, h0r, hr, yr, a->zh + row * H, 0, 1);                       \
+    else gru_update_##SUFFIX(H, gr, h0r, hr, yr, 0, a->zh_const, 0);                                 \
+    if (a->hd_next && b < a->n_next)                                                                 \
+        fl_next_input_##SUFFIX(a->hd_next + row * H, hr, a->rmask ? a->rmask + srow * H : 0, H);     \
+}                                                                                                    \
                                                                                                      \
 void gru_step_forward_##SUFFIX(                                                                      \
     int64_t D, int64_t B, int64_t n, int64_t n_next, int64_t H, int64_t ds,                          \
@@ -31,39 +102,10 @@ void gru_step_forward_##SUFFIX(                                                 
     T* y, T* gates, T* hbn, T* hist, T* hd_next, T* rhat, T* rrstd,                                  \
     const T* gh, T eps, const T* zh, T zh_const, int nthreads)                                       \
 {                                                                                                    \
-    const int64_t G = 3 * H;                                                                         \
+    const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, xp, xstat, gx, b_ih, r, h, rmask, b_hh, y,   \
+                                gates, hbn, hist, hd_next, rhat, rrstd, gh, eps, zh, zh_const};      \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * n; task++) {                                                   \
-        const int64_t d = task / n, b = task % n, row = d * ds + b, srow = d * B + b;               \
-        const T* restrict xr = xp + row * G;                                                         \
-        const T* restrict rr = r + (d * n + b) * G;                                                  \
-        T* restrict gr = gates + row * G; T* restrict hbr = hbn + row * H;                           \
-        T* restrict hr = h + srow * H; T* restrict yr = y + row * H; T* restrict h0r = hist + row * H; \
-        const T* bh = b_hh ? b_hh + d * G : 0;                                                       \
-        memcpy(h0r, hr, sizeof(T) * H);                                                              \
-        if (xstat) { /* gates = x, the input part */                                                 \
-            fl_row_stats_##SUFFIX(xr, G, eps, xstat + 2 * row);                                      \
-            fl_affine_norm_##SUFFIX(xr, xstat + 2 * row, gx + d * G, b_ih ? b_ih + d * G : 0, G, gr); \
-        } else {                                                                                     \
-            memcpy(gr, xr, sizeof(T) * G);                                                           \
-        }                                                                                            \
-        const T* ghd = gh ? gh + d * G : 0; const T* rh = gh ? rhat + row * G : 0;                   \
-        if (gh) fl_layer_norm_##SUFFIX(rr, G, eps, rhat + row * G, rrstd + row);                     \
-        for (int64_t k = 0; k < H; k++) /* hb_n */                                                   \
-            hbr[k] = (ghd ? ghd[2 * H + k] * rh[2 * H + k] : rr[2 * H + k]) + (bh ? bh[2 * H + k] : 0); \
-        for (int64_t k = 0; k < 2 * H; k++)                                                          \
-            gr[k] = gsig_##SUFFIX(gr[k] + ((ghd ? ghd[k] * rh[k] : rr[k]) + (bh ? bh[k] : 0)));       \
-        for (int64_t k = 0; k < H; k++) gr[2 * H + k] = TANH(gr[2 * H + k] + gr[k] * hbr[k]);        \
-        const T* zhr = zh ? zh + row * H : 0;                                                        \
-        for (int64_t k = 0; k < H; k++) {                                                            \
-            const T zhk = zhr ? zhr[k] : zh_const, zg = gr[H + k];                                   \
-            const T h1 = (1 - zg) * gr[2 * H + k] + zg * h0r[k];                                     \
-            hr[k] = zhk * h0r[k] + (1 - zhk) * h1;                                                   \
-            yr[k] = hr[k];                                                                           \
-        }                                                                                            \
-        if (hd_next && b < n_next)                                                                   \
-            fl_next_input_##SUFFIX(hd_next + row * H, hr, rmask ? rmask + srow * H : 0, H);          \
-    }                                                                                                \
+    for (int64_t task = 0; task < D * n; task++) gru_forward_row_##SUFFIX(&a, task);                 \
 }                                                                                                    \
                                                                                                      \
 /* Backward of one step. In: dy, dh (grad of the state after this step, [D,B,H]; overwritten with   \
@@ -71,7 +113,73 @@ void gru_step_forward_##SUFFIX(                                                 
  * Out on the step's n packed rows: dpre (grad of xp: through LNx when xstat != NULL), dhb (grad of \
  * hb = a + b_hh), dr (grad of the recurrent product r; aliases dhb when gh == NULL). Accumulated   \
  * (+=) over the rows: acc_gx / acc_b [D,G] (input LayerNorm gain / b_ih; acc_b needs acc_gx),      \
- * acc_gh [D,G] += dhb * rhat (each may be NULL). */                                                \
+ * acc_gh [D,G] += dhb * rhat (each may be NULL). Three passes, as lstm.c's. */                     \
+typedef struct {                                                                                     \
+    int64_t D, B, n, H, ds;                                                                          \
+    const T* dy; T* dh; const T* hist; const T* gates; const T* hbn;                                 \
+    const T* xp; const T* xstat; const T* gx;                                                        \
+    const T* rhat; const T* rrstd; const T* gh; const T* zh; T zh_const;                             \
+    T* dpre; T* dhb; T* dr; T* acc_gx; T* acc_b; T* acc_gh;                                          \
+} gru_bwd_##SUFFIX;                                                                                  \
+                                                                                                     \
+static inline __attribute__((always_inline)) void gru_back_##SUFFIX(                                \
+    int64_t H, const T* restrict gr, const T* restrict hbr, const T* restrict h0r,                   \
+    const T* restrict dyr, T* restrict dhr, T* restrict dp, T* restrict db, const T* restrict zhr,   \
+    T zh_const, const int masked)                                                                    \
+{                                                                                                    \
+    for (int64_t k = 0; k < H; k++) {                                                                \
+        const T zhk = masked ? zhr[k] : zh_const;                                                    \
+        const T dhout = dyr[k] + dhr[k], dh1 = (1 - zhk) * dhout;                                    \
+        const T rg = gr[k], zg = gr[H + k], ng = gr[2 * H + k];                                      \
+        const T dn = dh1 * (1 - zg) * (1 - ng * ng);                                                 \
+        const T dz = dh1 * (h0r[k] - ng) * zg * (1 - zg);                                            \
+        const T drg = dn * hbr[k] * rg * (1 - rg);                                                   \
+        dp[k] = drg; dp[H + k] = dz; dp[2 * H + k] = dn;                                             \
+        db[k] = drg; db[H + k] = dz; db[2 * H + k] = dn * rg;                                        \
+        dhr[k] = zhk * dhout + dh1 * zg;                                                             \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+static void gru_backward_row_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                      \
+{                                                                                                    \
+    const int64_t H = a->H, G = 3 * H, n = a->n;                                                     \
+    const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
+    const T* gr = a->gates + row * G; const T* hbr = a->hbn + row * H; const T* h0r = a->hist + row * H; \
+    const T* dyr = a->dy + row * H; T* dhr = a->dh + srow * H;                                       \
+    T* dp = a->dpre + row * G; T* db = a->dhb + row * G;                                             \
+    if (a->zh) gru_back_##SUFFIX(H, gr, hbr, h0r, dyr, dhr, dp, db, a->zh + row * H, 0, 1);          \
+    else gru_back_##SUFFIX(H, gr, hbr, h0r, dyr, dhr, dp, db, 0, a->zh_const, 0);                    \
+    if (a->gh) {                                                                                     \
+        const T* restrict ghd = a->gh + d * G; T* restrict drr = a->dr + row * G;                    \
+        for (int64_t k = 0; k < G; k++) drr[k] = db[k] * ghd[k];                                     \
+        fl_layer_norm_backward_##SUFFIX(drr, a->rhat + row * G, a->rrstd[row], G, drr);              \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+enum { GRU_SUM_CHUNK_##SUFFIX = 64 };                                                                \
+static void gru_backward_sums_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                     \
+{                                                                                                    \
+    const int64_t G = 3 * a->H, nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;  \
+    const int64_t d = task / nchunks, k0 = (task % nchunks) * GRU_SUM_CHUNK_##SUFFIX;                \
+    const int64_t k1 = k0 + GRU_SUM_CHUNK_##SUFFIX < G ? k0 + GRU_SUM_CHUNK_##SUFFIX : G;             \
+    for (int64_t b = 0; b < a->n; b++) {                                                             \
+        const int64_t row = d * a->ds + b;                                                           \
+        if (a->acc_gx)                                                                               \
+            fl_accumulate_norm_##SUFFIX(a->acc_gx + d * G, a->acc_b ? a->acc_b + d * G : 0,          \
+                                        a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row, k0, k1); \
+        if (a->acc_gh) { const T* db = a->dhb + row * G; const T* rh = a->rhat + row * G;            \
+            T* acc = a->acc_gh + d * G;                                                              \
+            for (int64_t k = k0; k < k1; k++) acc[k] += db[k] * rh[k]; }                             \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+static void gru_backward_input_norm_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)               \
+{                                                                                                    \
+    const int64_t G = 3 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
+    fl_input_norm_backward_row_##SUFFIX(a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row,     \
+                                        a->gx + d * G, G);                                           \
+}                                                                                                    \
+                                                                                                     \
 void gru_step_backward_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t n, int64_t H, int64_t ds,                                          \
     const T* dy, T* dh, const T* hist, const T* gates, const T* hbn,                                 \
@@ -79,49 +187,100 @@ void gru_step_backward_##SUFFIX(                                                
     const T* rhat, const T* rrstd, const T* gh, const T* zh, T zh_const,                             \
     T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int nthreads)                            \
 {                                                                                                    \
-    const int64_t G = 3 * H;                                                                         \
+    const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy, dh, hist, gates, hbn, xp, xstat, gx, rhat, rrstd, \
+                                gh, zh, zh_const, dpre, dhb, dr, acc_gx, acc_b, acc_gh};             \
+    const int64_t nchunks = (3 * H + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;            \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * n; task++) {                                                   \
-        const int64_t d = task / n, b = task % n, row = d * ds + b, srow = d * B + b;               \
-        const T* gr = gates + row * G; const T* hbr = hbn + row * H; const T* h0r = hist + row * H;  \
-        const T* dyr = dy + row * H; T* dhr = dh + srow * H;                                         \
-        T* dp = dpre + row * G; T* db = dhb + row * G;                                               \
-        const T* zhr = zh ? zh + row * H : 0;                                                        \
-        for (int64_t k = 0; k < H; k++) {                                                            \
-            const T zhk = zhr ? zhr[k] : zh_const;                                                   \
-            const T dhout = dyr[k] + dhr[k], dh1 = (1 - zhk) * dhout;                                \
-            const T rg = gr[k], zg = gr[H + k], ng = gr[2 * H + k];                                  \
-            const T dn = dh1 * (1 - zg) * (1 - ng * ng);                                             \
-            const T dz = dh1 * (h0r[k] - ng) * zg * (1 - zg);                                        \
-            const T drg = dn * hbr[k] * rg * (1 - rg);                                               \
-            dp[k] = drg; dp[H + k] = dz; dp[2 * H + k] = dn;                                         \
-            db[k] = drg; db[H + k] = dz; db[2 * H + k] = dn * rg;                                    \
-            dhr[k] = zhk * dhout + dh1 * zg;                                                         \
-        }                                                                                            \
-        if (gh) {                                                                                    \
-            const T* ghd = gh + d * G; const T* rh = rhat + row * G; T* drr = dr + row * G;          \
-            for (int64_t k = 0; k < G; k++) drr[k] = db[k] * ghd[k];                                 \
-            fl_layer_norm_backward_##SUFFIX(drr, rh, rrstd[row], G, drr);                            \
-        }                                                                                            \
-    }                                                                                                \
+    for (int64_t task = 0; task < D * n; task++) gru_backward_row_##SUFFIX(&a, task);                \
     if (acc_gx || acc_gh) {                                                                          \
-    const int64_t chunk = 64, nchunks = (G + chunk - 1) / chunk;                                     \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * nchunks; task++) {                                             \
-        const int64_t d = task / nchunks, k0 = (task % nchunks) * chunk;                             \
-        const int64_t k1 = k0 + chunk < G ? k0 + chunk : G;                                          \
-        for (int64_t b = 0; b < n; b++) {                                                            \
-            const int64_t row = d * ds + b;                                                          \
-            if (acc_gx)                                                                              \
-                fl_accumulate_norm_##SUFFIX(acc_gx + d * G, acc_b ? acc_b + d * G : 0, dpre + row * G, \
-                                            xp + row * G, xstat + 2 * row, k0, k1);                  \
-            if (acc_gh) { const T* db = dhb + row * G; const T* rh = rhat + row * G; T* a = acc_gh + d * G; \
-                for (int64_t k = k0; k < k1; k++) a[k] += db[k] * rh[k]; }                           \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
+        for (int64_t task = 0; task < D * nchunks; task++) gru_backward_sums_##SUFFIX(&a, task);     \
+    }                                                                                                \
+    if (xstat) { /* through x = LNx(xp): dpre becomes the grad of xp, in place */                    \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
+        for (int64_t task = 0; task < D * n; task++) gru_backward_input_norm_##SUFFIX(&a, task);     \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+/* The whole forward time loop of a layer, as lstm_forward_loop: w_t (D, H, G) contiguous (W_hh    \
+ * transposed), wp of D * H * round_up(G, 32) values, r of D * active[0] * G; the caller fills hd's  \
+ * first active[0] rows (h0 * rmask); the other buffers as gru_step_forward's, at packed row 0. */    \
+void gru_forward_loop_##SUFFIX(                                                                      \
+    int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
+    const T* w_t, T* wp, T* r,                                                                       \
+    const T* xp, T* xstat, const T* gx, const T* b_ih, T* h, const T* rmask, const T* b_hh,          \
+    T* y, T* gates, T* hbn, T* hist, T* hd, T* rhat, T* rrstd,                                       \
+    const T* gh, T eps, const T* zh, T zh_const, int nthreads)                                       \
+{                                                                                                    \
+    const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(G);                                        \
+    _Pragma("omp parallel num_threads(nthreads)")                                                    \
+    {                                                                                                \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
+        int64_t p0, p1, t0, t1;                                                                      \
+        fl_share(D * np, tid, nt, &p0, &p1);                                                         \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w_t, wp);                                      \
+        int64_t o = 0;                                                                               \
+        for (int64_t t = 0; t < steps; t++) {                                                        \
+            const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
+            fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, n, 0);                \
+            _Pragma("omp barrier")                                                                   \
+            const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, xp + o * G, xstat ? xstat + 2 * o : 0, gx, \
+                b_ih, r, h, rmask, b_hh, y + o * H, gates + o * G, hbn + o * H, hist + o * H,            \
+                n_next ? hd + (o + n) * H : 0, rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, gh, eps, \
+                zh ? zh + o * H : 0, zh_const};                                                      \
+            fl_share(D * n, tid, nt, &t0, &t1);                                                      \
+            for (int64_t task = t0; task < t1; task++) gru_forward_row_##SUFFIX(&a, task);           \
+            _Pragma("omp barrier")                                                                   \
+            o += n;                                                                                  \
         }                                                                                            \
     }                                                                                                \
+}                                                                                                    \
+                                                                                                     \
+/* The whole backward time loop of a layer, as lstm_backward_loop: per step, from the last, the     \
+ * three passes of gru_step_backward, then dh[d, :n] += (dr[d, o:o+n] @ w[d]) (* rmask); w (D, G, H) \
+ * contiguous (W_hh), wp of D * G * round_up(H, 32) values, g of D * active[0] * H (used with       \
+ * rmask); the other buffers as gru_step_backward's, at packed row 0. */                             \
+void gru_backward_loop_##SUFFIX(                                                                     \
+    int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
+    const T* w, T* wp, T* g, const T* rmask,                                                         \
+    const T* dy, T* dh, const T* hist, const T* gates, const T* hbn,                                 \
+    const T* xp, const T* xstat, const T* gx,                                                        \
+    const T* rhat, const T* rrstd, const T* gh, const T* zh, T zh_const,                             \
+    T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int nthreads)                            \
+{                                                                                                    \
+    const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
+    const int64_t nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;                \
+    _Pragma("omp parallel num_threads(nthreads)")                                                    \
+    {                                                                                                \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
+        int64_t p0, p1, t0, t1;                                                                      \
+        fl_share(D * np, tid, nt, &p0, &p1);                                                         \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, wp);                                        \
+        int64_t o = ds;                                                                              \
+        for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
+            const int64_t n = active[t];                                                             \
+            o -= n;                                                                                  \
+            const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy + o * H, dh, hist + o * H, gates + o * G,  \
+                hbn + o * H, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx, rhat ? rhat + o * G : 0, \
+                rrstd ? rrstd + o : 0, gh, zh ? zh + o * H : 0, zh_const, dpre + o * G, dhb + o * G,      \
+                dr + o * G, acc_gx, acc_b, acc_gh};                                                  \
+            fl_share(D * n, tid, nt, &t0, &t1);                                                      \
+            for (int64_t task = t0; task < t1; task++) gru_backward_row_##SUFFIX(&a, task);          \
+            _Pragma("omp barrier")                                                                   \
+            if (acc_gx || acc_gh) {                                                                  \
+                fl_share(D * nchunks, tid, nt, &t0, &t1);                                            \
+                for (int64_t task = t0; task < t1; task++) gru_backward_sums_##SUFFIX(&a, task);     \
+                _Pragma("omp barrier")                                                               \
+            }                                                                                        \
+            if (xstat) { /* dpre only: dr (dhb or its own buffer) is not dpre */                     \
+                fl_share(D * n, tid, nt, &t0, &t1);                                                  \
+                for (int64_t task = t0; task < t1; task++) gru_backward_input_norm_##SUFFIX(&a, task); \
+            }                                                                                        \
+            /* this thread's columns of dh */                                                        \
+            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g);          \
+            _Pragma("omp barrier")                                                                   \
+        }                                                                                            \
     }                                                                                                \
-    if (xstat) /* through x = LNx(xp): dpre becomes the grad of xp, in place */                  \
-        fl_input_norm_backward_##SUFFIX(D, n, ds, G, dpre, xp, xstat, gx, nthreads);                 \
 }
 
 DEFINE_GRU(float, f32, fl_exp_f32, fl_tanh_f32, sqrtf)

@@ -305,22 +305,17 @@ void lstm_forward_loop_##SUFFIX(                                                
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
     const T* zc, const T* zh, T zc_const, T zh_const, int nthreads)                                  \
 {                                                                                                    \
-    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(G), W = FL_W_##SUFFIX;                     \
+    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(G);                                        \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1); /* this thread's panels, every step */                  \
-        for (int64_t q = p0; q < p1; q++)                                                            \
-            fl_gemm_pack_##SUFFIX(H, G, w_t + (q / np) * H * G, G, wp + (q / np) * np * H * W, q % np, q % np + 1); \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w_t, wp);                                      \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
-            for (int64_t q = p0; q < p1; q++) {                                                      \
-                const int64_t d = q / np, p = q % np;                                                \
-                fl_gemm_##SUFFIX(n, p, p + 1, H, G, hd + (d * ds + o) * H, H, wp + d * np * H * W,    \
-                                 r + d * n * G, G, 0);                                               \
-            }                                                                                        \
+            fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, n, 0);                \
             _Pragma("omp barrier")                                                                   \
             const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, xp + o * G, xstat ? xstat + 2 * o : 0, gx, \
                 bias, r, c, h, rmask, y + o * H, gates + o * G, c1 + o * H, chist ? chist + o * H : 0,  \
@@ -353,15 +348,14 @@ void lstm_backward_loop_##SUFFIX(                                               
     T* dpre, T* dr, T* dn_scratch,                                                                   \
     T* acc_gx, T* acc_b, T* acc_gh, T* acc_gc, T* acc_bc, T* acc_peep, int nthreads)                 \
 {                                                                                                    \
-    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(H), W = FL_W_##SUFFIX;                     \
+    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
     const int64_t nchunks = (G + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;              \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
-        for (int64_t q = p0; q < p1; q++)                                                            \
-            fl_gemm_pack_##SUFFIX(G, H, w + (q / np) * G * H, H, wp + (q / np) * np * G * W, q % np, q % np + 1); \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, wp);                                        \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
@@ -384,21 +378,8 @@ void lstm_backward_loop_##SUFFIX(                                               
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) lstm_backward_input_norm_##SUFFIX(&a, task); \
             }                                                                                        \
-            for (int64_t q = p0; q < p1; q++) { /* this thread's columns of dh */                    \
-                const int64_t d = q / np, p = q % np;                                                \
-                const T* wd = wp + d * np * G * W;                                                   \
-                if (!rmask) {                                                                        \
-                    fl_gemm_##SUFFIX(n, p, p + 1, G, H, a.dr + d * ds * G, G, wd, dh + d * B * H, H, 1); \
-                    continue;                                                                        \
-                }                                                                                    \
-                T* gd = g + d * n * H;                                                               \
-                fl_gemm_##SUFFIX(n, p, p + 1, G, H, a.dr + d * ds * G, G, wd, gd, H, 0);            \
-                const int64_t j0 = p * W, j1 = j0 + W < H ? j0 + W : H;                              \
-                for (int64_t b = 0; b < n; b++) {                                                    \
-                    T* dhr = dh + (d * B + b) * H; const T* mr = rmask + (d * B + b) * H;            \
-                    for (int64_t j = j0; j < j1; j++) dhr[j] += gd[b * H + j] * mr[j];               \
-                }                                                                                    \
-            }                                                                                        \
+            /* this thread's columns of dh */                                                        \
+            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g);          \
             _Pragma("omp barrier")                                                                   \
         }                                                                                            \
     }                                                                                                \

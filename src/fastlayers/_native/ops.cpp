@@ -11,8 +11,10 @@
 // last step, the reverse one starts there. The CPU kernels run the same steps as the Python
 // engine (fastlayers/rnn/_engine.py, _recurrence.py): the valid rows of both directions packed
 // step after step (the reverse direction reads each sequence back to front), one batched GEMM for
-// the input projection, per step one batched recurrent GEMM and one fused C step kernel
-// (lstm.c / gru.c, linked in), one scatter back to the padded layout. Forward only: Python
+// the input projection, the time loop in one call of lstm.c / gru.c (linked in: per step the
+// recurrent product on gemm.h's kernel and the fused step kernel; an LSTM with a projection runs
+// per step an ATen GEMM, the step kernel and the projection's ATen ops), one scatter back to the
+// padded layout. Forward only: Python
 // registers the fake (shape) functions and the autograd of these operators
 // (fastlayers/_ops_lib.py); its eager layers call the C kernels through their own autograd
 // Functions, and these operators where no gradient is recorded. With one direction the weights,
@@ -38,10 +40,10 @@ extern "C" {
                              const T*, T*, const T*, const T*, T*, T*, const T*, T*, T*, T*, T*, T*, T*,    \
                              T*, T*, const T*, const T*, const T*, const T*, T, T, const T*, const T*, T, T, \
                              int);
-#define FL_GRU_FWD(T, S)                                                                               \
-  void gru_step_forward_##S(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const T*, T*,      \
-                            const T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, \
-                            T*, T*, const T*, T, const T*, T, int);
+#define FL_GRU_LOOP(T, S)                                                                              \
+  void gru_forward_loop_##S(int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, const T*, T*, T*,  \
+                            const T*, T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, T*, \
+                            T*, const T*, T, const T*, T, int);
 #define FL_LC2D(T, S)                                                                                  \
   void lc2d_forward_##S(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t,        \
                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,      \
@@ -56,8 +58,8 @@ FL_LSTM_FWD(float, f32)
 FL_LSTM_FWD(double, f64)
 FL_LSTM_LOOP(float, f32)
 FL_LSTM_LOOP(double, f64)
-FL_GRU_FWD(float, f32)
-FL_GRU_FWD(double, f64)
+FL_GRU_LOOP(float, f32)
+FL_GRU_LOOP(double, f64)
 FL_LC2D(float, f32)
 FL_LC2D(double, f64)
 }
@@ -70,7 +72,7 @@ template <typename T> struct Kernels;
 template <> struct Kernels<float> {
   static constexpr auto lstm = lstm_step_forward_f32;
   static constexpr auto lstm_loop = lstm_forward_loop_f32;
-  static constexpr auto gru = gru_step_forward_f32;
+  static constexpr auto gru_loop = gru_forward_loop_f32;
   static constexpr auto lc2d = lc2d_forward_f32;
   static constexpr auto lc2d_dx = lc2d_backward_input_f32;
   static constexpr auto lc2d_dw = lc2d_backward_params_f32;
@@ -78,7 +80,7 @@ template <> struct Kernels<float> {
 template <> struct Kernels<double> {
   static constexpr auto lstm = lstm_step_forward_f64;
   static constexpr auto lstm_loop = lstm_forward_loop_f64;
-  static constexpr auto gru = gru_step_forward_f64;
+  static constexpr auto gru_loop = gru_forward_loop_f64;
   static constexpr auto lc2d = lc2d_forward_f64;
   static constexpr auto lc2d_dx = lc2d_backward_input_f64;
   static constexpr auto lc2d_dw = lc2d_backward_params_f64;
@@ -431,7 +433,6 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   auto xs = ws[0], xp = ws[1], hd = ws[2], y = out_rows(ws[3], p, dirs, hidden, h.options()), r = ws[4];
   T *gates = reinterpret_cast<T*>(raw[5]), *hbn = reinterpret_cast<T*>(raw[6]), *hist = reinterpret_cast<T*>(raw[7]);
   T *xstat = reinterpret_cast<T*>(raw[8]), *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]);
-  auto row = [](T* base, int64_t o, int64_t width) { return base ? base + o * width : nullptr; };
   xs = gather_into(xs, as(x_in, dt), p);
   const auto w_t = w_ih.transpose(1, 2);
   if (!gx.defined() && b_ih.defined()) at::baddbmm_out(xp, b_ih.view({dirs, 1, gsize}), xs, w_t);
@@ -440,16 +441,13 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   const auto w_hh_t = w_hh.transpose(1, 2).contiguous();
   const int threads = at::get_num_threads();
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
-  for (int64_t t = 0; t <= last; t++) {
-    const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
-    auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
-    at::bmm_out(rt, (t == 0 ? h_first : hd).narrow(1, o, n), w_hh_t);
-    Kernels<T>::gru(dirs, batch, n, n_next, hidden, rows, at_row<T>(xp, o), row(xstat, o, 2), ptr<T>(gx),
-                    ptr<T>(b_ih), ptr<T>(rt), ptr<T>(h), ptr<T>(rmask), ptr<T>(b_hh), at_row<T>(y, o),
-                    row(gates, o, gsize), row(hbn, o, hidden), row(hist, o, hidden),
-                    t < last ? at_row<T>(hd, o + n) : nullptr, row(rhat, o, gsize), row(rrstd, o, 1), ptr<T>(gh),
-                    static_cast<T>(kEps),
-                    at_row<T>(zh, o), static_cast<T>(zh_const), threads);
+  if (last >= 0) {  // the whole time loop in one call, with its own step products (gru.c)
+    hd.narrow(1, 0, first).copy_(h_first);
+    auto wp = at::empty({dirs * hidden * ((gsize + 31) / 32 * 32)}, h.options());  // packed W_hh^T (gemm.h)
+    Kernels<T>::gru_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh_t), ptr<T>(wp),
+                         ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(b_ih), ptr<T>(h), ptr<T>(rmask),
+                         ptr<T>(b_hh), ptr<T>(y), gates, hbn, hist, ptr<T>(hd), rhat, rrstd, ptr<T>(gh),
+                         static_cast<T>(kEps), ptr<T>(zh), static_cast<T>(zh_const), threads);
   }
   const auto low = x_in.scalar_type();
   return {as(scatter(y, p, steps, batch), low), as(unsorted(h, p), low)};

@@ -5,10 +5,10 @@ t's rows are the active prefix of the length-sorted batch), B batch, H hidden si
 Each Function runs, per step, one batched recurrent GEMM (both directions) and one fused C
 pointwise kernel; its backward runs the kernel's backward and the recurrent GEMM in reverse and
 computes the recurrent weight gradient (and LayerNorm / peephole parameter gradients) as large
-reductions after the loop. The LSTM's time loops run in one C call each (``lstm_forward_loop``,
-``lstm_backward_loop``: the step products on ``_native/gemm.h``'s kernel, no return to Python or
-torch between steps) unless a projection or bf16 / fp16 products need torch ops between the
-steps; then the loop below drives the step kernel from Python.
+reductions after the loop. The time loops run in one C call each (``lstm_forward_loop``,
+``lstm_backward_loop``, ``gru_*_loop``: the step products on ``_native/gemm.h``'s kernel, no
+return to Python or torch between steps) unless a projection or bf16 / fp16 products need torch
+ops between the steps; then the loops below drive the step kernels from Python.
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ def _lstm_lib():
 def _gru_lib():
     return _typed("gru", lambda real: {
         "gru_step_forward": [I64] * 6 + [P] * 4 + [P] * 4 + [P] * 7 + [P, real, P, real, INT],
-        "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT]})
+        "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT],
+        "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT],
+        "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6
+        + [INT]})
 
 
 def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -399,8 +402,10 @@ class GRURecurrence(torch.autograd.Function):
             **_low_copies(mm, ctx, xs, hd=(dirs, rows, hidden))),
             acc, xs.device, fresh=getattr(ctx, "fresh", False))
         # the forward's own work space (the projection is saved only for the input LayerNorm's backward)
+        in_c = not mm.mixed  # the whole time loop in one C call (gru_forward_loop), as the LSTM's
         tmp_slab, tmp = _pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
-                                         y=(dirs, rows, hidden) if mm.mixed else None), acc, xs.device)
+                                         y=(dirs, rows, hidden) if mm.mixed else None,
+                                         wp=_packed_weight(hidden, gsize, dirs) if in_c else None), acc, xs.device)
         y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, hidden, dtype=acc)  # as in LSTMRecurrence
         xp, r, hd, hd_low = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"], buf.get("hd_low")
         xs_op = _into(buf.get("xs_low"), xs)
@@ -411,9 +416,16 @@ class GRURecurrence(torch.autograd.Function):
         hd[:, :first] = h * rmask if rmask is not None else h
         w_t = mm.operand(w_hh.transpose(1, 2)).contiguous()  # (as the LSTM's)
         offsets = _offsets(active)
+        if in_c:
+            getattr(_gru_lib(), f"gru_forward_loop_{_SUFFIX[acc]}")(
+                dirs, batch, len(active), _active_array(active), hidden, rows, w_t.data_ptr(), tmp["wp"].data_ptr(),
+                r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(b_ih), h.data_ptr(),
+                address(rmask), address(b_hh), y.data_ptr(), buf["gates"].data_ptr(), buf["hbn"].data_ptr(),
+                buf["hist"].data_ptr(), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]), address(gh), EPS,
+                address(zh), zh_const, threads)
         P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
         last = len(active) - 1
-        for t, n in enumerate(active):
+        for t, n in enumerate(active if not in_c else ()):
             o = offsets[t]
             rt = mm.bmm_prepared(_into(hd_low, hd[:, o:o + n], o), w_t,
                                  out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
@@ -445,8 +457,10 @@ class GRURecurrence(torch.autograd.Function):
         acc = gates.dtype
         gx, gh, rmask, zh = (_as(t, acc) for t in (gx, gh, rmask, zh))
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
+        in_c = not mm.mixed  # the whole loop in one C call (gru_backward_loop), as the forward's
         slab, tmp = _pool.views(dict(dpre=(dirs, rows, gsize), dhb=(dirs, rows, gsize),
                                      dr=(dirs, rows, gsize) if gh is not None else None,
+                                     wp=_packed_weight(gsize, hidden, dirs) if in_c else None,
                                      g=(dirs * ctx.active[0] * hidden,), **_low_grads(mm, (dirs, rows, gsize), True),
                                      dy=_copied(dy, acc, (dirs, rows, hidden))), acc, gates.device)
         dy = _acc_grad(dy, tmp["dy"], gates, (dirs, rows, hidden))
@@ -459,7 +473,14 @@ class GRURecurrence(torch.autograd.Function):
         offsets = ctx.offsets
         P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
         w_hh_p = mm.operand(w_hh)
-        for t in range(len(ctx.active) - 1, -1, -1):
+        if in_c:
+            getattr(_gru_lib(), f"gru_backward_loop_{_SUFFIX[acc]}")(
+                dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_hh_p.contiguous().data_ptr(),
+                tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), buf["hist"].data_ptr(),
+                gates.data_ptr(), buf["hbn"].data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
+                address(buf["rhat"]), address(buf["rrstd"]), address(gh), address(zh), zh_const, dpre.data_ptr(),
+                dhb.data_ptr(), dr.data_ptr(), address(acc_gx), address(acc_b), address(acc_gh), threads)
+        for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
             n, o = ctx.active[t], offsets[t]
             bwd(dirs, batch, n, hidden, rows, P_["dy"][t], dh.data_ptr(), P_["hist"][t], P_["gates"][t], P_["hbn"][t],
                 P_["xp"][t], P_["xstat"][t], address(gx), P_["rhat"][t], P_["rrstd"][t], address(gh), P_["zh"][t],
