@@ -25,7 +25,6 @@ def test_compile_markers_are_dynamos():
     """fastlayers._compiling's functions carry exactly the marks torch's own decorators put there."""
     from fastlayers import _compiling
 
-    assert getattr(_compiling.select_when_tracing, "_dynamo_marked_constant", False) is True
-    assert getattr(_compiling.native_when_tracing, "_dynamo_marked_constant", False) is True
-    assert getattr(_compiling.forward_eagerly, "_torchdynamo_disable", False) is True
+    assert getattr(_compiling.constant, "_dynamo_marked_constant", False) is True
+    assert getattr(_compiling.eagerly, "_torchdynamo_disable", False) is True
     assert torch.compiler.is_compiling() is False

@@ -38,8 +38,8 @@ BACKENDS = ("cpu", "triton", "reference")
 ENV = "FASTLAYERS_BACKEND"
 # op -> name of its C library in _native (the ops that have a C kernel)
 _NATIVE_LIBRARY = {"lstm": "lstm", "gru": "gru", "local2d": "local"}
-# ops with a Triton kernel (filled in by fastlayers._triton as kernels land)
-TRITON_OPS: set[str] = set()
+# ops with a Triton kernel (fastlayers._triton's modules; they run where the triton package imports)
+TRITON_OPS = frozenset({"local2d", "attention", "lstm", "gru"})
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastlayers_backend", default=None)
 
 
@@ -166,9 +166,9 @@ def select(op: str, x: Tensor) -> str:
     compiled code (it depends on the device and dtype, which the compiled code guards on, and on
     the forced backend at that time)."""
     if torch.compiler.is_compiling():
-        from ._compiling import select_when_tracing
+        from ._compiling import constant
 
-        return select_when_tracing(op, x)
+        return constant(_select, op, x)
     return _select(op, x)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _native, _precision, _twice
+from . import _native, _ops_lib, _precision, _twice
 from ._native import address
 
 Pair = tuple[int, int]
@@ -183,7 +183,7 @@ def locally_connected2d_operator(input: Tensor, weight: Tensor, bias: Tensor | N
 
 
 def register_operators() -> None:
-    """Fake functions and autograd of the C++ operators (fastlayers._ops_lib.load calls it once)."""
+    """Fake functions and autograd of the C++ operators (run once the library loads: on_load below)."""
 
     @torch.library.register_fake("fastlayers::locally_connected2d")
     def _(input, weight, bias, stride, padding, dilation):
@@ -258,3 +258,6 @@ class LocallyConnected2dTriton(torch.autograd.Function):
             padded = _pad(input, list(padding)).to(low).contiguous()
             dw, db = kernels.param_grads(dy, padded, tuple(weight.shape), stride, dilation, weight.dtype)
         return dx, dw if need_w else None, db if need_b and ctx.has_bias else None, None, None, None
+
+
+_ops_lib.on_load(register_operators)

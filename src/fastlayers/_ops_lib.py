@@ -23,7 +23,8 @@ raises for it.
 
 Python registers, once the library is loaded (:func:`load`), the fake (shape) functions and the
 autograd of the same operators (one definition of each operator: its schema in C++), and their
-CUDA implementations (the Triton engine). :func:`library_path` gives the file, to load it in a
+CUDA implementations (the Triton engine): each layer family hands its registration to
+:func:`on_load` when it is imported. :func:`library_path` gives the file, to load it in a
 process without fastlayers (``torch.ops.load_library(path)``) or to link a C++ program with it.
 """
 
@@ -47,6 +48,7 @@ _C_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", 
 _CXX_FLAGS = ["-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-w"]
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
+_REGISTER: list[Callable[[], None]] = []  # the families' Python halves of their operators (on_load)
 _WHAT = "C++ operator library"
 
 
@@ -129,11 +131,8 @@ def load() -> bool:
                 except Exception as e:
                     _STATE["path"], _STATE["error"] = None, str(e)  # (library_path says so too, without building again)
                     raise
-                from . import _local_function
-                from .rnn import _export
-
-                _local_function.register_operators()
-                _export.register_operators()
+                for register in _REGISTER:
+                    register()
                 _STATE["loaded"] = True
             except Exception as e:  # (a layer's call must not raise for it)
                 _STATE["loaded"] = False
@@ -141,6 +140,17 @@ def load() -> bool:
                               f"torch.export use the plain-PyTorch path instead, eager calls their autograd path",
                               stacklevel=3)
     return bool(_STATE["loaded"])
+
+
+def on_load(register: Callable[[], None]) -> None:
+    """A layer family's Python half of its operators (fake functions, autograd, CUDA kernels):
+    ``register()`` runs once the library is loaded (:func:`load`), now if it is loaded already.
+    Each family calls this when it is imported, so this loader knows no family."""
+    with _LOCK:
+        _REGISTER.append(register)
+        loaded = _STATE.get("loaded")
+    if loaded:
+        register()
 
 
 def serves(x) -> bool:

@@ -54,9 +54,9 @@ def native(device_type: str, dtype: torch.dtype) -> bool:
     """True when ``device_type`` multiplies ``dtype`` matrices in hardware (CUDA: always); a
     constant for torch.compile (:mod:`fastlayers._compiling`)."""
     if torch.compiler.is_compiling():
-        from ._compiling import native_when_tracing
+        from ._compiling import constant
 
-        return native_when_tracing(device_type, dtype)
+        return constant(native_cached, device_type, dtype)
     return native_cached(device_type, dtype)
 
 

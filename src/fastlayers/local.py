@@ -132,9 +132,9 @@ def _run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: 
     if which == "cpu":
         args = (x, weight, bias, list(stride), list(padding), list(dilation))
         if torch.compiler.is_compiling():  # the C++ operator (fastlayers._ops_lib)
-            from ._compiling import operators_loaded
+            from ._compiling import constant
 
-            if operators_loaded():
+            if constant(_ops_lib.load):
                 return locally_connected2d_operator(*args)
             return locally_connected2d_reference(x, weight, bias, stride, padding, dilation)
         return LocallyConnected2dNative.apply(*args)

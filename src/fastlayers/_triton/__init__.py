@@ -3,17 +3,14 @@
 One module per op family, mirroring ``_native``: :mod:`.local` (locally connected 2-D forward and
 both gradients), :mod:`.attention` (masked attention pooling, dot and scaled-dot scores),
 :mod:`.lstm` and :mod:`.gru` (the recurrent engine's step kernels, :mod:`fastlayers.rnn._engine_gpu`). They
-import only when the ``triton`` package does; :func:`available` says whether it did, and the
-ops they provide are registered with :mod:`fastlayers._backend` (``TRITON_OPS``).
+import only when the ``triton`` package does; :func:`available` says whether it does. The ops
+they provide are listed in :mod:`fastlayers._backend` (``TRITON_OPS``, a static table: this
+package imports nothing of the layers or of the backend choice).
 """
 
 from __future__ import annotations
 
 import importlib.util
-
-from .. import _backend
-
-OPS = ("local2d", "attention", "lstm", "gru")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -31,6 +28,3 @@ def next_power_of_2(n: int) -> int:
 def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
-
-if available():
-    _backend.TRITON_OPS.update(OPS)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _ops_lib
 from ._options import CellOptions
 
 _LSTM_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "ln_hh_weight", "ln_cell_weight",
@@ -52,8 +53,6 @@ def operator_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths:
     """A layer call as one operator per layer: x batched (layout per batch_first), states batched
     3-D, lengths validated (or None) -> (output, final states), as :meth:`_LengthsMixin._run`.
     Under torch.export it raises RuntimeError with the reason where the operators cannot be built."""
-    from .. import _ops_lib
-
     _ops_lib.library_path()
     _ops_lib.load()
     with _ops_lib.eager_below_autograd():
@@ -113,7 +112,7 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
     return out, tuple(torch.cat(f) for f in finals)
 
 
-# ---- the Python side of the operators (fastlayers._ops_lib.load calls register_operators once)
+# ---- the Python side of the operators (run once the library loads: _ops_lib.on_load at the end)
 
 def _layer_eagerly(cell: str, x: Tensor, lengths: Tensor | None, states: tuple[Tensor, ...], w: dict,
                    masks: dict, consts: dict) -> tuple[Tensor, ...]:
@@ -240,3 +239,6 @@ def register_operators() -> None:
                 return tuple(run(*args))
 
         torch.library.impl(f"fastlayers::{name}", "CUDA")(cuda)
+
+
+_ops_lib.on_load(register_operators)

@@ -89,9 +89,9 @@ class _LengthsMixin(NotScriptable):
         if common and engine is None:
             return super().forward(input)  # type: ignore[misc]
         if lengths is not None and torch.compiler.is_compiling() and not exporting:
-            from .._compiling import forward_eagerly  # one graph break: the plan reads the lengths on the host
+            from .._compiling import eagerly  # one graph break: the plan reads the lengths on the host
 
-            return forward_eagerly(self, input, hx, lengths)
+            return eagerly(self.forward, input, hx, lengths=lengths)
         input, states = self._check_args(input, hx)
         time_dim = 1 if self.batch_first and input.dim() == 3 else 0
         if input.size(time_dim) == 0:  # torch.nn's RNNs raise this (their kernel's message)
