@@ -118,10 +118,8 @@ def _layer_eagerly(cell: str, x: Tensor, lengths: Tensor | None, states: tuple[T
                    masks: dict, consts: dict) -> tuple[Tensor, ...]:
     """One layer with the eager engine (differentiable): the operators' CUDA kernel and the
     recomputation their autograd differentiates. Arguments as the operators'."""
-    from ._engine import gru_engine, lstm_engine
-    from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
-    from ._engine_reference import gru_reference, lstm_reference
     from .._backend import select
+    from ._routing import engine
 
     dirs = w["w_ih"].size(0)
     names = {"ln_ih": "ln_ih_weight", "ln_hh": "ln_hh_weight", "peephole": "weight_peephole", "w_hr": "weight_hr",
@@ -141,9 +139,7 @@ def _layer_eagerly(cell: str, x: Tensor, lengths: Tensor | None, states: tuple[T
     else:
         options = CellOptions(layer_norm=w.get("ln_ih") is not None, zoneout=(consts["z_h"], 0.0))
     which = select(cell.lower(), x)
-    impl = {("LSTM", "cpu"): lstm_engine, ("LSTM", "triton"): lstm_engine_gpu, ("LSTM", "reference"): lstm_reference,
-            ("GRU", "cpu"): gru_engine, ("GRU", "triton"): gru_engine_gpu, ("GRU", "reference"): gru_reference}
-    out, final = impl[cell, which](x, states, [layer], lens, options, training=False, masks=[m])
+    out, final = engine(cell, which)(x, states, [layer], lens, options, training=False, masks=[m])
     return (out, *final)
 
 

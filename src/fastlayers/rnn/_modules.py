@@ -21,15 +21,13 @@ from .._checks import as_lengths
 from .._jit import ENGINE, NotScriptable, refuse_trace
 from .. import _ops_lib, _precision
 from .._backend import select
-from ._engine import gru_engine, lstm_engine
-from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._cells import step
-from ._engine_reference import gru_reference, lstm_reference
 from ._export import operator_layers
 from . import _graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
 from ._remat import check_every, checkpointed
+from ._routing import ENGINES
 from ._validate import check_cell, check_layer
 from ._varlen import varlen_rnn
 
@@ -131,7 +129,7 @@ class _LengthsMixin(NotScriptable):
         if states is None:
             layers = self.num_layers * (2 if self.bidirectional else 1)
             states = tuple(x.new_zeros(layers, 0, size) for size in self._state_sizes())
-        impl = lstm_reference if self.mode == "LSTM" else gru_reference
+        impl = ENGINES[self.mode, "reference"]
         xt = x.transpose(0, 1) if self.batch_first else x
         out, final = impl(xt, states, self._layer_parameters(), None, self.options, dropout=self.dropout,
                           training=self.training)
@@ -430,9 +428,7 @@ class _CellOptionsMixin:
             engine = which
         if engine == "cpu" and _ops_lib.serves(x):  # no autograd: one C++ operator per layer (._export)
             return operator_layers(self, x, states, lengths)
-        impl = {("LSTM", "cpu"): lstm_engine, ("LSTM", "reference"): lstm_reference,
-                ("LSTM", "triton"): lstm_engine_gpu, ("GRU", "cpu"): gru_engine, ("GRU", "reference"): gru_reference,
-                ("GRU", "triton"): gru_engine_gpu}[self.mode, engine]
+        impl = ENGINES[self.mode, engine]
         xt = x.transpose(0, 1) if self.batch_first else x
         if self._recomputes():
             out, final = checkpointed(impl, self.checkpoint_every, xt, states, self._layer_parameters(), lengths,
