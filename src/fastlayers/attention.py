@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _precision, _twice
-from ._backend import backend, select
+from ._backend import select
 from ._jit import TRITON, NotScriptable, refuse_trace
 from ._checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_shape, check_tensor
 
@@ -93,11 +93,32 @@ def attention_pool(
     values = keys if values is None else values
     _check(query, keys, values)
     which = select("attention", query)
-    batch, steps = keys.shape[:2]
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
-    if score != "additive" and which != "triton" and query.dtype in _ONE_DTYPE \
-            and not torch.is_autocast_enabled(query.device.type):
+    if which == "triton" and score != "additive":  # one fused kernel per pass (additive: the torch ops)
+        _check_dot(query, keys, score)
+        batch, steps = keys.shape[:2]
+        scale = 1 / math.sqrt(keys.size(2)) if score == "scaled_dot" else 1.0
+        lens = as_lengths(lengths, batch, steps).to(keys.device) if lengths is not None else None
+        refuse_trace("fastlayers.attention_pool on the Triton backend", TRITON)
+        return _AttentionTriton.apply(query, keys, values, lens, scale)
+    return attention_pool_reference(query, keys, values, lengths, score=score, additive=additive)
+
+
+def attention_pool_reference(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    lengths: Tensor | list[int] | None = None,
+    *,
+    score: str = "dot",
+    additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The plain-PyTorch twin of :func:`attention_pool` (inputs checked by it; same arguments, with
+    ``values`` given): batched matmuls and a softmax, any device and dtype. It is what the CPU and
+    the reference backend run, and what the Triton kernels' double backward differentiates."""
+    batch, steps = keys.shape[:2]
+    if score != "additive" and query.dtype in _ONE_DTYPE and not torch.is_autocast_enabled(query.device.type):
         return _dot_one_dtype(query, keys, values, lengths, score == "scaled_dot")
     mm = _precision.Products.of(query)
     if score == "additive":
@@ -113,14 +134,9 @@ def attention_pool(
         scores = mm.matmul(torch.tanh(hidden), v)  # (B, T)
     else:
         _check_dot(query, keys, score)
-        scale = 1 / math.sqrt(keys.size(2)) if score == "scaled_dot" else 1.0
-        if which == "triton":  # one fused kernel per pass (the additive score runs the torch ops below)
-            lens = as_lengths(lengths, batch, steps).to(keys.device) if lengths is not None else None
-            refuse_trace("fastlayers.attention_pool on the Triton backend", TRITON)
-            return _AttentionTriton.apply(query, keys, values, lens, scale)
         scores = mm.matmul(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
         if score == "scaled_dot":
-            scores = scores * scale
+            scores = scores * (1 / math.sqrt(keys.size(2)))
     weights = torch.softmax(_masked(scores, lengths, batch, steps), dim=1)
     context = mm.matmul(weights.unsqueeze(1), values).squeeze(1)
     if mm.mixed:  # scores, softmax and the weights in float32; results in the low dtype
@@ -194,9 +210,8 @@ class _AttentionTriton(torch.autograd.Function):
         low = ctx.low
 
         def reference(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-            with backend("reference"), torch.autocast(q.device.type, dtype=low,
-                                                      enabled=low in _precision.LOW and q.dtype != low):
-                return attention_pool(q, k, v, lengths, score="dot" if ctx.scale == 1.0 else "scaled_dot")
+            with torch.autocast(q.device.type, dtype=low, enabled=low in _precision.LOW and q.dtype != low):
+                return attention_pool_reference(q, k, v, lengths, score="dot" if ctx.scale == 1.0 else "scaled_dot")
 
         grads = _twice.recorded_vjp(reference, (query, keys, values), (d_context, d_weights), ctx.needs_input_grad[:3])
         return (*grads, None, None)
