@@ -32,7 +32,7 @@ from . import _graphs
 from ._engine_gpu import _lengths, _numbers
 from ._engine_reference import gru_cell_step, layer_options, lstm_cell_step
 from ._options import CellOptions
-from ._recurrence import _as
+from ._common import as_dtype
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -62,11 +62,11 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
     dtype = x.dtype
 
     def get(name: str) -> Tensor | None:
-        return _as(params.get(name), dtype)
+        return as_dtype(params.get(name), dtype)
 
     z_h, z_c = options.zoneout
     batch = x.size(0)
-    recurrent_mask = _as(recurrent_mask, dtype)
+    recurrent_mask = as_dtype(recurrent_mask, dtype)
 
     def keep(z: float, width: int) -> Tensor | None:
         return torch.bernoulli(x.new_full((batch, width), z)) if training and z else None

@@ -59,10 +59,9 @@ from torch import Tensor
 from .. import _precision, _twice
 from . import _graphs
 from ._graphs import TIME
-from ._engine import drawn_masks, input_bias
+from ._common import as_dtype, drawn_masks, in_dtypes, input_bias
 from ._engine_reference import layer_reference, recorded_layer_backward
 from ._options import CellOptions
-from ._recurrence import _as, _in_dtypes
 
 EPS = 1e-5
 
@@ -331,7 +330,7 @@ class LSTMLayer(torch.autograd.Function):
             hidden, out_size = gsize // 4, h0.size(2)
             _, zc_const, _, pclip = consts
             ln, proj = gx is not None, w_hr is not None
-            gx, bias, gh, gc, bc, peep, rmask, zc, zh = (_as(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc,
+            gx, bias, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc,
                                                                                zh))
             xp = _project_input(mm, x, w_ih, None if ln else bias)  # with LayerNorm the kernel adds the bias
             step = (dirs, TIME, batch)
@@ -406,7 +405,7 @@ class LSTMLayer(torch.autograd.Function):
                    d_w_hh, _rows_sum(cut["pgh"]), _rows_sum(cut["pgc"]) if need[8] else None,
                    _rows_sum(cut["pbc"]) if need[9] else None, _rows_sum(cut["ppeep"]), d_w_hr)
         _graphs.backward_done(ctx)
-        return (*_in_dtypes(out, ctx.dtypes), None, None, None, None, None)
+        return (*in_dtypes(out, ctx.dtypes), None, None, None, None, None)
 
 
 _TIMED = {"xp": 0, "zc": 1, "zh": 1}  # the time dimension of the layers' inputs with one
@@ -486,7 +485,7 @@ class GRULayer(torch.autograd.Function):
             dirs, gsize, _ = w_ih.shape
             hidden = gsize // 3
             ln = gx is not None
-            gx, b_ih, b_hh, gh, rmask, zh = (_as(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
+            gx, b_ih, b_hh, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
             xp = _project_input(mm, x, w_ih, None if ln else b_ih)
             step = (dirs, TIME, batch)
             ins = dict(xp=xp, b_ih=b_ih, gx=gx, h=h0.to(acc, copy=True),
@@ -544,7 +543,7 @@ class GRULayer(torch.autograd.Function):
             out = (d_x, d_w_ih, _rows_sum(cut["pgx"]), d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh,
                    _rows_sum(cut["pgh"]))
         _graphs.backward_done(ctx)
-        return (*_in_dtypes(out, ctx.dtypes), None, None, None, None)
+        return (*in_dtypes(out, ctx.dtypes), None, None, None, None)
 
 
 def _gru_forward_prologue(st: dict) -> None:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from .. import _native, _pool, _precision, _twice
 from .._native import address
+from ._common import as_dtype, in_dtypes
 from ._engine_reference import packed_layer_reference, recorded_layer_backward
 
 EPS = 1e-5
@@ -59,18 +60,6 @@ def _gru_lib():
         "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT],
         "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6
         + [INT]})
-
-
-def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """``t`` contiguous in ``dtype`` (None stays None)."""
-    if t is None or (t.dtype == dtype and t.is_contiguous()):
-        return t
-    return t.to(dtype).contiguous()
-
-
-def _in_dtypes(grads, dtypes) -> tuple[Tensor | None, ...]:
-    """Each gradient in the dtype of its input (they are computed in float32 for bf16 / fp16 inputs)."""
-    return tuple(g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes))
 
 
 def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
@@ -184,8 +173,8 @@ class LSTMRecurrence(torch.autograd.Function):
         fwd = getattr(_lstm_lib(), f"lstm_step_forward_{_SUFFIX[acc]}")
         threads = torch.get_num_threads()
         proj, first = w_hr is not None, active[0]  # first == B: every sequence runs step 0
-        gx, bias, gh, gc, bc, peep, rmask, zc, zh = (_as(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc, zh))
-        c0 = _as(c0, acc)
+        gx, bias, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc, zh))
+        c0 = as_dtype(c0, acc)
         h, c = h0.to(acc, copy=True).contiguous(), c0.clone()
         # every row of these gets written; the cell state before each step needs its own copy only
         # when zoneout mixes in c0 (otherwise it is the previous step's c1)
@@ -279,7 +268,7 @@ class LSTMRecurrence(torch.autograd.Function):
         threads = torch.get_num_threads()
         need = ctx.needs_input_grad
         acc = gates.dtype
-        gx, c0, gh, gc, bc, peep, rmask, zc, zh = (_as(t, acc) for t in (gx, c0, gh, gc, bc, peep, rmask, zc, zh))
+        gx, c0, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc) for t in (gx, c0, gh, gc, bc, peep, rmask, zc, zh))
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, out_size)
         dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
         # with a projection: the kernel's output gradient is d h1 (dy1), its own state gradient stays 0
@@ -360,7 +349,7 @@ class LSTMRecurrence(torch.autograd.Function):
             del ctx.buf
         grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_bias, dh if need[4] else None, dc if need[5] else None,
                  d_w_hh, acc_gh, acc_gc if need[8] else None, acc_bc if need[9] else None, acc_peep, d_w_hr)
-        return (*_in_dtypes(grads, ctx.dtypes), None, None, None, None, None)
+        return (*in_dtypes(grads, ctx.dtypes), None, None, None, None, None)
 
 
 class GRURecurrence(torch.autograd.Function):
@@ -393,7 +382,7 @@ class GRURecurrence(torch.autograd.Function):
         (zh_const,) = consts
         fwd = getattr(_gru_lib(), f"gru_step_forward_{_SUFFIX[acc]}")
         threads = torch.get_num_threads()
-        gx, b_ih, b_hh, gh, rmask, zh = (_as(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
+        gx, b_ih, b_hh, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
         h = h0.to(acc, copy=True).contiguous()
         slab, buf = _pool.views(dict(  # every row of these gets written
             xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), hbn=(dirs, rows, hidden),
@@ -455,7 +444,7 @@ class GRURecurrence(torch.autograd.Function):
         threads = torch.get_num_threads()
         need = ctx.needs_input_grad
         acc = gates.dtype
-        gx, gh, rmask, zh = (_as(t, acc) for t in (gx, gh, rmask, zh))
+        gx, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, gh, rmask, zh))
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
         in_c = not mm.mixed  # the whole loop in one C call (gru_backward_loop), as the forward's
         slab, tmp = _pool.views(dict(dpre=(dirs, rows, gsize), dhb=(dirs, rows, gsize),
@@ -503,7 +492,7 @@ class GRURecurrence(torch.autograd.Function):
             ctx.release()
             del ctx.buf
         grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh, acc_gh)
-        return (*_in_dtypes(grads, ctx.dtypes), None, None, None, None)
+        return (*in_dtypes(grads, ctx.dtypes), None, None, None, None)
 
 
 def _recorded_backward(cell: str, ctx, grads: tuple) -> tuple[Tensor | None, ...]:

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _ops_lib, _precision
-from ._engine import drawn_masks, given_layout, gru_engine, layer_plan, lstm_engine, packed_layer
+from ._common import drawn_masks
+from ._engine import given_layout, gru_engine, layer_plan, lstm_engine, packed_layer
 from ._engine_gpu import gru_engine_gpu, lstm_engine_gpu
 from ._lengths import make_plan
 from ._options import CellOptions
@@ -521,7 +522,7 @@ def _engine_draws(engine: Engine, cell: str, options: CellOptions, training: boo
                   x: Tensor, lengths: Tensor | None, sizes: tuple[int, int, int, int, int]) -> dict[str, Tensor] | None:
     """One layer's masks in the engines' given layout ((D, B, P); zoneout (D, T, B, width), original
     time and batch order): ``given``'s, and those it lacks drawn as ``engine`` draws them when it runs
-    the layer whole (the same torch.bernoulli calls, shapes and order, :func:`._engine.drawn_masks`),
+    the layer whole (the same torch.bernoulli calls, shapes and order, :func:`._common.drawn_masks`),
     so that a training call with checkpoint_every sees the masks the same call without it sees
     from the same seed (the C and Triton engines; the reference draws per step, and its masks are
     drawn per direction by :func:`_direction_masks` instead)."""

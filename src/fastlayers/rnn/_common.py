@@ -1,0 +1,48 @@
+"""Helpers every recurrent engine uses (the C engine, the GPU engine, the reference twin's callers):
+the input bias, the masks drawn in training, dtype bookkeeping. Backend-neutral: plain PyTorch."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._options import CellOptions
+
+
+def as_dtype(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` contiguous in ``dtype`` (None stays None)."""
+    if t is None or (t.dtype == dtype and t.is_contiguous()):
+        return t
+    return t.to(dtype).contiguous()
+
+
+def in_dtypes(grads, dtypes) -> tuple[Tensor | None, ...]:
+    """Each gradient in the dtype of its input (they are computed in float32 for bf16 / fp16 inputs)."""
+    return tuple(g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes))
+
+
+def input_bias(cell: str, dir_params: list[dict[str, Tensor]], stack) -> tuple[bool, Tensor | None]:
+    """(whether the layer has biases, the bias added with the input projection, (D, G) | None):
+    LSTM: b_ih + b_hh; GRU: b_ih (b_hh stays inside r * (W_hh h + b_hh))."""
+    has_bias = "bias_ih" in dir_params[0]
+    if not has_bias:
+        return False, None
+    return True, stack("bias_ih") + stack("bias_hh") if cell == "LSTM" else stack("bias_ih")
+
+
+def drawn_masks(cell: str, options: CellOptions, training: bool, given: dict[str, Tensor], recurrent_shape: tuple,
+                zoneout_rows: tuple, hidden: int, out_size: int, like: Tensor) -> dict[str, Tensor]:
+    """The masks of one layer that ``given`` lacks, drawn in training in the engines' order: the
+    recurrent-dropout mask ``recurrent_shape`` (scaled by 1 / keep), then zoneout of c (LSTM) and of
+    h, each (*zoneout_rows, width), in ``like``'s dtype and device. Every engine draws through this,
+    each with its own shapes (the C engine: the packed rows; the Triton engine: the padded (D, T, B)),
+    and :mod:`._remat` draws what the engine it runs would (the same calls, shapes and order)."""
+    out: dict[str, Tensor] = {}
+    if "recurrent" not in given and training and options.recurrent_dropout > 0:
+        keep = 1 - options.recurrent_dropout
+        out["recurrent"] = torch.bernoulli(torch.full(recurrent_shape, keep, dtype=like.dtype, device=like.device)) / keep
+    z_h, z_c = options.zoneout
+    for key, prob, width in (("zoneout_c", z_c if cell == "LSTM" else 0.0, hidden), ("zoneout_h", z_h, out_size)):
+        if key not in given and training and prob > 0:
+            out[key] = torch.bernoulli(torch.full((*zoneout_rows, width), prob, dtype=like.dtype, device=like.device))
+    return out
