@@ -31,9 +31,10 @@
 #define DEFINE_GRU(T, SUFFIX, EXP, TANH, SQRT)                                                         \
 static inline T gsig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                                     \
                                                                                                      \
-/* one step's arguments; the per-row buffers point at (d = 0, the step's first packed row) */        \
+/* one step's arguments; the per-row buffers point at (d = 0, the step's first packed row); the      \
+ * buffers kept for the backward have ss rows per direction (as lstm.c's) */                         \
 typedef struct {                                                                                     \
-    int64_t D, B, n, n_next, H, ds;                                                                  \
+    int64_t D, B, n, n_next, H, ds, ss;                                                              \
     const T* xp; T* xstat; const T* gx; const T* b_ih;                                               \
     const T* r; T* h; const T* rmask; const T* b_hh;                                                 \
     T* y; T* gates; T* hbn; T* hist; T* hd_next; T* rhat; T* rrstd;                                  \
@@ -57,23 +58,24 @@ static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)   
 {                                                                                                    \
     const int64_t H = a->H, G = 3 * H, n = a->n;                                                     \
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
+    const int64_t v = d * a->ss + b; /* the row of the saved buffers (gates, hbn, hist, statistics) */ \
     const T* restrict xr = a->xp + row * G;                                                          \
     const T* restrict rr = a->r + (d * n + b) * G;                                                   \
-    T* restrict gr = a->gates + row * G; T* restrict hbr = a->hbn + row * H;                         \
+    T* restrict gr = a->gates + v * G; T* restrict hbr = a->hbn + v * H;                         \
     T* restrict hr = a->h + srow * H; T* restrict yr = a->y + row * H;                               \
-    T* restrict h0r = a->hist + row * H;                                                             \
+    T* restrict h0r = a->hist + v * H;                                                             \
     const T* restrict bh = a->b_hh ? a->b_hh + d * G : 0;                                            \
     memcpy(h0r, hr, sizeof(T) * H);                                                                  \
     if (a->xstat) { /* gates = x, the input part */                                                  \
-        fl_row_stats_##SUFFIX(xr, G, a->eps, a->xstat + 2 * row);                                    \
-        fl_affine_norm_##SUFFIX(xr, a->xstat + 2 * row, a->gx + d * G, a->b_ih ? a->b_ih + d * G : 0, G, gr); \
+        fl_row_stats_##SUFFIX(xr, G, a->eps, a->xstat + 2 * v);                                    \
+        fl_affine_norm_##SUFFIX(xr, a->xstat + 2 * v, a->gx + d * G, a->b_ih ? a->b_ih + d * G : 0, G, gr); \
     } else {                                                                                         \
         memcpy(gr, xr, sizeof(T) * G);                                                               \
     }                                                                                                \
     /* hb = LNh(r) (or r) + b_hh: its n part into hbn; r and z: gates += hb, then the sigmoid */     \
     if (a->gh) {                                                                                     \
-        fl_layer_norm_##SUFFIX(rr, G, a->eps, a->rhat + row * G, a->rrstd + row);                    \
-        const T* restrict ghd = a->gh + d * G; const T* restrict rh = a->rhat + row * G;             \
+        fl_layer_norm_##SUFFIX(rr, G, a->eps, a->rhat + v * G, a->rrstd + v);                    \
+        const T* restrict ghd = a->gh + d * G; const T* restrict rh = a->rhat + v * G;             \
         if (bh) {                                                                                    \
             for (int64_t k = 0; k < H; k++) hbr[k] = ghd[2 * H + k] * rh[2 * H + k] + bh[2 * H + k];  \
             for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + (ghd[k] * rh[k] + bh[k])); \
@@ -102,7 +104,7 @@ void gru_step_forward_##SUFFIX(                                                 
     T* y, T* gates, T* hbn, T* hist, T* hd_next, T* rhat, T* rrstd,                                  \
     const T* gh, T eps, const T* zh, T zh_const, int nthreads)                                       \
 {                                                                                                    \
-    const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, xp, xstat, gx, b_ih, r, h, rmask, b_hh, y,   \
+    const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, xp, xstat, gx, b_ih, r, h, rmask, b_hh, y,   \
                                 gates, hbn, hist, hd_next, rhat, rrstd, gh, eps, zh, zh_const};      \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) gru_forward_row_##SUFFIX(&a, task);                 \
@@ -204,15 +206,16 @@ void gru_step_backward_##SUFFIX(                                                
                                                                                                      \
 /* The whole forward time loop of a layer, as lstm_forward_loop: w_t (D, H, G) contiguous (W_hh    \
  * transposed), wp of D * H * round_up(G, 32) values, r of D * active[0] * G; the caller fills hd's  \
- * first active[0] rows (h0 * rmask); the other buffers as gru_step_forward's, at packed row 0. */    \
+ * first active[0] rows (h0 * rmask); the other buffers as gru_step_forward's, at packed row 0;     \
+ * keep = 0: gates, hbn, hist and the statistics hold one step, (D, B, X), reused. */                \
 void gru_forward_loop_##SUFFIX(                                                                      \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w_t, T* wp, T* r,                                                                       \
     const T* xp, T* xstat, const T* gx, const T* b_ih, T* h, const T* rmask, const T* b_hh,          \
     T* y, T* gates, T* hbn, T* hist, T* hd, T* rhat, T* rrstd,                                       \
-    const T* gh, T eps, const T* zh, T zh_const, int nthreads)                                       \
+    const T* gh, T eps, const T* zh, T zh_const, int keep, int nthreads)                             \
 {                                                                                                    \
-    const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(G);                                        \
+    const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                                        \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
@@ -224,10 +227,11 @@ void gru_forward_loop_##SUFFIX(                                                 
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
             fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, n, 0);                \
             _Pragma("omp barrier")                                                                   \
-            const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, xp + o * G, xstat ? xstat + 2 * o : 0, gx, \
-                b_ih, r, h, rmask, b_hh, y + o * H, gates + o * G, hbn + o * H, hist + o * H,            \
-                n_next ? hd + (o + n) * H : 0, rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, gh, eps, \
-                zh ? zh + o * H : 0, zh_const};                                                      \
+            const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */  \
+            const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, xp + o * G,           \
+                xstat ? xstat + 2 * sv : 0, gx, b_ih, r, h, rmask, b_hh, y + o * H, gates + sv * G,     \
+                hbn + sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0, rhat ? rhat + sv * G : 0,   \
+                rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0, zh_const};                     \
             fl_share(D * n, tid, nt, &t0, &t1);                                                      \
             for (int64_t task = t0; task < t1; task++) gru_forward_row_##SUFFIX(&a, task);           \
             _Pragma("omp barrier")                                                                   \

@@ -47,9 +47,11 @@
 #define DEFINE_LSTM(T, SUFFIX, EXP, TANH, SQRT)                                                        \
 static inline T sig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                                      \
                                                                                                      \
-/* one step's arguments; the per-row buffers point at (d = 0, the step's first packed row) */        \
+/* one step's arguments; the per-row buffers point at (d = 0, the step's first packed row); the      \
+ * buffers kept for the backward (gates, c1, chist, the statistics) have ss rows per direction (ds,  \
+ * or B where a no-grad loop reuses one step's worth) */                                             \
 typedef struct {                                                                                     \
-    int64_t D, B, n, n_next, H, ds;                                                                  \
+    int64_t D, B, n, n_next, H, ds, ss;                                                              \
     const T* xp; T* xstat; const T* gx; const T* bias;                                               \
     const T* r; T* c; T* h; const T* rmask;                                                          \
     T* y; T* gates; T* c1; T* chist; T* hd_next;                                                     \
@@ -64,24 +66,25 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
 {                                                                                                    \
     const int64_t H = a->H, G = 4 * H, n = a->n;                                                     \
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
+    const int64_t v = d * a->ss + b; /* the row of the saved buffers (gates, c1, statistics) */       \
     const T* restrict xr = a->xp + row * G;                                                          \
     const T* restrict rr = a->r + (d * n + b) * G;                                                   \
-    T* restrict gr = a->gates + row * G;                                                             \
+    T* restrict gr = a->gates + v * G;                                                             \
     T* restrict cr = a->c + srow * H; /* c0 until the zoneout pass overwrites it with the new state */ \
     T* restrict hr = a->h + srow * H; T* restrict yr = a->y + row * H;                               \
-    T* restrict c1r = a->c1 + row * H;                                                               \
+    T* restrict c1r = a->c1 + v * H;                                                               \
     const T* restrict pi = a->peep ? a->peep + d * 3 * H : 0;                                        \
-    if (a->chist) memcpy(a->chist + row * H, cr, sizeof(T) * H);                                     \
-    if (a->xstat) fl_row_stats_##SUFFIX(xr, G, a->eps, a->xstat + 2 * row);                          \
+    if (a->chist) memcpy(a->chist + v * H, cr, sizeof(T) * H);                                     \
+    if (a->xstat) fl_row_stats_##SUFFIX(xr, G, a->eps, a->xstat + 2 * v);                          \
     if (a->gh) { /* gates = LNh(r), then + the input part */                                         \
-        fl_layer_norm_##SUFFIX(rr, G, a->eps, a->rhat + row * G, a->rrstd + row);                    \
-        const T* restrict ghd = a->gh + d * G; const T* restrict rh = a->rhat + row * G;             \
+        fl_layer_norm_##SUFFIX(rr, G, a->eps, a->rhat + v * G, a->rrstd + v);                    \
+        const T* restrict ghd = a->gh + d * G; const T* restrict rh = a->rhat + v * G;             \
         for (int64_t k = 0; k < G; k++) gr[k] = ghd[k] * rh[k];                                      \
     } else {                                                                                         \
         memcpy(gr, rr, sizeof(T) * G);                                                               \
     }                                                                                                \
     if (a->xstat) {                                                                                  \
-        const T* xs = a->xstat + 2 * row; const T mx = xs[0], rx = xs[1];                            \
+        const T* xs = a->xstat + 2 * v; const T mx = xs[0], rx = xs[1];                            \
         const T* restrict gxd = a->gx + d * G; const T* restrict bd = a->bias ? a->bias + d * G : 0; \
         if (bd) for (int64_t k = 0; k < G; k++) gr[k] += gxd[k] * ((xr[k] - mx) * rx) + bd[k];      \
         else for (int64_t k = 0; k < G; k++) gr[k] += gxd[k] * ((xr[k] - mx) * rx);                  \
@@ -98,7 +101,7 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
     if (pi) for (int64_t k = 0; k < H; k++) gr[3 * H + k] += pi[2 * H + k] * c1r[k];                 \
     for (int64_t k = 0; k < H; k++) gr[3 * H + k] = sig_##SUFFIX(gr[3 * H + k]);                     \
     if (a->gc) { /* h1 = o * tanh(LNc(c1)), into y first */                                          \
-        T* cs = a->cstat + 2 * row; fl_row_stats_##SUFFIX(c1r, H, a->eps, cs);                       \
+        T* cs = a->cstat + 2 * v; fl_row_stats_##SUFFIX(c1r, H, a->eps, cs);                       \
         const T mc = cs[0], rc = cs[1];                                                              \
         const T* restrict gcd = a->gc + d * H; const T* restrict bcd = a->bc + d * H;                \
         for (int64_t k = 0; k < H; k++) yr[k] = gr[3 * H + k] * TANH(gcd[k] * ((c1r[k] - mc) * rc) + bcd[k]); \
@@ -128,7 +131,7 @@ void lstm_step_forward_##SUFFIX(                                                
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
     const T* zc, const T* zh, T zc_const, T zh_const, int nthreads)                                  \
 {                                                                                                    \
-    const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, xp, xstat, gx, bias, r, c, h, rmask, y,     \
+    const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, xp, xstat, gx, bias, r, c, h, rmask, y, \
                                  gates, c1_out, chist, hd_next, rhat, rrstd, cstat, gh, gc, bc, peep, \
                                  clip, eps, zc, zh, zc_const, zh_const};                             \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
@@ -296,16 +299,17 @@ void lstm_step_backward_##SUFFIX(                                               
  * panels of w_t, packed into wp once), then the step's rows, which write the next step's recurrent \
  * input hd[:, o+n : o+n+n_next]. The caller fills hd's first active[0] rows (h0 * rmask). w_t      \
  * (D, H, G) contiguous (W_hh transposed); wp work space of D * H * round_up(G, 32) values; r of    \
- * D * active[0] * G; the other buffers as lstm_step_forward's, at packed row 0. */                  \
+ * D * active[0] * G; the other buffers as lstm_step_forward's, at packed row 0. keep = 0 (no      \
+ * backward follows): gates, c1, chist and the statistics hold one step, (D, B, X), reused. */      \
 void lstm_forward_loop_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w_t, T* wp, T* r,                                                                       \
     const T* xp, T* xstat, const T* gx, const T* bias, T* c, T* h, const T* rmask,                   \
     T* y, T* gates, T* c1, T* chist, T* hd, T* rhat, T* rrstd, T* cstat,                             \
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
-    const T* zc, const T* zh, T zc_const, T zh_const, int nthreads)                                  \
+    const T* zc, const T* zh, T zc_const, T zh_const, int keep, int nthreads)                        \
 {                                                                                                    \
-    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(G);                                        \
+    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                                        \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
@@ -317,11 +321,12 @@ void lstm_forward_loop_##SUFFIX(                                                
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
             fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, n, 0);                \
             _Pragma("omp barrier")                                                                   \
-            const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, xp + o * G, xstat ? xstat + 2 * o : 0, gx, \
-                bias, r, c, h, rmask, y + o * H, gates + o * G, c1 + o * H, chist ? chist + o * H : 0,  \
-                n_next ? hd + (o + n) * H : 0, rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0,          \
-                cstat ? cstat + 2 * o : 0, gh, gc, bc, peep, clip, eps, zc ? zc + o * H : 0,           \
-                zh ? zh + o * H : 0, zc_const, zh_const};                                            \
+            const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */  \
+            const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, xp + o * G,          \
+                xstat ? xstat + 2 * sv : 0, gx, bias, r, c, h, rmask, y + o * H, gates + sv * G,        \
+                c1 + sv * H, chist ? chist + sv * H : 0, n_next ? hd + (o + n) * H : 0,                 \
+                rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, cstat ? cstat + 2 * sv : 0, gh, gc,   \
+                bc, peep, clip, eps, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const, zh_const};   \
             fl_share(D * n, tid, nt, &t0, &t1);                                                      \
             for (int64_t task = t0; task < t1; task++) lstm_forward_row_##SUFFIX(&a, task);          \
             _Pragma("omp barrier")                                                                   \

@@ -39,11 +39,11 @@ extern "C" {
   void lstm_forward_loop_##S(int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, const T*, T*, T*, \
                              const T*, T*, const T*, const T*, T*, T*, const T*, T*, T*, T*, T*, T*, T*,    \
                              T*, T*, const T*, const T*, const T*, const T*, T, T, const T*, const T*, T, T, \
-                             int);
+                             int, int);
 #define FL_GRU_LOOP(T, S)                                                                              \
   void gru_forward_loop_##S(int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, const T*, T*, T*,  \
                             const T*, T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, T*, \
-                            T*, const T*, T, const T*, T, int);
+                            T*, const T*, T, const T*, T, int, int);
 #define FL_LC2D(T, S)                                                                                  \
   void lc2d_forward_##S(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t,        \
                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,      \
@@ -300,13 +300,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   auto rows3 = [&](int64_t width, bool use, bool view) {
     return Workspace::Region{use ? std::vector<int64_t>{dirs, rows, width} : std::vector<int64_t>{}, view};
   };
+  // what a backward would read (gates, c1, statistics, chist): one step's rows, reused, when the whole
+  // loop runs in lstm.c (keep = 0); every step's with a projection (the per-step kernel's layout)
+  const int64_t srows = proj ? rows : batch;
+  auto saved3 = [&](int64_t width, bool use) {
+    return Workspace::Region{use ? std::vector<int64_t>{dirs, srows, width} : std::vector<int64_t>{}, false};
+  };
   auto [ws, raw] = workspace().take(
       {rows3(x_in.size(2), true, true), rows3(gsize, true, true), rows3(out, true, true),
        rows3(out, !p.identity(), true),
-       {{dirs * first * gsize}, true}, rows3(hidden, proj, true), rows3(gsize, true, false),
-       rows3(hidden, true, false), rows3(2, gx.defined(), false), rows3(gsize, gh.defined(), false),
-       {gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{}, false},
-       rows3(2, gc.defined(), false), rows3(hidden, zc.defined() || zc_const != 0, false)}, dt);
+       {{dirs * first * gsize}, true}, rows3(hidden, proj, true), saved3(gsize, true),
+       saved3(hidden, true), saved3(2, gx.defined()), saved3(gsize, gh.defined()),
+       {gh.defined() ? std::vector<int64_t>{dirs, srows} : std::vector<int64_t>{}, false},
+       saved3(2, gc.defined()), saved3(hidden, zc.defined() || zc_const != 0)}, dt);
   auto xs = ws[0], xp = ws[1], hd = ws[2], y = out_rows(ws[3], p, dirs, out, opt), r = ws[4];
   const auto y1 = ws[5];
   // kernel-only buffers: the step's rows start at row o (width X: pointer + o * X)
@@ -332,7 +338,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
                           ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(bias), ptr<T>(c), ptr<T>(h),
                           ptr<T>(rmask), ptr<T>(y), gates, c1, chist, ptr<T>(hd), rhat, rrstd, cstat, ptr<T>(gh),
                           ptr<T>(gc), ptr<T>(bc), ptr<T>(peep), static_cast<T>(clip), static_cast<T>(kEps),
-                          ptr<T>(zc), ptr<T>(zh), static_cast<T>(zc_const), static_cast<T>(zh_const), threads);
+                          ptr<T>(zc), ptr<T>(zh), static_cast<T>(zc_const), static_cast<T>(zh_const), 0, threads);
   }
   for (int64_t t = 0; t <= (proj ? last : -1); t++) {
     const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
@@ -424,12 +430,16 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   auto rows3 = [&](int64_t width, bool use, bool view) {
     return Workspace::Region{use ? std::vector<int64_t>{dirs, rows, width} : std::vector<int64_t>{}, view};
   };
+  // what a backward would read (gates, hbn, hist, statistics): one step's rows, reused (keep = 0)
+  auto saved3 = [&](int64_t width, bool use) {
+    return Workspace::Region{use ? std::vector<int64_t>{dirs, batch, width} : std::vector<int64_t>{}, false};
+  };
   auto [ws, raw] = workspace().take(
       {rows3(x_in.size(2), true, true), rows3(gsize, true, true), rows3(hidden, true, true),
-       rows3(hidden, !p.identity(), true), {{dirs * first * gsize}, true}, rows3(gsize, true, false),
-       rows3(hidden, true, false), rows3(hidden, true, false), rows3(2, gx.defined(), false),
-       rows3(gsize, gh.defined(), false), {gh.defined() ? std::vector<int64_t>{dirs, rows} : std::vector<int64_t>{},
-                                           false}}, dt);
+       rows3(hidden, !p.identity(), true), {{dirs * first * gsize}, true}, saved3(gsize, true),
+       saved3(hidden, true), saved3(hidden, true), saved3(2, gx.defined()),
+       saved3(gsize, gh.defined()), {gh.defined() ? std::vector<int64_t>{dirs, batch} : std::vector<int64_t>{},
+                                     false}}, dt);
   auto xs = ws[0], xp = ws[1], hd = ws[2], y = out_rows(ws[3], p, dirs, hidden, h.options()), r = ws[4];
   T *gates = reinterpret_cast<T*>(raw[5]), *hbn = reinterpret_cast<T*>(raw[6]), *hist = reinterpret_cast<T*>(raw[7]);
   T *xstat = reinterpret_cast<T*>(raw[8]), *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]);
@@ -447,7 +457,7 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
     Kernels<T>::gru_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh_t), ptr<T>(wp),
                          ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(b_ih), ptr<T>(h), ptr<T>(rmask),
                          ptr<T>(b_hh), ptr<T>(y), gates, hbn, hist, ptr<T>(hd), rhat, rrstd, ptr<T>(gh),
-                         static_cast<T>(kEps), ptr<T>(zh), static_cast<T>(zh_const), threads);
+                         static_cast<T>(kEps), ptr<T>(zh), static_cast<T>(zh_const), 0, threads);
   }
   const auto low = x_in.scalar_type();
   return {as(scatter(y, p, steps, batch), low), as(unsorted(h, p), low)};

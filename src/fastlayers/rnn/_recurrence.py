@@ -48,7 +48,7 @@ def _lstm_lib():
         "lstm_step_backward": [I64] * 5 + [P] * 4 + [I64] + [P] * 3 + [P] * 5 + [P] * 4 + [real] + [P, P, real, real]
         + [P] * 3 + [P] * 6 + [INT],
         "lstm_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 8 + [P] * 4 + [real, real] + [P, P]
-        + [real, real, INT],
+        + [real, real, INT, INT],
         "lstm_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 5 + [P] * 4 + [real]
         + [P, P, real, real] + [P] * 3 + [P] * 6 + [INT]})
 
@@ -57,7 +57,7 @@ def _gru_lib():
     return _typed("gru", lambda real: {
         "gru_step_forward": [I64] * 6 + [P] * 4 + [P] * 4 + [P] * 7 + [P, real, P, real, INT],
         "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT],
-        "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT],
+        "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT, INT],
         "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6
         + [INT]})
 
@@ -219,7 +219,7 @@ class LSTMRecurrence(torch.autograd.Function):
                 h.data_ptr(), address(rmask), y.data_ptr(), buf["gates"].data_ptr(), buf["c1"].data_ptr(),
                 address(buf["chist"]), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
                 address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, EPS, address(zc),
-                address(zh), zc_const, zh_const, threads)
+                address(zh), zc_const, zh_const, 1, threads)
         P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
         fixed = (address(gh), address(gc), address(bc), address(peep), clip, EPS)
         last = len(active) - 1
@@ -411,7 +411,7 @@ class GRURecurrence(torch.autograd.Function):
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(b_ih), h.data_ptr(),
                 address(rmask), address(b_hh), y.data_ptr(), buf["gates"].data_ptr(), buf["hbn"].data_ptr(),
                 buf["hist"].data_ptr(), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]), address(gh), EPS,
-                address(zh), zh_const, threads)
+                address(zh), zh_const, 1, threads)
         P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
         last = len(active) - 1
         for t, n in enumerate(active if not in_c else ()):
