@@ -57,12 +57,16 @@ def test_gru_options_fall_back(monkeypatch):
 
 def test_plain_lengths_dispatch_engine_or_segments(monkeypatch):
     """LSTM/GRU with lengths and no options: the engine on CPU, torch's segment path without it."""
-    from fastlayers.rnn import _modules
+    from fastlayers.rnn import _modules, _routing
 
     calls = []
-    for name in ("lstm_engine", "gru_engine", "varlen_rnn"):
-        real = getattr(_modules, name)
-        monkeypatch.setattr(_modules, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+
+    def spy(real, name):
+        return lambda *a, **k: calls.append(name) or real(*a, **k)
+
+    for cell, name in (("LSTM", "lstm_engine"), ("GRU", "gru_engine")):  # the routing table's CPU engines
+        monkeypatch.setitem(_routing.ENGINES, (cell, "cpu"), spy(_routing.ENGINES[cell, "cpu"], name))
+    monkeypatch.setattr(_modules, "varlen_rnn", spy(_modules.varlen_rnn, "varlen_rnn"))
     torch.manual_seed(0)
     for cls, engine in ((fastlayers.LSTM, "lstm_engine"), (fastlayers.GRU, "gru_engine")):
         m = cls(3, 4, bidirectional=True, dtype=torch.float64)
