@@ -220,7 +220,7 @@ class LSTMRecurrence(torch.autograd.Function):
                 address(buf["chist"]), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
                 address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, EPS, address(zc),
                 address(zh), zc_const, zh_const, 1, threads)
-        P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
+        P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
         fixed = (address(gh), address(gc), address(bc), address(peep), clip, EPS)
         last = len(active) - 1
         for t, n in enumerate(active if not in_c else ()):
@@ -294,7 +294,8 @@ class LSTMRecurrence(torch.autograd.Function):
         dy1, dhp = (tmp["dy1"], tmp["dhp"]) if proj else (dy, None)
         dhk = gates.new_zeros(dirs, batch, hidden) if proj else dh
         offsets = ctx.offsets
-        P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy1": dy1, "zc": zc, "zh": zh, "dpre": dpre, "dr": dr}.items()}
+        P_ = {} if in_c else {k: _steps(v, offsets)  # (per-step addresses: the Python loop only)
+                              for k, v in {**buf, "dy1": dy1, "zc": zc, "zh": zh, "dpre": dpre, "dr": dr}.items()}
         fixed = (address(dn), address(acc_gx), address(acc_b), address(acc_gh), address(acc_gc), address(acc_bc),
                  address(acc_peep), threads)
         w_hh_p = mm.operand(w_hh)
@@ -412,7 +413,7 @@ class GRURecurrence(torch.autograd.Function):
                 address(rmask), address(b_hh), y.data_ptr(), buf["gates"].data_ptr(), buf["hbn"].data_ptr(),
                 buf["hist"].data_ptr(), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]), address(gh), EPS,
                 address(zh), zh_const, 1, threads)
-        P_ = {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
+        P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
         last = len(active) - 1
         for t, n in enumerate(active if not in_c else ()):
             o = offsets[t]
@@ -460,7 +461,8 @@ class GRURecurrence(torch.autograd.Function):
         acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias[0] and need[3] else None
         acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
         offsets = ctx.offsets
-        P_ = {k: _steps(v, offsets) for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
+        P_ = {} if in_c else {k: _steps(v, offsets)  # (per-step addresses: the Python loop only)
+                              for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
         w_hh_p = mm.operand(w_hh)
         if in_c:
             getattr(_gru_lib(), f"gru_backward_loop_{_SUFFIX[acc]}")(
