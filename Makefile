@@ -31,10 +31,11 @@ demo: setup
 	$(BIN)/fastlayers demo
 	$(BIN)/fastlayers demo local
 
-# Every test runs once where it checks most. Poisoned: uninitialised memory filled with NaN
+# First the import contracts (pyproject.toml's [tool.importlinter]: the layers of
+# docs/architecture.md, no import cycles). Then every test runs once where it checks most. Poisoned: uninitialised memory filled with NaN
 # (torch.empty & co.) and deterministic algorithms on, so a kernel or module that reads memory
 # nobody wrote fails a test; every test runs so but those the poisoning cannot reach or adds nothing
-# to (markers subprocess, compile, reference_only), which run as they are. The two interpreter
+# to (markers subprocess, compile, reference_only), which run as they are. The interpreter
 # files (the Triton kernels on CPU tensors) run poisoned under the newest Triton; their tests
 # marked each_triton (one per kernel family) also as they are under the venv's (3.6.0, the GPU
 # machines' release, whose compiles for sm_90a and sm_80 gpu_static.py checks). One pytest process
@@ -44,11 +45,12 @@ demo: setup
 # named, in order. Last, the static checks beside the dry run.
 AS_IS := -m "subprocess or compile or reference_only or each_triton"
 POISONED := --poison-memory -m "not subprocess and not compile and not reference_only"
-INTERPRETER_TESTS := tests/test_triton.py tests/test_rnn_triton.py
+INTERPRETER_TESTS := tests/local/test_local_triton.py tests/attention/test_attention_triton.py tests/rnn/test_rnn_triton.py
 LONGEST_FIRST := tests/test_train.py tests/test_install.py tests/test_onnx.py tests/test_second_order.py \
-	tests/test_kernel_failures.py tests/test_rnn_triton.py tests/test_aoti.py tests/test_compile.py tests/test_readme.py
-ORDERED_TESTS := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
+	tests/test_kernel_failures.py tests/rnn/test_rnn_triton.py tests/test_aoti.py tests/test_compile.py tests/test_readme.py
+ORDERED_TESTS := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py tests/*/test_*.py)))
 test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
+	$(BIN)/lint-imports --no-cache
 	$(PYTEST) --dist loadfile --no-loadscope-reorder $(AS_IS) $(ORDERED_TESTS)
 	$(PYTEST) --dist loadfile --no-loadscope-reorder $(POISONED) $(filter-out $(INTERPRETER_TESTS),$(ORDERED_TESTS))
 	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PYTEST) --dist load $(POISONED) $(INTERPRETER_TESTS)
@@ -82,7 +84,7 @@ gpu-check:
 	benchmarks/gpu_check.sh $(or $(OUT),gpu-check)
 
 bench: setup
-	$(BIN)/python benchmarks/bench_rnn_lengths.py
+	$(BIN)/python benchmarks/rnn/bench_rnn_lengths.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -20,7 +20,7 @@ import torch
 from torch.export import Dim
 
 import fastlayers
-from fastlayers._system import cpu_name
+from fastlayers._core.system import cpu_name
 
 
 def _median(fn, repeats: int) -> float:

@@ -38,7 +38,9 @@ import torch.nn.functional as F
 import fastlayers
 from fastlayers._triton import _launch, local as triton_local
 from fastlayers.functional import locally_connected2d
-from fastlayers.rnn import _graphs
+from fastlayers.rnn import _gpu_graphs
+
+from timing import Timer
 
 # attention pooling candidates: the Triton kernels (the additive score runs torch ops under either),
 # and the plain-torch path that CUDA tensors took before them
@@ -47,25 +49,6 @@ SHAPES = {  # (batch, C, H, kernel, C_out)
     "seed": [(32, 4, 256, 1, 2), (1024, 4, 256, 1, 2), (32, 4, 256, 3, 2), (64, 16, 64, 3, 32)],
     "small": [(2, 2, 8, 1, 2), (2, 2, 8, 3, 3)],
 }
-
-
-class Timer:
-    """Elapsed milliseconds of a callable: CUDA events on the GPU, perf_counter elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
 
 
 def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int = 1 << 30) -> float:
@@ -254,7 +237,7 @@ def graph_forward(fn, x, w, b, timer, calls: int = 20) -> float:
             for _ in range(calls):
                 fn(x, w, b)
 
-    graph = _graphs.capture(loop, x.device)
+    graph = _gpu_graphs.capture(loop, x.device)
     return statistics.median(timer(graph.replay) for _ in range(5)) / calls
 
 

@@ -6,7 +6,7 @@ with ``--layer-norm`` (the GPU engine, a different T in almost every batch), and
 PackedSequence of each batch (the encoder swapped in, nothing else changed). Printed per run: the
 seconds per epoch (median over epochs; the first epoch, with Triton's compile and the CUDA-graph
 captures, apart), the final validation and test accuracy, and the CUDA-graph captures
-(fastlayers.rnn._graphs). The same seed for all: accuracies of the plain runs should agree closely,
+(fastlayers.rnn._gpu_graphs). The same seed for all: accuracies of the plain runs should agree closely,
 layer_norm's be in the same band.
 
     python benchmarks/bench_gpu_train.py [--device cuda] [--epochs 12] [--datasets digits,vowels]
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from fastlayers.rnn import _graphs
+from fastlayers.rnn import _gpu_graphs
 from fastlayers.train import TrainConfig, _model, run
 
 
@@ -56,8 +56,8 @@ class PackedLSTM(nn.LSTM):
 def one_run(dataset: str, variant: str, args, out: str) -> dict:
     cfg = TrainConfig(dataset=dataset, layer_norm=variant == "fastlayers.LSTM layer_norm", epochs=args.epochs,
                       device=args.device, out=out, checkpoint_every=0, seed=args.seed, max_samples=args.max_samples)
-    before = dict(_graphs.stats)
-    _graphs.clear()
+    before = dict(_gpu_graphs.stats)
+    _gpu_graphs.clear()
     patch = mock.patch.object(_model, "LSTM", PackedLSTM) if variant.startswith("torch") else contextlib.nullcontext()
     with patch:
         summary = run(cfg, log=lambda message: None)
@@ -68,7 +68,7 @@ def one_run(dataset: str, variant: str, args, out: str) -> dict:
     return {"dataset": dataset, "variant": variant, "first_epoch_s": per_epoch[0],
             "epoch_s": statistics.median(per_epoch[1:]) if len(per_epoch) > 1 else per_epoch[0],
             "val_accuracy": history[-1]["val_accuracy"], "test_accuracy": summary["test_accuracy"],
-            "captures": _graphs.stats["captures"] - before["captures"]}
+            "captures": _gpu_graphs.stats["captures"] - before["captures"]}
 
 
 def main() -> int:

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import fastlayers
-from fastlayers import _precision
-from fastlayers._system import cpuinfo
+from fastlayers._core import precision as _precision
+from fastlayers._core.system import cpuinfo
 from fastlayers.bench import compare
 
 

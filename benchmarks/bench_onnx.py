@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 import fastlayers
 import fastlayers.onnx
-from fastlayers._system import cpu_name
+from fastlayers._core.system import cpu_name
 
 
 def _error(a: np.ndarray, b: np.ndarray) -> float:

@@ -14,7 +14,7 @@ inference and small models, where the fixed cost of a call dominates.
 With ``--device cuda`` every module and tensor is on the GPU: the time per call is then that of an
 eager call on CUDA (torch.utils.benchmark synchronizes once per block of calls), at these shapes
 the host's Python and launch time, not the GPU's work. ``--eager-steps N`` sets
-``fastlayers.rnn._graphs.EAGER_STEPS`` (loops of at most N steps run eagerly, longer ones as
+``fastlayers.rnn._gpu_graphs.EAGER_STEPS`` (loops of at most N steps run eagerly, longer ones as
 captured chunks; 0: every loop captured, as before it existed), to compare the two on CUDA.
 """
 
@@ -28,7 +28,7 @@ import torch.utils.benchmark as benchmark
 from torch import nn
 
 import fastlayers
-from fastlayers._system import cpu_name
+from fastlayers._core.system import cpu_name
 
 
 def _torch_attention(q, k, v, lengths):
@@ -116,12 +116,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: eager calls on the GPU")
     parser.add_argument("--only", default="", help="only the rows whose name contains this")
     parser.add_argument("--eager-steps", type=int, default=None,
-                        help="fastlayers.rnn._graphs.EAGER_STEPS for this run (default: the library's)")
+                        help="fastlayers.rnn._gpu_graphs.EAGER_STEPS for this run (default: the library's)")
     args = parser.parse_args()
     if args.eager_steps is not None:
-        from fastlayers.rnn import _graphs
+        from fastlayers.rnn import _gpu_graphs
 
-        _graphs.EAGER_STEPS = args.eager_steps
+        _gpu_graphs.EAGER_STEPS = args.eager_steps
     device = torch.device(args.device)
     torch.set_num_threads(1)
     where = f"{cpu_name()}, 1 thread" if device.type == "cpu" else f"{torch.cuda.get_device_name(device)} (host: {cpu_name()})"

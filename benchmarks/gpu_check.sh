@@ -98,29 +98,29 @@ torch.version.cuda, 'triton', triton.__version__, 'python', platform.python_vers
 print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 if command -v nvidia-smi >/dev/null; then nvidia-smi >"$out/nvidia-smi.txt" 2>&1; fi
 step cuda_tests 60 "$py" -m pytest -p no:cacheprovider -m cuda tests/test_cuda.py
-step engine_fp32 120 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" "${rounds[@]}" \
+step engine_fp32 120 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$device" --size "$size" "${rounds[@]}" \
     --only "$only_all"
-step engine_tf32 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" "${rounds[@]}" \
+step engine_tf32 60 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$device" --size "$size" "${rounds[@]}" \
     --tf32 --only "$only_ln"
-step engine_bf16 70 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" "${rounds[@]}" \
+step engine_bf16 70 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$device" --size "$size" "${rounds[@]}" \
     --autocast bf16 --only "$only_ln"
-step engine_profile 30 "$py" benchmarks/bench_gpu_engine.py --device "$device" --size "$size" --only "$only_profile" \
+step engine_profile 30 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$device" --size "$size" --only "$only_profile" \
     --profile
-step engine_sweep 60 "$py" benchmarks/bench_gpu_engine.py --device "$device" "${rounds[@]}" --sweep
+step engine_sweep 60 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$device" "${rounds[@]}" --sweep
 step local_attention 60 "$py" benchmarks/bench_gpu_local.py --device "$device" --size "$local_size" \
     --repeats "$((repeats * 4))" --warmup "$warmup"
 if [ "$mode" != "--dry-run" ]; then  # (make test runs the static check itself)
     step static 60 "$py" benchmarks/gpu_static.py --set ci --arch sm_90a --json "$out/static.json"
 fi
-step random_t 150 "$py" benchmarks/bench_gpu_random_t.py "${random_t[@]}" --json "$out/random_t.json"
+step random_t 150 "$py" benchmarks/rnn/bench_gpu_random_t.py "${random_t[@]}" --json "$out/random_t.json"
 if [ "$mode" != "--dry-run" ]; then  # the chunk's length: 16 and 64 steps against the default's 32
-    step chunk_sweep 150 bash -c "'$py' benchmarks/bench_gpu_random_t.py --device cuda --only LSTM --chunk 16 && \
-'$py' benchmarks/bench_gpu_random_t.py --device cuda --only LSTM --chunk 64"
+    step chunk_sweep 150 bash -c "'$py' benchmarks/rnn/bench_gpu_random_t.py --device cuda --only LSTM --chunk 16 && \
+'$py' benchmarks/rnn/bench_gpu_random_t.py --device cuda --only LSTM --chunk 64"
 fi
 # checkpoint_every through the GPU engine (issue 40): time and the allocator's peak, with and without
-step remat 240 bash -c "'$py' benchmarks/bench_remat.py ${remat[*]} --json '$out/remat.json' && \
-'$py' benchmarks/bench_remat.py ${remat_sweep[*]} && \
-'$py' benchmarks/bench_remat.py ${remat_scaling[*]} --json '$out/remat_scaling.json'"
+step remat 240 bash -c "'$py' benchmarks/rnn/bench_remat.py ${remat[*]} --json '$out/remat.json' && \
+'$py' benchmarks/rnn/bench_remat.py ${remat_sweep[*]} && \
+'$py' benchmarks/rnn/bench_remat.py ${remat_scaling[*]} --json '$out/remat_scaling.json'"
 # per-call cost of every layer and cell at small shapes against torch.nn, eager calls on CUDA (issue 42)
 step overhead 120 "$py" benchmarks/bench_overhead.py "${overhead[@]}"
 # the option rows again with every loop captured (EAGER_STEPS=0): what the small calls' eager loops gain
@@ -128,11 +128,11 @@ step overhead_captured 60 "$py" benchmarks/bench_overhead.py "${overhead[@]}" --
 step train 300 "$py" benchmarks/bench_gpu_train.py "${train[@]}" --json "$out/train.json"
 # issue 67: small hidden sizes against cuDNN's persistent kernels, deterministic training (bitwise
 # repeats and the mode's cost), the persistent-step probe (grid barrier, us per step)
-step small_hidden 110 "$py" benchmarks/bench_gpu_engine.py --device "$device" --small-hidden --cells "$small_cells" \
+step small_hidden 110 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$device" --small-hidden --cells "$small_cells" \
     "${rounds[@]}"
-step deterministic 90 "$py" benchmarks/bench_gpu_deterministic.py --device "$device" --size "$size" \
+step deterministic 90 "$py" benchmarks/rnn/bench_gpu_deterministic.py --device "$device" --size "$size" \
     --runs "$det_runs" --repeats "$repeats" --only "$only_det"
-step persistent_probe 50 "$py" benchmarks/probe_gpu_persistent.py --device "$device"
+step persistent_probe 50 "$py" benchmarks/rnn/probe_gpu_persistent.py --device "$device"
 
 "$py" - "$out" "${steps[@]}" <<'EOF'
 import json, sys

@@ -14,7 +14,7 @@ kernels (a fresh Triton cache per workload). For the recurrent step kernels with
 global loads wait for their load of len_b (a def-use walk over the PTX), which must be none.
 
 Each recurrent workload runs its loops eagerly at T=16, then as captured chunks of steps at T=13
-(``fastlayers.rnn._graphs.emulated``: the chunk's launches, with their step offsets and the
+(``fastlayers.rnn._gpu_graphs.emulated``: the chunk's launches, with their step offsets and the
 buffers' larger time capacity, compile as a replay on the GPU would launch them).
 
 Fails (exit 1) on a compile error, a float32 / bfloat16 kernel that spills more than 16 bytes (more
@@ -58,10 +58,10 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import fastlayers  # noqa: E402
-from fastlayers import _backend, _precision  # noqa: E402
+from fastlayers._core import backend as _backend, precision as _precision  # noqa: E402
 from fastlayers.local import locally_connected2d  # noqa: E402
-from fastlayers.rnn import _graphs  # noqa: E402
-from fastlayers.rnn._engine_gpu import gru_engine_gpu, lstm_engine_gpu  # noqa: E402
+from fastlayers.rnn import _gpu_graphs  # noqa: E402
+from fastlayers.rnn._gpu import gru_engine_gpu, lstm_engine_gpu  # noqa: E402
 
 # per SM: (registers, warps, programs, shared memory bytes, SMs on the card)
 ARCH = {"sm_90a": (65536, 64, 32, 227 * 1024, 132, 90), "sm_80": (65536, 64, 32, 163 * 1024, 108, 80)}
@@ -259,7 +259,7 @@ T_CHUNKED = 13  # the chunked run's T: neither T nor a multiple of the chunk
 
 def _rnn(cell: str, hidden: int, dtype: torch.dtype, train: bool = False, **options):
     """fwd+bwd of the module with lengths, its loops eagerly at T, then as captured chunks at
-    T_CHUNKED without lengths (rnn/_graphs.py, emulated: the chunk's launches compile as a replay
+    T_CHUNKED without lengths (rnn/_gpu_graphs.py, emulated: the chunk's launches compile as a replay
     would launch them): a configuration compiled twice would show as compiles > 1. Without cell
     options the GPU engine is called directly (on CUDA plain modules dispatch to it)."""
     def call(m, steps, lengths):
@@ -278,7 +278,7 @@ def _rnn(cell: str, hidden: int, dtype: torch.dtype, train: bool = False, **opti
         lens = torch.randint(T // 2, T + 1, (B,))
         lens[0] = T
         call(m, T, lens)
-        with _graphs.emulated():
+        with _gpu_graphs.emulated():
             call(m, T_CHUNKED, None)
     return run
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fastlayers
-from fastlayers import _backend
-from fastlayers._backend import select
+from fastlayers._core import backend as _backend
+from fastlayers._core.backend import select
 
 X32 = torch.zeros(2, 3)
 

@@ -16,8 +16,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch import nn
 
 import fastlayers
-from fastlayers import _ops_lib
-from fastlayers.rnn import _ops
+from fastlayers._native import ops_lib
+from fastlayers.rnn import _ops_compile
 
 
 pytestmark = pytest.mark.compile
@@ -166,7 +166,7 @@ def test_a_model_of_every_layer_compiles_with_default_settings():
 
 
 def test_custom_operators_pass_opcheck():
-    assert _ops_lib.load()  # the C++ operators (locally_connected2d)
+    assert ops_lib.load()  # the C++ operators (locally_connected2d)
     torch.manual_seed(0)
     w, b = torch.randn(3, 2, 3, 3, 4, 3, requires_grad=True), torch.randn(3, 4, 3, requires_grad=True)
     x = torch.randn(2, 2, 6, 5, requires_grad=True)
@@ -174,8 +174,8 @@ def test_custom_operators_pass_opcheck():
     d, n, batch, f, h = 2, 12, 4, 3, 5
     r = lambda *s: torch.randn(*s, requires_grad=True)  # noqa: E731
     active = torch.tensor([4, 4, 2, 2])
-    torch.library.opcheck(_ops.lstm_layer, (r(d, n, f), r(d, 4 * h, f), r(d, 4 * h), r(d, 4 * h), r(d, batch, h),
+    torch.library.opcheck(_ops_compile.lstm_layer, (r(d, n, f), r(d, 4 * h, f), r(d, 4 * h), r(d, 4 * h), r(d, batch, h),
                                             r(d, batch, h), r(d, 4 * h, h), r(d, 4 * h), r(d, h), r(d, h), r(d, 3 * h),
                                             None, None, None, None, active, [1.5, 0.0, 0.0, 0.0]))
-    torch.library.opcheck(_ops.gru_layer, (r(d, n, f), r(d, 3 * h, f), None, r(d, 3 * h), r(d, batch, h),
+    torch.library.opcheck(_ops_compile.gru_layer, (r(d, n, f), r(d, 3 * h, f), None, r(d, 3 * h), r(d, batch, h),
                                            r(d, 3 * h, h), r(d, 3 * h), None, None, None, active, [0.0]))

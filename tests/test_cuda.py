@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fastlayers
-from fastlayers._backend import select
+from fastlayers._core.backend import select
 from fastlayers.functional import attention_pool, locally_connected2d
 from rnn_helpers import torch_packed
 
@@ -52,7 +52,7 @@ def test_local_triton_equals_reference(kernel, stride, padding, dilation):
 
 @pytest.mark.parametrize("context", [None, "triton", "reference"])
 def test_triton_kernels_shortcut_agrees_with_select(context):
-    from fastlayers import _backend
+    from fastlayers._core import backend as _backend
 
     x = torch.zeros(2, device=DEV)
     with fastlayers.backend(context) if context else torch.no_grad():
@@ -174,9 +174,9 @@ def _module_grads(module, x, lengths):
 @pytest.mark.parametrize("graphs", ["eager", "cuda-graphs"])
 @pytest.mark.parametrize("name", list(ENGINE_MODULES))
 def test_engine_on_cuda_equals_the_float64_reference(name, graphs, monkeypatch):
-    from fastlayers.rnn import _graphs
+    from fastlayers.rnn import _gpu_graphs
 
-    monkeypatch.setenv(_graphs.ENV, "1" if graphs == "cuda-graphs" else "0")
+    monkeypatch.setenv(_gpu_graphs.ENV, "1" if graphs == "cuda-graphs" else "0")
     torch.manual_seed(0)
     module = ENGINE_MODULES[name]().double().eval()
     x = torch.randn(7, 3, 6, dtype=torch.float64)
@@ -191,8 +191,8 @@ def test_engine_on_cuda_equals_the_float64_reference(name, graphs, monkeypatch):
             torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
             torch.testing.assert_close(b, c, atol=1e-10, rtol=1e-10)
     if graphs == "cuda-graphs":
-        assert _graphs._entries, "no loop was captured"
-        _graphs.clear()
+        assert _gpu_graphs._entries, "no loop was captured"
+        _gpu_graphs.clear()
 
 
 def test_cuda_graphs_by_default_capture_once_and_replay_for_any_t(monkeypatch):
@@ -200,10 +200,10 @@ def test_cuda_graphs_by_default_capture_once_and_replay_for_any_t(monkeypatch):
     lengths replay them; T=40, longer than the buffers (32 steps), captures once more with larger
     ones (64), and runs in two replays of 32 steps, the second with 8 steps and 24 launches that do
     nothing; equal lengths of 9 in T=40 run 9 steps."""
-    from fastlayers.rnn import _graphs
+    from fastlayers.rnn import _gpu_graphs
 
-    monkeypatch.delenv(_graphs.ENV, raising=False)
-    _graphs.clear()
+    monkeypatch.delenv(_gpu_graphs.ENV, raising=False)
+    _gpu_graphs.clear()
     torch.manual_seed(0)
     module = fastlayers.GRU(6, 5, bidirectional=True, layer_norm=True, device=DEV).double()
     x = torch.randn(40, 3, 6, dtype=torch.float64, device=DEV)
@@ -214,13 +214,13 @@ def test_cuda_graphs_by_default_capture_once_and_replay_for_any_t(monkeypatch):
         got = _module_grads(module, x[:steps], lengths)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
-        captures.append(_graphs.stats["captures"])
+        captures.append(_gpu_graphs.stats["captures"])
     assert captures[1] == captures[0] and captures[2] == captures[1] + 2 and captures[4] == captures[2]
-    _graphs.clear()
+    _gpu_graphs.clear()
 
 
 def test_plain_layers_on_cuda_run_the_engine_where_loops_are_captured_else_cudnn(monkeypatch):
-    from fastlayers.rnn import _graphs
+    from fastlayers.rnn import _gpu_graphs
 
     ours = fastlayers.LSTM(6, 5, layer_norm=True, device=DEV)
     plain = fastlayers.LSTM(6, 256, device=DEV)
@@ -233,13 +233,13 @@ def test_plain_layers_on_cuda_run_the_engine_where_loops_are_captured_else_cudnn
         assert type(plain(x, lengths=lengths)[0].grad_fn).__name__ == "LSTMLayerBackward"
         assert type(plain(x[:5], lengths=None if lengths is None else [5, 3, 1])[0].grad_fn).__name__ == "LSTMLayerBackward"
         # a call of at most EAGER_STEPS steps is cuDNN's (the engine would run its loops eagerly)
-        short = x[:_graphs.EAGER_STEPS]
+        short = x[:_gpu_graphs.EAGER_STEPS]
         assert type(plain(short)[0].grad_fn).__name__ != "LSTMLayerBackward"
         assert type(plain.double()(x.double(), lengths=lengths)[0].grad_fn).__name__ != "LSTMLayerBackward"
         plain.float()
-        monkeypatch.setenv(_graphs.ENV, "0")  # eager loops: cuDNN is faster
+        monkeypatch.setenv(_gpu_graphs.ENV, "0")  # eager loops: cuDNN is faster
         assert type(plain(x, lengths=lengths)[0].grad_fn).__name__ != "LSTMLayerBackward"
-        monkeypatch.delenv(_graphs.ENV)
+        monkeypatch.delenv(_gpu_graphs.ENV)
     long = torch.randn(40, 3, 6, device=DEV)  # longer than the captured buffers: cuDNN, then the engine
     assert type(plain(long)[0].grad_fn).__name__ != "LSTMLayerBackward"
     assert type(plain(long)[0].grad_fn).__name__ == "LSTMLayerBackward"
@@ -305,9 +305,9 @@ def test_checkpoint_every_on_cuda_equals_the_run_without_it(name, graphs, monkey
     """checkpoint_every through the GPU engine (issue 40): outputs and every gradient equal the layer
     without the option in float64, T not a multiple of k, lengths (one of 1), and both on CUDA
     graphs and eagerly; the recomputation's peak memory (eager) stays below the run without it."""
-    from fastlayers.rnn import _graphs
+    from fastlayers.rnn import _gpu_graphs
 
-    monkeypatch.setenv(_graphs.ENV, "1" if graphs == "cuda-graphs" else "0")
+    monkeypatch.setenv(_gpu_graphs.ENV, "1" if graphs == "cuda-graphs" else "0")
     torch.manual_seed(0)
     plain = ENGINE_MODULES[name]().double().to(DEV).eval()  # (eval: no masks drawn, both runs see one cell)
     remat = ENGINE_MODULES[name]().double().to(DEV).eval()
@@ -317,8 +317,8 @@ def test_checkpoint_every_on_cuda_equals_the_run_without_it(name, graphs, monkey
     for lengths in ([11, 4, 1], None):
         for a, b in zip(_module_grads(remat, x, lengths), _module_grads(plain, x, lengths), strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
-    _graphs.clear()
-    monkeypatch.setenv(_graphs.ENV, "0")  # the peaks below without captures (they hold memory of their own)
+    _gpu_graphs.clear()
+    monkeypatch.setenv(_gpu_graphs.ENV, "0")  # the peaks below without captures (they hold memory of their own)
 
     def peak(module):
         torch.cuda.synchronize()
@@ -336,22 +336,22 @@ def test_checkpoint_every_on_cuda_equals_the_run_without_it(name, graphs, monkey
 
 
 def test_small_layer_calls_on_cuda_run_eagerly_and_equal_the_reference():
-    """LSTM / GRU with options at T <= _graphs.EAGER_STEPS (issue 42's T = 2 rows): no capture, the
+    """LSTM / GRU with options at T <= _gpu_graphs.EAGER_STEPS (issue 42's T = 2 rows): no capture, the
     reference's values and gradients; a longer T is captured as before."""
-    from fastlayers.rnn import _graphs
+    from fastlayers.rnn import _gpu_graphs
 
     torch.manual_seed(0)
     for module in (fastlayers.LSTM(4, 4, layer_norm=True).double(), fastlayers.GRU(4, 4, layer_norm=True).double()):
-        x = torch.randn(_graphs.EAGER_STEPS, 2, 4, dtype=torch.float64)
+        x = torch.randn(_gpu_graphs.EAGER_STEPS, 2, 4, dtype=torch.float64)
         with fastlayers.backend("reference"):
-            want = _module_grads(module, x, [_graphs.EAGER_STEPS, 1])
-        captures = _graphs.stats["captures"]
-        got = _module_grads(module.to(DEV), x.to(DEV), [_graphs.EAGER_STEPS, 1])
-        assert _graphs.stats["captures"] == captures
+            want = _module_grads(module, x, [_gpu_graphs.EAGER_STEPS, 1])
+        captures = _gpu_graphs.stats["captures"]
+        got = _module_grads(module.to(DEV), x.to(DEV), [_gpu_graphs.EAGER_STEPS, 1])
+        assert _gpu_graphs.stats["captures"] == captures
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
-        module(torch.randn(_graphs.EAGER_STEPS + 1, 2, 4, dtype=torch.float64, device=DEV))
-        assert _graphs.stats["captures"] > captures
+        module(torch.randn(_gpu_graphs.EAGER_STEPS + 1, 2, 4, dtype=torch.float64, device=DEV))
+        assert _gpu_graphs.stats["captures"] > captures
         module.cpu()
 
 
@@ -362,13 +362,13 @@ def test_small_layer_calls_on_cuda_run_eagerly_and_equal_the_reference():
 ])
 def test_cells_with_options_on_cuda_run_the_step_kernels_and_equal_the_equations(mode, opts, monkeypatch):
     """LSTMCell / GRUCell with options on CUDA (issue 42's cell rows): one step on the layers' step
-    kernels (rnn/_cell_gpu.py), the per-step equations' values and gradients in float64; float32
+    kernels (rnn/_gpu_cell.py), the per-step equations' values and gradients in float64; float32
     without autograd close to them."""
-    from fastlayers.rnn import _cell_gpu
+    from fastlayers.rnn import _gpu_cell
 
     calls = []
-    original = _cell_gpu.step
-    monkeypatch.setattr(_cell_gpu, "step", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = _gpu_cell.step
+    monkeypatch.setattr(_gpu_cell, "step", lambda *a, **k: calls.append(1) or original(*a, **k))
     torch.manual_seed(0)
     cell = getattr(fastlayers, mode + "Cell")(6, 5, **opts).double().to(DEV).eval()
     size = opts.get("proj_size", 0) or 5
@@ -442,10 +442,10 @@ def test_training_under_deterministic_algorithms_is_bitwise_repeatable(label, gr
     """Issue 67: with torch.use_deterministic_algorithms(True), two runs of two SGD steps from one
     seed (modules as constructed, training mode: recurrent dropout and zoneout drawn, lengths, T
     over one captured chunk) give bitwise-equal outputs, input gradients and parameter gradients."""
-    from fastlayers.rnn import _graphs
+    from fastlayers.rnn import _gpu_graphs
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    monkeypatch.setenv(_graphs.ENV, "1" if graphs == "cuda-graphs" else "0")
+    monkeypatch.setenv(_gpu_graphs.ENV, "1" if graphs == "cuda-graphs" else "0")
     cell, kwargs = DETERMINISTIC_OPTIONS[label]
 
     def two_steps():

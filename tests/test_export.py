@@ -10,7 +10,7 @@ from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
 import fastlayers
-from fastlayers import _ops_lib
+from fastlayers._native import ops_lib
 from rnn_helpers import CallAsUser
 
 pytestmark = pytest.mark.compile  # (see pyproject's markers: tracing, no kernel path of its own)
@@ -152,7 +152,7 @@ def test_operators_pass_opcheck():
     """Schema, fake functions and autograd registration. Not test_aot_dispatch_dynamic: the operators'
     backward recomputes the layer with the eager engine, whose plan reads the lengths on the host
     (an exported program's backward runs eagerly, as ep.module() does)."""
-    assert _ops_lib.load()
+    assert ops_lib.load()
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731

@@ -1,5 +1,5 @@
 """``import fastlayers`` stays light: it imports neither torch._dynamo (torch.compile's tracer, about
-1 s; fastlayers._compiling is imported when tracing starts) nor Triton, nor the CLI's libraries. The
+1 s; fastlayers._core.compiling is imported when tracing starts) nor Triton, nor the CLI's libraries. The
 time it adds is measured by benchmarks/bench_import.py (BENCHMARKS.md), not asserted here."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ def test_import_pulls_in_no_heavy_module():
 
 
 def test_compile_markers_are_dynamos():
-    """fastlayers._compiling's functions carry exactly the marks torch's own decorators put there."""
-    from fastlayers import _compiling
+    """fastlayers._core.compiling's functions carry exactly the marks torch's own decorators put there."""
+    from fastlayers._core import compiling
 
-    assert getattr(_compiling.constant, "_dynamo_marked_constant", False) is True
-    assert getattr(_compiling.eagerly, "_torchdynamo_disable", False) is True
+    assert getattr(compiling.constant, "_dynamo_marked_constant", False) is True
+    assert getattr(compiling.eagerly, "_torchdynamo_disable", False) is True
     assert torch.compiler.is_compiling() is False

@@ -46,6 +46,27 @@ def _graph() -> dict[str, set[str]]:
     return edges
 
 
+def test_every_import_names_a_module_of_the_package():
+    """An import of fastlayers (relative ones and those inside functions too) names one of its
+    modules: a path left stale by a move fails here, not at the first call that runs the import."""
+    modules = _modules()
+    stale = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                if base.startswith("fastlayers") and base not in modules:
+                    stale.append(f"{path.name}:{node.lineno}: {base}")
+            elif isinstance(node, ast.Import):
+                stale += [f"{path.name}:{node.lineno}: {a.name}" for a in node.names
+                          if a.name.startswith("fastlayers") and a.name not in modules]
+    assert stale == []
+
+
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan, iterative)."""
     index: dict[str, int] = {}
@@ -91,8 +112,8 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_graph_reads_the_package():
     edges = _graph()
     assert len(edges) > 50
-    assert "fastlayers._native" in edges["fastlayers._ops_lib"]  # a top-level import
-    assert "fastlayers._compiling" in edges["fastlayers._backend"]  # an import inside a function
+    assert "fastlayers._native" in edges["fastlayers._native.ops_lib"]  # a top-level import
+    assert "fastlayers._core.compiling" in edges["fastlayers._core.backend"]  # an import inside a function
 
 
 def test_no_import_cycles():
@@ -104,11 +125,25 @@ def test_cycle_finder_finds_one():
 
 
 def test_lowest_layers_import_nothing_above_them():
-    """The kernels (_native, _triton) and the trace-time helpers (_compiling) import nothing of the
-    layers; the operator library's loader knows no layer family."""
+    """The kernels (_native, _triton) and the shared internals (_core) import nothing of the layer
+    families; the trace-time helpers (_core.compiling) import nothing of fastlayers; the operator
+    library's loader knows no layer family. (import-linter's layers contract, run by make test,
+    checks the whole order; this test also counts imports inside functions, the same way.)"""
     edges = _graph()
     for name, targets in edges.items():
         if name.startswith(("fastlayers._native", "fastlayers._triton")):
             assert all(t.startswith(("fastlayers._native", "fastlayers._triton")) for t in targets), (name, targets)
-    assert edges["fastlayers._compiling"] == set()
-    assert edges["fastlayers._ops_lib"] == {"fastlayers._native"}
+        if name.startswith("fastlayers._core"):
+            assert all(t.startswith(("fastlayers._core", "fastlayers._native", "fastlayers._triton"))
+                       for t in targets), (name, targets)
+    assert edges["fastlayers._core.compiling"] == set()
+    assert edges["fastlayers._native.ops_lib"] == {"fastlayers._native"}
+
+
+def test_layer_families_are_independent():
+    families = ("fastlayers.rnn", "fastlayers.local", "fastlayers.attention")
+    for name, targets in _graph().items():
+        own = next((f for f in families if name == f or name.startswith(f + ".")), None)
+        if own is not None:
+            others = [t for t in targets if t != own and not t.startswith(own + ".") and t.startswith(families)]
+            assert others == [], (name, others)

@@ -57,11 +57,12 @@ def _child(out: str, no_grad: str, corrupt_operators: str) -> None:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        from fastlayers import _native, _ops_lib
-        from fastlayers._backend import select
+        from fastlayers import _native
+        from fastlayers._native import ops_lib
+        from fastlayers._core.backend import select
 
         if corrupt_operators:  # the C++ library's cached file: an ELF file that dlopen refuses
-            filename, _ = _ops_lib._spec()
+            filename, _ = ops_lib._spec()
             _native.cache_dir().mkdir(parents=True, exist_ok=True)
             shutil.copy(shutil.which("true"), _native.cache_dir() / filename)
         results = _forwards(no_grad == "1")
@@ -71,7 +72,7 @@ def _child(out: str, no_grad: str, corrupt_operators: str) -> None:
     private = _native.private_cache_dir()
     print(json.dumps({"warnings": [str(w.message) for w in caught if "fastlayers" in str(w.message)],
                       "backends": backends, "private": str(private) if private else None,
-                      "operators": _ops_lib._STATE.get("loaded")}))
+                      "operators": ops_lib._STATE.get("loaded")}))
 
 
 @pytest.fixture(scope="module")

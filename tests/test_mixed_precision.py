@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastlayers
-from fastlayers import _precision
-from fastlayers.rnn._engine_reference import gru_cell_step, lstm_cell_step
+from fastlayers._core import precision as _precision
+from fastlayers.rnn._reference import gru_cell_step, lstm_cell_step
 from rnn_helpers import torch_packed
 
 BF16 = torch.bfloat16

@@ -33,7 +33,7 @@ def test_lstm_options_fall_back(monkeypatch):
     g_native, = torch.autograd.grad(out_native.sum(), x)
     _without_native(monkeypatch)
     out_eager, _ = m(x, lengths=[5, 3])
-    from fastlayers._backend import select
+    from fastlayers._core.backend import select
 
     assert select("lstm", x) == "reference"  # so the module ran the per-step reference
     g_eager, = torch.autograd.grad(out_eager.sum(), x)

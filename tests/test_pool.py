@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastlayers
-from fastlayers import _pool
+from fastlayers._core import pool as _pool
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Second derivatives on every kernel path (fastlayers._twice): a backward that is itself recorded
+"""Second derivatives on every kernel path (fastlayers._core.twice): a backward that is itself recorded
 (create_graph=True) recomputes with the differentiable reference instead of returning zeros.
 
 gradgradcheck in float64 on tiny shapes for the CPU engine (LSTM / GRU, lengths, every cell
@@ -17,7 +17,7 @@ from torch.autograd.functional import hvp
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import fastlayers
-from fastlayers.rnn import _recurrence
+from fastlayers.rnn import _cpu_recurrence
 
 pytestmark = pytest.mark.reference_only  # (see pyproject's markers)
 
@@ -94,8 +94,8 @@ def test_training_masks_gradgradcheck(cls):
 
 def test_engine_takes_the_recorded_path_only_when_recording(monkeypatch):
     calls = []
-    original = _recurrence._recorded_backward
-    monkeypatch.setattr(_recurrence, "_recorded_backward", lambda *a: calls.append(1) or original(*a))
+    original = _cpu_recurrence._recorded_backward
+    monkeypatch.setattr(_cpu_recurrence, "_recorded_backward", lambda *a: calls.append(1) or original(*a))
     m = _module(fastlayers.LSTM, {"layer_norm": True})
     x = torch.randn(4, 3, 3, dtype=torch.double, requires_grad=True)
     m(x, lengths=LENGTHS)[0].sum().backward()

@@ -1,8 +1,8 @@
 """fastlayers: fast, verified, differentiable layers for PyTorch."""
 
 from . import _triton  # noqa: F401  (registers the Triton ops where the triton package imports)
-from ._backend import backend as backend
-from ._pool import empty_cache as empty_cache
+from ._core.backend import backend as backend
+from ._core.pool import empty_cache as empty_cache
 from .attention import AttentionPooling as AttentionPooling, attention_pool as attention_pool
 from .local import LocallyConnected1d as LocallyConnected1d, LocallyConnected2d as LocallyConnected2d
 from .rnn import GRU as GRU, LSTM as LSTM, RNN as RNN
@@ -34,7 +34,7 @@ def ops_library() -> str:
     Raises:
         RuntimeError: it cannot be built here (no C / C++ compiler, or a failed build), with why.
     """
-    from ._ops_lib import library_path
+    from ._native.ops_lib import library_path
 
     return library_path()
 

@@ -4,7 +4,7 @@
 and the features its kernels use, the C / C++ compilers (``$CC`` / ``$CXX``) and whether they run,
 the kernel cache and whether it can be written, whether the C kernels and the C++ operator library
 build and load (it builds them where the cache lacks them: about 1 s each for the C kernels, about
-15 s for the C++ library), CUDA, and the backend :func:`fastlayers._backend.select` picks for each
+15 s for the C++ library), CUDA, and the backend :func:`fastlayers._core.backend.select` picks for each
 layer family. Every probe is guarded: a failing one prints its reason and the report goes on; the
 warnings the probes raise are listed at its end instead of being printed.
 """
@@ -78,15 +78,16 @@ def _triton() -> str:
 
 
 def _cpu() -> str:
-    from . import _system
+    from ._core import system
 
-    return f"{_system.cpu_name()} ({os.cpu_count()} logical cores)"
+    return f"{system.cpu_name()} ({os.cpu_count()} logical cores)"
 
 
 def _cpu_features() -> str:
     import torch
 
-    from . import _native, _precision
+    from . import _native
+    from ._core import precision as _precision
 
     line = _native._cpu_flags()
     flags = set(line.split(":", 1)[1].split()) if ":" in line else set()
@@ -160,21 +161,22 @@ def _native_libraries() -> str:
 
 
 def _operator_library(build: bool) -> str:
-    from . import _native, _ops_lib
+    from . import _native
+    from ._native import ops_lib
 
     if not build:
         try:
-            filename, _ = _ops_lib._spec()
+            filename, _ = ops_lib._spec()
         except RuntimeError as e:
             return f"cannot be built: {e}"
         found = [folder / filename for folder in _native._folders() if (folder / filename).is_file()]
         return f"built: {found[0]}" if found else f"not built yet ({filename}; built on first use, about 15 s)"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loaded = _ops_lib.load()
+        loaded = ops_lib.load()
     if loaded:
-        return f"loaded ({_ops_lib._STATE.get('path') or 'loaded before by this process'}; built now if it was missing)"
-    why = _ops_lib._STATE.get("error") or (str(caught[-1].message) if caught else "unavailable")
+        return f"loaded ({ops_lib._STATE.get('path') or 'loaded before by this process'}; built now if it was missing)"
+    why = ops_lib._STATE.get("error") or (str(caught[-1].message) if caught else "unavailable")
     return f"NOT available: {why}"
 
 
@@ -191,7 +193,7 @@ def _cuda() -> str:
 def _backends() -> str:
     import torch
 
-    from . import _backend
+    from ._core import backend as _backend
 
     def forced() -> str:
         chosen = _backend.forced()

@@ -7,7 +7,7 @@ Needs ``onnxscript`` (torch's ONNX exporter needs it too); ``onnxruntime`` runs 
 Shape legend: T time, B batch, F input features, H hidden size (P = proj_size, or H), D directions
 (2 if bidirectional), L layers.
 
-What each layer becomes (torch.export first traces it, :mod:`fastlayers.rnn._export`):
+What each layer becomes (torch.export first traces it, :mod:`fastlayers.rnn._ops_export`):
 
 * ``fastlayers.LSTM`` / ``GRU`` / ``RNN`` run each layer as one operator (``lstm_padded``,
   ``gru_padded``, ``rnn_padded``) over the padded time-major batch (T, B, F), with the lengths as a
@@ -15,7 +15,7 @@ What each layer becomes (torch.export first traces it, :mod:`fastlayers.rnn._exp
   LSTM without proj_size) becomes ONNX's own ``LSTM`` / ``GRU`` / ``RNN`` operator (lengths as
   ``sequence_lens``, bidirectional as ``direction="bidirectional"``); a layer with layer_norm,
   cell_clip, zoneout, proj_size / proj_clip (LSTM) or layer_norm, zoneout (GRU) becomes one ONNX
-  ``Scan`` over time with one step of both directions as its body (:mod:`fastlayers.rnn._onnx`).
+  ``Scan`` over time with one step of both directions as its body (:mod:`fastlayers.rnn._ops_onnx`).
   The output is (T, B, D*P) (or (B, T, D*P)) with zeros at t >= lengths[b], the final states
   (L*D, B, P) (and c (L*D, B, H)) as the eager layer returns them; B, T and the lengths are inputs of
   the ONNX graph where the export marks them dynamic.
@@ -62,9 +62,16 @@ def translations() -> dict[Callable, Callable]:
         ImportError: onnxscript is not installed.
     """
     _onnxscript()
-    from . import _onnx
+    from ._native import ops_lib
 
-    return _onnx.table()
+    if not ops_lib.load():
+        return {}
+    from .local import _ops_onnx as local_onnx
+    from .rnn import _ops_onnx as rnn_onnx
+
+    ops = torch.ops.fastlayers
+    return {ops.lstm_padded.default: rnn_onnx.lstm_padded, ops.gru_padded.default: rnn_onnx.gru_padded,
+            ops.rnn_padded.default: rnn_onnx.rnn_padded, ops.locally_connected2d.default: local_onnx.locally_connected2d}
 
 
 def _refuse_training_masks(model: Any) -> None:

@@ -5,7 +5,7 @@ Python or torch headers, so a build takes about a second).
 
 Compiler: the command in ``$CC``, split like a shell would, so it may carry a launcher and
 arguments (``CC="ccache gcc"``, ``CC="gcc -fuse-ld=gold"``); where ``$CC`` is unset, ``gcc``, else
-``cc``, from ``PATH``. The C++ operator library (:mod:`fastlayers._ops_lib`) takes ``$CXX`` the
+``cc``, from ``PATH``. The C++ operator library (:mod:`fastlayers._native.ops_lib`) takes ``$CXX`` the
 same way (default ``g++``) and ``$CC`` for its C sources.
 
 Cache: a build is kept under ``$FASTLAYERS_CACHE`` (default ``~/.cache/fastlayers``), named by a
@@ -17,7 +17,7 @@ builds may be read-only.
 
 Failures never raise from a layer: every one of them ends in one warning (once per process and
 library), after which :func:`load` returns None and the callers take their pure-PyTorch path
-(:func:`fastlayers._backend.select` then never picks ``"cpu"``):
+(:func:`fastlayers._core.backend.select` then never picks ``"cpu"``):
 
 * no compiler: ``$CC`` names no executable (``CC=/nonexistent``), or it is unset and neither
   ``gcc`` nor ``cc`` is on ``PATH`` (one warning for all the C kernels);
@@ -259,7 +259,8 @@ def _build(name: str) -> ctypes.CDLL | None:
     try:
         here = Path(__file__).parent
         source = (here / f"{name}.c").read_text()
-        headers = "".join(h.read_text() for h in sorted(here.glob("*.h")))  # part of the cache key
+        # the C sources' headers, part of the cache key (ops_*.h belong to the C++ operators: ops_lib)
+        headers = "".join(h.read_text() for h in sorted(here.glob("*.h")) if not h.name.startswith("ops_"))
         resolved = " ".join([shutil.which(command[0]) or command[0], *command[1:]])  # (which gcc is part of the key)
         key = hashlib.sha256("\0".join([source, headers, " ".join(_FLAGS), resolved,
                                         _cpu_flags()]).encode()).hexdigest()[:16]

@@ -17,7 +17,7 @@
  * columns left of the last whole tile take scalar loops.
  *
  * Against one channel per tile and all C*KH*KW planes of BB sequences at once in the gradient,
- * on the seed-003 shape (benchmarks/bench_local_kernels.py --against REV, side by side): forward
+ * on the seed-003 shape (benchmarks/local/bench_local_kernels.py --against REV, side by side): forward
  * ~17% and parameter gradient ~20% faster for 1x1, within ~5% for 3x3. Taking one plane at a time
  * keeps few streams in flight, each a whole block of rows long.
  */

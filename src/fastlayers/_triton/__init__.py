@@ -2,9 +2,9 @@
 
 One module per op family, mirroring ``_native``: :mod:`.local` (locally connected 2-D forward and
 both gradients), :mod:`.attention` (masked attention pooling, dot and scaled-dot scores),
-:mod:`.lstm` and :mod:`.gru` (the recurrent engine's step kernels, :mod:`fastlayers.rnn._engine_gpu`). They
+:mod:`.lstm` and :mod:`.gru` (the recurrent engine's step kernels, :mod:`fastlayers.rnn._gpu`). They
 import only when the ``triton`` package does; :func:`available` says whether it does. The ops
-they provide are listed in :mod:`fastlayers._backend` (``TRITON_OPS``, a static table: this
+they provide are listed in :mod:`fastlayers._core.backend` (``TRITON_OPS``, a static table: this
 package imports nothing of the layers or of the backend choice).
 """
 

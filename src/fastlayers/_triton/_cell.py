@@ -1,7 +1,7 @@
 """Step math shared by the recurrent Triton kernels (:mod:`.lstm`, :mod:`.gru`): activations,
 row addressing in the engine's layouts, and LayerNorm over a row split into gate blocks.
 
-Layouts (see :mod:`fastlayers.rnn._engine_gpu`): D directions, TC the buffers' time capacity (the
+Layouts (see :mod:`fastlayers.rnn._gpu`): D directions, TC the buffers' time capacity (the
 loop's length T or more: a captured loop's buffers are sized by the longest T it served), B
 batch, X features.
 
@@ -11,7 +11,7 @@ batch, X features.
 * state (D, B, X); original-order masks (D, TC, B, X), indexed by time.
 
 The step a launch runs is device data: s = clock[0] + j, with j an argument of the launch and
-the int32 tensor ``clock`` = [first step, T] written by the driver (:mod:`fastlayers.rnn._graphs`),
+the int32 tensor ``clock`` = [first step, T] written by the driver (:mod:`fastlayers.rnn._gpu_graphs`),
 so one captured chunk of launches replays for any step offset and any T. A launch whose s is
 outside [0, T) does nothing (the last chunk of a loop whose T is not a multiple of the chunk).
 

@@ -11,7 +11,7 @@ kernel that reads them (:func:`._cell.carried`), in a fixed order: no atomics, r
 depend on scheduling.
 
 Why not cuBLAS (H100, torch 2.11, fp32, 800 steps in one CUDA graph, D=2, M=32, 2026-11-24,
-``benchmarks/bench_gpu_step_matmul.py``): the backward's product (K = 4H = 1024, N = H = 256) took
+``benchmarks/rnn/bench_gpu_step_matmul.py``): the backward's product (K = 4H = 1024, N = H = 256) took
 29.8 us per step under torch.bmm (its 16 output tiles each walk K = 1024), 23.2 us here in one
 slice and 4.1 us in 8; the forward's (K = 256, N = 1024) 8.9 us under torch.bmm, 6.8 us here with
 b contiguous. The seed's LayerNorm-LSTM fwd+bwd (CUDA graphs) took 34.7 / 23.4 / 21.9 / 21.5 ms

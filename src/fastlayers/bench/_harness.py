@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from .._system import cpu_name
+from .._core.system import cpu_name
 
 Candidate = Callable[..., Any]
 
@@ -286,7 +286,7 @@ def _to_dtype(fn: Candidate, inputs: Inputs, dtype: torch.dtype) -> tuple[Candid
 def _peak_memory(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], device: torch.device) -> int | None:
     """Peak bytes allocated above the starting level during one forward+backward call (the
     engine's buffer pool is emptied first, so buffers it would reuse count as allocations)."""
-    from .._pool import empty_cache
+    from .._core.pool import empty_cache
 
     diffs = _differentiables(fn, inputs).values()
     _clear_grads(diffs)

@@ -5,10 +5,10 @@ Legend: B batch, F = input_size, H = hidden_size, P = proj_size if > 0 else H (L
 :func:`step` is the one step shared by the cell modules and the layers' ``cell(layer, direction)``
 views, so both give bitwise-equal steps for equal parameters: options off, torch's fused cell
 kernels (``torch._VF.lstm_cell`` / ``gru_cell`` / ``rnn_*_cell``, what torch.nn's cells run);
-any option on, the engine's per-step equations (:func:`._engine_reference.lstm_cell_step` /
+any option on, the engine's per-step equations (:func:`._reference.lstm_cell_step` /
 ``gru_cell_step``, written from the papers) and zoneout: as torch ops, or, with the same
 equations, as the C++ operator over one step (CPU, no autograd) or the layers' Triton step kernels
-(:mod:`._cell_gpu`: CUDA, forward and backward).
+(:mod:`._gpu_cell`: CUDA, forward and backward).
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import _ops_lib, _precision
-from .._backend import cpu_kernels, select
-from .._jit import NotScriptable
-from . import _cell_gpu
-from ._engine_reference import gru_cell_step, lstm_cell_step
+from .._native import ops_lib
+from .._core import precision as _precision
+from .._core.backend import cpu_kernels, select
+from .._core.jit import NotScriptable
+from . import _gpu_cell
+from ._reference import gru_cell_step, lstm_cell_step
 from ._options import CellOptions
 from ._validate import check_cell, check_mask
 
@@ -46,11 +47,11 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
             return (torch._VF.gru_cell(x, states[0], *args),)
         cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
         return (cell(x, states[0], *args),)
-    if mode != "RNN" and _ops_lib.serves(x) and _on_operator(mode, x):  # no autograd: the layer's C++ operator
+    if mode != "RNN" and ops_lib.serves(x) and _on_operator(mode, x):  # no autograd: the layer's C++ operator
         # over one step (the C kernels' backend: a forced "reference" keeps the equations below)
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
-    if _cell_gpu.serves(mode, x, recurrent_mask):
-        return _cell_gpu.step(mode, x, states, params, options, training, recurrent_mask)  # the Triton step kernels
+    if _gpu_cell.serves(mode, x, recurrent_mask):
+        return _gpu_cell.step(mode, x, states, params, options, training, recurrent_mask)  # the Triton step kernels
     mm = _precision.Products.of(x)
     h_in = states[0] * recurrent_mask if recurrent_mask is not None else states[0]
     if mode == "LSTM":
@@ -67,7 +68,7 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
 
 
 def _on_operator(mode: str, x: Tensor) -> bool:
-    """Whether a call that :func:`fastlayers._ops_lib.serves` runs on the operator: the backend
+    """Whether a call that :func:`fastlayers._native.ops_lib.serves` runs on the operator: the backend
     choice for it is the C kernels (a forced other backend goes through :func:`select`, which may
     refuse it)."""
     op = mode.lower()
@@ -77,7 +78,7 @@ def _on_operator(mode: str, x: Tensor) -> bool:
 def _step_on_operator(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Tensor],
                       options: CellOptions, training: bool, recurrent_mask: Tensor | None) -> tuple[Tensor, ...]:
     """:func:`step` as one call of the layer operator (``torch.ops.fastlayers.lstm_padded`` /
-    ``gru_padded``, :mod:`._export`) over T = 1, D = 1 (the parameters as they are: the operator
+    ``gru_padded``, :mod:`._ops_export`) over T = 1, D = 1 (the parameters as they are: the operator
     takes one direction without its leading 1): the engine's fused C step kernel, the same
     equations; training zoneout draws its keep-masks here."""
     get = params.get
@@ -184,7 +185,7 @@ class _Cell(NotScriptable):
 _CELL_DOC = """
     Forward: ``forward(input, hx=None, *, recurrent_mask=None)``; ``input`` (B, F) or unbatched
     (F,); {forward_doc} Dtype: that of the parameters (float32, float64, bfloat16, float16; float32
-    under ``torch.autocast`` runs the low-precision rule of :mod:`fastlayers._precision` when an
+    under ``torch.autocast`` runs the low-precision rule of :mod:`fastlayers._core.precision` when an
     option is on). Options off: torch's cell kernel, exactly torch.nn.{name}. Options on: the
     fastlayers engine's step equations (see :class:`fastlayers.{layer}`), the same function as
     ``fastlayers.{layer}(...).cell(layer, direction)``; on CUDA in float32 / float64 the layers'

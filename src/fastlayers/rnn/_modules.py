@@ -5,7 +5,7 @@ The classes subclass the torch modules, so constructor arguments, parameter name
 (padded Tensor, unbatched 2-D, PackedSequence, ``hx``) are torch's own, running torch's kernels.
 ``forward(input, hx=None, *, lengths=None)`` adds the lengths path (:mod:`._varlen`), and
 ``LSTM(..., layer_norm=, peephole=, cell_clip=, zoneout=, recurrent_dropout=)`` adds cell options,
-run by the engine (:mod:`._engine` on CPU, :mod:`._engine_gpu` on CUDA; :mod:`._engine_reference`
+run by the engine (:mod:`._cpu` on CPU, :mod:`._gpu` on CUDA; :mod:`._reference`
 where neither runs).
 """
 
@@ -17,13 +17,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .._checks import as_lengths
-from .._jit import ENGINE, NotScriptable, refuse_trace
-from .. import _ops_lib, _precision
-from .._backend import select
+from .._core.checks import as_lengths
+from .._core.jit import ENGINE, NotScriptable, refuse_trace
+from .._native import ops_lib
+from .._core import precision as _precision
+from .._core.backend import select
 from ._cells import step
-from ._export import operator_layers
-from . import _graphs
+from ._docs import COMMON_DOC, GRU_OPTIONS_DOC, OPTIONS_DOC
+from ._ops_export import operator_layers
+from . import _gpu_graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
 from ._remat import check_every, checkpointed
@@ -78,7 +80,7 @@ class _LengthsMixin(NotScriptable):
             if not self._options_plain():
                 return self._forward_packed(input, hx)
             return super().forward(input, hx)  # type: ignore[misc]
-        exporting = torch.compiler.is_exporting()  # every layer one operator (._export): T and B stay dynamic
+        exporting = torch.compiler.is_exporting()  # every layer one operator (._ops_export): T and B stay dynamic
         # an input that _check_args passes as it is: the backend is decided first (once), and the plain
         # call goes straight to torch's forward
         common = (lengths is None and hx is None and not exporting and type(input) is Tensor and input.dim() == 3
@@ -87,7 +89,7 @@ class _LengthsMixin(NotScriptable):
         if common and engine is None:
             return super().forward(input)  # type: ignore[misc]
         if lengths is not None and torch.compiler.is_compiling() and not exporting:
-            from .._compiling import eagerly  # one graph break: the plan reads the lengths on the host
+            from .._core.compiling import eagerly  # one graph break: the plan reads the lengths on the host
 
             return eagerly(self.forward, input, hx, lengths=lengths)
         input, states = self._check_args(input, hx)
@@ -177,137 +179,6 @@ class _LengthsMixin(NotScriptable):
         )
 
 
-_COMMON_DOC = """
-    Shape legend: T time steps, B batch, F = input_size, H = hidden_size (H_out = proj_size if
-    proj_size > 0 else hidden_size), L = num_layers, D = 2 if bidirectional else 1.
-
-    Forward: ``forward(input, hx=None, *, lengths=None)``.
-
-    * ``input``: (T, B, F) float tensor, (B, T, F) if ``batch_first``, unbatched (T, F), or a
-      PackedSequence (then the output is a PackedSequence, exactly as torch).
-    * ``hx``: initial state{hx_doc}; zeros if omitted.
-    * ``lengths``: optional per-sequence lengths, a 1-D integer tensor on any device or a sequence
-      of B Python ints, ``1 <= lengths[b] <= T``, any order, duplicates allowed (for unbatched
-      input: one length). Semantics are exactly those of torch's PackedSequence path: output
-      rows at ``t >= lengths[b]`` are zero; the final state of the forward direction is taken
-      after each sequence's own last step, that of the reverse direction after t = 0, and the
-      reverse direction starts at each sequence's own last step.
-
-    Returns ``(output, {ret_doc})``: output (T, B, D*H_out) (or (B, T, D*H_out), or (T, D*H_out)),
-    {final_doc}
-
-    With lengths on CPU (float32/float64), LSTM and GRU run the fastlayers engine on the packed
-    valid rows (no GEMM or kernel touches padding; hand-written backward); RNN runs torch's fused
-    kernels once per run of time steps with the same set of active sequences. A batch without
-    padding takes torch's padded kernel. On CUDA (float32, bfloat16, float16), LSTM and GRU
-    with or without lengths run the fastlayers GPU engine (Triton step kernels, time loops as
-    captured CUDA graphs replayed for any T) where it measured faster than cuDNN on an H100
-    (BENCHMARKS.md): hidden_size >= 256 and B * hidden_size <= 2**17 (the seed's BLSTM: 0.24x
-    cuDNN's fwd+bwd time), and only for a call whose loops replay graphs captured already (the
-    first call of a batch size, dtype or grad mode, or one with a longer T than any before, runs
-    on cuDNN while they are captured for the next); else, with ``FASTLAYERS_CUDA_GRAPHS=0``,
-    inside a CUDA graph capture of the caller's, under torch.compile, or in float64 they use
-    torch's kernels (cuDNN; its packed path with lengths), as RNN always does elsewhere.
-
-    Errors: for every input torch.nn.{name} rejects, the exception is an instance of torch's class
-    (and of ours) and its message starts with torch's message for that input, then ``"; "`` and our
-    details naming the argument, expected vs got (:mod:`fastlayers.rnn._validate`); checks run in
-    torch's order. TypeError and AttributeError for a non-tensor ``input`` or ``hx``; TypeError,
-    IndexError, RuntimeError and AttributeError for an LSTM ``hx`` that is not a pair (h_0, c_0);
-    TypeError and ValueError for an ``input`` dtype other than the parameters' (or integer), with
-    torch's hint; TypeError and RuntimeError for ``hx`` of another dtype than the input (message of
-    torch's device-independent check, ``Input and hidden tensors are not the same dtype``);
-    ValueError and RuntimeError for a feature size other than input_size or ``hx`` of the wrong
-    shape or rank; ValueError for a wrong input rank. Ours only: TypeError for float ``lengths``,
-    ValueError for lengths of the wrong size or outside [1, T], or ``lengths`` with PackedSequence
-    input.
-
-    Non-finite input: no kernel assumes finite values. A NaN in ``input`` at (t, b) makes NaN
-    exactly the outputs and final states that depend on it, as the float64 reference does:
-    sequence b from step t on (forward direction), up to step t (reverse direction), and what
-    later layers compute from those; other sequences stay finite. +-inf saturates the gates
-    (the sigmoid / tanh limits, as torch) and becomes NaN where a LayerNorm subtracts it from
-    itself. Values at padded steps (t >= lengths[b]) are never read. Inputs of size 1e4 keep
-    every output, state and gradient finite (gates saturate; LayerNorm normalises).
-
-    Initialisation (``reset_parameters()``, called once by the constructor): torch's rule,
-    uniform(-1/sqrt(H), 1/sqrt(H)), for every weight and bias; with options see below.
-    Construction on ``device="meta"`` then ``to_empty(device=...)`` and ``reset_parameters()``
-    gives the parameters a normal construction gives after the same ``torch.manual_seed``.
-
-    Mirrors :class:`torch.nn.{name}` (same constructor arguments, parameter names and shapes;
-    ``load_state_dict(strict=True)`` works in both directions).
-"""
-
-
-_OPTIONS_DOC = """
-    Cell options (keyword-only; all off = torch.nn.LSTM math on torch's kernels; any on = the
-    fastlayers engine, see :mod:`fastlayers.rnn._engine`), per layer and direction, gates i, f, g, o:
-
-    * ``layer_norm=True`` (Ba et al. 2016, as haste's LayerNormLSTM):
-      ``pre = LN(W_ih x_t; gamma_ih) + LN(W_hh h_{t-1}; gamma_hh) + b_ih + b_hh``,
-      ``h_t = o_t * tanh(LN(c_t; gamma_c, beta_c))`` with ``LN(v; g, b) = g * (v - mean(v)) /
-      sqrt(var(v) + 1e-5) + b`` over the 4H pre-activations (H for the cell). Parameters
-      ``ln_ih_weight_l{k}`` (4H), ``ln_hh_weight_l{k}`` (4H), ``ln_cell_weight_l{k}`` (H),
-      ``ln_cell_bias_l{k}`` (H) (``_reverse`` suffix for the reverse direction), initialised 1 / 0.
-    * ``peephole=True`` (Gers & Schmidhuber 2000, diagonal, as oneDNN):
-      ``i = sig(pre_i + w_ci * c_{t-1})``, ``f = sig(pre_f + w_cf * c_{t-1})``,
-      ``o = sig(pre_o + w_co * c_t)``; parameter ``weight_peephole_l{k}`` (3H: w_ci, w_cf, w_co),
-      initialised uniform(-1/sqrt(H), 1/sqrt(H)) like the other weights.
-    * ``cell_clip=c``: ``c_t = clamp(f*c_{t-1} + i*g, -c, c)`` (cuDNN's cell clip).
-    * ``zoneout=(z_h, z_c)`` or one probability (Krueger et al. 2016): in training each unit of
-      h and c keeps its previous value with probability z (fresh masks every step); in eval the
-      expectation ``z*prev + (1-z)*new``.
-    * ``recurrent_dropout=p`` (Gal & Ghahramani 2016): in training one Bernoulli(1-p)/(1-p) mask
-      per sequence and layer/direction multiplies h_{t-1} before W_hh, the same at every step.
-    * ``proj_clip=p`` (with ``proj_size > 0``; TF's LSTMCell proj_clip):
-      ``h_t = clamp(W_hr (o_t * tanh(.)), -p, p)``. With a projection, zoneout and recurrent
-      dropout act on the projected h_t (what recurs), the cell options on the H-sized cell.
-
-    * ``checkpoint_every=k`` (an int >= 1, or ``"auto"`` for about sqrt(T / D); default None):
-      recomputation through time for long sequences (:mod:`._remat`). In a call that records
-      gradients, each layer and direction runs as segments of k steps; the forward keeps only the
-      state entering each segment (and the masks it drew), the backward runs each segment again
-      from it. Memory about (T/k + k) states per layer instead of every step's activations, for
-      one more forward; the same gradients up to the order of sums. Not a parameter nor in
-      ``state_dict``; with it on, a call without options runs the engine too.
-
-    PackedSequence input: run as its padded batch with ``lengths=`` (the same call, the same numbers),
-    the output packed again as torch returns it (the input's batch_sizes and indices). Bad option values raise
-    ValueError/TypeError naming the option. ``cell(layer, direction)`` returns a step-wise cell
-    sharing the weights (eval semantics) for decoding one step at a time.
-
-    Devices: on CPU the engine's C kernels; on CUDA the GPU engine (:mod:`._engine_gpu`, Triton
-    step kernels and step GEMMs, cuBLAS for the rest) whose time loops run as a chunk of steps
-    captured in a CUDA graph once per batch size and dtype and replayed for any T (a longer T
-    than any before captures again, with larger buffers; :mod:`._graphs`;
-    ``FASTLAYERS_CUDA_GRAPHS=0`` keeps them eager).
-"""
-
-
-_GRU_OPTIONS_DOC = """
-    Cell options (keyword-only; all off = torch.nn.GRU math on torch's kernels; any on = the
-    fastlayers engine), per layer and direction, gates r, z, n as torch.nn.GRU:
-
-    * ``layer_norm=True`` (Ba et al. 2016, as haste's LayerNormGRU):
-      ``gi = LN(W_ih x_t; gamma_ih) + b_ih``, ``gh = LN(W_hh h_{t-1}; gamma_hh) + b_hh``,
-      ``r = sig(gi_r + gh_r)``, ``z = sig(gi_z + gh_z)``, ``n = tanh(gi_n + r * gh_n)``,
-      ``h_t = (1 - z) * n + z * h_{t-1}``, LN over the 3H pre-activations without bias (eps 1e-5).
-      Parameters ``ln_ih_weight_l{k}``, ``ln_hh_weight_l{k}`` (3H) (``_reverse`` suffix for the
-      reverse direction), initialised to 1.
-    * ``zoneout=z`` (Krueger et al. 2016): in training each unit of h keeps its previous value
-      with probability z (fresh masks every step); in eval the expectation ``z*prev + (1-z)*new``.
-    * ``recurrent_dropout=p`` (Gal & Ghahramani 2016): in training one Bernoulli(1-p)/(1-p) mask
-      per sequence and layer/direction multiplies h_{t-1} before W_hh (the z * h_{t-1} term uses
-      the unmasked state), the same at every step.
-    * ``checkpoint_every=k`` or ``"auto"``: recomputation through time, as :class:`LSTM`'s.
-
-    PackedSequence input: as its padded batch with ``lengths=``, the output packed again as torch
-    returns it. Bad option values raise ValueError/TypeError
-    naming the option. ``cell(layer, direction)`` returns a step-wise cell sharing the weights.
-"""
-
-
 class _CellOptionsMixin:
     """Cell options shared by LSTM and GRU: extra parameters, engine dispatch, step-wise cells."""
 
@@ -386,15 +257,15 @@ class _CellOptionsMixin:
         # and 1.18-1.25x at B=256, H=1024 (the step's GEMM dominates); eagerly it took 3.4-3.8x. So:
         # H >= 256 and B*H <= 2^17 with graphs on (not switched off, not inside the caller's own
         # capture, not under torch.compile), and only where this call's loops replay graphs captured
-        # already (_engine_gpu.replays: a call that would capture runs on cuDNN while they are
+        # already (_gpu.replays: a call that would capture runs on cuDNN while they are
         # captured for the next one); float64 (not measured) stays on cuDNN too. Asked only once the
         # backend is Triton (_engine_backend)
-        from ._engine_gpu import replays
+        from ._gpu import replays
 
         batch = input.size(0 if self.batch_first else 1) if input.dim() == 3 else 1
         return (input.device.type == "cuda" and input.dtype != torch.float64 and self.hidden_size >= 256
                 and batch * self.hidden_size <= 2**17 and not torch.compiler.is_compiling()
-                and _graphs.enabled(input) and replays(self, input))
+                and _gpu_graphs.enabled(input) and replays(self, input))
 
     def _engine_backend(self, input: Tensor) -> str | None:
         if not self.options.plain or self._engine_precision(input) or self._recomputes():
@@ -426,7 +297,7 @@ class _CellOptionsMixin:
             if which != "cpu" or self._no_padding(x, lengths):  # type: ignore[attr-defined]
                 return super()._run(x, states, lengths, None)  # type: ignore[misc]
             engine = which
-        if engine == "cpu" and _ops_lib.serves(x):  # no autograd: one C++ operator per layer (._export)
+        if engine == "cpu" and ops_lib.serves(x):  # no autograd: one C++ operator per layer (._ops_export)
             return operator_layers(self, x, states, lengths)
         impl = ENGINES[self.mode, engine]
         xt = x.transpose(0, 1) if self.batch_first else x
@@ -465,13 +336,13 @@ class LSTM(_CellOptionsMixin, _LengthsMixin, nn.LSTM):
     __doc__ = (
         "Long short-term memory (Hochreiter & Schmidhuber 1997) as :class:`torch.nn.LSTM`, plus "
         "per-sequence lengths and cell options.\n"
-        + _COMMON_DOC.format(
+        + COMMON_DOC.format(
             name="LSTM",
             hx_doc=" ``(h_0, c_0)``, (L*D, B, H_out) and (L*D, B, H) (unbatched: no B dimension)",
             ret_doc="(h_n, c_n)",
             final_doc="h_n (L*D, B, H_out) and c_n (L*D, B, H), dtype of input.",
         )
-        + _OPTIONS_DOC
+        + OPTIONS_DOC
     )
 
     def __init__(self, *args: Any, layer_norm: bool = False, peephole: bool = False, cell_clip: float | None = None,
@@ -517,10 +388,10 @@ class GRU(_CellOptionsMixin, _LengthsMixin, nn.GRU):
     __doc__ = (
         "Gated recurrent unit (Cho et al. 2014, cuDNN/torch form) as :class:`torch.nn.GRU`, plus "
         "per-sequence lengths.\n"
-        + _COMMON_DOC.format(
+        + COMMON_DOC.format(
             name="GRU", hx_doc=" ``h_0`` (L*D, B, H)", ret_doc="h_n", final_doc="h_n (L*D, B, H), dtype of input."
         )
-        + _GRU_OPTIONS_DOC
+        + GRU_OPTIONS_DOC
     )
 
     def __init__(self, *args: Any, layer_norm: bool = False, zoneout: float | None = None,
@@ -534,7 +405,7 @@ class GRU(_CellOptionsMixin, _LengthsMixin, nn.GRU):
 class RNN(_LengthsMixin, nn.RNN):
     __doc__ = (
         "Elman RNN with tanh or ReLU nonlinearity as :class:`torch.nn.RNN`, plus per-sequence lengths.\n"
-        + _COMMON_DOC.format(
+        + COMMON_DOC.format(
             name="RNN", hx_doc=" ``h_0`` (L*D, B, H)", ret_doc="h_n", final_doc="h_n (L*D, B, H), dtype of input."
         )
     )
@@ -545,7 +416,7 @@ class RNN(_LengthsMixin, nn.RNN):
         return super().forward(input, hx, lengths=lengths)
 
     def _forward_in_float32(self, input: Tensor, hx: Any, lengths: Any) -> Any:
-        """A low-precision call on CPU (see :mod:`fastlayers._precision`): torch's float32 kernels
+        """A low-precision call on CPU (see :mod:`fastlayers._core.precision`): torch's float32 kernels
         on the operands rounded to the low dtype, so hidden states and gradient sums stay float32
         (the segment path's per-segment gradients would otherwise be summed in bf16); outputs in
         the low dtype."""

@@ -8,7 +8,7 @@ C++ kernel raises where the check happens there: ``input has inconsistent input_
 expects two hidden states``), then ``"; "`` and ours, naming the argument, expected vs got. Where
 torch's own message differs by backend (a state of another dtype than the input), the message of
 torch's device-independent check (``RNN.h``'s ``check_attributes``) is used. The classes are
-those of :mod:`fastlayers._checks`: instances of torch's class for the same input and of ours.
+those of :mod:`fastlayers._core.checks`: instances of torch's class for the same input and of ours.
 
 Checks run in torch's order (the input's rank, the state's rank, the input's dtype, then sizes;
 for the cells the sizes before the dtype, where the matrix product reports it), so an input with
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import DeviceError, DtypeError, InputDtypeError, NotATensorError, ShapeError, StateTypeError
+from .._core.checks import DeviceError, DtypeError, InputDtypeError, NotATensorError, ShapeError, StateTypeError
 
 _SCALAR = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
            torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",

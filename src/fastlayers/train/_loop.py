@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from .._system import cpu_name
+from .._core.system import cpu_name
 from ..data import batches, pad_batch
 from . import _distributed, _outdir
 from ._checkpoint import CheckpointError, load_latest, rng_state, save_checkpoint, set_rng_state, write_atomic

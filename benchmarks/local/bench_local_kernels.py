@@ -1,0 +1,117 @@
+"""The locally connected C kernels alone (no autograd, outputs preallocated), seed-003 shape, fp32.
+
+Prints min/median ms over 40 calls for 1 and 2 threads, next to a 64 MiB tensor copy. With
+``--against REV`` it also builds ``_native/local.c`` as it was at git revision REV (same compiler
+flags) and times both builds interleaved in this process, forward then parameter gradient, for the
+1x1 seed shape and a 3x3 kernel (padding 1), so that a kernel change is measured side by side.
+
+    python benchmarks/local/bench_local_kernels.py [--against REV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fastlayers import _native
+from fastlayers.local._cpu import _lib, typed
+
+
+def timed(fn, n: int = 40) -> str:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return f"{min(times) * 1e3:.2f}/{statistics.median(times) * 1e3:.2f}"
+
+
+def build_at(rev: str, workdir: Path) -> ctypes.CDLL:
+    """local.c (and the headers next to it) as of git revision ``rev``, compiled like _native does."""
+    repo = Path(__file__).resolve().parents[2]
+    native = "src/fastlayers/_native"
+    files = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", rev, f"{native}/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for path in files:
+        if path.endswith((".c", ".h")):
+            text = subprocess.run(["git", "-C", str(repo), "show", f"{rev}:{path}"], check=True, capture_output=True,
+                                  text=True).stdout
+            (workdir / Path(path).name).write_text(text)
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    out = workdir / "local_old.so"
+    subprocess.run([compiler, *_native._FLAGS, f"-I{workdir}", str(workdir / "local.c"), "-o", str(out), "-lm"],
+                   check=True)
+    return typed(ctypes.CDLL(str(out)))
+
+
+def side_by_side(libs: dict[str, ctypes.CDLL], kernel: int, repeats: int = 15) -> None:
+    """Forward then parameter gradient with each build in turn (order alternating), median ms."""
+    torch.manual_seed(0)
+    pad = kernel // 2
+    x = F.pad(torch.rand(32, 4, 256, 256), (pad,) * 4).contiguous()
+    w, b = torch.rand(2, 4, kernel, kernel, 256, 256), torch.rand(2, 256, 256)
+    dy = torch.rand(32, 2, 256, 256)
+    y, dw, db = torch.empty(32, 2, 256, 256), torch.empty_like(w), torch.empty_like(b)
+    geometry = (32, 4, x.size(2), x.size(3), 2, kernel, kernel, 256, 256, 1, 1, 1, 1)
+    times = {name: ([], []) for name in libs}
+    results = {}
+    for rep in range(-1, repeats):
+        order = list(libs.items()) if rep % 2 else list(libs.items())[::-1]
+        for name, lib in order:
+            start = time.perf_counter()
+            lib.lc2d_forward_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), *geometry,
+                                 torch.get_num_threads())
+            mid = time.perf_counter()
+            lib.lc2d_backward_params_f32(dy.data_ptr(), x.data_ptr(), dw.data_ptr(), db.data_ptr(), *geometry,
+                                         torch.get_num_threads())
+            end = time.perf_counter()
+            if rep >= 0:
+                times[name][0].append(mid - start)
+                times[name][1].append(end - mid)
+            results[name] = (y.clone(), dw.clone(), db.clone())
+    first = next(iter(results.values()))
+    for name, (fwd, bwd) in times.items():
+        diff = max((a - r).abs().max().item() for a, r in zip(results[name], first))
+        print(f"  {kernel}x{kernel} {name:>8}: forward {statistics.median(fwd) * 1e3:6.2f} ms, parameter gradient "
+              f"{statistics.median(bwd) * 1e3:6.2f} ms (max |difference| to the first build {diff:.1e})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--against", metavar="REV", help="also time local.c as of this git revision, side by side")
+    args = p.parse_args()
+    lib = _lib()
+    assert lib is not None, "the C kernels did not build (no compiler?)"
+    torch.manual_seed(0)
+    x, w, b = torch.rand(32, 4, 256, 256), torch.rand(2, 4, 1, 1, 256, 256), torch.rand(2, 256, 256)
+    dy = torch.rand(32, 2, 256, 256)
+    y, dw, db = torch.empty(32, 2, 256, 256), torch.empty_like(w), torch.empty_like(b)
+    geometry = (32, 4, 256, 256, 2, 1, 1, 256, 256, 1, 1, 1, 1)
+    src = torch.rand(64 * 2**20 // 4)
+    dst = torch.empty_like(src)
+    print("threads  forward ms (min/median)  param-grad ms  copy 64 MiB ms")
+    for threads in (1, 2):
+        fwd = timed(lambda: lib.lc2d_forward_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), *geometry,
+                                                 threads))
+        bwd = timed(lambda: lib.lc2d_backward_params_f32(dy.data_ptr(), x.data_ptr(), dw.data_ptr(), db.data_ptr(),
+                                                         *geometry, threads))
+        print(f"{threads:7d}  {fwd:>23}  {bwd:>13}  {timed(lambda: dst.copy_(src)):>14}")
+    if args.against:
+        with tempfile.TemporaryDirectory() as tmp:
+            old = build_at(args.against, Path(tmp))
+            print(f"side by side, {torch.get_num_threads()} threads, median of 15: this tree vs {args.against}")
+            for kernel in (1, 3):
+                side_by_side({"this": lib, args.against[:8]: old}, kernel)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Issue 62: the seed workload's GEMM floor on this CPU, and the layers' time as a multiple of it.
+
+The floor: the seed workload's matrix-product FLOPs (bidirectional 512 -> 256, T=800, B=32, fp32,
+fwd+bwd: the input projection, the recurrent products of every step, the input gradient and the
+two weight gradients; G = 4H for LSTM, 3H for GRU) divided by torch's own large sgemm rate on
+these cores (``torch.mm`` of 2048 x 2048 matrices, median of 5). Every candidate does those
+products, so no implementation can be faster than the floor; the step products (32 rows) cannot
+reach the large-GEMM rate, so the real bound is higher. Candidates, one process, interleaved,
+medians after one warm-up round: ``fastlayers.LSTM / GRU(layer_norm=True)`` and ``torch.nn.LSTM /
+GRU``, fwd+bwd (input requires grad), and the fastlayers layers' forward under ``no_grad``.
+
+    python benchmarks/rnn/bench_cpu_floor.py [--repeats 5] [--threads 2]
+
+Prints the CPU (vendor, family / model, the ISA flags that matter), the sgemm rate, and a table:
+seconds, x the floor, x torch's module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import fastlayers
+from fastlayers._core.system import cpu_description
+
+F_IN, HIDDEN, STEPS, BATCH, DIRS = 512, 256, 800, 32, 2
+
+
+def sgemm_rate(repeats: int = 5, n: int = 2048) -> float:
+    """torch's large float32 GEMM rate here, FLOP/s (median of ``repeats`` after one)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def workload_flops(gates: int, backward: bool) -> float:
+    """Matrix-product FLOPs of one bidirectional layer at the seed shape."""
+    rows, g = STEPS * BATCH, gates * HIDDEN
+    forward = DIRS * 2 * rows * g * (F_IN + HIDDEN)  # input projection + recurrent products
+    return forward * 3 if backward else forward  # + input gradient and W_ih's; + dh products and W_hh's
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rate = sgemm_rate()
+    print(f"# {cpu_description()}; torch {torch.__version__}, {args.threads} threads")
+    print(f"# torch.mm 2048^3 float32: {rate / 1e9:.1f} GFLOP/s")
+    torch.manual_seed(0)
+    x = torch.randn(STEPS, BATCH, F_IN, requires_grad=True)
+    cands = {}
+    for cell, gates in (("LSTM", 4), ("GRU", 3)):
+        ours = getattr(fastlayers, cell)(F_IN, HIDDEN, bidirectional=True, layer_norm=True)
+        theirs = getattr(torch.nn, cell)(F_IN, HIDDEN, bidirectional=True)
+        cands[f"fastlayers.{cell}(layer_norm=True) fwd+bwd"] = (ours, True, gates, f"torch.nn.{cell} fwd+bwd")
+        cands[f"torch.nn.{cell} fwd+bwd"] = (theirs, True, gates, None)
+        cands[f"fastlayers.{cell}(layer_norm=True) no_grad fwd"] = (ours, False, gates, f"torch.nn.{cell} no_grad fwd")
+        cands[f"torch.nn.{cell} no_grad fwd"] = (theirs, False, gates, None)
+    times: dict[str, list[float]] = {k: [] for k in cands}
+    for rep in range(-1, args.repeats):
+        names = list(cands)
+        names = names[rep % len(names):] + names[:rep % len(names)] if rep >= 0 else names
+        for name in names:
+            module, grad, _, _ = cands[name]
+            t0 = time.perf_counter()
+            if grad:
+                module(x)[0].sum().backward()
+            else:
+                with torch.no_grad():
+                    module(x)
+            if rep >= 0:
+                times[name].append(time.perf_counter() - t0)
+    print("| call | s (median) | GEMM GFLOP | x floor | x torch's module |\n|---|---:|---:|---:|---:|")
+    for name, (_, grad, gates, anchor) in cands.items():
+        med = statistics.median(times[name])
+        flops = workload_flops(gates, grad)
+        ratio = f"{med / statistics.median(times[anchor]):.2f}" if anchor else ""
+        print(f"| {name} | {med:.3f} | {flops / 1e9:.1f} | {med / (flops / rate):.2f} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

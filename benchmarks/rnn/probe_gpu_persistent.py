@@ -1,0 +1,198 @@
+"""Issue 67, deliverable 1, a probe before the engine changes: what a grid barrier costs on this GPU
+in Triton, and how many microseconds a step of a persistent LSTM forward takes, whose programs
+keep their slice of W_hh across all steps and meet at one grid barrier per step (instead of the
+engine's two launches per step, a recurrent-product kernel and a step kernel).
+
+Barrier: N programs (one per SM at most, so all are resident) each add 1 to a counter (release,
+GPU scope) after a CTA barrier, then poll it (acquire) until it reaches (s + 1) * N; the time of
+STEPS barriers over STEPS. A poll that runs past LIMIT iterations gives up and sets a flag (never a
+hang; the flag fails the script).
+
+Persistent forward (plain LSTM, no options, both directions, no lengths): program (d, p) owns
+U = H / P hidden units of direction d, i.e. the 4 U gate columns of W_hh[d]; per step it reads the
+whole previous h of its direction (B x H, bypassing L1), multiplies it by its (H x 4U) slice (IEEE
+float32; one row with TF32, to see what the FMA product costs), adds the input projection (one cuBLAS GEMM before the loop), runs the cell on
+its (B x U) state held in registers, writes h, loads the next step's input projection, and meets the
+other P - 1 programs of its direction at the barrier. "coop": launched with Triton's
+launch_cooperative_grid (co-residency guaranteed by the driver). Checked against torch.nn.LSTM (cuDNN, TF32 off) with the same weights, timed
+beside its forward.
+
+    python benchmarks/rnn/probe_gpu_persistent.py [--device cuda]
+    TRITON_INTERPRET=1 python benchmarks/rnn/probe_gpu_persistent.py --device cpu   # P = 1: math only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from fastlayers._triton._cell import sigmoid, tanh  # the step kernels' own
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing.py
+from timing import Timer  # noqa: E402  (CUDA events on the GPU, perf_counter elsewhere)
+
+LIMIT = 1 << 22  # polls before a barrier gives up
+
+
+@triton.jit
+def _grid_barrier(counter, target, flag, LIMIT: tl.constexpr):
+    tl.debug_barrier()  # every thread's stores of this step are issued before the release
+    tl.atomic_add(counter, 1, sem="release", scope="gpu")
+    cur = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    n = 0
+    while (cur < target) & (n < LIMIT):
+        cur = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        n += 1
+    if n >= LIMIT:
+        tl.atomic_max(flag, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _barrier_kernel(counter, flag, steps, LIMIT: tl.constexpr):
+    n = tl.num_programs(0)
+    for s in range(steps):
+        _grid_barrier(counter, (s + 1) * n, flag, LIMIT)
+
+
+@triton.jit
+def _persistent_lstm_forward(xp, w, hbuf, y, counter, flag, T, B, H, P,
+                             LIMIT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, U: tl.constexpr,
+                             BK: tl.constexpr, PRECISION: tl.constexpr):
+    # xp (T, B, D, 4H) input projection with both biases; w (D, 4H, H) W_hh; hbuf (D, 2, B, H) zeros;
+    # y (T, B, D * H); counter (D,) int32 zeros; program (d, p) owns units [p U, p U + U); the product
+    # runs over K in chunks of BK (the slice of W_hh is re-read each step: 16 U KiB, from L1 / L2)
+    pid = tl.program_id(0)
+    d = pid // P
+    p = pid % P
+    G = 4 * H
+    rb = tl.arange(0, BLOCK_B)
+    bm = rb < B
+    rkc = tl.arange(0, BK)
+    # column n = u * 4 + g of the slice is row g H + p U + u of W_hh[d]
+    rn = tl.arange(0, 4 * U)
+    rows = (rn % 4) * H + p * U + rn // 4
+    wbase = w + d * G * H + rows[None, :] * H
+    ru = p * U + tl.arange(0, U)
+    c = tl.zeros([BLOCK_B, U], dtype=tl.float32)
+    t = tl.where(d == 0, 0, T - 1)
+    x = tl.load(xp + ((t * B + rb[:, None]) * 2 + d) * G + rows[None, :], mask=bm[:, None], other=0.0)
+    for s in range(T):
+        t = tl.where(d == 0, s, T - 1 - s)
+        hrow = hbuf + ((d * 2 + s % 2) * B + rb[:, None]) * H
+        acc = x
+        for k0 in range(0, BLOCK_H, BK):
+            km = k0 + rkc < H
+            hk = tl.load(hrow + k0 + rkc[None, :], mask=bm[:, None] & km[None, :], other=0.0, cache_modifier=".cg")
+            wk = tl.load(wbase + k0 + rkc[:, None], mask=km[:, None], other=0.0)
+            acc = tl.dot(hk, wk, acc, input_precision=PRECISION)  # (B, 4U), columns u * 4 + g
+        a = tl.reshape(acc, (BLOCK_B, U, 2, 2))
+        a_even, a_odd = tl.split(a)  # g = 0, 2 and g = 1, 3
+        ai, ag = tl.split(a_even)
+        af, ao = tl.split(a_odd)
+        c = sigmoid(af) * c + sigmoid(ai) * tanh(ag)
+        h = sigmoid(ao) * tanh(c)
+        tl.store(hbuf + ((d * 2 + (s + 1) % 2) * B + rb[:, None]) * H + ru[None, :], h, mask=bm[:, None])
+        tl.store(y + (t * B + rb[:, None]) * (2 * H) + d * H + ru[None, :], h, mask=bm[:, None])
+        tn = tl.where(d == 0, s + 1, T - 2 - s)  # the next step's input projection, before the wait
+        x = tl.load(xp + ((tn * B + rb[:, None]) * 2 + d) * G + rows[None, :], mask=bm[:, None] & (s + 1 < T),
+                    other=0.0)
+        _grid_barrier(counter + d, (s + 1) * P, flag, LIMIT)
+
+
+def persistent_forward(x, lstm, units, warps, cooperative=False, precision="ieee"):
+    """torch.nn.LSTM(bidirectional=True, bias=True) forward from zero states, output y only."""
+    steps, batch, _ = x.shape
+    hidden = lstm.hidden_size
+    w_ih = torch.stack([lstm.weight_ih_l0, lstm.weight_ih_l0_reverse])  # (D, G, F)
+    bias = torch.stack([lstm.bias_ih_l0 + lstm.bias_hh_l0, lstm.bias_ih_l0_reverse + lstm.bias_hh_l0_reverse])
+    w_hh = torch.stack([lstm.weight_hh_l0, lstm.weight_hh_l0_reverse]).contiguous()
+    xp = (torch.einsum("tbf,dgf->tbdg", x, w_ih) + bias).contiguous()
+    hbuf = x.new_zeros(2, 2, batch, hidden)
+    y = x.new_empty(steps, batch, 2 * hidden)
+    counter = torch.zeros(2, dtype=torch.int32, device=x.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+    programs = hidden // units
+    _persistent_lstm_forward[(2 * programs,)](xp, w_hh, hbuf, y, counter, flag, steps, batch, hidden, programs,
+                                             LIMIT=LIMIT, BLOCK_B=max(16, triton.next_power_of_2(batch)),
+                                             BLOCK_H=max(16, triton.next_power_of_2(hidden)), U=units,
+                                             BK=min(32, max(16, triton.next_power_of_2(hidden))), PRECISION=precision, num_warps=warps,
+                                             **({"launch_cooperative_grid": True} if cooperative else {}))
+    return y, flag
+
+
+def timed(device, fn, repeats=20):
+    """Median ms of ``repeats`` calls after three."""
+    timer = Timer(device)
+    for _ in range(3):
+        fn()
+    return statistics.median(timer(fn) for _ in range(repeats))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="the seed shape's first configuration only (for ncu)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    gpu = device.type == "cuda"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if gpu else 1
+    bad = 0
+    print(f"# {torch.cuda.get_device_name(device) if gpu else 'CPU (interpreter: times mean nothing)'}; "
+          f"torch {torch.__version__}; triton {triton.__version__}; {sms} SMs")
+    print("| grid barrier: programs | warps | us per barrier |\n|---:|---:|---:|")
+    for n in ((2, 16, 64, 128, sms) if gpu and not args.quick else (1,)):
+        for warps in (4, 8):
+            steps = 2000 if gpu else 3
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
+
+            def run():
+                counter.zero_()
+                _barrier_kernel[(n,)](counter, flag, steps, LIMIT=LIMIT, num_warps=warps)
+            ms = timed(device, run, repeats=5)
+            bad += int(flag.item() != 0)
+            print(f"| {n} | {warps} | {ms * 1e3 / steps:.2f} |", flush=True)
+    shapes = [(800, 32, 512, 256), (800, 8, 128, 128), (800, 32, 64, 64)] if gpu else [(5, 3, 4, 16)]
+    shapes = shapes[:1] if args.quick else shapes
+    print("\n| persistent LSTM fwd: T, B, F, H | units / program | programs | warps | max abs diff vs cuDNN | "
+          "ours ms | cuDNN fwd ms | ours us/step | ratio |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for steps, batch, features, hidden in shapes:
+        torch.manual_seed(0)
+        lstm = torch.nn.LSTM(features, hidden, bidirectional=True, device=device)
+        x = torch.randn(steps, batch, features, device=device)
+        with torch.no_grad():
+            want = lstm(x)[0]
+            base = timed(device, lambda: lstm(x))
+            for units, warps, coop, prec in (((4, 4, False, "ieee"), (4, 8, False, "ieee"), (8, 8, False, "ieee"),
+                                              (4, 4, True, "ieee"), (4, 4, False, "tf32")) if gpu
+                                             else ((16, 4, False, "ieee"),))[:1 if args.quick else None]:
+                if hidden // units * 2 > sms and gpu:
+                    continue
+                try:
+                    got, flag = persistent_forward(x, lstm, units, warps, coop, prec)
+                except Exception as e:  # (the cooperative launch option, where this Triton lacks it)
+                    print(f"| {steps}, {batch}, {features}, {hidden} | {units} | cooperative launch failed: "
+                          f"{type(e).__name__}: {str(e)[:200]} |")
+                    continue
+                err = (got - want).abs().max().item()
+                ok = flag.item() == 0 and err < (1e-4 if prec == "ieee" else 1e-2)
+                bad += not ok
+                ms = timed(device, lambda: persistent_forward(x, lstm, units, warps, coop, prec))
+                print(f"| {steps}, {batch}, {features}, {hidden} | {units}{' coop' if coop else ''}"
+                      f"{' tf32' if prec == 'tf32' else ''} | "
+                      f"{2 * hidden // units} | {warps} | "
+                      f"{err:.1e}{'' if ok else ' FAIL'} | {ms:.2f} | {base:.2f} | {ms * 1e3 / steps:.2f} | "
+                      f"{ms / base:.2f} |", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

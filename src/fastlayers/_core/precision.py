@@ -1,0 +1,145 @@
+"""Mixed precision, one rule for every layer: matrix products take low-precision operands, the rest
+runs in float32, results come out in the low precision.
+
+A call is *low precision* when its input is bfloat16/float16 (parameters in that dtype), or when it
+is float32 under ``torch.autocast`` for the input's device (the autocast dtype). Then:
+
+* every matrix product (input projection, recurrent product, weight gradients, the local layer's
+  sum of products, attention scores and context) rounds its operands to the low dtype and
+  accumulates in float32: a bf16/fp16 GEMM with float32 accumulation;
+* everything else (cell state, gates, LayerNorm statistics, softmax, the local layer's kernel
+  sums) is float32;
+* outputs (and final states) are returned in the low dtype, gradients in each input's own dtype.
+
+On a CPU without bf16 (fp16) instructions (no AVX512-BF16 / AMX; checked at run time) torch's
+low-precision GEMM is emulated (1 vs 139 GFLOP/s for float32 at the seed's input-projection shape
+on an AVX2 EPYC, ``benchmarks/bench_mixed_precision.py``), so there the
+rounded operands are multiplied in float32 arithmetic: the same products (a product of two bf16
+values is exact in float32) and float32 sums, at float32 GEMM speed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def accumulator(low: torch.dtype) -> torch.dtype:
+    """The dtype of sums and of everything but product operands when the operands are ``low``:
+    float32 for bfloat16/float16, ``low`` itself otherwise."""
+    return torch.float32 if low in LOW else low
+
+
+def dtypes(x: Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(operand dtype of matrix products, dtype of everything else) for a call on ``x``; the two
+    are equal unless the call is low precision, so the first is also the dtype of the results."""
+    low = x.dtype
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+        autocast = torch.get_autocast_dtype(x.device.type)
+        if autocast in LOW:
+            low = autocast
+    return low, accumulator(low)
+
+
+def is_low(x: Tensor) -> bool:
+    return dtypes(x)[0] in LOW
+
+
+_NATIVE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def native(device_type: str, dtype: torch.dtype) -> bool:
+    """True when ``device_type`` multiplies ``dtype`` matrices in hardware (CUDA: always); a
+    constant for torch.compile (:mod:`fastlayers._core.compiling`)."""
+    if torch.compiler.is_compiling():
+        from .compiling import constant
+
+        return constant(native_cached, device_type, dtype)
+    return native_cached(device_type, dtype)
+
+
+def native_cached(device_type: str, dtype: torch.dtype) -> bool:
+    if (device_type, dtype) not in _NATIVE:
+        _NATIVE[device_type, dtype] = _native(device_type, dtype)
+    return _NATIVE[device_type, dtype]
+
+
+def _native(device_type: str, dtype: torch.dtype) -> bool:
+    if device_type != "cpu" or dtype not in LOW:
+        return True
+    cpu = torch.cpu
+    if dtype == torch.bfloat16:
+        return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)() or
+                    getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return bool(getattr(cpu, "_is_amx_fp16_supported", lambda: False)())
+
+
+class Products:
+    """Batched matrix products with operands rounded to ``low`` and results in ``acc``.
+
+    ``operand(t)`` prepares an operand once (a weight used every step): rounded to ``low``, and
+    back in ``acc`` where the hardware has no ``low`` GEMM. ``bmm``/``baddbmm`` take prepared or raw
+    operands and write ``out`` (in ``acc``) when given. Runs with autocast off, so the operands are
+    used exactly as prepared.
+    """
+
+    def __init__(self, low: torch.dtype, acc: torch.dtype, device: torch.device) -> None:
+        self.low, self.acc = low, acc
+        self.mixed = low != acc
+        self.native = native(device.type, low)
+        # operands multiplied in hardware low precision: worth keeping low copies of the ones used twice
+        self.lowered = self.mixed and self.native
+        # one dtype and no autocast: the products are torch's own, without the autocast guard (which
+        # costs microseconds a call, per step in a time loop)
+        self.plain = not self.mixed and not torch.is_autocast_enabled(device.type)
+
+    @classmethod
+    def of(cls, x: Tensor) -> "Products":
+        """The products of a call on ``x`` (:func:`dtypes`)."""
+        return cls(*dtypes(x), x.device)
+
+    def operand(self, t: Tensor) -> Tensor:
+        if not self.mixed:
+            return t if t.dtype == self.acc else t.to(self.acc)
+        t = t.to(self.low)
+        return t if self.native else t.to(self.acc)
+
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
+        """torch.matmul(a, b) (broadcasting, autograd) with both operands raw; result in ``acc``."""
+        a, b = self.operand(a), self.operand(b)
+        if self.plain:
+            return torch.matmul(a, b)
+        with torch.autocast(a.device.type, enabled=False):
+            return torch.matmul(a, b).to(self.acc)
+
+    def einsum(self, equation: str, a: Tensor, b: Tensor) -> Tensor:
+        """torch.einsum of two raw operands (a sum of products); result in ``acc``."""
+        a, b = self.operand(a), self.operand(b)
+        if self.plain:
+            return torch.einsum(equation, a, b)
+        with torch.autocast(a.device.type, enabled=False):
+            return torch.einsum(equation, a, b).to(self.acc)
+
+    def bmm(self, a: Tensor, b: Tensor, out: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+        """a @ b, both operands raw. ``dtype``: the dtype wanted for the result when not ``out``
+        (default ``acc``); a low ``dtype`` takes a hardware low-precision GEMM's result as it is."""
+        return self.bmm_prepared(a, self.operand(b), out, dtype)
+
+    def bmm_prepared(self, a: Tensor, b: Tensor, out: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+        """a @ b with ``b`` from :meth:`operand` (prepared once, used every step)."""
+        a = self.operand(a)
+        if self.plain:
+            return torch.bmm(a, b, out=out) if out is not None else torch.bmm(a, b)
+        with torch.autocast(a.device.type, enabled=False):
+            if self.lowered:
+                r = torch.bmm(a, b)
+                return out.copy_(r) if out is not None else r.to(dtype or self.acc)
+            return torch.bmm(a, b, out=out) if out is not None else torch.bmm(a, b)
+
+    def baddbmm(self, bias: Tensor, a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+        if self.lowered:
+            return self.bmm(a, b, out=out).add_(bias.to(self.acc))
+        with torch.autocast(a.device.type, enabled=False):
+            return torch.baddbmm(bias.to(self.acc), self.operand(a), self.operand(b), out=out)

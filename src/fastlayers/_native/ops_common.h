@@ -1,0 +1,84 @@
+// fastlayers' C++ operators, what every family's operators share: the C kernels' declarations
+// (linked in from lstm.c, gru.c, local.c), their typed table, and the dtype helpers.
+// Included once, by ops.cpp: the operator library is one translation unit (torch's headers are
+// parsed once; a build takes about 15 s), split into files by layer family.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+
+extern "C" {
+#define FL_LSTM_FWD(T, S)                                                                              \
+  void lstm_step_forward_##S(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const T*, T*,     \
+                             const T*, const T*, const T*, T*, T*, const T*, T*, T*, T*, T*, T*, T*,  \
+                             T*, T*, const T*, const T*, const T*, const T*, T, T, const T*, const T*, \
+                             T, T, int);
+#define FL_LSTM_LOOP(T, S)                                                                             \
+  void lstm_forward_loop_##S(int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, const T*, T*, T*, \
+                             const T*, T*, const T*, const T*, T*, T*, const T*, T*, T*, T*, T*, T*, T*,    \
+                             T*, T*, const T*, const T*, const T*, const T*, T, T, const T*, const T*, T, T, \
+                             int, int);
+#define FL_GRU_LOOP(T, S)                                                                              \
+  void gru_forward_loop_##S(int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, const T*, T*, T*,  \
+                            const T*, T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, T*, \
+                            T*, const T*, T, const T*, T, int, int);
+#define FL_LC2D(T, S)                                                                                  \
+  void lc2d_forward_##S(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t,        \
+                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,      \
+                        int64_t, int);                                                               \
+  void lc2d_backward_input_##S(const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t,  \
+                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,        \
+                               int64_t, int);                                                        \
+  void lc2d_backward_params_##S(const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,      \
+                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,       \
+                                int64_t, int64_t, int);
+FL_LSTM_FWD(float, f32)
+FL_LSTM_FWD(double, f64)
+FL_LSTM_LOOP(float, f32)
+FL_LSTM_LOOP(double, f64)
+FL_GRU_LOOP(float, f32)
+FL_GRU_LOOP(double, f64)
+FL_LC2D(float, f32)
+FL_LC2D(double, f64)
+}
+
+
+namespace {
+
+template <typename T> struct Kernels;
+template <> struct Kernels<float> {
+  static constexpr auto lstm = lstm_step_forward_f32;
+  static constexpr auto lstm_loop = lstm_forward_loop_f32;
+  static constexpr auto gru_loop = gru_forward_loop_f32;
+  static constexpr auto lc2d = lc2d_forward_f32;
+  static constexpr auto lc2d_dx = lc2d_backward_input_f32;
+  static constexpr auto lc2d_dw = lc2d_backward_params_f32;
+};
+template <> struct Kernels<double> {
+  static constexpr auto lstm = lstm_step_forward_f64;
+  static constexpr auto lstm_loop = lstm_forward_loop_f64;
+  static constexpr auto gru_loop = gru_forward_loop_f64;
+  static constexpr auto lc2d = lc2d_forward_f64;
+  static constexpr auto lc2d_dx = lc2d_backward_input_f64;
+  static constexpr auto lc2d_dw = lc2d_backward_params_f64;
+};
+
+at::ScalarType compute_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Optional tensor in the compute dtype, contiguous (undefined stays undefined).
+at::Tensor as(const at::Tensor& t, at::ScalarType dtype) {
+  if (!t.defined() || (t.scalar_type() == dtype && t.is_contiguous())) return t;  // (no dispatch: the common case)
+  return t.to(dtype).contiguous();
+}
+at::Tensor as(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
+  return t.has_value() ? as(*t, dtype) : at::Tensor();
+}
+
+template <typename T> T* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
+
+
+}  // namespace

@@ -1,0 +1,91 @@
+// fastlayers' locally connected operators (locally_connected2d and its backward): their CPU
+// kernels over local.c (Python half: fastlayers/local/_ops_export.py).
+// Included once, by ops.cpp: the operator library is one translation unit (torch's headers are
+// parsed once; a build takes about 15 s), split into files by layer family.
+
+#pragma once
+
+#include <vector>
+
+#include "ops_common.h"
+
+namespace {
+
+std::vector<int64_t> geometry(const at::Tensor& padded, const at::Tensor& w, at::IntArrayRef stride,
+                              at::IntArrayRef dilation) {
+  return {padded.size(0), padded.size(1), padded.size(2), padded.size(3), w.size(0), w.size(2), w.size(3),
+          w.size(4),      w.size(5),      stride[0],      stride[1],      dilation[0], dilation[1]};
+}
+
+at::Tensor pad2d(const at::Tensor& x, at::IntArrayRef padding) {
+  if (padding[0] == 0 && padding[1] == 0) return x;
+  return at::constant_pad_nd(x, {padding[1], padding[1], padding[0], padding[0]}, 0);
+}
+
+template <typename T>
+at::Tensor local_impl(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
+  const auto dt = compute_dtype(input.scalar_type());
+  const auto x = as(pad2d(input, padding), dt), w = as(weight, dt);
+  const auto b = as(bias, dt);
+  const auto g = geometry(x, w, stride, dilation);
+  auto y = at::empty({x.size(0), w.size(0), w.size(4), w.size(5)}, x.options());
+  Kernels<T>::lc2d(x.data_ptr<T>(), w.data_ptr<T>(), ptr<T>(b), y.data_ptr<T>(), g[0], g[1], g[2], g[3], g[4], g[5],
+                   g[6], g[7], g[8], g[9], g[10], g[11], g[12], at::get_num_threads());
+  return y.to(input.scalar_type());
+}
+
+at::Tensor locally_connected2d(const at::Tensor& input, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                               at::IntArrayRef padding, at::IntArrayRef dilation) {
+  TORCH_CHECK(input.dim() == 4 && weight.dim() == 6, "locally_connected2d: expected input (B, C, H, W) and weight "
+              "(O, C, KH, KW, OH, OW), got ", input.sizes(), " and ", weight.sizes());
+  at::NoGradGuard no_grad;
+  if (compute_dtype(input.scalar_type()) == at::kDouble)
+    return local_impl<double>(input, weight, bias, stride, padding, dilation);
+  return local_impl<float>(input, weight, bias, stride, padding, dilation);
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> local_backward_impl(const at::Tensor& grad, const at::Tensor& input,
+                                                                   const at::Tensor& weight, at::IntArrayRef stride,
+                                                                   at::IntArrayRef padding, at::IntArrayRef dilation,
+                                                                   const c10::List<bool>& needs) {
+  const auto dt = compute_dtype(input.scalar_type());
+  const auto dy = grad.to(dt).contiguous();
+  const auto padded = pad2d(input, padding);
+  const auto g = geometry(padded, weight, stride, dilation);
+  const int threads = at::get_num_threads();
+  at::Tensor dx = at::empty({0}, grad.options()), dw = at::empty({0}, grad.options()),
+             db = at::empty({0}, grad.options());
+  if (needs[0]) {
+    const auto w = weight.to(dt).contiguous();
+    auto dx_pad = at::zeros({g[0], g[1], g[2], g[3]}, dy.options());
+    Kernels<T>::lc2d_dx(dy.data_ptr<T>(), w.data_ptr<T>(), dx_pad.data_ptr<T>(), g[0], g[1], g[2], g[3], g[4], g[5],
+                        g[6], g[7], g[8], g[9], g[10], g[11], g[12], threads);
+    dx = dx_pad.slice(2, padding[0], g[2] - padding[0]).slice(3, padding[1], g[3] - padding[1]);
+    dx = dx.to(input.scalar_type()).contiguous();
+  }
+  if (needs[1] || needs[2]) {
+    const auto x = padded.to(dt).contiguous();
+    auto w_grad = needs[1] ? at::empty(weight.sizes(), dy.options()) : at::Tensor();
+    auto b_grad = needs[2] ? at::empty({weight.size(0), weight.size(4), weight.size(5)}, dy.options()) : at::Tensor();
+    Kernels<T>::lc2d_dw(dy.data_ptr<T>(), x.data_ptr<T>(), ptr<T>(w_grad), ptr<T>(b_grad), g[0], g[1], g[2], g[3],
+                        g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], threads);
+    if (needs[1]) dw = w_grad.to(weight.scalar_type());
+    if (needs[2]) db = b_grad.to(weight.scalar_type());
+  }
+  return {dx, dw, db};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> locally_connected2d_backward(
+    const at::Tensor& grad, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, const c10::List<bool>& needs) {
+  TORCH_CHECK(needs.size() == 3, "needs: expected 3 flags (input, weight, bias)");
+  at::NoGradGuard no_grad;
+  if (compute_dtype(input.scalar_type()) == at::kDouble)
+    return local_backward_impl<double>(grad, input, weight, stride, padding, dilation, needs);
+  return local_backward_impl<float>(grad, input, weight, stride, padding, dilation, needs);
+}
+
+}  // namespace

@@ -1,0 +1,148 @@
+"""Attention pooling's public half: :func:`attention_pool` (validation, then the backend choice:
+the Triton kernels for dot scores on CUDA, else the plain-PyTorch twin) and :class:`AttentionPooling`.
+
+Legend and formulas: :mod:`fastlayers.attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .._core.backend import select
+from .._core.checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_tensor
+from .._core.jit import TRITON, NotScriptable, refuse_trace
+from ._gpu import AttentionTriton
+from ._reference import SCORES, attention_pool_reference, check_dot
+
+
+def _check(query: Tensor, keys: Tensor, values: Tensor) -> None:
+    if (type(query) is Tensor and type(keys) is Tensor and type(values) is Tensor and query.dim() == 2
+            and keys.dim() == 3 and values.dim() == 3 and query.is_floating_point()
+            and query.dtype == keys.dtype == values.dtype and query.device == keys.device == values.device
+            and keys.size(0) == query.size(0) and values.shape[:2] == keys.shape[:2] and keys.size(1) >= 1):
+        return  # the common valid call, in a few operations; anything else gets the checks below
+    for name, t in (("query", query), ("keys", keys), ("values", values)):
+        check_tensor(name, t)
+        check_floating(name, t)
+    check_rank("query", query, (2,), "(B, Dq)")
+    check_rank("keys", keys, (3,), "(B, T, Dk)")
+    check_rank("values", values, (3,), "(B, T, Dv)")
+    check_same_dtype_device("keys", keys, "query", query)
+    check_same_dtype_device("values", values, "query", query)
+    if keys.size(0) != query.size(0):
+        raise ValueError(f"keys: expected batch size {query.size(0)} (that of query), got {keys.size(0)}")
+    if values.shape[:2] != keys.shape[:2]:
+        raise ValueError(f"values: expected (B, T) = {tuple(keys.shape[:2])} (that of keys), got {tuple(values.shape[:2])}")
+    if keys.size(1) < 1:
+        raise ValueError("keys: expected at least one time step, got T = 0")
+
+
+def attention_pool(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor | None = None,
+    lengths: Tensor | list[int] | None = None,
+    *,
+    score: str = "dot",
+    additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention pooling of ``values`` over time, weighted by the scores of ``query`` against ``keys``.
+
+    Args:
+        query: (B, Dq) float tensor.
+        keys: (B, T, Dk), same dtype and device.
+        values: (B, T, Dv); default ``keys``.
+        lengths: optional (B,) integer tensor (any device) or list of ints, 1 <= len_b <= T:
+            steps t >= len_b get weight exactly 0. Default: every step is valid.
+        score: ``"dot"`` (Dq == Dk), ``"scaled_dot"`` (Dq == Dk) or ``"additive"``.
+        additive: for ``score="additive"``: ``(weight_query (A, Dq), weight_key (A, Dk), v (A,),
+            bias (A,) or None)``; :class:`AttentionPooling` owns these.
+
+    Returns:
+        ``(context, weights)``: context (B, Dv), weights (B, T) summing to 1 over valid steps.
+
+    Raises:
+        TypeError: non-tensor or integer inputs, float lengths, mismatched dtypes.
+        ValueError: wrong ranks or sizes, unknown score, lengths out of [1, T] or of the wrong size,
+            missing additive parameters.
+
+    Low precision (bf16/fp16 inputs, or float32 under ``torch.autocast``): the score and context
+    products take low-precision operands and sum in float32; tanh, masking and softmax run in
+    float32; context and weights are returned in the low dtype (see :mod:`fastlayers._core.precision`).
+
+    Non-finite input: a NaN or inf in ``query`` or in ``keys`` at a valid step makes that
+    sequence's weights and context NaN; keys at padded steps (t >= len_b) are masked out and
+    have no effect. Values at padded steps get an exact 0 weight, and 0 * NaN = NaN (as
+    torch.bmm), so keep them finite (an LSTM with ``lengths`` writes zeros there). Large scores
+    (keys of size 1e4) stay finite: the softmax subtracts each row's maximum.
+    """
+    values = keys if values is None else values
+    _check(query, keys, values)
+    which = select("attention", query)
+    if score not in SCORES:
+        raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+    if which == "triton" and score != "additive":  # one fused kernel per pass (additive: the torch ops)
+        check_dot(query, keys, score)
+        batch, steps = keys.shape[:2]
+        scale = 1 / math.sqrt(keys.size(2)) if score == "scaled_dot" else 1.0
+        lens = as_lengths(lengths, batch, steps).to(keys.device) if lengths is not None else None
+        refuse_trace("fastlayers.attention_pool on the Triton backend", TRITON)
+        return AttentionTriton.apply(query, keys, values, lens, scale)
+    return attention_pool_reference(query, keys, values, lengths, score=score, additive=additive)
+
+class AttentionPooling(NotScriptable, nn.Module):
+    """Module form of :func:`attention_pool`; owns the additive score's parameters.
+
+    Args:
+        query_size: Dq. key_size: Dk (default Dq).
+        score: ``"dot"``, ``"scaled_dot"`` or ``"additive"``.
+        attention_size: A, hidden size of the additive score (default Dk); additive only.
+        bias: additive score has a bias b in tanh(W_q q + W_k k + b).
+
+    Forward: ``(query (B, Dq), keys (B, T, Dk), values (B, T, Dv) = keys, lengths=None)`` ->
+    ``(context (B, Dv), weights (B, T))``; non-finite input as :func:`attention_pool`.
+    Initialisation (``reset_parameters()``): W_q uniform(+-1/sqrt(Dq)), W_k and b
+    uniform(+-1/sqrt(Dk)), v uniform(+-1/sqrt(A)), as nn.Linear's fan-in rule.
+    """
+
+    def __init__(self, query_size: int, key_size: int | None = None, score: str = "dot",
+                 attention_size: int | None = None, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+        key_size = query_size if key_size is None else key_size
+        for name, value in (("query_size", query_size), ("key_size", key_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if score != "additive" and query_size != key_size:
+            raise ValueError(f"key_size: expected {query_size} (= query_size) for score={score!r}, got {key_size}")
+        self.query_size, self.key_size, self.score = query_size, key_size, score
+        kw = {"device": device, "dtype": dtype}
+        if score == "additive":
+            size = attention_size or key_size
+            self.weight_query = nn.Parameter(torch.empty(size, query_size, **kw))
+            self.weight_key = nn.Parameter(torch.empty(size, key_size, **kw))
+            self.v = nn.Parameter(torch.empty(size, **kw))
+            self.bias = nn.Parameter(torch.empty(size, **kw)) if bias else None
+            self.reset_parameters()
+        elif attention_size is not None:
+            raise ValueError(f"attention_size: expected None for score={score!r} (additive only), got {attention_size}")
+
+    def reset_parameters(self) -> None:
+        if self.score != "additive":
+            return
+        for p, fan_in in ((self.weight_query, self.query_size), (self.weight_key, self.key_size),
+                          (self.v, self.v.numel()), (self.bias, self.key_size)):
+            if p is not None:
+                nn.init.uniform_(p, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+    def forward(self, query: Tensor, keys: Tensor, values: Tensor | None = None,
+                lengths: Tensor | list[int] | None = None) -> tuple[Tensor, Tensor]:
+        additive = (self.weight_query, self.weight_key, self.v, self.bias) if self.score == "additive" else None
+        return attention_pool(query, keys, values, lengths, score=self.score, additive=additive)
+
+    def extra_repr(self) -> str:
+        return f"query_size={self.query_size}, key_size={self.key_size}, score={self.score!r}"

@@ -1,0 +1,85 @@
+"""Attention pooling's plain-PyTorch twin, :func:`attention_pool_reference`: the CPU and reference
+backends' path, the tests' oracle, and what the Triton kernels' double backward differentiates.
+
+Legend and formulas: :mod:`fastlayers.attention` (B batch, T time, Dq / Dk / Dv features, A
+attention size).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .._core import precision
+from .._core.checks import as_lengths, check_shape
+
+SCORES = ("dot", "scaled_dot", "additive")
+_ONE_DTYPE = (torch.float32, torch.float64)
+
+
+def attention_pool_reference(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    lengths: Tensor | list[int] | None = None,
+    *,
+    score: str = "dot",
+    additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The plain-PyTorch twin of :func:`attention_pool` (inputs checked by it; same arguments, with
+    ``values`` given): batched matmuls and a softmax, any device and dtype. It is what the CPU and
+    the reference backend run, and what the Triton kernels' double backward differentiates."""
+    batch, steps = keys.shape[:2]
+    if score != "additive" and query.dtype in _ONE_DTYPE and not torch.is_autocast_enabled(query.device.type):
+        return _dot_one_dtype(query, keys, values, lengths, score == "scaled_dot")
+    mm = precision.Products.of(query)
+    if score == "additive":
+        if additive is None:
+            raise ValueError("additive: expected (weight_query, weight_key, v, bias) for score='additive', got None")
+        w_q, w_k, v, bias = additive
+        size = v.size(0)
+        check_shape("additive weight_query", w_q, (size, query.size(1)), "(A, Dq)")
+        check_shape("additive weight_key", w_k, (size, keys.size(2)), "(A, Dk)")
+        hidden = mm.matmul(keys, w_k.T) + mm.matmul(query, w_q.T).unsqueeze(1)  # (B, T, A)
+        if bias is not None:
+            hidden = hidden + bias.to(mm.acc)
+        scores = mm.matmul(torch.tanh(hidden), v)  # (B, T)
+    else:
+        check_dot(query, keys, score)
+        scores = mm.matmul(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
+        if score == "scaled_dot":
+            scores = scores * (1 / math.sqrt(keys.size(2)))
+    weights = torch.softmax(_masked(scores, lengths, batch, steps), dim=1)
+    context = mm.matmul(weights.unsqueeze(1), values).squeeze(1)
+    if mm.mixed:  # scores, softmax and the weights in float32; results in the low dtype
+        return context.to(mm.low), weights.to(mm.low)
+    return context, weights
+
+def check_dot(query: Tensor, keys: Tensor, score: str) -> None:
+    if query.size(1) != keys.size(2):
+        raise ValueError(f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, got "
+                         f"{keys.size(2)}")
+
+
+def _masked(scores: Tensor, lengths: Tensor | list[int] | None, batch: int, steps: int) -> Tensor:
+    """scores (B, T) with -inf at the steps t >= len_b (lengths validated)."""
+    if lengths is None:
+        return scores
+    lens = as_lengths(lengths, batch, steps).to(scores.device)
+    return scores.masked_fill(torch.arange(steps, device=scores.device) >= lens.unsqueeze(1), float("-inf"))
+
+
+def _dot_one_dtype(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor | list[int] | None,
+                   scaled: bool) -> tuple[Tensor, Tensor]:
+    """The dot / scaled-dot score in one dtype (float32 or float64) without autocast: the products are
+    torch.bmm itself (what torch.matmul runs for these 3-D operands), with none of the mixed-precision
+    bookkeeping, the fixed cost that dominates small calls."""
+    check_dot(query, keys, "scaled_dot" if scaled else "dot")
+    scores = torch.bmm(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
+    if scaled:
+        scores = scores * (1 / math.sqrt(keys.size(2)))
+    weights = torch.softmax(_masked(scores, lengths, keys.size(0), keys.size(1)), dim=1)
+    return torch.bmm(weights.unsqueeze(1), values).squeeze(1), weights
+

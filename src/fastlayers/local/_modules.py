@@ -1,0 +1,247 @@
+"""The locally connected layers' public half: the functional forms and the modules, which validate
+their arguments and hand the call to :func:`fastlayers.local._routing.run` (the backend choice).
+
+Legend and formula: :mod:`fastlayers.local`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .._core.checks import check_floating, check_same_dtype_device, check_tensor
+from .._core.jit import NotScriptable
+from ._reference import Pair
+from ._routing import run
+
+
+def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2) -> tuple[int, ...]:
+    values = (value,) * dims if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if len(values) != dims or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
+    if any(v < minimum for v in values):
+        raise ValueError(f"{name}: expected every value >= {minimum}, got {value!r}")
+    return values
+
+
+def output_size(input_size: tuple[int, ...], kernel_size: tuple[int, ...], stride: tuple[int, ...],
+                padding: tuple[int, ...], dilation: tuple[int, ...]) -> tuple[int, ...]:
+    """nn.Conv2d's output size; ValueError if the (dilated) kernel is larger than the padded input."""
+    out = []
+    for n, k, s, p, d in zip(input_size, kernel_size, stride, padding, dilation):
+        span = d * (k - 1) + 1
+        if span > n + 2 * p:
+            raise ValueError(
+                f"kernel_size: the dilated kernel spans {span} but the padded input is only {n + 2 * p} "
+                f"(input_size {tuple(input_size)}, padding {tuple(padding)}, kernel_size {tuple(kernel_size)}, "
+                f"dilation {tuple(dilation)})"
+            )
+        out.append((n + 2 * p - span) // s + 1)
+    return tuple(out)
+
+
+def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int | Pair = 1,
+                        padding: int | Pair = 0, dilation: int | Pair = 1) -> Tensor:
+    """Locally connected 2-D layer (unshared convolution), functional form.
+
+    Args:
+        input: (B, C_in, H, W) or unbatched (C_in, H, W), floating point.
+        weight: (C_out, C_in, KH, KW, OH, OW), same dtype and device.
+        bias: (C_out, OH, OW) or None.
+        stride, padding, dilation: int or (h, w) pair as in F.conv2d (zero padding).
+
+    Returns:
+        (B, C_out, OH, OW) (unbatched: (C_out, OH, OW)).
+
+    Raises:
+        TypeError: non-tensor or integer input, dtype mismatch, malformed stride/padding/dilation.
+        ValueError: wrong ranks, channel count, an (OH, OW) in weight that the geometry does not
+            produce from the input, a kernel larger than the padded input, stride/dilation < 1,
+            padding < 0, a bias of the wrong shape.
+
+    A NaN or inf in the input reaches exactly the outputs whose receptive field holds it (as
+    F.conv2d); the kernels assume nothing about finiteness.
+    """
+    check_tensor("input", input)
+    check_tensor("weight", weight)
+    check_floating("input", input)
+    if input.dim() not in (3, 4):
+        raise ValueError(f"input: expected a 4-D (B, C_in, H, W) or 3-D (C_in, H, W) tensor, got {input.dim()}-D "
+                         f"with shape {tuple(input.shape)}")
+    if weight.dim() != 6:
+        raise ValueError(f"weight: expected a 6-D tensor (C_out, C_in, KH, KW, OH, OW), got {weight.dim()}-D "
+                         f"with shape {tuple(weight.shape)}")
+    check_same_dtype_device("weight", weight, "input", input)
+    stride2, padding2, dilation2 = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
+    batched = input.dim() == 4
+    x = input if batched else input.unsqueeze(0)
+    if x.size(1) != weight.size(1):
+        raise ValueError(f"input: expected C_in = {weight.size(1)} channels (weight.shape[1]), got {x.size(1)} "
+                         f"(input shape {tuple(input.shape)})")
+    expected = output_size(tuple(x.shape[2:]), tuple(weight.shape[2:4]), stride2, padding2, dilation2)
+    if tuple(weight.shape[4:]) != expected:
+        raise ValueError(
+            f"input: spatial size {tuple(x.shape[2:])} gives output size {expected} with kernel_size "
+            f"{tuple(weight.shape[2:4])}, stride {stride2}, padding {padding2}, dilation {dilation2}, but weight is for "
+            f"output size {tuple(weight.shape[4:])} (weight.shape[4:])"
+        )
+    if bias is not None:
+        check_tensor("bias", bias)
+        check_same_dtype_device("bias", bias, "input", input)
+        want = (weight.size(0), *expected)
+        if tuple(bias.shape) != want:
+            raise ValueError(f"bias: expected shape {want} (C_out, OH, OW), got {tuple(bias.shape)}")
+    y = run(x, weight, bias, stride2, padding2, dilation2)
+    return y if batched else y.squeeze(0)
+
+
+def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int = 1,
+                        padding: int = 0, dilation: int = 1) -> Tensor:
+    """Locally connected 1-D layer, functional form (as :func:`locally_connected2d` with H = 1).
+
+    Args:
+        input: (B, C_in, L) or unbatched (C_in, L). weight: (C_out, C_in, K, OL). bias: (C_out, OL) or None.
+        stride, padding, dilation: ints as in F.conv1d.
+
+    Returns:
+        (B, C_out, OL) (unbatched: (C_out, OL)). Raises as :func:`locally_connected2d`.
+    """
+    check_tensor("input", input)
+    check_tensor("weight", weight)
+    if input.dim() not in (2, 3):
+        raise ValueError(f"input: expected a 3-D (B, C_in, L) or 2-D (C_in, L) tensor, got {input.dim()}-D "
+                         f"with shape {tuple(input.shape)}")
+    if weight.dim() != 4:
+        raise ValueError(f"weight: expected a 4-D tensor (C_out, C_in, K, OL), got {weight.dim()}-D "
+                         f"with shape {tuple(weight.shape)}")
+    (s,), (p,), (d,) = _pair("stride", stride, 1, 1), _pair("padding", padding, 0, 1), _pair("dilation", dilation, 1, 1)
+    if bias is not None:
+        check_tensor("bias", bias)
+        if bias.dim() != 2:
+            raise ValueError(f"bias: expected shape ({weight.size(0)}, {weight.size(3)}) (C_out, OL), "
+                             f"got {tuple(bias.shape)}")
+        bias = bias.unsqueeze(1)  # (O, 1, OL)
+    y = locally_connected2d(input.unsqueeze(-2), weight.unsqueeze(2).unsqueeze(4), bias, (1, s), (0, p), (1, d))
+    return y.squeeze(-2)
+
+
+class _LocallyConnectedNd(NotScriptable, nn.Module):
+    def __init__(self, dims, in_channels, out_channels, input_size, kernel_size, stride, padding, dilation, bias,
+                 device, dtype):
+        super().__init__()
+        for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.input_size = _pair("input_size", input_size, 1, dims)
+        self.kernel_size = _pair("kernel_size", kernel_size, 1, dims)
+        self.stride = _pair("stride", stride, 1, dims)
+        self.padding = _pair("padding", padding, 0, dims)
+        self.dilation = _pair("dilation", dilation, 1, dims)
+        self.output_size = output_size(self.input_size, self.kernel_size, self.stride, self.padding, self.dilation)
+        kw = {"device": device, "dtype": dtype}
+        self._weight_shape = (out_channels, in_channels, *self.kernel_size, *self.output_size)
+        self._bias_shape, self._input_shape = (out_channels, *self.output_size), (in_channels, *self.input_size)
+        self.weight = nn.Parameter(torch.empty(self._weight_shape, **kw))
+        self.bias = nn.Parameter(torch.empty(out_channels, *self.output_size, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Conv2d's rule: weight and bias uniform in +-1/sqrt(fan_in), fan_in = C_in * prod(kernel_size)."""
+        bound = 1 / math.sqrt(self.in_channels * math.prod(self.kernel_size))
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def _common(self, input: object, rank: int) -> bool:
+        """The common valid call, checked in a few operations: a batched input of the weight's dtype
+        and device, C_in channels and input_size, and the weight and bias of the construction's
+        shapes. False: anything else, for the full checks (which also raise the errors)."""
+        w, b = self.weight, self.bias
+        return (type(input) is Tensor and input.dim() == rank and input.dtype == w.dtype
+                and input.device == w.device and input.shape[1:] == self._input_shape
+                and w.shape == self._weight_shape
+                and (b is None or (b.shape == self._bias_shape and b.dtype == w.dtype)))
+
+    def _check_spatial(self, input: Tensor) -> None:
+        check_tensor("input", input)
+        spatial = tuple(input.shape[-len(self.input_size):])
+        if spatial != self.input_size:
+            raise ValueError(f"input: expected spatial size {self.input_size} (input_size), got {spatial} "
+                             f"(input shape {tuple(input.shape)})")
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, input_size={self.input_size}, "
+                f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"dilation={self.dilation}, output_size={self.output_size}, bias={self.bias is not None}")
+
+
+class LocallyConnected2d(_LocallyConnectedNd):
+    """Locally connected 2-D layer: nn.Conv2d with a separate filter and bias per output location.
+
+    Args:
+        in_channels, out_channels: C_in, C_out.
+        input_size: (H, W) (or int) of the inputs this layer takes; fixes the output size.
+        kernel_size, stride, padding, dilation: as nn.Conv2d (zero padding).
+        bias: learn a bias per output channel and location.
+
+    Parameters: ``weight`` (C_out, C_in, KH, KW, OH, OW), ``bias`` (C_out, OH, OW); initialised
+    with nn.Conv2d's fan-in rule.
+
+    Forward: input (B, C_in, H, W) or (C_in, H, W) -> (B, C_out, OH, OW) or (C_out, OH, OW).
+    ValueError for a spatial size other than ``input_size`` or a wrong channel count; see
+    :func:`fastlayers.functional.locally_connected2d` (also for non-finite input: NaN / inf reach
+    exactly the outputs whose receptive field holds them).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, input_size: int | Pair, kernel_size: int | Pair = 1,
+                 stride: int | Pair = 1, padding: int | Pair = 0, dilation: int | Pair = 1, bias: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__(2, in_channels, out_channels, input_size, kernel_size, stride, padding, dilation, bias,
+                         device, dtype)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._common(input, 4):  # the module's own weight: its geometry was checked at construction
+            return run(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
+        self._check_spatial(input)
+        return locally_connected2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
+
+
+class LocallyConnected1d(_LocallyConnectedNd):
+    """Locally connected 1-D layer: nn.Conv1d with a separate filter and bias per output position.
+
+    Parameters: ``weight`` (C_out, C_in, K, OL), ``bias`` (C_out, OL). Forward: (B, C_in, L) or
+    (C_in, L) -> (B, C_out, OL) or (C_out, OL). Arguments and errors as :class:`LocallyConnected2d`.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, input_size: int, kernel_size: int = 1, stride: int = 1,
+                 padding: int = 0, dilation: int = 1, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__(1, in_channels, out_channels, input_size, kernel_size, stride, padding, dilation, bias,
+                         device, dtype)
+
+    def _as_2d(self) -> tuple[Tensor, Tensor | None]:
+        """weight (C_out, C_in, 1, K, 1, OL) and bias (C_out, 1, OL) as views of the parameters. Calls
+        without autograd keep them while the parameters are the same tensors on the same memory (an
+        in-place update shows through a view; a replaced parameter or ``.data`` makes new views);
+        calls with autograd make them each time (the views belong to that call's graph)."""
+        w, b = self.weight, self.bias
+        if torch.is_grad_enabled() or torch.jit.is_tracing():  # (a trace records the views as ops)
+            return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
+        cached = self.__dict__.get("_views_2d")
+        if (cached is None or cached[0] is not w or cached[1] is not b or cached[2] != w.data_ptr()
+                or cached[3] != (b.data_ptr() if b is not None else 0)):
+            cached = (w, b, w.data_ptr(), b.data_ptr() if b is not None else 0, w.unsqueeze(2).unsqueeze(4),
+                      b.unsqueeze(1) if b is not None else None)
+            self.__dict__["_views_2d"] = cached
+        return cached[4], cached[5]
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self._common(input, 3):  # as LocallyConnected2d's, with H = 1
+            weight, bias = self._as_2d()
+            y = run(input.unsqueeze(-2), weight, bias, (1, self.stride[0]), (0, self.padding[0]),
+                     (1, self.dilation[0]))
+            return y.squeeze(-2)
+        self._check_spatial(input)
+        return locally_connected1d(input, self.weight, self.bias, self.stride[0], self.padding[0], self.dilation[0])

@@ -1,0 +1,511 @@
+"""The autograd Functions of the engine's time loop, binding the C step kernels (``_native``).
+
+Legend: D directions, N packed rows of one direction (the valid (t, b), step after step; step
+t's rows are the active prefix of the length-sorted batch), B batch, H hidden size, G gates.
+Each Function runs, per step, one batched recurrent GEMM (both directions) and one fused C
+pointwise kernel; its backward runs the kernel's backward and the recurrent GEMM in reverse and
+computes the recurrent weight gradient (and LayerNorm / peephole parameter gradients) as large
+reductions after the loop. The time loops run in one C call each (``lstm_forward_loop``,
+``lstm_backward_loop``, ``gru_*_loop``: the step products on ``_native/gemm.h``'s kernel, no
+return to Python or torch between steps) unless a projection or bf16 / fp16 products need torch
+ops between the steps; then the loops below drive the step kernels from Python. The two
+Functions share this file's helpers (the kernels' signatures, the buffers' step addresses, the
+low-precision copies), hence one file of about 500 lines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import torch
+from torch import Tensor
+from .. import _native
+from .._core import pool, precision as _precision, twice
+from .._native import address
+from ._common import as_dtype, in_dtypes
+from ._reference import packed_layer_reference, recorded_layer_backward
+
+EPS = 1e-5
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+P = ctypes.c_void_p
+I64, INT = ctypes.c_int64, ctypes.c_int
+
+
+def _typed(name: str, signatures) -> ctypes.CDLL | None:
+    """Load library ``name`` and set argtypes once; signatures(real) -> {function stem: argtypes}."""
+    lib = _native.load(name)
+    if lib is not None and not getattr(lib, "_fastlayers_typed", False):
+        for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+            for stem, argtypes in signatures(real).items():
+                f = getattr(lib, f"{stem}_{suffix}")
+                f.argtypes, f.restype = argtypes, None
+        lib._fastlayers_typed = True
+    return lib
+
+
+def _lstm_lib():
+    return _typed("lstm", lambda real: {
+        "lstm_step_forward": [I64] * 6 + [P] * 4 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real, real] + [P, P, real, real]
+        + [INT],
+        "lstm_step_backward": [I64] * 5 + [P] * 4 + [I64] + [P] * 3 + [P] * 5 + [P] * 4 + [real] + [P, P, real, real]
+        + [P] * 3 + [P] * 6 + [INT],
+        "lstm_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 8 + [P] * 4 + [real, real] + [P, P]
+        + [real, real, INT, INT],
+        "lstm_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 5 + [P] * 4 + [real]
+        + [P, P, real, real] + [P] * 3 + [P] * 6 + [INT]})
+
+
+def _gru_lib():
+    return _typed("gru", lambda real: {
+        "gru_step_forward": [I64] * 6 + [P] * 4 + [P] * 4 + [P] * 7 + [P, real, P, real, INT],
+        "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT],
+        "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT, INT],
+        "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6
+        + [INT]})
+
+
+def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
+    """Work space of the C time loops' packed step weight (gemm.h): D * K * N rounded up to 32."""
+    return (dirs * k * -(-n // 32) * 32,)
+
+
+def _active_array(active: tuple[int, ...]):
+    """The active-prefix sizes as the C time loops read them (int64_t[T])."""
+    return (I64 * len(active))(*active)
+
+
+def _offsets(active: tuple[int, ...]) -> tuple[int, ...]:
+    """First packed row of every step and the total: (0, n_0, n_0 + n_1, ..., N)."""
+    return (0, *itertools.accumulate(active))
+
+
+def _steps(buf: Tensor | None, offsets: tuple[int, ...]) -> list[int | None]:
+    """Addresses of (d=0, first row of step t) of a contiguous [D, N, ...] packed buffer, every t."""
+    if buf is None:
+        return [None] * len(offsets)
+    row = buf.stride(1) * buf.element_size()
+    return [buf.data_ptr() + o * row for o in offsets]
+
+
+def _low_copies(mm: _precision.Products, ctx, xs: Tensor, hd: tuple[int, ...]) -> dict:
+    """Forward buffers for the low-precision copies of GEMM operands the backward reads again, when
+    the products run in hardware bf16/fp16 (pooled calls only): the packed input (unless it is low
+    already) and the recurrent inputs, converted once each instead of once per GEMM."""
+    if not mm.lowered or getattr(ctx, "fresh", False):
+        return {}
+    return {"xs_low": (tuple(xs.shape), mm.low) if xs.dtype != mm.low else None, "hd_low": (hd, mm.low)}
+
+
+def _low_grads(mm: _precision.Products, shape: tuple[int, ...], separate: bool) -> dict:
+    """Backward work space for the low-precision copies of the gate gradients: ``dr_low`` (filled
+    step by step for the recurrent GEMM, reused by dW_hh) and ``dpre_low`` when dpre is another
+    buffer (converted once for dX and dW_ih)."""
+    if not mm.lowered:
+        return {"dr_low": None, "dpre_low": None}
+    return {"dr_low": (shape, mm.low), "dpre_low": (shape, mm.low) if separate else None}
+
+
+def _into(low: Tensor | None, t: Tensor, offset: int | None = None) -> Tensor:
+    """``t`` as a GEMM operand: copied into the low-precision buffer ``low`` (at packed row
+    ``offset`` of dim 1 when given) where there is one, else ``t`` itself (the GEMM converts it)."""
+    if low is None:
+        return t
+    part = low if offset is None else low[:, offset:offset + t.size(1)]
+    return part.copy_(t)
+
+
+def _copied(g: Tensor | None, acc: torch.dtype, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Work-space shape for an upstream gradient that needs a copy (another dtype, or not contiguous)."""
+    return shape if g is not None and (g.dtype != acc or not g.is_contiguous()) else None
+
+
+def _acc_grad(g: Tensor | None, space: Tensor | None, like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """The upstream gradient ``g`` contiguous in the accumulator dtype: itself, copied into the pooled
+    ``space``, or zeros where autograd passed None."""
+    if g is None:
+        return like.new_zeros(shape)
+    return g if space is None else space.copy_(g)
+
+
+def _either(low: Tensor | None, t: Tensor) -> Tensor:
+    """The low-precision copy where one was made, else ``t``."""
+    return t if low is None else low
+
+
+class LSTMRecurrence(torch.autograd.Function):
+    """One layer, all directions, on packed rows: the input projection and the time loop.
+
+    Inputs: xs (D, N, F_l) the packed input rows; w_ih (D, G, F_l); gx (D, G) | None input
+    LayerNorm gain (then the kernel normalises W_ih x and adds the bias after it); bias (D, G) |
+    None (b_ih + b_hh); h0 (D, B, P), c0 (D, B, H); w_hh (D, G, P); gh (D, G) | None recurrent
+    LayerNorm gain; gc, bc (D, H) | None cell LayerNorm gain, bias; peep (D, 3H) | None; w_hr
+    (D, P, H) | None projection (P = H without); rmask (D, B, P) | None recurrent-dropout mask
+    (scaled); zc (D, N, H), zh (D, N, P) | None zoneout keep-masks; active: tuple of the T
+    active-prefix sizes (sum N); consts: (cell_clip or 0, z_c, z_h, proj_clip or 0) (the z are
+    used where the masks are None). Returns y (D, N, P), h_n (D, B, P), c_n (D, B, H).
+
+    The input projection is one batched GEMM before the loop, its gradients (dX, dW_ih) two after
+    the backward loop, dW_hh (and dW_hr) one each. Saved per packed row, in buffers from
+    :mod:`fastlayers._core.pool` (given back when the backward frees the graph): the projection, gates,
+    c1, LayerNorm statistics (and the normalised recurrent product) and the recurrent input; the
+    cell state before each step only with cell zoneout (otherwise it is the previous step's c1,
+    or c0). Without a projection the C kernel does the whole step. With one, the kernel stops at
+    h1 = o * tanh(.) (no zoneout, no recurrent input) and the projection, proj_clip, zoneout of h
+    and the next recurrent input are torch ops on the step's rows.
+    """
+
+    @staticmethod
+    def forward(ctx, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
+        ctx.dtypes = [t.dtype if t is not None else None for t in (xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep,
+                                                                    w_hr)]
+        mm = _precision.Products.of(xs)  # GEMM operands in mm.low, the rest in mm.acc (read autocast first)
+        with torch.autocast(xs.device.type, enabled=False):
+            return LSTMRecurrence._forward(ctx, mm, xs, w_ih, gx, bias, h0, c0,
+                                           w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts)
+
+    @staticmethod
+    def _forward(ctx, mm, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
+        acc = mm.acc
+        originals = (xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh)  # for the backward
+        dirs, rows, _ = xs.shape
+        gsize = w_ih.size(1)
+        hidden = gsize // 4
+        batch, out_size = h0.shape[1:]
+        clip, zc_const, zh_const, pclip = consts
+        fwd = getattr(_lstm_lib(), f"lstm_step_forward_{_SUFFIX[acc]}")
+        threads = torch.get_num_threads()
+        proj, first = w_hr is not None, active[0]  # first == B: every sequence runs step 0
+        gx, bias, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc, zh))
+        c0 = as_dtype(c0, acc)
+        h, c = h0.to(acc, copy=True).contiguous(), c0.clone()
+        # every row of these gets written; the cell state before each step needs its own copy only
+        # when zoneout mixes in c0 (otherwise it is the previous step's c1)
+        slab, buf = pool.views(dict(
+            xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), c1=(dirs, rows, hidden),
+            hd=(dirs, rows, out_size), xstat=(dirs, rows, 2) if gx is not None else None,
+            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
+            cstat=(dirs, rows, 2) if gc is not None else None,
+            chist=(dirs, rows, hidden) if zc is not None or zc_const else None, y1=(dirs, rows, hidden) if proj else None,
+            **_low_copies(mm, ctx, xs, hd=(dirs, rows, out_size))),
+            acc, xs.device, fresh=getattr(ctx, "fresh", False))
+        # the forward's own work space: the recurrent product, and the projection unless the backward
+        # needs it (it does with the input LayerNorm)
+        # one C call runs the whole time loop (lstm.c's lstm_forward_loop, its own step products) unless
+        # a projection or bf16 / fp16 products need torch between the steps
+        in_c = not proj and not mm.mixed
+        tmp_slab, tmp = pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
+                                         y=(dirs, rows, out_size) if mm.mixed else None,
+                                         wp=_packed_weight(out_size, gsize, dirs) if in_c else None), acc, xs.device)
+        xp, r = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"]
+        # the output in acc; with a low output dtype only the converted copy leaves (the float32 one is pooled)
+        y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, out_size, dtype=acc)
+        xs_op = _into(buf.get("xs_low"), xs)
+        if gx is None and bias is not None:
+            mm.baddbmm(bias.unsqueeze(1), xs_op, w_ih.transpose(1, 2), out=xp)
+        else:  # with LayerNorm the kernel normalises W_ih x, then adds the bias
+            mm.bmm(xs_op, w_ih.transpose(1, 2), out=xp)
+        # with a projection the kernel writes h1 into y1 and keeps scratch state hk
+        y1, hk = (buf["y1"], xs.new_zeros(dirs, batch, hidden)) if proj else (y, h)
+        keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
+        hd, hd_low = buf["hd"], buf.get("hd_low")
+        hd[:, :first] = h * rmask if rmask is not None else h
+        # the step products' weights contiguous (one copy per call): a transposed view as the GEMM's
+        # right operand took 3.3x as long on an AMD Zen 5 (issue 62), 1.07x on Zen 3 (354 / 330 us)
+        w_t = mm.operand(w_hh.transpose(1, 2)).contiguous()
+        w_hr_t = mm.operand(w_hr.transpose(1, 2)).contiguous() if proj else None
+        offsets = _offsets(active)
+        if in_c:
+            getattr(_lstm_lib(), f"lstm_forward_loop_{_SUFFIX[acc]}")(
+                dirs, batch, len(active), _active_array(active), hidden, rows, w_t.data_ptr(), tmp["wp"].data_ptr(),
+                r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(bias), c.data_ptr(),
+                h.data_ptr(), address(rmask), y.data_ptr(), buf["gates"].data_ptr(), buf["c1"].data_ptr(),
+                address(buf["chist"]), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
+                address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, EPS, address(zc),
+                address(zh), zc_const, zh_const, 1, threads)
+        P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
+        fixed = (address(gh), address(gc), address(bc), address(peep), clip, EPS)
+        last = len(active) - 1
+        for t, n in enumerate(active if not in_c else ()):
+            o = offsets[t]
+            rt = mm.bmm_prepared(_into(hd_low, hd[:, o:o + n], o), w_t,
+                                 out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
+            n_next = active[t + 1] if t < last else 0
+            fwd(dirs, batch, n, n_next, hidden, rows, P_["xp"][t], P_["xstat"][t], address(gx), address(bias),
+                rt.data_ptr(), c.data_ptr(), hk.data_ptr(), None if proj else address(rmask), P_["y1"][t],
+                P_["gates"][t], P_["c1"][t], P_["chist"][t], None if proj or t == last else P_["hd"][t + 1],
+                P_["rhat"][t], P_["rrstd"][t], P_["cstat"][t], *fixed, P_["zc"][t], None if proj else P_["zh"][t],
+                zc_const, 0.0 if proj else zh_const, threads)
+            if proj:
+                hp = mm.bmm_prepared(y1[:, o:o + n], w_hr_t)  # (D, n, P)
+                if keep is not None:
+                    keep[:, o:o + n] = hp.abs() <= pclip
+                    hp.clamp_(-pclip, pclip)
+                kh = zh[:, o:o + n] if zh is not None else zh_const
+                h[:, :n] = hp if isinstance(kh, float) and kh == 0 else kh * h[:, :n] + (1 - kh) * hp
+                y[:, o:o + n] = h[:, :n]
+                if t < last:
+                    nxt = h[:, :n_next] * rmask[:, :n_next] if rmask is not None else h[:, :n_next]
+                    hd[:, o + n:o + n + n_next] = nxt
+        y = y.to(mm.low)
+        pool.give(tmp_slab)
+        ctx.save_for_backward(*originals, keep)
+        ctx.buf, ctx.release, ctx.mm = buf, pool.hold(ctx, slab), mm
+        ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
+        ctx.has_bias = bias is not None
+        # outputs in the low precision (mm.low: the input's dtype unless mixed), as torch's RNNs under autocast
+        return y, h.to(mm.low), c.to(mm.low)
+
+    @staticmethod
+    def backward(ctx, dy, dh_n, dc_n):
+        if twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+            return _recorded_backward("LSTM", ctx, (dy, dh_n, dc_n))
+        xs, w_ih, gx, _, _, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep = ctx.saved_tensors
+        buf, mm = ctx.buf, ctx.mm
+        gates, hd, y1 = buf["gates"], buf["hd"], buf["y1"]
+        dirs, rows, gsize = gates.shape
+        hidden, batch, out_size = gsize // 4, ctx.batch, hd.size(2)
+        clip, zc_const, zh_const, pclip = ctx.consts
+        proj = w_hr is not None
+        bwd = getattr(_lstm_lib(), f"lstm_step_backward_{_SUFFIX[gates.dtype]}")
+        threads = torch.get_num_threads()
+        need = ctx.needs_input_grad
+        acc = gates.dtype
+        gx, c0, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc) for t in (gx, c0, gh, gc, bc, peep, rmask, zc, zh))
+        dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, out_size)
+        dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
+        # with a projection: the kernel's output gradient is d h1 (dy1), its own state gradient stays 0
+        separate_dr = gh is not None or gx is not None
+        in_c = not proj and not mm.mixed  # the whole loop in one C call (lstm_backward_loop), as the forward's
+        slab, tmp = pool.views(dict(
+            dpre=(dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr else None,
+            wp=_packed_weight(gsize, out_size, dirs) if in_c else None,
+            dn=(dirs, batch, hidden), g=(dirs * ctx.active[0] * out_size,), dy1=(dirs, rows, hidden) if proj else None,
+            dhp=(dirs, rows, out_size) if proj else None, **_low_grads(mm, (dirs, rows, gsize), separate_dr),
+            dy=_copied(dy, acc, (dirs, rows, out_size))), acc, gates.device)
+        dy = _acc_grad(dy, tmp["dy"], gates, (dirs, rows, out_size))
+        dpre, dn, g = tmp["dpre"], tmp["dn"], tmp["g"]
+        dr = dpre if tmp["dr"] is None else tmp["dr"]
+        dr_low = tmp["dr_low"]
+        # the kernel sums the bias gradient next to the input gain's (acc_b needs acc_gx)
+        acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
+        acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias and need[3] else None
+        acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
+        acc_gc = gates.new_zeros(dirs, hidden) if gc is not None and (need[8] or need[9]) else None
+        acc_bc = gates.new_zeros(dirs, hidden) if acc_gc is not None else None
+        acc_peep = gates.new_zeros(dirs, 3 * hidden) if peep is not None and need[10] else None
+        dy1, dhp = (tmp["dy1"], tmp["dhp"]) if proj else (dy, None)
+        dhk = gates.new_zeros(dirs, batch, hidden) if proj else dh
+        offsets = ctx.offsets
+        P_ = {} if in_c else {k: _steps(v, offsets)  # (per-step addresses: the Python loop only)
+                              for k, v in {**buf, "dy1": dy1, "zc": zc, "zh": zh, "dpre": dpre, "dr": dr}.items()}
+        fixed = (address(dn), address(acc_gx), address(acc_b), address(acc_gh), address(acc_gc), address(acc_bc),
+                 address(acc_peep), threads)
+        w_hh_p = mm.operand(w_hh)
+        w_hr_p = mm.operand(w_hr) if proj else None
+        if in_c:
+            w_c = w_hh_p.contiguous()
+            getattr(_lstm_lib(), f"lstm_backward_loop_{_SUFFIX[acc]}")(
+                dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_c.data_ptr(),
+                tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), dc.data_ptr(),
+                address(buf["chist"]), c0.data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
+                gates.data_ptr(), buf["c1"].data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
+                address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, address(zc),
+                address(zh), zc_const, zh_const, dpre.data_ptr(), dr.data_ptr(), dn.data_ptr(), *fixed[1:-1],
+                threads)
+        for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
+            n, o = ctx.active[t], offsets[t]
+            if proj:  # back through y = h, zoneout of h, proj_clip and the projection
+                dtot = dy[:, o:o + n] + dh[:, :n]
+                kh = zh[:, o:o + n] if zh is not None else zh_const
+                if isinstance(kh, float) and kh == 0:
+                    g_hp, dh[:, :n] = dtot, 0
+                else:
+                    g_hp, dh[:, :n] = (1 - kh) * dtot, kh * dtot
+                if keep is not None:
+                    g_hp = g_hp * keep[:, o:o + n]
+                dhp[:, o:o + n] = g_hp
+                dy1[:, o:o + n] = mm.bmm_prepared(g_hp, w_hr_p)
+            # the cell state before step t: its saved copy, the previous step's c1, or c0
+            c_before, c_stride = ((P_["chist"][t], rows) if buf["chist"] is not None else
+                                  (P_["c1"][t - 1], rows) if t > 0 else (c0.data_ptr(), batch))
+            bwd(dirs, batch, n, hidden, rows, P_["dy1"][t], dhk.data_ptr(), dc.data_ptr(), c_before, c_stride,
+                P_["xp"][t], P_["xstat"][t], address(gx), P_["gates"][t], P_["c1"][t], P_["rhat"][t], P_["rrstd"][t],
+                P_["cstat"][t], address(gh), address(gc), address(bc), address(peep), clip, P_["zc"][t],
+                None if proj else P_["zh"][t], zc_const, 0.0 if proj else zh_const, P_["dpre"][t], P_["dr"][t],
+                *fixed)
+            gn = mm.bmm_prepared(_into(dr_low, dr[:, o:o + n], o), w_hh_p,
+                                 out=g[:dirs * n * out_size].view(dirs, n, out_size))
+            if rmask is not None:
+                gn.mul_(rmask[:, :n])
+            dh[:, :n] += gn
+        # one GEMM each over all packed rows: dX[d] = dpre[d] W_ih[d], dW_ih[d] = dpre[d]^T X[d],
+        # dW_hh[d] = dr[d]^T hd[d], dW_hr[d] = dhp[d]^T y1[d]
+        dp_op = _into(tmp["dpre_low"], dpre) if separate_dr else _either(dr_low, dpre)  # (dr_low: dpre's copy)
+        d_xs = mm.bmm(dp_op, w_ih, dtype=ctx.dtypes[0]) if need[0] else None
+        d_w_ih = mm.bmm(dp_op.transpose(1, 2), _either(buf.get("xs_low"), xs), dtype=ctx.dtypes[1]) if need[1] else None
+        d_bias = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias and need[3] else None
+        d_w_hh = mm.bmm(_either(dr_low, dr).transpose(1, 2), _either(buf.get("hd_low"), hd)) if need[6] else None
+        d_w_hr = mm.bmm(dhp.transpose(1, 2), y1) if proj and need[11] else None
+        pool.give(slab)
+        if not getattr(ctx, "fresh", False) and pool.graph_freed_after_this_backward():
+            ctx.release()
+            del ctx.buf
+        grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_bias, dh if need[4] else None, dc if need[5] else None,
+                 d_w_hh, acc_gh, acc_gc if need[8] else None, acc_bc if need[9] else None, acc_peep, d_w_hr)
+        return (*in_dtypes(grads, ctx.dtypes), None, None, None, None, None)
+
+
+class GRURecurrence(torch.autograd.Function):
+    """One GRU layer, all directions, on packed rows (``_native/gru.c``): input projection and
+    time loop, as :class:`LSTMRecurrence`.
+
+    Inputs: xs (D, N, F_l); w_ih (D, G=3H, F_l); gx (D, G) | None input LayerNorm gain (then the
+    kernel normalises W_ih x and adds b_ih after it); b_ih (D, G) | None; h0 (D, B, H); w_hh
+    (D, G, H); b_hh (D, G) | None (added after the recurrent LayerNorm, inside r * (.) for the n
+    gate, as torch.nn.GRU); gh (D, G) | None recurrent LayerNorm gain; rmask (D, B, H) | None;
+    zh (D, N, H) | None zoneout keep-mask; active: the T active-prefix sizes; consts: (z_h,) used
+    where the mask is None. Returns y (D, N, H), h_n (D, B, H).
+    """
+
+    @staticmethod
+    def forward(ctx, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
+        ctx.dtypes = [t.dtype if t is not None else None for t in (xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh)]
+        mm = _precision.Products.of(xs)  # GEMM operands in mm.low, the rest in mm.acc (read autocast first)
+        with torch.autocast(xs.device.type, enabled=False):
+            return GRURecurrence._forward(ctx, mm, xs, w_ih, gx, b_ih, h0, w_hh,
+                                          b_hh, gh, rmask, zh, active, consts)
+
+    @staticmethod
+    def _forward(ctx, mm, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
+        acc = mm.acc
+        originals = (xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh)  # for the backward
+        dirs, rows, _ = xs.shape
+        gsize = w_ih.size(1)
+        hidden, batch, first = gsize // 3, h0.size(1), active[0]
+        (zh_const,) = consts
+        fwd = getattr(_gru_lib(), f"gru_step_forward_{_SUFFIX[acc]}")
+        threads = torch.get_num_threads()
+        gx, b_ih, b_hh, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
+        h = h0.to(acc, copy=True).contiguous()
+        slab, buf = pool.views(dict(  # every row of these gets written
+            xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), hbn=(dirs, rows, hidden),
+            hist=(dirs, rows, hidden), hd=(dirs, rows, hidden), xstat=(dirs, rows, 2) if gx is not None else None,
+            rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
+            **_low_copies(mm, ctx, xs, hd=(dirs, rows, hidden))),
+            acc, xs.device, fresh=getattr(ctx, "fresh", False))
+        # the forward's own work space (the projection is saved only for the input LayerNorm's backward)
+        in_c = not mm.mixed  # the whole time loop in one C call (gru_forward_loop), as the LSTM's
+        tmp_slab, tmp = pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
+                                         y=(dirs, rows, hidden) if mm.mixed else None,
+                                         wp=_packed_weight(hidden, gsize, dirs) if in_c else None), acc, xs.device)
+        y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, hidden, dtype=acc)  # as in LSTMRecurrence
+        xp, r, hd, hd_low = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"], buf.get("hd_low")
+        xs_op = _into(buf.get("xs_low"), xs)
+        if gx is None and b_ih is not None:
+            mm.baddbmm(b_ih.unsqueeze(1), xs_op, w_ih.transpose(1, 2), out=xp)
+        else:  # with LayerNorm the kernel normalises W_ih x, then adds b_ih
+            mm.bmm(xs_op, w_ih.transpose(1, 2), out=xp)
+        hd[:, :first] = h * rmask if rmask is not None else h
+        w_t = mm.operand(w_hh.transpose(1, 2)).contiguous()  # (as the LSTM's)
+        offsets = _offsets(active)
+        if in_c:
+            getattr(_gru_lib(), f"gru_forward_loop_{_SUFFIX[acc]}")(
+                dirs, batch, len(active), _active_array(active), hidden, rows, w_t.data_ptr(), tmp["wp"].data_ptr(),
+                r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(b_ih), h.data_ptr(),
+                address(rmask), address(b_hh), y.data_ptr(), buf["gates"].data_ptr(), buf["hbn"].data_ptr(),
+                buf["hist"].data_ptr(), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]), address(gh), EPS,
+                address(zh), zh_const, 1, threads)
+        P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
+        last = len(active) - 1
+        for t, n in enumerate(active if not in_c else ()):
+            o = offsets[t]
+            rt = mm.bmm_prepared(_into(hd_low, hd[:, o:o + n], o), w_t,
+                                 out=r[:dirs * n * gsize].view(dirs, n, gsize))  # contiguous
+            fwd(dirs, batch, n, active[t + 1] if t < last else 0, hidden, rows, P_["xp"][t], P_["xstat"][t],
+                address(gx), address(b_ih), rt.data_ptr(), h.data_ptr(), address(rmask), address(b_hh), P_["y"][t],
+                P_["gates"][t], P_["hbn"][t], P_["hist"][t], P_["hd"][t + 1] if t < last else None, P_["rhat"][t],
+                P_["rrstd"][t], address(gh), EPS, P_["zh"][t], zh_const, threads)
+        y = y.to(mm.low)
+        pool.give(tmp_slab)
+        ctx.save_for_backward(*originals)
+        ctx.buf, ctx.release, ctx.mm = buf, pool.hold(ctx, slab), mm
+        ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
+        ctx.has_bias = (b_ih is not None, b_hh is not None)
+        return y, h.to(mm.low)
+
+    @staticmethod
+    def backward(ctx, dy, dh_n):
+        if twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+            return _recorded_backward("GRU", ctx, (dy, dh_n))
+        xs, w_ih, gx, _, _, w_hh, _, gh, rmask, zh = ctx.saved_tensors
+        buf, mm = ctx.buf, ctx.mm
+        gates, hd = buf["gates"], buf["hd"]
+        dirs, rows, gsize = gates.shape
+        hidden, batch = gsize // 3, ctx.batch
+        (zh_const,) = ctx.consts
+        bwd = getattr(_gru_lib(), f"gru_step_backward_{_SUFFIX[gates.dtype]}")
+        threads = torch.get_num_threads()
+        need = ctx.needs_input_grad
+        acc = gates.dtype
+        gx, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, gh, rmask, zh))
+        dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
+        in_c = not mm.mixed  # the whole loop in one C call (gru_backward_loop), as the forward's
+        slab, tmp = pool.views(dict(dpre=(dirs, rows, gsize), dhb=(dirs, rows, gsize),
+                                     dr=(dirs, rows, gsize) if gh is not None else None,
+                                     wp=_packed_weight(gsize, hidden, dirs) if in_c else None,
+                                     g=(dirs * ctx.active[0] * hidden,), **_low_grads(mm, (dirs, rows, gsize), True),
+                                     dy=_copied(dy, acc, (dirs, rows, hidden))), acc, gates.device)
+        dy = _acc_grad(dy, tmp["dy"], gates, (dirs, rows, hidden))
+        dpre, dhb, g = tmp["dpre"], tmp["dhb"], tmp["g"]
+        dr = dhb if tmp["dr"] is None else tmp["dr"]
+        dr_low = tmp["dr_low"]
+        acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
+        acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias[0] and need[3] else None
+        acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
+        offsets = ctx.offsets
+        P_ = {} if in_c else {k: _steps(v, offsets)  # (per-step addresses: the Python loop only)
+                              for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
+        w_hh_p = mm.operand(w_hh)
+        if in_c:
+            getattr(_gru_lib(), f"gru_backward_loop_{_SUFFIX[acc]}")(
+                dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_hh_p.contiguous().data_ptr(),
+                tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), buf["hist"].data_ptr(),
+                gates.data_ptr(), buf["hbn"].data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
+                address(buf["rhat"]), address(buf["rrstd"]), address(gh), address(zh), zh_const, dpre.data_ptr(),
+                dhb.data_ptr(), dr.data_ptr(), address(acc_gx), address(acc_b), address(acc_gh), threads)
+        for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
+            n, o = ctx.active[t], offsets[t]
+            bwd(dirs, batch, n, hidden, rows, P_["dy"][t], dh.data_ptr(), P_["hist"][t], P_["gates"][t], P_["hbn"][t],
+                P_["xp"][t], P_["xstat"][t], address(gx), P_["rhat"][t], P_["rrstd"][t], address(gh), P_["zh"][t],
+                zh_const, P_["dpre"][t], P_["dhb"][t], P_["dr"][t], address(acc_gx), address(acc_b), address(acc_gh),
+                threads)
+            gn = mm.bmm_prepared(_into(dr_low, dr[:, o:o + n], o), w_hh_p,
+                                 out=g[:dirs * n * hidden].view(dirs, n, hidden))
+            if rmask is not None:
+                gn.mul_(rmask[:, :n])
+            dh[:, :n] += gn
+        # one GEMM each over all packed rows: dX, dW_ih, dW_hh = dr^T hd
+        dp_op = _into(tmp["dpre_low"], dpre)
+        d_xs = mm.bmm(dp_op, w_ih, dtype=ctx.dtypes[0]) if need[0] else None
+        d_w_ih = mm.bmm(dp_op.transpose(1, 2), _either(buf.get("xs_low"), xs), dtype=ctx.dtypes[1]) if need[1] else None
+        d_b_ih = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias[0] and need[3] else None
+        d_w_hh = mm.bmm(_either(dr_low, dr).transpose(1, 2), _either(buf.get("hd_low"), hd)) if need[5] else None
+        d_b_hh = dhb.sum(1) if ctx.has_bias[1] and need[6] else None
+        pool.give(slab)
+        if not getattr(ctx, "fresh", False) and pool.graph_freed_after_this_backward():
+            ctx.release()
+            del ctx.buf
+        grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh, acc_gh)
+        return (*in_dtypes(grads, ctx.dtypes), None, None, None, None)
+
+
+def _recorded_backward(cell: str, ctx, grads: tuple) -> tuple[Tensor | None, ...]:
+    """The backward of a layer while it is being recorded (create_graph): the vector-Jacobian product
+    of :func:`~._reference.packed_layer_reference` on the saved inputs (:mod:`fastlayers._core.twice`)."""
+    inputs = ctx.saved_tensors[:15 if cell == "LSTM" else 10]
+
+    def layout(xs, params, states, options, masks):
+        return packed_layer_reference(cell, xs, params, states, ctx.active, options, masks)
+
+    return (*recorded_layer_backward(cell, ctx, grads, inputs, layout), None, None)

@@ -1,0 +1,407 @@
+"""The GPU engine's layers as autograd Functions: :class:`LSTMLayer` and :class:`GRULayer` run one
+layer (all directions) as a loop of Triton step kernels (``fastlayers._triton.lstm`` / ``gru``)
+between the input projection and the input gradients (torch's GEMMs), over the loop driver of
+:mod:`._gpu_graphs` (chunks of steps captured in CUDA graphs and replayed, or run eagerly); their
+double backward differentiates the reference twin (:func:`._reference.layer_reference`). The
+driver that stacks the layers and directions is :mod:`._gpu`; the engine's layout, grid and
+precision rules are described there.
+
+Legend: T time (padded), B batch, F input features, H hidden size, P output size (proj_size, or H),
+G gates, D directions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .._core import precision as _precision, twice as _twice
+from . import _gpu_graphs
+from ._gpu_graphs import TIME
+from ._common import as_dtype, in_dtypes
+from ._reference import layer_reference, recorded_layer_backward
+
+EPS = 1e-5
+
+
+def stack_directions(tensors: list[Tensor]) -> Tensor:
+    """The directions' parameters stacked (D, ...): one direction's is a view (no copy)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _project_input(mm: _precision.Products, x: Tensor, w_ih: Tensor, bias: Tensor | None) -> Tensor:
+    """x (T, B, F) @ W_ih^T for every direction, one GEMM: (T, B, D, G) in mm.acc, + bias if given.
+    x (D, T, B, F), each direction's own input: one batched GEMM, then laid out as (T, B, D, G)."""
+    steps, batch, features = x.shape[-3:]
+    dirs, gsize, _ = w_ih.shape
+    if x.dim() == 4:
+        xp = mm.bmm(x.reshape(dirs, steps * batch, features), w_ih.transpose(1, 2))  # (D, T*B, G)
+        if bias is not None:
+            xp += bias.unsqueeze(1).to(xp.dtype)
+        return xp.view(dirs, steps, batch, gsize).permute(1, 2, 0, 3).contiguous()
+    xp = mm.matmul(x.reshape(steps * batch, features), w_ih.reshape(dirs * gsize, features).t())
+    if bias is not None:
+        xp += bias.reshape(1, dirs * gsize).to(xp.dtype)
+    return xp.view(steps, batch, dirs, gsize)
+
+
+def _input_grads(mm, dpre: Tensor, x: Tensor, w_ih: Tensor, need_x: bool, need_w: bool):
+    """dX (T, B, F) and dW_ih (D, G, F) from dpre (T, B, D, G): one GEMM each. With x (D, T, B, F)
+    (each direction's own input): dX (D, T, B, F), batched GEMMs."""
+    steps, batch, dirs, gsize = dpre.shape
+    if x.dim() == 4:
+        per_dir = dpre.permute(2, 0, 1, 3).reshape(dirs, steps * batch, gsize)
+        d_x = mm.bmm(per_dir, w_ih).view(dirs, steps, batch, -1) if need_x else None
+        d_w = mm.bmm(per_dir.transpose(1, 2), x.reshape(dirs, steps * batch, -1)) if need_w else None
+        return d_x, d_w
+    flat = dpre.view(steps * batch, dirs * gsize)
+    d_x = mm.matmul(flat, w_ih.reshape(dirs * gsize, -1)).view(steps, batch, -1) if need_x else None
+    d_w = mm.matmul(flat.t(), x.reshape(steps * batch, -1)).view(dirs, gsize, -1) if need_w else None
+    return d_x, d_w
+
+
+def _outer(mm, a: Tensor, b: Tensor) -> Tensor:
+    """sum over (T, B) of a^T b per direction: a (D, T, B, X), b (D, T, B, Y) -> (D, X, Y)."""
+    dirs = a.size(0)
+    return mm.bmm(a.reshape(dirs, -1, a.size(-1)).transpose(1, 2), b.reshape(dirs, -1, b.size(-1)))
+
+
+def _slices(w: Tensor) -> int:
+    """S: the partial sums a step's recurrent product a @ w (w (D, K, N), prepared) is split into
+    (:mod:`fastlayers._triton.step_matmul`)."""
+    from .._triton import step_matmul
+
+    return step_matmul.slices(w.size(1))
+
+
+def _product(mm, w: Tensor) -> Callable[[Tensor, tuple[Tensor, int], Tensor], Tensor]:
+    """A time loop's product with the prepared ``w`` (D, K, N): ``product(a, at, out)`` -> out
+    (S, D, B, N) or (D, B, N), the S partial sums of step clock[0] + j of a (D, TC, B, K), at =
+    (clock, j) (:mod:`fastlayers._triton.step_matmul`; a mixed-precision call rounds a to its low
+    dtype, as :meth:`fastlayers._core.precision.Products.bmm_prepared`)."""
+    from .._triton import step_matmul
+
+    low = mm.low if mm.mixed and w.dtype == mm.acc else None
+    return lambda a, at, out: step_matmul.matmul(a, w, out, at, low)
+
+
+def _tf32() -> bool:
+    """Whether float32 step products use TF32 (read when a loop is captured: part of its key)."""
+    return torch.backends.cuda.matmul.allow_tf32
+
+
+def lengths_tensor(lengths: Tensor | None, steps: int, batch: int, like: Tensor) -> Tensor:
+    """The lengths as the kernels read them: (B,) int64 on like's device, all T when None."""
+    if lengths is not None:
+        return lengths
+    return _gpu_graphs.constant(("lengths", steps, batch, like.device),
+                            lambda: torch.full((batch,), steps, dtype=torch.int64, device=like.device), like.device)
+
+
+def numbers_tensor(kernels, consts: tuple, like: Tensor) -> Tensor:
+    """``kernels.scalars(consts, EPS)`` as a tensor in like's dtype and device, a :func:`._gpu_graphs.constant`."""
+    return _gpu_graphs.constant(("numbers", kernels.__name__, consts, like.dtype, like.device),
+                            lambda: _gpu_graphs.values(kernels.scalars(consts, EPS), like.dtype, like.device), like.device)
+
+
+def _result(loop: _gpu_graphs.Loop, t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A result of the loops in ``dtype``: a copy where the loop's buffers are an entry's (the next
+    call replays into the same memory), else the buffer itself when already in ``dtype``."""
+    if loop.captured:
+        return t.to(dtype, copy=True)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _rows_sum(t: Tensor | None) -> Tensor | None:
+    """Sum of per-row products (D, T, B, X) over the rows: (D, X)."""
+    return None if t is None else t.sum((1, 2))
+
+
+class LSTMLayer(torch.autograd.Function):
+    """One LSTM layer, all directions, padded layout with lengths as data.
+
+    Inputs: x (T, B, F); w_ih (D, G, F); gx (D, G) | None input LayerNorm gain; bias (D, G) | None
+    (b_ih + b_hh); h0 (D, B, P), c0 (D, B, H); w_hh (D, G, P); gh (D, G) | None; gc, bc (D, H) |
+    None; peep (D, 3H) | None (i, f, o); w_hr (D, P, H) | None; rmask (D, B, P) | None (scaled);
+    zc (D, T, B, H), zh (D, T, B, P) | None zoneout keep-masks in original order; lengths (B,) int64
+    on x's device | None (all T); consts (cell_clip or 0, z_c, z_h, proj_clip or 0). Returns
+    y (T, B, D*P) (zeros at padding), h_n (D, B, P), c_n (D, B, H). The time loops run on the
+    buffers of a :class:`._gpu_graphs.Loop` (captured chunks replayed, or eagerly), kept on ``ctx.loop``
+    for the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, lengths, consts):
+        from .._triton import lstm as kernels
+
+        ctx.dtypes = [t.dtype if t is not None else None for t in (x, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep,
+                                                                    w_hr)]
+        originals = (x, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, lengths)  # see backward
+        mm = _precision.Products.of(x)  # read the autocast state before switching it off
+        with torch.autocast(x.device.type, enabled=False):
+            acc = mm.acc
+            steps, batch = x.shape[-3:-1]
+            dirs, gsize, _ = w_ih.shape
+            hidden, out_size = gsize // 4, h0.size(2)
+            _, zc_const, _, pclip = consts
+            ln, proj = gx is not None, w_hr is not None
+            gx, bias, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc,
+                                                                               zh))
+            xp = _project_input(mm, x, w_ih, None if ln else bias)  # with LayerNorm the kernel adds the bias
+            step = (dirs, TIME, batch)
+            ins = dict(xp=xp, bias=bias, gx=gx, h=h0.to(acc, copy=True), c=c0.to(acc, copy=True),
+                       w_t=mm.operand(w_hh.transpose(1, 2)).contiguous(),
+                       w_hr_t=mm.operand(w_hr.transpose(1, 2)).contiguous() if proj else None,
+                       gh=gh, gc=gc, bc=bc, peep=peep, rmask=rmask, zc=zc, zh=zh,
+                       lengths=lengths_tensor(lengths, steps, batch, x), numbers=numbers_tensor(kernels, consts, xp))
+            outs = dict(
+                gates=(*step, gsize), c1=(*step, hidden), hd=(*step, out_size),
+                chist=(*step, hidden) if zc is not None or zc_const else None,
+                xstat=(*step, 2) if ln else None, rhat=(*step, gsize) if ln else None, rrstd=step if ln else None,
+                cstat=(*step, 2) if ln else None, y1=(*step, hidden) if proj else None,
+                keep=(*step, out_size) if proj and pclip else None, y=(TIME, batch, dirs, out_size),
+                r=(dirs, batch, gsize), hp=(dirs, batch, out_size) if proj else None)
+            loop = _gpu_graphs.open(ctx, ("LSTM", consts, mm.low, _tf32()), steps, ins, outs, _TIMED)
+            loop.run("forward", loop.st, _lstm_forward_prologue,
+                     lambda st, js: _lstm_forward_steps(kernels, mm, st, consts, js))
+            st = loop.st
+        ctx.save_for_backward(*originals, x, w_ih, c0 if c0.dtype == acc else c0.to(acc), w_hh, w_hr)
+        ctx.loop, ctx.mm, ctx.consts, ctx.has_bias = loop, mm, consts, bias is not None
+        # captured: the state and output are copies (the next call replays into the same memory)
+        return (_result(loop, st["y"][:steps].view(steps, batch, dirs * out_size), mm.low),
+                _result(loop, st["h"], mm.low), _result(loop, st["c"], mm.low))
+
+    @staticmethod
+    def backward(ctx, dy, dh_n, dc_n):
+        from .._triton import lstm as kernels
+
+        if _twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+            return _recorded_backward("LSTM", ctx, (dy, dh_n, dc_n))
+        x, w_ih, c0, w_hh, w_hr = ctx.saved_tensors[16:]
+        loop, mm, need = ctx.loop, ctx.mm, ctx.needs_input_grad
+        fwd = loop.st
+        steps = loop.steps
+        dirs, gsize, _ = w_ih.shape
+        batch, hidden, out_size = c0.size(1), gsize // 4, w_hh.size(2)
+        ln, proj = fwd["gx"] is not None, w_hr is not None
+        like = fwd["numbers"]
+        acc = like.dtype
+        with torch.autocast(like.device.type, enabled=False):
+            dy = (dy.to(acc).contiguous() if dy is not None else like.new_zeros(steps, batch, dirs * out_size)
+                  ).view(steps, batch, dirs, out_size)
+            dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else like.new_zeros(dirs, batch, out_size)
+            dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else like.new_zeros(dirs, batch, hidden)
+            step = (dirs, TIME, batch)
+            w = mm.operand(w_hh)
+            ins = dict(dy=dy, dh=dh, dc=dc, c0=c0, w_hh=w, w_hr=mm.operand(w_hr) if proj else None)
+            outs = dict(
+                dpre=(TIME, batch, dirs, gsize), dr=(*step, gsize),
+                pgx=(*step, gsize) if ln and need[2] else None, pb=(*step, gsize) if ln and ctx.has_bias and need[3]
+                else None, pgh=(*step, gsize) if ln and need[7] else None,
+                pgc=(*step, hidden) if ln and (need[8] or need[9]) else None,
+                pbc=(*step, hidden) if ln and (need[8] or need[9]) else None,
+                ppeep=(*step, 3 * hidden) if fwd["peep"] is not None and need[10] else None,
+                dhp=(*step, out_size) if proj else None, g=(_slices(w), dirs, batch, out_size),
+                dy1=(dirs, batch, hidden) if proj else None, dhk=(dirs, batch, hidden) if proj else None)
+            st = loop.add(ins, outs, {"dy": 0})
+            loop.run("backward", st, _lstm_backward_prologue,
+                     lambda st, js: _lstm_backward_steps(kernels, mm, st, ctx.consts, js), reverse=True)
+            g = st["g"].sum(0)
+            dh = st["dh"] + (g * st["rmask"] if st["rmask"] is not None else g)
+            dc = st["dc"].clone()
+            cut = loop.cut(st)
+            d_x, d_w_ih = _input_grads(mm, cut["dpre"], x, w_ih, need[0], need[1])
+            d_bias = None
+            if ctx.has_bias and need[3]:
+                d_bias = _rows_sum(cut["pb"]) if ln else cut["dpre"].sum((0, 1))
+            d_w_hh = _outer(mm, cut["dr"], cut["hd"]) if need[6] else None
+            d_w_hr = _outer(mm, cut["dhp"], cut["y1"]) if proj and need[11] else None
+            out = (d_x, d_w_ih, _rows_sum(cut["pgx"]), d_bias, dh if need[4] else None, dc if need[5] else None,
+                   d_w_hh, _rows_sum(cut["pgh"]), _rows_sum(cut["pgc"]) if need[8] else None,
+                   _rows_sum(cut["pbc"]) if need[9] else None, _rows_sum(cut["ppeep"]), d_w_hr)
+        _gpu_graphs.backward_done(ctx)
+        return (*in_dtypes(out, ctx.dtypes), None, None, None, None, None)
+
+
+_TIMED = {"xp": 0, "zc": 1, "zh": 1}  # the time dimension of the layers' inputs with one
+
+
+def _lstm_forward_prologue(st: dict) -> None:
+    st["hd"][:, 0] = st["h"] * st["rmask"] if st["rmask"] is not None else st["h"]
+
+
+def _lstm_forward_steps(kernels, mm, st: dict, consts, js) -> None:
+    """Steps clock[0] + j, j in ``js``, of the forward time loop, on the tensors of ``st`` only (so
+    that they can be captured and replayed)."""
+    proj, hd, lengths, clock = st["w_hr_t"] is not None, st["hd"], st["lengths"], st["clock"]
+    product = _product(mm, st["w_t"])
+    project = _product(mm, st["w_hr_t"]) if proj else None
+    for j in js:
+        at = (clock, j)
+        product(hd, at, st["r"])
+        kernels.step_forward(at, lengths, st["xp"], st["bias"], st["gx"], st["r"], None if proj else st["h"], st["c"],
+                             None if proj else st["rmask"], st["gh"], st["gc"], st["bc"], st["peep"], st["zc"],
+                             None if proj else st["zh"], None if proj else st["y"], None if proj else hd, st, consts,
+                             st["numbers"])
+        if proj:
+            project(st["y1"], at, st["hp"])
+            kernels.project(at, lengths, st["hp"], st["h"], st["rmask"], st["zh"], st["keep"], st["y"], hd,
+                            st["numbers"])
+
+
+def _lstm_backward_prologue(st: dict) -> None:
+    st["g"].zero_()  # the recurrent part of the gradient before the loop's first step
+    if st["dhk"] is not None:
+        st["dhk"].zero_()
+
+
+def _lstm_backward_steps(kernels, mm, st: dict, consts, js) -> None:
+    """Steps clock[0] + j, j in ``js`` (clock[0] counting down), of the backward time loop on the
+    tensors of ``st`` only; leaves dh, dc as the gradients of h_0, c_0 but for the recurrent part
+    of the first step, g (added after the loop)."""
+    proj, lengths, dh, rmask, clock = st["w_hr"] is not None, st["lengths"], st["dh"], st["rmask"], st["clock"]
+    product = _product(mm, st["w_hh"])
+    back_project = _product(mm, st["w_hr"]) if proj else None
+    for j in js:
+        at = (clock, j)
+        if proj:  # back through the projection first; the kernel's own h gradient stays 0
+            kernels.project_backward(at, lengths, st["dy"], dh, st["g"], rmask, st["zh"], st["keep"], st["dhp"],
+                                     st["numbers"])
+            back_project(st["dhp"], at, st["dy1"])
+            kernels.step_backward(at, lengths, st["dy1"], st["dhk"], st["dc"], st["g"], None, st["c0"], st["xp"],
+                                  st["gx"], st["gh"], st["gc"], st["bc"], st["peep"], st["zc"], None, st, st, consts,
+                                  st["numbers"])
+        else:
+            kernels.step_backward(at, lengths, st["dy"], dh, st["dc"], st["g"], rmask, st["c0"], st["xp"], st["gx"],
+                                  st["gh"], st["gc"], st["bc"], st["peep"], st["zc"], st["zh"], st, st, consts,
+                                  st["numbers"])
+        product(st["dr"], at, st["g"])
+
+
+class GRULayer(torch.autograd.Function):
+    """One GRU layer, all directions, padded layout with lengths as data.
+
+    Inputs: x (T, B, F); w_ih (D, G, F); gx (D, G) | None; b_ih (D, G) | None; h0 (D, B, H); w_hh
+    (D, G, H); b_hh (D, G) | None; gh (D, G) | None; rmask (D, B, H) | None; zh (D, T, B, H) |
+    None; lengths (B,) | None; consts (z_h,). Returns y (T, B, D*H), h_n (D, B, H). Loops as
+    :class:`LSTMLayer`'s.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, lengths, consts):
+        from .._triton import gru as kernels
+
+        ctx.dtypes = [t.dtype if t is not None else None for t in (x, w_ih, gx, b_ih, h0, w_hh, b_hh, gh)]
+        originals = (x, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, lengths)  # see backward
+        mm = _precision.Products.of(x)
+        with torch.autocast(x.device.type, enabled=False):
+            acc = mm.acc
+            steps, batch = x.shape[-3:-1]
+            dirs, gsize, _ = w_ih.shape
+            hidden = gsize // 3
+            ln = gx is not None
+            gx, b_ih, b_hh, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
+            xp = _project_input(mm, x, w_ih, None if ln else b_ih)
+            step = (dirs, TIME, batch)
+            ins = dict(xp=xp, b_ih=b_ih, gx=gx, h=h0.to(acc, copy=True),
+                       w_t=mm.operand(w_hh.transpose(1, 2)).contiguous(), b_hh=b_hh, gh=gh, rmask=rmask, zh=zh, lengths=lengths_tensor(lengths, steps, batch, x),
+                       numbers=numbers_tensor(kernels, consts[0], xp))
+            outs = dict(gates=(*step, gsize), hbn=(*step, hidden), hist=(*step, hidden), hd=(*step, hidden),
+                        xstat=(*step, 2) if ln else None, rhat=(*step, gsize) if ln else None,
+                        rrstd=step if ln else None, y=(TIME, batch, dirs, hidden), r=(dirs, batch, gsize))
+            loop = _gpu_graphs.open(ctx, ("GRU", mm.low, _tf32()), steps, ins, outs, _TIMED)
+            loop.run("forward", loop.st, _gru_forward_prologue, lambda st, js: _gru_forward_steps(kernels, mm, st, js))
+            st = loop.st
+        ctx.save_for_backward(*originals, x, w_ih, w_hh)
+        ctx.loop, ctx.mm, ctx.has_bias, ctx.consts = loop, mm, (b_ih is not None, b_hh is not None), consts
+        return (_result(loop, st["y"][:steps].view(steps, batch, dirs * hidden), mm.low),
+                _result(loop, st["h"], mm.low))
+
+    @staticmethod
+    def backward(ctx, dy, dh_n):
+        from .._triton import gru as kernels
+
+        if _twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+            return _recorded_backward("GRU", ctx, (dy, dh_n))
+        x, w_ih, w_hh = ctx.saved_tensors[11:]
+        loop, mm, need = ctx.loop, ctx.mm, ctx.needs_input_grad
+        fwd = loop.st
+        steps = loop.steps
+        dirs, gsize, _ = w_ih.shape
+        batch, hidden = fwd["h"].size(1), gsize // 3
+        ln = fwd["gx"] is not None
+        like = fwd["numbers"]
+        acc = like.dtype
+        with torch.autocast(like.device.type, enabled=False):
+            dy = (dy.to(acc).contiguous() if dy is not None else like.new_zeros(steps, batch, dirs * hidden)
+                  ).view(steps, batch, dirs, hidden)
+            dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else like.new_zeros(dirs, batch, hidden)
+            step = (dirs, TIME, batch, gsize)
+            w = mm.operand(w_hh)
+            outs = dict(dpre=(TIME, batch, dirs, gsize), dr=step,
+                        dhb=step if ln and ctx.has_bias[1] and need[6] else None,
+                        pgx=step if ln and need[2] else None,
+                        pb=step if ln and ctx.has_bias[0] and need[3] else None,
+                        pgh=step if ln and need[7] else None, g=(_slices(w), dirs, batch, hidden))
+            st = loop.add(dict(dy=dy, dh=dh, w_hh=w), outs, {"dy": 0})
+            loop.run("backward", st, _gru_backward_prologue, lambda st, js: _gru_backward_steps(kernels, mm, st, js),
+                     reverse=True)
+            g = st["g"].sum(0)
+            dh = st["dh"] + (g * st["rmask"] if st["rmask"] is not None else g)
+            cut = loop.cut(st)
+            d_x, d_w_ih = _input_grads(mm, cut["dpre"], x, w_ih, need[0], need[1])
+            d_b_ih = (_rows_sum(cut["pb"]) if ln else cut["dpre"].sum((0, 1))) if ctx.has_bias[0] and need[3] \
+                else None
+            d_w_hh = _outer(mm, cut["dr"], cut["hd"]) if need[5] else None
+            d_b_hh = (_rows_sum(cut["dhb"]) if ln else _rows_sum(cut["dr"])) if ctx.has_bias[1] and need[6] \
+                else None
+            out = (d_x, d_w_ih, _rows_sum(cut["pgx"]), d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh,
+                   _rows_sum(cut["pgh"]))
+        _gpu_graphs.backward_done(ctx)
+        return (*in_dtypes(out, ctx.dtypes), None, None, None, None)
+
+
+def _gru_forward_prologue(st: dict) -> None:
+    st["hd"][:, 0] = st["h"] * st["rmask"] if st["rmask"] is not None else st["h"]
+
+
+def _gru_forward_steps(kernels, mm, st: dict, js) -> None:
+    hd, clock = st["hd"], st["clock"]
+    product = _product(mm, st["w_t"])
+    for j in js:
+        at = (clock, j)
+        product(hd, at, st["r"])
+        kernels.step_forward(at, st["lengths"], st["xp"], st["b_ih"], st["gx"], st["r"], st["h"], st["rmask"],
+                             st["b_hh"], st["gh"], st["zh"], st["y"], hd, st, st["numbers"])
+
+
+def _gru_backward_prologue(st: dict) -> None:
+    st["g"].zero_()
+
+
+def _gru_backward_steps(kernels, mm, st: dict, js) -> None:
+    clock = st["clock"]
+    product = _product(mm, st["w_hh"])
+    for j in js:
+        at = (clock, j)
+        kernels.step_backward(at, st["lengths"], st["dy"], st["dh"], st["g"], st["rmask"], st["xp"], st["gx"],
+                              st["gh"], st["zh"], st, st, st["numbers"])
+        product(st["dr"], at, st["g"])
+
+
+def _recorded_backward(cell: str, ctx, grads: tuple) -> tuple[Tensor | None, ...]:
+    """The backward of a layer while it is being recorded (create_graph): the vector-Jacobian product
+    of :func:`~._reference.layer_reference` (padded layout, lengths as data) on the saved
+    inputs (:mod:`fastlayers._core.twice`)."""
+    count = 15 if cell == "LSTM" else 10
+    inputs, lengths = ctx.saved_tensors[:count], ctx.saved_tensors[count]
+    if inputs[0].dim() == 4:
+        raise RuntimeError(f"fastlayers: a {cell} layer run with per-direction inputs (checkpoint_every's segments) "
+                           "cannot differentiate twice; the layer's second derivatives recompute it whole instead")
+
+    def layout(x, params, states, options, masks):
+        return layer_reference(cell, x, params, states, lengths, options, masks)
+
+    return (*recorded_layer_backward(cell, ctx, grads, inputs, layout), None, None)

@@ -1,0 +1,433 @@
+"""Recomputation through time, the mechanics: :class:`Segments`, the autograd Function that runs a
+layer's directions as time segments (keeping each segment's entering state, recomputing it in the
+backward), and the row maps, plans and per-segment calls it uses. The entry point and the design
+(what is kept, what is recomputed, how the directions and engines are served) are in
+:mod:`._remat`.
+
+Legend: T time, B batch, F input features, H hidden size, P output size (proj_size, or H),
+D directions, k steps per segment.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .._native import ops_lib
+from ._cpu import packed_layer
+from ._lengths import make_plan
+from ._options import CellOptions
+
+Engine = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
+
+
+def row_maps(lengths: Tensor | None, steps: int, batch: int, dirs: int, device: torch.device) -> list[Tensor]:
+    """Per direction, (T, B) flat row index into a (T*B, X) view of the padded tensor: row t of
+    sequence b in the direction's own time. Forward: t*B + b. Reverse: the time reversed within
+    each sequence's length (padding rows stay in place), as a PackedSequence reads it."""
+    t = torch.arange(steps, device=device).unsqueeze(1).expand(steps, batch)
+    col = torch.arange(batch, device=device)
+    maps = [(t * batch + col).contiguous()]
+    if dirs == 2:
+        maps.append((_reversed_steps(steps, batch, lengths, device) * batch + col).contiguous())
+    return maps
+
+
+def _reversed_steps(steps: int, batch: int, lengths: Tensor | None, device: torch.device) -> Tensor:
+    """(T, B): for row t of sequence b, the row of the same step with the time reversed within the
+    sequence's length (lengths[b] - 1 - t), rows at or after the length unchanged; all T reversed
+    without lengths. Its own inverse."""
+    t = torch.arange(steps, device=device).unsqueeze(1).expand(steps, batch)
+    if lengths is None:
+        return steps - 1 - t
+    n = lengths.to(device).unsqueeze(0)
+    return torch.where(t < n, n - 1 - t, t)
+
+
+def _index(fmap: Tensor, start: int, stop: int, rows: Tensor | None) -> Tensor:
+    """The flat rows of steps [start, stop) (batch rows ``rows`` or all), (k * B_j,)."""
+    idx = fmap[start:stop]
+    return (idx if rows is None else idx[:, rows]).reshape(-1)
+
+
+def take(flat: Tensor, fmap: Tensor, identity: bool, start: int, stop: int, rows: Tensor | None) -> Tensor:
+    """Steps [start, stop) of ``flat`` ((T*B, X), any row stride) in the direction's time: (k, B_j, X).
+    ``identity``: fmap is the forward direction's (a slice then, no copy)."""
+    k, batch = stop - start, fmap.size(1)
+    if identity and rows is None:
+        return flat[start * batch:stop * batch].view(k, batch, flat.size(1))
+    return flat.index_select(0, _index(fmap, start, stop, rows)).view(k, -1, flat.size(1))
+
+
+def _give(flat: Tensor, fmap: Tensor, identity: bool, start: int, stop: int, rows: Tensor | None, value: Tensor,
+          add: bool) -> None:
+    """Steps [start, stop) of ``flat`` ((T*B, X) view) in the direction's time (batch rows ``rows``)
+    receive ``value`` (k, B_j, X): copied, or added (``add``). In place."""
+    batch = fmap.size(1)
+    value = value.reshape(-1, flat.size(1))
+    if identity and rows is None:
+        part = flat[start * batch:stop * batch]
+        part.add_(value) if add else part.copy_(value)
+    elif add:
+        flat.index_add_(0, _index(fmap, start, stop, rows), value)
+    else:
+        flat.index_copy_(0, _index(fmap, start, stop, rows), value)
+
+
+class Plan:
+    """The segments of one layer (both directions share them, each in its own time): bounds, and
+    per segment the running batch rows and lengths."""
+
+    def __init__(self, steps: int, k: int, lengths: Tensor | None, device: torch.device) -> None:
+        self.bounds = [(s, min(s + k, steps)) for s in range(0, steps, k)]
+        self.parts: list[tuple[Tensor | None, Tensor | None]] = []  # (rows or None = all, lengths or None = full)
+        for start, stop in self.bounds:
+            if lengths is None:
+                self.parts.append((None, None))
+                continue
+            running = lengths > start
+            seg = (lengths - start).clamp(max=stop - start)
+            if bool(running.all()):
+                full = bool((seg == stop - start).all())
+                self.parts.append((None, None if full else seg))
+            else:
+                rows = running.nonzero().flatten()
+                self.parts.append((rows.to(device), seg[rows]))
+        if lengths is not None:  # segments after every sequence's end run nothing
+            last = int(lengths.max())
+            keep = [i for i, (start, _) in enumerate(self.bounds) if start < last]
+            self.bounds = [self.bounds[i] for i in keep]
+            self.parts = [self.parts[i] for i in keep]
+
+
+class Spec(NamedTuple):
+    """What a layer's segments need besides tensors (the Function's first argument)."""
+    engine: Engine
+    plan: Plan
+    maps: list[Tensor]  # per direction, (T, B) flat rows in its own time (row_maps)
+    options: CellOptions
+    training: bool
+    masks: list[dict[str, Tensor] | None]  # per direction, full-time masks in its own time
+    n_states: int
+    names: list[str]  # parameter names of one direction
+    width: int  # P, the output columns of one direction
+    cell: str  # "LSTM" or "GRU"
+    native: bool  # the engine is the C kernels' (lstm_engine / gru_engine): no-grad segments may run its operator
+    triton: bool  # the engine is the Triton one: a segment's two directions run in one call (_paired)
+
+
+class Segments(torch.autograd.Function):
+    """One layer, every direction, over its segments (see the module docstring).
+
+    forward(ctx, spec, x, *tensors): ``spec`` a :class:`Spec`; x (T, B, F); ``tensors`` = the
+    states (D, B, width) then each direction's parameters (``spec.names`` order, direction after
+    direction). Returns the output (T, B, D*P) and the final states (D, B, width).
+    """
+
+    @staticmethod
+    def forward(ctx, spec: Spec, x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        kept: list[Tensor] = []
+        out, states = _all_segments(spec, x, tensors, kept)
+        ctx.spec = spec
+        ctx.save_for_backward(x, *tensors, *kept)
+        return (out, *states)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor, *dfinal: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        spec: Spec = ctx.spec
+        n_states, n_params, dirs = spec.n_states, len(spec.names), len(spec.maps)
+        saved = ctx.saved_tensors
+        x, tensors = saved[0], saved[1:1 + n_states + dirs * n_params]
+        kept_flat = saved[1 + n_states + dirs * n_params:]
+        if torch.is_grad_enabled():  # create_graph: the whole layer again, recorded, for higher derivatives
+            return _recorded_backward(spec, x, tensors, dy, dfinal)
+        steps, batch = x.shape[:2]
+        # kept[j][d] = the states entering segment j of direction d, each (1, B, width)
+        per_seg = n_states * dirs
+        kept = [[kept_flat[j * per_seg + d * n_states:j * per_seg + (d + 1) * n_states] for d in range(dirs)]
+                for j in range(len(kept_flat) // per_seg)]
+        params = tensors[n_states:]
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in params]
+        dx = x.new_zeros(x.shape) if ctx.needs_input_grad[1] else None
+        x2, dy2 = x.reshape(steps * batch, -1), dy.reshape(steps * batch, -1)  # copies only if strided
+        dx2 = dx.view(steps * batch, -1) if dx is not None else None
+        carry = [(g.clone() if g is not None else torch.zeros_like(s)) for g, s in zip(dfinal, tensors[:n_states])]
+        dparams: list[Tensor | None] = [None] * len(leaves)
+        for j in reversed(range(len(spec.plan.bounds))):
+            if spec.native:  # both directions in one engine call
+                _native_segment_backward(spec, j, x2, dy2, dx2, kept[j], leaves, carry, dparams)
+                continue
+            if spec.triton and dirs == 2:  # likewise, each direction with its own input
+                _paired_segment_backward(spec, j, x2, dy2, dx2, kept[j], leaves, carry, dparams)
+                continue
+            start, stop = spec.plan.bounds[j]
+            rows = spec.plan.parts[j][0]
+            pick = rows if rows is not None else slice(None)
+            for d in range(dirs):
+                fmap, ident = spec.maps[d], d == 0
+                mine = leaves[d * n_params:(d + 1) * n_params]
+                with torch.enable_grad():
+                    xs = take(x2, fmap, ident, start, stop, rows).detach().requires_grad_(dx is not None)
+                    s_in = [s[:, pick].detach().requires_grad_() for s in kept[j][d]]
+                    y, new = _segment(spec, j, d, xs, s_in, dict(zip(spec.names, mine)))
+                block = dy2[:, d * spec.width:(d + 1) * spec.width]
+                dys = take(block, fmap, ident, start, stop, rows)
+                wrt = [t for t in (xs, *s_in, *mine) if t.requires_grad]
+                grads = torch.autograd.grad([y, *new], wrt, [dys, *(c[d:d + 1, pick] for c in carry)],
+                                            allow_unused=True)
+                it = iter(grads)
+                if xs.requires_grad:  # added: the other direction's segments write these rows too
+                    _give(dx2, fmap, ident, start, stop, rows, next(it), add=True)
+                _hand_out(it, carry, slice(d, d + 1), pick, leaves, range(d * n_params, (d + 1) * n_params), dparams)
+        return (None, dx, *carry, *dparams)
+
+
+def _hand_out(grads: Iterator[Tensor | None], carry: list[Tensor], lanes: slice, pick: Tensor | slice,
+              leaves: list[Tensor], which: range, dparams: list[Tensor | None]) -> None:
+    """A segment's gradients after its input's: the entering states' become the carried state
+    gradients (directions ``lanes``, batch rows ``pick``); those of the parameters ``leaves[i]``, i in
+    ``which``, that want one are summed into ``dparams[i]``, in one buffer of ours (no allocation per
+    segment)."""
+    for c in carry:
+        g = next(grads)
+        c[lanes, pick] = g if g is not None else 0.0
+    for i in which:
+        if leaves[i].requires_grad:
+            g = next(grads)
+            if g is None:
+                continue
+            if dparams[i] is None:
+                dparams[i] = g.clone(memory_format=torch.contiguous_format)
+            else:
+                dparams[i].add_(g)  # type: ignore[union-attr]
+
+
+def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
+                             kept: list[tuple[Tensor, ...]], leaves: list[Tensor], carry: list[Tensor],
+                             dparams: list[Tensor | None]) -> None:
+    """Segment j's backward with the C kernels' engine, every direction in one call (as the layer
+    without segments runs them): the segment's packed rows of both directions gathered from the
+    input by their original flat rows (each direction in its own time), recomputed with autograd
+    (:func:`._cpu.packed_layer`), and back-propagated; the input gradient added into ``dx2``,
+    the state gradients into ``carry`` (D, B, width) and the parameter gradients into ``dparams``."""
+    start, stop = spec.plan.bounds[j]
+    rows, seg_lengths = spec.plan.parts[j]
+    pick = rows if rows is not None else slice(None)
+    dirs, n_params = len(spec.maps), len(spec.names)
+    k = stop - start
+    batch = spec.maps[0].size(1) if rows is None else rows.numel()
+    if seg_lengths is None:  # every running sequence runs all k steps: packed rows = padded rows
+        active, packed, order = (batch,) * k, None, None
+    else:
+        plan = make_plan(seg_lengths, k, False, x2.device)
+        active = tuple(n for span, n in plan.segments for _ in range(span))
+        packed, order = plan.forward_rows, plan.sorted_indices
+
+    def pack(t: Tensor) -> Tensor:  # (k * B_j, ...) in (step, batch) order -> packed rows
+        return t if packed is None else t.index_select(0, packed)
+
+    def sort(t: Tensor) -> Tensor:  # (D, B_j, ...) batch order -> length-sorted
+        return t if order is None else t.index_select(1, order)
+
+    idx = torch.stack([pack(_index(spec.maps[d], start, stop, rows)) for d in range(dirs)])  # (D, N)
+    rows_n = idx.size(1)
+    masks: dict[str, Tensor] = {}  # the directions' masks together: (D, B_j, P) or packed (D, N, width)
+    per_dir = [_segment_masks(spec, j, d) or {} for d in range(dirs)]
+    for key in per_dir[0]:
+        parts = [m[key] if key == "recurrent" else pack(m[key].reshape(-1, m[key].size(-1))).unsqueeze(0)
+                 for m in per_dir]
+        masks[key] = torch.cat(parts)
+    with torch.enable_grad():
+        xs = x2.index_select(0, idx.reshape(-1)).view(dirs, rows_n, -1).detach().requires_grad_(dx2 is not None)
+        s_in = [torch.cat([kept[d][i] for d in range(dirs)])[:, pick].detach().requires_grad_()
+                for i in range(spec.n_states)]
+        dir_params = [dict(zip(spec.names, leaves[d * n_params:(d + 1) * n_params])) for d in range(dirs)]
+        rmask = masks.get("recurrent")
+        y, last = packed_layer(spec.cell, xs, dir_params, tuple(sort(s) for s in s_in),
+                               sort(rmask) if rmask is not None else None, masks.get("zoneout_c"),
+                               masks.get("zoneout_h"), active, spec.options, spec.training)
+    width = spec.width
+    dys = torch.stack([dy2[:, d * width:(d + 1) * width].index_select(0, idx[d]) for d in range(dirs)])
+    wrt = [t for t in (xs, *s_in, *leaves) if t.requires_grad]
+    grads = iter(torch.autograd.grad([y, *last], wrt, [dys, *(sort(c[:, pick]) for c in carry)], allow_unused=True))
+    if xs.requires_grad:
+        dx2.index_add_(0, idx.reshape(-1), next(grads).reshape(dirs * rows_n, -1))  # type: ignore[union-attr]
+    _hand_out(grads, carry, slice(None), pick, leaves, range(len(leaves)), dparams)
+
+
+def _flip(t: Tensor, lengths: Tensor | None) -> Tensor:
+    """A segment's rows (k, B_j, ...) with each sequence's first lengths[b] steps in reverse order
+    (all k without lengths); the rows after them stay. Its own inverse. The Triton engine's reverse
+    direction runs row t from len_b - 1 down to 0, so a direction's own-time rows given flipped run
+    in their own order there."""
+    if lengths is None:
+        return t.flip(0)
+    idx = _reversed_steps(t.size(0), t.size(1), lengths, t.device)  # (k, B_j)
+    return t.gather(0, idx.view(*idx.shape, *(1,) * (t.dim() - 2)).expand_as(t))
+
+
+def _paired(spec: Spec, j: int, xs: list[Tensor], states: list[Tensor], params: list[dict[str, Tensor]]
+            ) -> tuple[list[Tensor], tuple[Tensor, ...]]:
+    """Segment j of both directions in ONE call of the Triton engine (each direction's launches then
+    serve both, as the layer without segments runs them): xs[d] direction d's input rows in its own
+    time (k_j, B_j, F), states (2, B_j, width) per state, params[d] direction d's parameters.
+    Returns ([direction d's output in its own time, (k_j, B_j, P)], the final states (2, B_j, width)).
+    The reverse direction's rows go in flipped within each sequence's length (:func:`_flip`)."""
+    seg_lengths = spec.plan.parts[j][1]
+    x = torch.stack([xs[0], _flip(xs[1], seg_lengths)])  # (2, k_j, B_j, F)
+    per_dir = [_segment_masks(spec, j, d) for d in range(2)]
+    masks = None
+    if per_dir[0] is not None:
+        masks = {key: torch.cat([per_dir[0][key], per_dir[1][key] if key == "recurrent"
+                                 else _flip(per_dir[1][key][0], seg_lengths).unsqueeze(0)])
+                 for key in per_dir[0]}
+    y, last = spec.engine(x, tuple(states), [list(params)], seg_lengths, spec.options, dropout=0.0,
+                          training=spec.training, masks=[masks] if masks is not None else None)
+    width = spec.width
+    return [y[..., :width], _flip(y[..., width:], seg_lengths)], last
+
+
+def _paired_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
+                             kept: list[tuple[Tensor, ...]], leaves: list[Tensor], carry: list[Tensor],
+                             dparams: list[Tensor | None]) -> None:
+    """Segment j's backward with the Triton engine, both directions in one call (:func:`_paired`),
+    recomputed with autograd and back-propagated: the input gradient added into ``dx2``, the state
+    gradients into ``carry`` (2, B, width), the parameter gradients into ``dparams``."""
+    start, stop = spec.plan.bounds[j]
+    rows = spec.plan.parts[j][0]
+    pick = rows if rows is not None else slice(None)
+    n_params = len(spec.names)
+    with torch.enable_grad():
+        xs = [take(x2, spec.maps[d], d == 0, start, stop, rows).detach().requires_grad_(dx2 is not None)
+              for d in range(2)]
+        s_in = [torch.cat([kept[d][i] for d in range(2)])[:, pick].detach().requires_grad_()
+                for i in range(spec.n_states)]
+        params = [dict(zip(spec.names, leaves[d * n_params:(d + 1) * n_params])) for d in range(2)]
+        y, last = _paired(spec, j, xs, s_in, params)
+    width = spec.width
+    dys = [take(dy2[:, d * width:(d + 1) * width], spec.maps[d], d == 0, start, stop, rows) for d in range(2)]
+    wrt = [t for t in (*xs, *s_in, *leaves) if t.requires_grad]
+    grads = iter(torch.autograd.grad([*y, *last], wrt, [*dys, *(c[:, pick] for c in carry)], allow_unused=True))
+    if dx2 is not None:  # added: the other direction's segments write these rows too
+        for d in range(2):
+            _give(dx2, spec.maps[d], d == 0, start, stop, rows, next(grads), add=True)
+    _hand_out(grads, carry, slice(None), pick, leaves, range(len(leaves)), dparams)
+
+
+def _segment(spec: Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tuple[Tensor, ...],
+             params: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """Segment j of direction d through the engine, from its running rows' input x (k_j, B_j, F)
+    and states (1, B_j, width): (its output (k_j, B_j, P), its final states (1, B_j, width))."""
+    seg_lengths = spec.plan.parts[j][1]
+    m = _segment_masks(spec, j, d)
+    if spec.native and ops_lib.serves(x):  # the forward's pass, no gradient recorded
+        return _operator(spec, x, states, params, seg_lengths, m or {})
+    return spec.engine(x, tuple(states), [[params]], seg_lengths, spec.options, dropout=0.0, training=spec.training,
+                       masks=[m] if m is not None else None)
+
+
+def _segment_masks(spec: Spec, j: int, d: int) -> dict[str, Tensor] | None:
+    """Direction d's masks for segment j's running rows: recurrent (1, B_j, P), zoneout_h
+    (1, k_j, B_j, P) and zoneout_c (1, k_j, B_j, H) in the direction's time; None without masks."""
+    masks = spec.masks[d]
+    if not masks:
+        return None
+    start, stop = spec.plan.bounds[j]
+    rows = spec.plan.parts[j][0]
+    m = {}
+    for key, mask in masks.items():
+        if key == "recurrent":  # (1, B, P)
+            m[key] = mask if rows is None else mask[:, rows]
+        else:  # (1, T, B, width)
+            part = mask[:, start:stop]
+            m[key] = part if rows is None else part[:, :, rows]
+    return m
+
+
+def _operator(spec: Spec, x: Tensor, states: list[Tensor] | tuple[Tensor, ...], params: dict[str, Tensor],
+              lengths: Tensor | None, m: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """A segment without autograd as one call of the layer's C++ operator (:mod:`._ops_export`; what
+    eager calls without autograd run): the C kernels' step without the engine's Python driver.
+    Parameters of one direction as they are (the operator takes them without the leading D = 1)."""
+    opt, training, get = spec.options, spec.training, params.get
+    z_h, z_c = opt.zoneout
+    with ops_lib.eager_below_autograd():
+        if spec.cell == "LSTM":
+            y, h, c = torch.ops.fastlayers.lstm_padded.default(
+                x, lengths, states[0], states[1], params["weight_ih"], params["weight_hh"], get("bias_ih"),
+                get("bias_hh"), get("ln_ih_weight"), get("ln_hh_weight"), get("ln_cell_weight"), get("ln_cell_bias"),
+                get("weight_peephole"), get("weight_hr"), m.get("recurrent"), m.get("zoneout_c"), m.get("zoneout_h"),
+                float(opt.cell_clip or 0.0), 0.0 if training else float(z_c), 0.0 if training else float(z_h),
+                float(opt.proj_clip or 0.0))
+            return y, (h, c)
+        y, h = torch.ops.fastlayers.gru_padded.default(
+            x, lengths, states[0], params["weight_ih"], params["weight_hh"], get("bias_ih"), get("bias_hh"),
+            get("ln_ih_weight"), get("ln_hh_weight"), m.get("recurrent"), m.get("zoneout_h"),
+            0.0 if training else float(z_h))
+        return y, (h,)
+
+
+def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
+                  kept: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+    """Every segment of every direction in order from the states and parameters ``tensors``: (the
+    output (T, B, D*P), the final states (D, B, width)); ``kept`` receives the states entering
+    each segment (segment after segment, direction after direction, state after state)."""
+    n_states, n_params, dirs = spec.n_states, len(spec.names), len(spec.maps)
+    steps, batch = x.shape[:2]
+    states = [[s[d:d + 1] for s in tensors[:n_states]] for d in range(dirs)]
+    params = [dict(zip(spec.names, tensors[n_states + d * n_params:n_states + (d + 1) * n_params]))
+              for d in range(dirs)]
+    out = x.new_zeros(steps, batch, dirs * spec.width)  # zeros stay at t >= len_b
+    out2 = out.view(steps * batch, -1)
+    x2 = x.reshape(steps * batch, -1)
+    paired = spec.triton and dirs == 2 and not torch.is_grad_enabled()  # (recorded: per direction, differentiable twice)
+    for j in range(len(spec.plan.bounds)):
+        start, stop = spec.plan.bounds[j]
+        rows = spec.plan.parts[j][0]
+        if paired:
+            if kept is not None:
+                for d in range(dirs):
+                    kept.extend(states[d])
+            pick = rows if rows is not None else slice(None)
+            xs = [take(x2, spec.maps[d], d == 0, start, stop, rows) for d in range(dirs)]
+            y, new = _paired(spec, j, xs, [torch.cat([states[d][i] for d in range(dirs)])[:, pick]
+                                           for i in range(n_states)], params)
+            for d, part in enumerate(y):
+                _give(out2[:, d * spec.width:(d + 1) * spec.width], spec.maps[d], d == 0, start, stop, rows, part,
+                      add=False)
+                states[d] = _merge(states[d], tuple(s[d:d + 1] for s in new), rows)
+            continue
+        for d in range(dirs):
+            if kept is not None:
+                kept.extend(states[d])
+            xs = take(x2, spec.maps[d], d == 0, start, stop, rows)
+            y, new = _segment(spec, j, d, xs, states[d] if rows is None else [s[:, rows] for s in states[d]],
+                              params[d])
+            _give(out2[:, d * spec.width:(d + 1) * spec.width], spec.maps[d], d == 0, start, stop, rows, y,
+                  add=False)
+            states[d] = _merge(states[d], new, rows)
+    return out, [torch.cat([states[d][i] for d in range(dirs)]) for i in range(n_states)]
+
+
+def _merge(states: list[Tensor], new: tuple[Tensor, ...], rows: Tensor | None) -> list[Tensor]:
+    if rows is None:
+        return list(new)
+    merged = []
+    for s, n in zip(states, new):
+        s = s.clone()
+        s[:, rows] = n
+        merged.append(s)
+    return merged
+
+
+def _recorded_backward(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...], dy: Tensor,
+                       dfinal: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    out, states = _all_segments(spec, x, tensors)
+    inputs = [x, *tensors]
+    wrt = [t for t in inputs if t.requires_grad]
+    outs = [out, *states]
+    grads_out = [dy, *(g if g is not None else torch.zeros_like(s) for g, s in zip(dfinal, states))]
+    grads = iter(torch.autograd.grad(outs, wrt, grads_out, create_graph=True, allow_unused=True))
+    return (None, *(next(grads) if t.requires_grad else None for t in inputs))

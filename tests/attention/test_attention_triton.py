@@ -1,0 +1,74 @@
+"""The attention pooling Triton kernels on CPU tensors through Triton's interpreter
+(TRITON_INTERPRET=1, set by conftest before any kernel is compiled), forced with
+fastlayers.backend("triton"): values and every gradient against a float64 reference, lengths,
+values defaulting to keys, the additive score on the torch path.
+make test runs this file poisoned under the newest Triton, the tests marked ``each_triton`` also
+under Triton 3.6.0."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fastlayers  # noqa: E402
+from fastlayers.functional import attention_pool  # noqa: E402
+
+from grad_helpers import assert_close_all, grads  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                reason="no GPU and Triton's interpreter is off")
+
+
+def _attention_reference(q, k, v, lengths, scale):
+    """Plain float64 masked softmax pooling."""
+    s = (k.double() * q.double().unsqueeze(1)).sum(-1) * scale
+    if lengths is not None:
+        s = s.masked_fill(torch.arange(k.size(1)) >= lengths.unsqueeze(1), float("-inf"))
+    w = torch.softmax(s, 1)
+    return (w.unsqueeze(-1) * v.double()).sum(1), w
+
+
+@pytest.mark.each_triton
+@pytest.mark.parametrize("score", ["dot", "scaled_dot"])
+@pytest.mark.parametrize("lengths", [None, [70, 3, 1, 45]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_pool_matches_the_float64_reference(score, lengths, dtype):
+    """T = 70 spans two time chunks of the kernel, so the online softmax is exercised."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*s, generator=g, dtype=dtype) for s in ((4, 6), (4, 70, 6), (4, 70, 5)))
+    lens = torch.tensor(lengths) if lengths is not None else None
+    scale = 1 / math.sqrt(6) if score == "scaled_dot" else 1.0
+    with fastlayers.backend("triton"):
+        got = grads(lambda q, k, v: attention_pool(q, k, v, lens, score=score), q, k, v)
+    want = grads(lambda q, k, v: _attention_reference(q, k, v, lens, scale), q.double(), k.double(), v.double())
+    assert_close_all(got, want, 1e-5 if dtype == torch.float32 else 1e-10)
+
+
+def test_attention_values_default_to_keys_and_without_grad():
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(3, 4, generator=g, requires_grad=True), torch.randn(3, 9, 4, generator=g, requires_grad=True)
+    v = torch.randn(3, 9, 2, generator=g)  # data, as in seed 001
+    with fastlayers.backend("triton"):
+        c1, w1 = attention_pool(q, k, lengths=[9, 4, 1])
+        c2, _ = attention_pool(q, k, v, lengths=[9, 4, 1])
+    r1, rw1 = attention_pool(q, k, lengths=[9, 4, 1])
+    r2, _ = attention_pool(q, k, v, lengths=[9, 4, 1])
+    torch.testing.assert_close(c1, r1)
+    torch.testing.assert_close(w1, rw1)
+    got = torch.autograd.grad(c1.sum() + c2.sum() + (w1 * w1).sum(), [q, k])
+    want = torch.autograd.grad(r1.sum() + r2.sum() + (rw1 * rw1).sum(), [q, k])
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+
+
+def test_attention_additive_score_uses_the_torch_path_under_triton():
+    torch.manual_seed(0)
+    pool = fastlayers.AttentionPooling(4, score="additive")
+    q, k = torch.randn(2, 4), torch.randn(2, 5, 4)
+    with fastlayers.backend("triton"):
+        got = pool(q, k, lengths=[5, 2])
+    torch.testing.assert_close(got, pool(q, k, lengths=[5, 2]))

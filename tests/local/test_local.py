@@ -1,0 +1,238 @@
+"""Locally connected layers: tied weights == conv, explicit float64 loop, gradcheck, errors."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+from fastlayers import LocallyConnected1d, LocallyConnected2d
+from fastlayers._core.backend import select
+from fastlayers.local import locally_connected2d_reference
+from fastlayers.functional import locally_connected1d, locally_connected2d
+from fastlayers.local import output_size
+
+
+def loop_reference(x, w, b, stride, padding, dilation):
+    """Explicit float64 loop over every output element (independent of both implementations)."""
+    x = x.double()
+    bsz, c_in, h, wd = x.shape
+    c_out, _, kh, kw, oh, ow = w.shape
+    xp = torch.zeros(bsz, c_in, h + 2 * padding[0], wd + 2 * padding[1], dtype=torch.float64)
+    xp[:, :, padding[0] : padding[0] + h, padding[1] : padding[1] + wd] = x
+    y = torch.zeros(bsz, c_out, oh, ow, dtype=torch.float64)
+    for i, j in itertools.product(range(oh), range(ow)):
+        for p, q in itertools.product(range(kh), range(kw)):
+            patch = xp[:, :, i * stride[0] + p * dilation[0], j * stride[1] + q * dilation[1]]  # (B, C)
+            y[:, :, i, j] += patch @ w[:, :, p, q, i, j].double().T
+        if b is not None:
+            y[:, :, i, j] += b[:, i, j].double()
+    return y
+
+
+GEOMETRIES = [
+    # (H, W, kernel, stride, padding, dilation)
+    (5, 6, (1, 1), (1, 1), (0, 0), (1, 1)),
+    (6, 5, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (7, 8, (3, 2), (2, 1), (0, 1), (1, 2)),
+    (9, 7, (2, 3), (2, 3), (2, 0), (2, 1)),
+]
+
+
+def _random(geometry, c_in=3, c_out=2, batch=2, dtype=torch.float64, seed=0):
+    h, w, k, s, p, d = geometry
+    oh, ow = output_size((h, w), k, s, p, d)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, c_in, h, w, generator=g, dtype=dtype)
+    weight = torch.randn(c_out, c_in, *k, oh, ow, generator=g, dtype=dtype)
+    bias = torch.randn(c_out, oh, ow, generator=g, dtype=dtype)
+    return x, weight, bias, s, p, d
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_explicit_loop(geometry, dtype):
+    x, w, b, s, p, d = _random(geometry, dtype=dtype)
+    want = loop_reference(x, w, b, s, p, d)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(locally_connected2d(x, w, b, s, p, d).double(), want, **tol)
+    torch.testing.assert_close(locally_connected2d_reference(x, w, b, s, p, d).double(), want, **tol)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_tied_weights_equal_conv2d(geometry):
+    h, wd, k, s, p, d = geometry
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, k, s, p, d)
+    oh, ow = output_size((h, wd), k, s, p, d)
+    x = torch.randn(2, 3, h, wd)
+    tied_w = conv.weight[..., None, None].expand(-1, -1, -1, -1, oh, ow)
+    tied_b = conv.bias[:, None, None].expand(-1, oh, ow)
+    torch.testing.assert_close(locally_connected2d(x, tied_w, tied_b, s, p, d), conv(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_output_with_streaming_stores_equals_reference(dtype):
+    """Outputs of 8 MiB and more are written with streaming stores (x86): same values."""
+    torch.manual_seed(0)
+    x = torch.rand(32, 2, 128, 256, dtype=dtype)
+    weight = torch.randn(2, 2, 1, 1, 128, 256, dtype=dtype)
+    bias = torch.randn(2, 128, 256, dtype=dtype)
+    y = locally_connected2d(x, weight, bias)
+    assert y.numel() * y.element_size() >= 8 << 20
+    want = torch.einsum("bchw,ochw->bohw", x, weight[:, :, 0, 0]) + bias
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("c_out", [1, 2, 3, 5])
+@pytest.mark.parametrize("geometry", [(6, 40, (1, 1), (1, 1), (0, 0), (1, 1)),
+                                      (7, 37, (3, 3), (2, 1), (1, 1), (1, 2))])
+def test_vector_tiles_and_channel_pairs_match_reference(dtype, c_out, geometry):
+    """Rows wide enough for the C kernels' vector tiles plus a scalar tail (OW 40 and 35), output
+    channels in pairs and an odd one alone: values and all three gradients vs the float64 twin."""
+    x, w, b, s, p, d = _random(geometry, c_in=3, c_out=c_out, batch=5, dtype=dtype, seed=c_out)
+    tensors = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+    wide = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    y = locally_connected2d(*tensors, s, p, d)
+    want = locally_connected2d_reference(*wide, s, p, d)
+    cot = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y.backward(cot.to(dtype))
+    want.backward(cot)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(y.double(), want.detach(), **tol)
+    for got, ref in zip(tensors, wide):
+        torch.testing.assert_close(got.grad.double(), ref.grad, **tol)
+
+
+def test_tied_weights_equal_conv1d():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(3, 2, 3, stride=2, padding=1, dilation=2)
+    x = torch.randn(4, 3, 11)
+    out_len = conv(x).size(-1)
+    y = locally_connected1d(x, conv.weight[..., None].expand(-1, -1, -1, out_len),
+                            conv.bias[:, None].expand(-1, out_len), 2, 1, 2)
+    torch.testing.assert_close(y, conv(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("impl", ["dispatch", "reference"])
+def test_gradcheck(geometry, impl):
+    x, w, b, s, p, d = _random(geometry, c_in=2, batch=2)
+    fn = locally_connected2d if impl == "dispatch" else locally_connected2d_reference
+    inputs = tuple(t.requires_grad_(True) for t in (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w, b: fn(x, w, b, s, p, d), inputs)
+
+
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, True), (False, True, False), (True, True, True)])
+def test_needs_input_grad_subsets(needs):
+    x, w, b, s, p, d = _random(GEOMETRIES[2])
+    leaves = [t.requires_grad_(n) for t, n in zip((x, w, b), needs)]
+    y = locally_connected2d(*leaves, s, p, d)
+    cot = torch.randn_like(y)
+    got = torch.autograd.grad(y, [t for t in leaves if t.requires_grad], cot)
+    ref_leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+    y_ref = locally_connected2d_reference(*ref_leaves, s, p, d)
+    want = torch.autograd.grad(y_ref, [t for t in ref_leaves if t.requires_grad], cot)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+
+
+def test_native_kernel_is_used_on_cpu():
+    x, w, b, s, p, d = _random(GEOMETRIES[0], dtype=torch.float32)
+    assert select("local2d", x) == "cpu", "the C kernel should build on this machine (gcc is part of the set-up)"
+    y = locally_connected2d(x, w.requires_grad_(True), b, s, p, d)
+    assert type(y.grad_fn).__name__ == "LocallyConnected2dNativeBackward"  # the C kernels (eager)
+
+
+@given(h=st.integers(1, 7), w=st.integers(1, 7), kh=st.integers(1, 3), kw=st.integers(1, 3), sh=st.integers(1, 3),
+       sw=st.integers(1, 3), ph=st.integers(0, 2), pw=st.integers(0, 2), dh=st.integers(1, 2), dw=st.integers(1, 2),
+       c_in=st.integers(1, 3), c_out=st.integers(1, 3), batch=st.integers(1, 3), seed=st.integers(0, 100))
+def test_hypothesis_random_geometry(h, w, kh, kw, sh, sw, ph, pw, dh, dw, c_in, c_out, batch, seed):
+    try:
+        output_size((h, w), (kh, kw), (sh, sw), (ph, pw), (dh, dw))
+    except ValueError:
+        return  # kernel larger than the padded input: covered by the error tests
+    x, wt, b, s, p, d = _random((h, w, (kh, kw), (sh, sw), (ph, pw), (dh, dw)), c_in, c_out, batch, seed=seed)
+    torch.testing.assert_close(locally_connected2d(x, wt, b, s, p, d), loop_reference(x, wt, b, s, p, d))
+    leaves = [t.clone().requires_grad_(True) for t in (x, wt, b)]
+    ref = [t.clone().requires_grad_(True) for t in (x, wt, b)]
+    cot = torch.randn(batch, c_out, *wt.shape[-2:], dtype=torch.float64)
+    g1 = torch.autograd.grad(locally_connected2d(*leaves, s, p, d), leaves, cot)
+    g2 = torch.autograd.grad(locally_connected2d_reference(*ref, s, p, d), ref, cot)
+    for a, e in zip(g1, g2):
+        torch.testing.assert_close(a, e)
+
+
+def test_modules_shapes_init_and_unbatched():
+    torch.manual_seed(0)
+    m = LocallyConnected2d(4, 2, (8, 6), kernel_size=3, padding=1, stride=(2, 1))
+    assert m.weight.shape == (2, 4, 3, 3, 4, 6) and m.bias.shape == (2, 4, 6)
+    bound = 1 / (4 * 9) ** 0.5
+    assert m.weight.abs().max() <= bound and m.bias.abs().max() <= bound
+    x = torch.randn(3, 4, 8, 6)
+    y = m(x)
+    assert y.shape == (3, 2, 4, 6)
+    torch.testing.assert_close(m(x[0]), y[0])
+    m1 = LocallyConnected1d(3, 5, 10, kernel_size=3)
+    assert m1.weight.shape == (5, 3, 3, 8) and m1.bias.shape == (5, 8)
+    x1 = torch.randn(2, 3, 10)
+    w2 = m1.weight.detach().unsqueeze(2).unsqueeze(4)
+    torch.testing.assert_close(m1(x1), loop_reference(x1.unsqueeze(2), w2, m1.bias.detach().unsqueeze(1), (1, 1),
+                                                       (0, 0), (1, 1)).squeeze(2).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_errors():
+    m = LocallyConnected2d(4, 2, (8, 6), kernel_size=3)
+    with pytest.raises(ValueError, match=r"input: expected spatial size \(8, 6\) \(input_size\), got \(8, 7\)"):
+        m(torch.randn(1, 4, 8, 7))
+    with pytest.raises(ValueError, match=r"input: expected C_in = 4 channels .* got 3"):
+        m(torch.randn(1, 3, 8, 6))
+    with pytest.raises(ValueError, match=r"kernel_size: the dilated kernel spans 5 but the padded input is only 4"):
+        LocallyConnected2d(1, 1, (4, 9), kernel_size=3, dilation=2)
+    with pytest.raises(ValueError, match=r"stride: expected every value >= 1, got 0"):
+        LocallyConnected2d(1, 1, 5, stride=0)
+    with pytest.raises(ValueError, match=r"dilation: expected every value >= 1, got \(1, 0\)"):
+        LocallyConnected2d(1, 1, 5, dilation=(1, 0))
+    with pytest.raises(ValueError, match=r"padding: expected every value >= 0, got -1"):
+        LocallyConnected2d(1, 1, 5, padding=-1)
+    with pytest.raises(TypeError, match=r"kernel_size: expected an int or a tuple of 2 ints, got \(1, 2, 3\)"):
+        LocallyConnected2d(1, 1, 5, kernel_size=(1, 2, 3))
+    x, w, b, s, p, d = _random(GEOMETRIES[1])
+    with pytest.raises(ValueError, match=r"input: spatial size \(6, 6\) gives output size \(6, 6\) .* weight is for "
+                                         r"output size \(6, 5\)"):
+        locally_connected2d(torch.randn(2, 3, 6, 6, dtype=torch.float64), w, b, s, p, d)
+    with pytest.raises(ValueError, match=r"bias: expected shape \(2, 6, 5\) \(C_out, OH, OW\), got \(2, 5\)"):
+        locally_connected2d(x, w, b[:, 0], s, p, d)
+    with pytest.raises(TypeError, match=r"weight: expected dtype torch.float64 .* got torch.float32"):
+        locally_connected2d(x, w.float(), b, s, p, d)
+    with pytest.raises(TypeError, match=r"input: expected a floating-point tensor"):
+        locally_connected2d(x.long(), w, b, s, p, d)
+    with pytest.raises(ValueError, match=r"weight: expected a 6-D tensor"):
+        locally_connected2d(x, w[0], b, s, p, d)
+    with pytest.raises(ValueError, match=r"input: expected a 3-D \(B, C_in, L\)"):
+        LocallyConnected1d(1, 1, 5)(torch.randn(1, 1, 1, 5))
+
+
+def test_1d_module_follows_its_parameters_between_no_grad_calls():
+    """The module's 2-D views of its parameters (kept between calls without autograd) follow in-place
+    updates, a replaced parameter and a replaced ``.data``; gradients still reach the parameters."""
+    torch.manual_seed(0)
+    m = LocallyConnected1d(2, 3, 8, kernel_size=3)
+    x = torch.randn(4, 2, 8)
+
+    def expected():
+        return locally_connected2d_reference(x.unsqueeze(-2), m.weight.detach().unsqueeze(2).unsqueeze(4),
+                                             m.bias.detach().unsqueeze(1), (1, 1), (0, 0), (1, 1)).squeeze(-2)
+
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), expected())
+        m.weight.mul_(2)
+        torch.testing.assert_close(m(x), expected())
+        m.weight = torch.nn.Parameter(torch.randn_like(m.weight))
+        torch.testing.assert_close(m(x), expected())
+        m.bias.data = torch.randn_like(m.bias)
+        torch.testing.assert_close(m(x), expected())
+    m(x).sum().backward()
+    assert m.weight.grad is not None and m.bias.grad is not None and bool(m.bias.grad.abs().sum() > 0)

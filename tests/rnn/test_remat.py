@@ -1,0 +1,210 @@
+"""checkpoint_every (recomputation through time, fastlayers.rnn._remat): the same outputs and
+gradients as the run without it over random k and T (k not dividing T, k > T), lengths, hx and
+options; the same masks in the recomputation as in the forward; second derivatives; the module
+option's checks, repr and state_dict."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fastlayers
+from fastlayers.rnn._cpu import gru_engine, lstm_engine
+from fastlayers.rnn._options import CellOptions
+from fastlayers.rnn._remat import checkpointed
+
+LSTM_OPTIONS = [{}, {"layer_norm": True}, {"peephole": True, "cell_clip": 0.5}, {"proj_size": 3, "proj_clip": 0.4},
+                {"layer_norm": True, "peephole": True, "zoneout": (0.1, 0.2)}]
+GRU_OPTIONS = [{}, {"layer_norm": True}, {"zoneout": 0.1}]
+
+
+def _loss_and_grads(module, x, hx, lengths):
+    out, final = module(x, hx, lengths=lengths)
+    finals = final if isinstance(final, tuple) else (final,)
+    g = torch.Generator().manual_seed(1)
+    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum() + sum((f * f).sum() for f in finals)
+    wrt = [x, *(hx if isinstance(hx, tuple) else (hx,) if hx is not None else ()), *module.parameters()]
+    return [out, *finals], list(torch.autograd.grad(loss, wrt))
+
+
+def _case(seed: int):
+    rng = random.Random(seed)
+    mode = rng.choice(["LSTM", "GRU"])
+    options = dict(rng.choice(LSTM_OPTIONS if mode == "LSTM" else GRU_OPTIONS))
+    steps, batch = rng.randint(1, 17), rng.randint(1, 5)
+    every = rng.choice([1, 2, 3, 5, 7, 20, "auto"])
+    kw = dict(num_layers=rng.choice([1, 2]), bidirectional=rng.random() < 0.7, batch_first=rng.random() < 0.5)
+    lengths = torch.tensor([rng.randint(1, steps) for _ in range(batch)]) if rng.random() < 0.7 else None
+    return mode, options, steps, batch, every, kw, lengths, rng.random() < 0.5
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_gradients_equal_the_run_without_it_float64(seed):
+    mode, options, steps, batch, every, kw, lengths, with_hx = _case(seed)
+    cls = getattr(fastlayers, mode)
+    torch.manual_seed(seed)
+    plain = cls(4, 6, **kw, **options).double().eval()  # eval: zoneout's expectation, no masks
+    torch.manual_seed(seed)
+    ours = cls(4, 6, **kw, **options, checkpoint_every=every).double().eval()
+    x = torch.randn(*((batch, steps) if kw["batch_first"] else (steps, batch)), 4, dtype=torch.float64,
+                    requires_grad=True)
+    hx = None
+    if with_hx:
+        dirs = 2 if kw["bidirectional"] else 1
+        h = torch.randn(kw["num_layers"] * dirs, batch, options.get("proj_size") or 6, dtype=torch.float64,
+                        requires_grad=True)
+        hx = (h, torch.randn(kw["num_layers"] * dirs, batch, 6, dtype=torch.float64, requires_grad=True)) \
+            if mode == "LSTM" else h
+    a_out, a_grads = _loss_and_grads(plain, x, hx, lengths)
+    b_out, b_grads = _loss_and_grads(ours, x, hx, lengths)
+    for a, b in zip(a_out + a_grads, b_out + b_grads):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_float32_within_1e_6_relative_and_bitwise_with_one_segment():
+    torch.manual_seed(0)
+    plain = fastlayers.LSTM(8, 16, bidirectional=True, layer_norm=True)
+    torch.manual_seed(0)
+    ours = fastlayers.LSTM(8, 16, bidirectional=True, layer_norm=True, checkpoint_every=7)
+    x = torch.randn(60, 4, 8, requires_grad=True)
+    lengths = torch.tensor([60, 41, 13, 59])
+    a_out, a_grads = _loss_and_grads(plain, x, None, lengths)
+    b_out, b_grads = _loss_and_grads(ours, x, None, lengths)
+    for a, b in zip(a_out + a_grads, b_out + b_grads):
+        assert ((a - b).norm() / a.norm()).item() <= 1e-6
+    ours.checkpoint_every = 60  # one segment: the same kernels in the same order
+    c_out, c_grads = _loss_and_grads(ours, x, None, lengths)
+    for a, c in zip(a_out + a_grads, c_out + c_grads):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_training_masks_given_to_the_engine_are_used_in_both_passes(mode):
+    torch.manual_seed(0)
+    steps, batch, hidden, dirs = 9, 3, 5, 2
+    gates = 4 if mode == "LSTM" else 3
+    layers = [[{"weight_ih": torch.randn(gates * hidden, 4, dtype=torch.float64, requires_grad=True),
+                "weight_hh": torch.randn(gates * hidden, hidden, dtype=torch.float64, requires_grad=True),
+                "bias_ih": torch.randn(gates * hidden, dtype=torch.float64, requires_grad=True),
+                "bias_hh": torch.randn(gates * hidden, dtype=torch.float64, requires_grad=True)}
+               for _ in range(dirs)]]
+    options = CellOptions.make(False, False, None, (0.3, 0.2), 0.25, None) if mode == "LSTM" else \
+        CellOptions.make_gru(False, 0.3, 0.25)
+    masks = [{"recurrent": torch.bernoulli(torch.full((dirs, batch, hidden), 0.75, dtype=torch.float64)) / 0.75,
+              "zoneout_h": torch.bernoulli(torch.full((dirs, steps, batch, hidden), 0.3, dtype=torch.float64))}]
+    if mode == "LSTM":
+        masks[0]["zoneout_c"] = torch.bernoulli(torch.full((dirs, steps, batch, hidden), 0.2, dtype=torch.float64))
+    x = torch.randn(steps, batch, 4, dtype=torch.float64, requires_grad=True)
+    hx = tuple(torch.zeros(dirs, batch, hidden, dtype=torch.float64) for _ in range(2 if mode == "LSTM" else 1))
+    lengths = torch.tensor([9, 4, 6])
+    engine = lstm_engine if mode == "LSTM" else gru_engine
+    params = [p for d in layers[0] for p in d.values()]
+    results = []
+    for run in (lambda: engine(x, hx, layers, lengths, options, training=True, masks=masks),
+                lambda: checkpointed(engine, 2, x, hx, layers, lengths, options, training=True, masks=masks, cell=mode)):
+        out, final = run()
+        loss = (out * out.detach().cos()).sum() + sum(f.sum() for f in final)
+        results.append([out, *final, *torch.autograd.grad(loss, [x, *params])])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_training_draws_masks_once_per_call():
+    # with zoneout and recurrent dropout in training, the backward's recomputation must see the
+    # forward's masks: the gradient of a call with seeded masks passes gradcheck
+    torch.manual_seed(0)
+    lstm = fastlayers.LSTM(3, 4, bidirectional=True, zoneout=(0.3, 0.2), recurrent_dropout=0.3, checkpoint_every=2)
+    lstm = lstm.double().train()
+    lengths = torch.tensor([7, 3])
+
+    def f(x):
+        torch.manual_seed(5)
+        return lstm(x, lengths=lengths)[0]
+
+    x = torch.randn(7, 2, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(f, (x,))
+
+
+def test_second_derivatives():
+    torch.manual_seed(0)
+    gru = fastlayers.GRU(3, 4, bidirectional=True, layer_norm=True, checkpoint_every=2).double()
+    lengths = torch.tensor([5, 2, 4])
+    x = torch.randn(5, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x: gru(x, lengths=lengths)[0], (x,))
+
+
+def test_the_option_checks_its_value_shows_in_repr_and_stays_out_of_state_dict():
+    for bad in (0, -1, 2.5, True, "sqrt"):
+        with pytest.raises(ValueError, match=r"checkpoint_every: expected None, an int >= 1 or 'auto', got"):
+            fastlayers.LSTM(3, 4, checkpoint_every=bad)
+    lstm = fastlayers.LSTM(3, 4, layer_norm=True, checkpoint_every="auto")
+    assert repr(lstm) == "LSTM(3, 4, layer_norm=True, checkpoint_every='auto')"
+    assert lstm.state_dict().keys() == fastlayers.LSTM(3, 4, layer_norm=True).state_dict().keys()
+    assert "checkpoint_every=16" in repr(fastlayers.GRU(3, 4, checkpoint_every=16))
+    with torch.no_grad():  # no gradient recorded: the plain call (nothing to recompute)
+        out, _ = fastlayers.LSTM(3, 4, checkpoint_every=2)(torch.randn(5, 2, 3))
+    assert out.shape == (5, 2, 4)
+
+
+def _seeded_training_call(cell, options, every, x, lengths, backend, num_layers):
+    """One training forward + backward from seed 0 (weights) and seed 1 (masks, dropout): the
+    output, final states, input gradient and every parameter gradient."""
+    torch.manual_seed(0)
+    m = getattr(fastlayers, cell)(x.size(-1), 4, bidirectional=True, num_layers=num_layers,
+                                  dropout=0.3 if num_layers > 1 else 0.0, checkpoint_every=every,
+                                  **options).double().train()
+    x = x.detach().requires_grad_(True)
+    torch.manual_seed(1)
+    with fastlayers.backend(backend):
+        out, states = m(x, lengths=lengths)
+    states = states if isinstance(states, tuple) else (states,)
+    loss = (out * out.detach().cos()).sum() + sum((s * s.detach().sin()).sum() for s in states)
+    loss.backward()
+    return [out.detach(), *(s.detach() for s in states), x.grad] + [p.grad for p in m.parameters()]
+
+
+MASKED_OPTIONS = {
+    "LSTM": [dict(zoneout=(0.3, 0.2), recurrent_dropout=0.25), dict(zoneout=0.2, layer_norm=True, peephole=True),
+             dict(recurrent_dropout=0.3, proj_size=3, zoneout=(0.1, 0.4))],
+    "GRU": [dict(zoneout=0.3, recurrent_dropout=0.25), dict(zoneout=0.2, layer_norm=True)],
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(cell=st.sampled_from(["LSTM", "GRU"]), which=st.integers(0, 2), steps=st.integers(1, 12),
+       batch=st.integers(1, 4), layers=st.integers(1, 2), use_lengths=st.booleans(), data=st.data())
+def test_training_with_checkpoint_every_draws_what_the_run_without_it_draws(cell, which, steps, batch, layers,
+                                                                             use_lengths, data):
+    """Turning the memory option on does not change a seeded training run (issue 62): the same
+    zoneout, recurrent-dropout and inter-layer dropout draws, so the same outputs and gradients up to
+    the order of sums, for any k, T and lengths (the C engine)."""
+    options = MASKED_OPTIONS[cell][which % len(MASKED_OPTIONS[cell])]
+    every = data.draw(st.one_of(st.integers(1, steps + 2), st.just("auto")), label="checkpoint_every")
+    lengths = None
+    if use_lengths:
+        lengths = data.draw(st.lists(st.integers(1, steps), min_size=batch, max_size=batch), label="lengths")
+    x = torch.randn(steps, batch, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(steps * 7 + batch))
+    want = _seeded_training_call(cell, options, None, x, lengths, "cpu", layers)
+    got = _seeded_training_call(cell, options, every, x, lengths, "cpu", layers)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="no GPU and Triton's interpreter is off")
+@pytest.mark.parametrize("cell, options, lengths, every", [
+    ("LSTM", dict(zoneout=(0.3, 0.2), recurrent_dropout=0.25, layer_norm=True), [7, 3, 5], 3),
+    ("GRU", dict(zoneout=0.3, recurrent_dropout=0.25), None, 2),
+])
+def test_triton_engine_with_checkpoint_every_draws_what_the_run_without_it_draws(cell, options, lengths, every):
+    """The same on the Triton engine (CPU tensors under the interpreter; the GPU's code path)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(7, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+    want = _seeded_training_call(cell, options, None, x, lengths, "triton", 1)
+    got = _seeded_training_call(cell, options, every, x, lengths, "triton", 1)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
