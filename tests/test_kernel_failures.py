@@ -1,13 +1,14 @@
-"""Kernels never crash a forward (issue 43, 2): a missing or failing compiler, a compiler command
-with arguments, an unwritable cache and damaged cached libraries, each in a fresh process with a
-fresh cache: the layers give the reference's values and gradients, with at most one warning per
-library naming the reason; and ``fastlayers doctor``'s report completes."""
+"""Kernels never crash a forward (issue 43, 2; issue 64): without the native library (a source
+checkout that was not built), with one that does not load (built for another torch), with a forced
+CPU variant that is unknown, and with each variant this CPU runs, each in a fresh process: the
+layers give the reference's values and gradients (within float32 rounding: the variants differ in
+FMA contraction and vector width), with at most one warning naming the reason; and
+``fastlayers doctor``'s report completes."""
 
 import importlib.metadata
 import json
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,13 @@ import pytest
 import torch
 
 import fastlayers
+from fastlayers import _native
 
 pytestmark = pytest.mark.subprocess  # other processes: the poisoned pass's settings do not reach them
 
 HERE = Path(__file__).resolve()
-UNSET = ("FASTLAYERS_BACKEND", "FASTLAYERS_NO_NATIVE", "CC", "CXX")  # (the children set what they test)
-# the child: this file's _child() in a new process (the per-process load caches start empty there)
+UNSET = ("FASTLAYERS_BACKEND", "FASTLAYERS_NO_NATIVE", _native.ENV)  # (the children set what they test)
+# the child: this file's _child() in a new process (the per-process load state starts empty there)
 CHILD = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('kf', sys.argv[1]); "
          "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m._child(*sys.argv[2:])")
 
@@ -52,27 +54,28 @@ def _forwards(no_grad: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def _child(out: str, no_grad: str, corrupt_operators: str) -> None:
+def _child(out: str, library_dir: str) -> None:
+    import ctypes
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         from fastlayers import _native
-        from fastlayers._native import ops_lib
         from fastlayers._core.backend import select
+        from fastlayers._native import ops_lib
 
-        if corrupt_operators:  # the C++ library's cached file: an ELF file that dlopen refuses
-            filename, _ = ops_lib._spec()
-            _native.cache_dir().mkdir(parents=True, exist_ok=True)
-            shutil.copy(shutil.which("true"), _native.cache_dir() / filename)
-        results = _forwards(no_grad == "1")
+        if library_dir:  # where this process looks for the library (a folder without it, or a broken one)
+            _native._HERE = Path(library_dir)
+        results = _forwards(no_grad=True)
         x = torch.zeros(1)
         backends = {op: select(op, x) for op in ("lstm", "gru", "local2d")}
     torch.save(results, out)
-    private = _native.private_cache_dir()
+    lib, variant = _native.library(), None
+    if lib is not None:
+        lib.fastlayers_variant.restype = ctypes.c_char_p
+        variant = lib.fastlayers_variant().decode()
     print(json.dumps({"warnings": [str(w.message) for w in caught if "fastlayers" in str(w.message)],
-                      "backends": backends, "private": str(private) if private else None,
-                      "operators": ops_lib._STATE.get("loaded")}))
+                      "backends": backends, "operators": ops_lib._STATE.get("loaded"), "variant": variant}))
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +84,12 @@ def reference() -> dict[str, torch.Tensor]:
         return _forwards(no_grad=True)
 
 
-def _run(tmp_path: Path, *, cache: Path | None = None, no_grad: bool = False, corrupt_operators: bool = False,
-         **env: str) -> dict:
+def _run(tmp_path: Path, library_dir: Path | None = None, **env: str) -> dict:
     out = tmp_path / f"out-{len(list(tmp_path.glob('out-*')))}.pt"
     environ = {k: v for k, v in os.environ.items() if k not in UNSET}
-    environ.update(FASTLAYERS_CACHE=str(cache or tmp_path / "cache"), OMP_NUM_THREADS=str(torch.get_num_threads()),
-                   **env)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(HERE), str(out), "1" if no_grad else "",
-                           "1" if corrupt_operators else ""], capture_output=True, text=True, env=environ, timeout=300)
+    environ.update(OMP_NUM_THREADS=str(torch.get_num_threads()), **env)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(HERE), str(out), str(library_dir or "")],
+                          capture_output=True, text=True, env=environ, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     report["results"] = torch.load(out, weights_only=True)
@@ -100,111 +101,78 @@ def _same(results: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
         torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def _script(path: Path, body: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/bin/sh\n" + body)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return path
-
-
-def test_missing_compiler_warns_once_and_runs_the_reference(tmp_path, reference):
-    run = _run(tmp_path, no_grad=True, CC="/nonexistent")
+def test_missing_library_warns_once_and_runs_the_reference(tmp_path, reference):
+    run = _run(tmp_path, library_dir=tmp_path / "empty")
     assert run["backends"] == {"lstm": "reference", "gru": "reference", "local2d": "reference"}
-    assert len(run["warnings"]) == 1 and "/nonexistent" in run["warnings"][0], run["warnings"]
+    assert len(run["warnings"]) == 1 and "no native library" in run["warnings"][0], run["warnings"]
+    assert "pip install -e . --no-build-isolation" in run["warnings"][0]
+    assert run["operators"] is False and run["variant"] is None
     _same(run["results"], reference)
 
 
-def test_compiler_command_with_arguments(tmp_path, reference):
-    """CC holds a launcher with arguments (as "ccache gcc"), here a quoted path with a space."""
-    log = tmp_path / "calls.log"
-    wrapper = _script(tmp_path / "my tools" / "cc-wrapper",
-                      f'[ "$1" = "--some-arg" ] || exit 3\nshift\necho "$@" >> "{log}"\nexec gcc "$@"\n')
-    run = _run(tmp_path, CC=f"'{wrapper}' --some-arg")
-    assert run["warnings"] == []
-    assert run["backends"] == {"lstm": "cpu", "gru": "cpu", "local2d": "cpu"}  # the C kernels, built by the wrapper
-    calls = log.read_text().splitlines()
-    assert len(calls) == 3 and all("-march=native" in c for c in calls), calls
-    _same(run["results"], reference)
-
-
-def test_failing_compiler_warns_once_per_library(tmp_path, reference):
-    failing = _script(tmp_path / "bin" / "cc", 'echo "simulated compiler failure" >&2\nexit 1\n')
-    run = _run(tmp_path, no_grad=True, CC=str(failing))
+def test_library_that_does_not_load_warns_once(tmp_path, reference):
+    """A file of the library's name that dlopen refuses (as one built for another torch, whose
+    symbols are missing): one warning naming the file and the reason, the pure-PyTorch path."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for variant in _native.VARIANTS:
+        shutil.copy(shutil.which("true"), broken / f"_C_{variant}.so")
+    run = _run(tmp_path, library_dir=broken)
+    assert len(run["warnings"]) == 1, run["warnings"]
+    assert "does not load" in run["warnings"][0] and str(broken) in run["warnings"][0], run["warnings"]
     assert run["backends"] == {"lstm": "reference", "gru": "reference", "local2d": "reference"}
-    assert len(run["warnings"]) == 3, run["warnings"]  # one for each C library (lstm, gru, local)
-    for library, message in zip(("lstm", "gru", "local"), run["warnings"]):
-        assert f"C kernels {library!r} failed" in message and "simulated compiler failure" in message, message
+    assert run["operators"] is False
     _same(run["results"], reference)
 
 
-def test_unwritable_cache_builds_into_a_private_cache(tmp_path, reference):
-    """A cache folder that cannot be created (it lies under a regular file: as root, a read-only
-    mode would not stop the writes): one warning, the kernels and the C++ operator library built
-    into a private temporary cache, removed at exit."""
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    run = _run(tmp_path, cache=blocker / "cache", no_grad=True)
-    assert len(run["warnings"]) == 1, run["warnings"]
-    assert str(blocker / "cache") in run["warnings"][0] and "private temporary cache" in run["warnings"][0]
-    assert run["backends"] == {"lstm": "cpu", "gru": "cpu", "local2d": "cpu"}
-    assert run["operators"] is True  # the calls without autograd ran on the C++ operators
-    assert run["private"] is not None and not Path(run["private"]).exists()
+def test_unknown_forced_variant_warns_and_loads_the_best(tmp_path, reference):
+    best = _native.choose()[0]
+    run = _run(tmp_path, **{_native.ENV: "avx9000"})
+    assert len(run["warnings"]) == 1 and "avx9000" in run["warnings"][0], run["warnings"]
+    assert run["variant"] == best and run["backends"] == {"lstm": "cpu", "gru": "cpu", "local2d": "cpu"}
     _same(run["results"], reference)
 
 
-def test_damaged_cached_libraries_are_rebuilt(tmp_path, reference):
-    from fastlayers import _native
-
-    cache = tmp_path / "cache"
-    first = _run(tmp_path)
-    assert first["warnings"] == [] and first["backends"]["lstm"] == "cpu"
-    files = {p.name.split("-")[0]: p for p in cache.glob("*.so")}
-    assert sorted(files) == ["gru", "local", "lstm"]
-    files["lstm"].write_bytes(os.urandom(3000))  # garbage
-    data = files["local"].read_bytes()
-    files["local"].write_bytes(data[: len(data) // 2])  # truncated: dlopen would map it and die of SIGBUS
-    shutil.copyfile(shutil.which("true"), files["gru"])  # an ELF file that dlopen refuses (OSError)
-    inodes = {name: path.stat().st_ino for name, path in files.items()}
-    run = _run(tmp_path)
-    assert len(run["warnings"]) == 3, run["warnings"]
-    reasons = {"lstm": "not an ELF file", "gru": "does not load", "local": "truncated"}
-    for library, message in zip(("lstm", "gru", "local"), run["warnings"]):
-        assert f"C library {library!r}" in message and reasons[library] in message and "rebuilt" in message, message
-    assert run["backends"] == {"lstm": "cpu", "gru": "cpu", "local2d": "cpu"}
-    for name, path in files.items():  # a new file moved onto the name, not the old one rewritten
-        assert path.stat().st_ino != inodes[name] and _native.damaged(path) is None
-    _same(run["results"], reference)
-    assert _run(tmp_path)["warnings"] == []  # the next process loads the rebuilt files
+def _runnable() -> list[str]:
+    best = _native.cpu_capability()
+    return [v for v in _native.VARIANTS[:_native.VARIANTS.index(best) + 1] if v in _native.built()]
 
 
-def test_damaged_operator_library_that_cannot_be_rebuilt(tmp_path, reference):
-    """The C++ library's cached file does not load and the C++ compiler fails: one warning; the
-    calls without autograd keep the C kernels through their autograd path."""
-    failing = _script(tmp_path / "bin" / "c++", 'echo "simulated C++ failure" >&2\nexit 1\n')
-    run = _run(tmp_path, no_grad=True, corrupt_operators=True, CXX=str(failing))
-    assert len(run["warnings"]) == 1, run["warnings"]
-    message = run["warnings"][0]
-    assert "C++ operator library" in message and "does not load" in message and "simulated C++ failure" in message
-    assert run["operators"] is False and run["backends"] == {"lstm": "cpu", "gru": "cpu", "local2d": "cpu"}
-    _same(run["results"], reference)
+def test_every_variant_this_cpu_runs_gives_the_same_results(tmp_path, reference):
+    """Each variant forced in turn (FASTLAYERS_CPU_CAPABILITY): no warning, that variant's file
+    loaded (it says so itself), the C kernels and the C++ operators on, values and gradients equal
+    to the reference and to each other within float32 rounding."""
+    variants = _runnable()
+    assert variants[0] == "default" and len(variants) >= 2, variants  # (x86-64 CPUs all run avx2 here)
+    runs = {}
+    for variant in variants:
+        run = _run(tmp_path, **{_native.ENV: variant})
+        assert run["warnings"] == [] and run["variant"] == variant, run
+        assert run["operators"] is True and run["backends"] == {"lstm": "cpu", "gru": "cpu", "local2d": "cpu"}
+        _same(run["results"], reference)
+        runs[variant] = run["results"]
+    for variant in variants[1:]:
+        for name, value in runs[variant].items():
+            torch.testing.assert_close(value, runs["default"][name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{variant} vs default, {name}: {m}")  # noqa: B023
 
 
-SECTIONS = ("fastlayers:", "Python:", "torch:", "numpy:", "Triton:", "OS:", "CPU:", "CPU features:", "C compiler:",
-            "C++ compiler:", "Cache:", "C kernels:", "C++ operator library:", "CUDA:", "Backends:")
+SECTIONS = ("fastlayers:", "Python:", "torch:", "numpy:", "Triton:", "OS:", "CPU:", "CPU features:",
+            "Native library:", "C++ operators:", "CUDA:", "Backends:")
 
 
-def test_doctor_report_completes_without_a_compiler(tmp_path):
+def test_doctor_report_completes_without_the_library(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in UNSET}
-    env.update(CC="/nonexistent", FASTLAYERS_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-c", "from fastlayers import _doctor; print(_doctor.report())"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    code = ("from pathlib import Path; from fastlayers import _native, _doctor; "
+            f"_native._HERE = Path({str(tmp_path)!r}); print(_doctor.report())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for section in SECTIONS:
         assert any(line.startswith(section) for line in lines), (section, proc.stdout)
     assert "fastlayers:" not in proc.stderr  # the probes' warnings are in the report, not printed
     text = proc.stdout
-    assert "$CC='/nonexistent': not usable" in text and "lstm: NOT available: no working C compiler" in text
+    assert "Native library: unavailable: no native library" in text
     assert "LSTM, LSTMCell (lstm): CPU float32: reference" in text
 
 
@@ -212,7 +180,9 @@ def test_doctor_version_and_report_here():
     from fastlayers import _doctor
 
     assert _doctor.version() == importlib.metadata.version("fastlayers")
-    text = _doctor.report(build=False)
+    text = _doctor.report(load=False)
     for section in SECTIONS:
         assert f"\n{section}" in f"\n{text}", section
     assert f"fastlayers: {_doctor.version()}" in text
+    variant = _native.choose()[0]
+    assert f"Native library: would load {variant}" in text

@@ -1,4 +1,4 @@
-"""Without the C kernels (no compiler, or another device) the pure-PyTorch twins give the same results."""
+"""Without the C kernels (no native library, or another device) the pure-PyTorch twins give the same results."""
 
 import torch
 
@@ -8,7 +8,7 @@ from fastlayers.functional import locally_connected2d
 
 
 def _without_native(monkeypatch):
-    monkeypatch.setattr(_native, "_LOADED", {"local": None, "lstm": None, "gru": None})
+    monkeypatch.setitem(_native._STATE, "lib", None)  # as if the native library were missing
 
 
 def test_locally_connected_falls_back(monkeypatch):

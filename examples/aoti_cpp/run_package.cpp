@@ -2,7 +2,7 @@
 // is model(x, lengths) -> tensors, in a process without Python.
 //
 // The package calls fastlayers' operators (torch.ops.fastlayers.lstm_padded, ...): their library
-// (fastlayers._native.ops_lib.library_path(), a file libfastlayers_ops-*.so) is loaded first with dlopen,
+// (fastlayers.ops_library(): the installed package's _native/_C_<variant>.so) is loaded first with dlopen,
 // which registers them with LibTorch's dispatcher.
 //
 // Arguments: OPS_LIBRARY PACKAGE T B F INPUT LENGTHS OUTPUT_PREFIX. INPUT holds x (T, B, F) as raw

@@ -1,10 +1,8 @@
 """``fastlayers doctor``: what fastlayers finds on this machine, as a plain-text report.
 
 :func:`report` lists the versions (fastlayers, Python, torch, numpy, Triton), the platform, the CPU
-and the features its kernels use, the C / C++ compilers (``$CC`` / ``$CXX``) and whether they run,
-the kernel cache and whether it can be written, whether the C kernels and the C++ operator library
-build and load (it builds them where the cache lacks them: about 1 s each for the C kernels, about
-15 s for the C++ library), CUDA, and the backend :func:`fastlayers._core.backend.select` picks for each
+and the features its kernels use, the native library (the C kernels and the C++ operators, built with the
+package): which CPU variant loads and why, or why none does, whether the operators register, CUDA, and the backend :func:`fastlayers._core.backend.select` picks for each
 layer family. Every probe is guarded: a failing one prints its reason and the report goes on; the
 warnings the probes raise are listed at its end instead of being printed.
 """
@@ -13,20 +11,17 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 import sys
 import warnings
 from typing import Callable
 
-from . import _native
 
-# CPU features that the C kernels (compiled with -march=native) or torch's low-precision products use
+# CPU features that the native library's variants (default / avx2 / avx512) or torch's low-precision products use
 _FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "asimd", "sve", "sve2", "bf16")
 # layer family (the op name select() takes) -> the layers that ask for it
 _FAMILIES = (("lstm", "LSTM, LSTMCell"), ("gru", "GRU, GRUCell"), ("local2d", "LocallyConnected1d/2d"),
              ("attention", "attention_pool, AttentionPooling"))
-_NATIVE_LIBRARIES = ("lstm", "gru", "local")
 
 
 def version() -> str:
@@ -99,85 +94,31 @@ def _cpu_features() -> str:
     return text + f"; low-precision products in hardware: {', '.join(low) if low else 'none (computed in float32)'}"
 
 
-def _compiler(variable: str, defaults: tuple[str, ...]) -> str:
-    import shlex
-
-    from . import _native
-
-    setting = f"${variable}={os.environ[variable]!r}" if os.environ.get(variable, "").strip() else \
-        f"${variable} unset, default {' or '.join(defaults)}"
-    try:
-        command = _native.compiler(variable, defaults)
-    except RuntimeError as e:
-        return f"{setting}: not usable: {e}"
-    try:
-        proc = subprocess.run([*command, "--version"], capture_output=True, text=True, errors="replace", timeout=60,
-                              stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"{setting}: `{shlex.join(command)}` does not run: {e}"
-    first = (proc.stdout or proc.stderr).strip().splitlines()[:1]
-    status = "runs" if proc.returncode == 0 else f"`--version` exited with status {proc.returncode}"
-    return f"{setting}: `{shlex.join(command)}` {status}" + (f": {first[0]}" if first else "")
-
-
-def _cache() -> str:
-    import tempfile
-
-    from . import _native
-
-    where = "$FASTLAYERS_CACHE" if os.environ.get("FASTLAYERS_CACHE", "").strip() else "default; FASTLAYERS_CACHE unset"
-    folder = _native.cache_dir()
-    if folder is None:
-        return f"none ({where}, and no home folder): builds go to a private temporary cache per process"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-        files = sorted(p.name for p in folder.glob("*.so"))
-        state = f"writable, {len(files)} cached librar{'y' if len(files) == 1 else 'ies'}"
-    except OSError as e:
-        state = f"NOT writable ({type(e).__name__}: {e}): builds go to a private temporary cache per process"
-    text = f"{folder} ({where}): {state}"
-    private = _native.private_cache_dir()
-    return text + (f"; this process's private cache: {private}" if private is not None else "")
-
-
-def _native_libraries() -> str:
+def _native_library(load: bool) -> str:
     from . import _native
 
     if os.environ.get("FASTLAYERS_NO_NATIVE"):
         return "switched off (FASTLAYERS_NO_NATIVE is set)"
-    parts = []
-    for name in _NATIVE_LIBRARIES:
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
-            lib = _guard(lambda: _native.load(name))  # type: ignore[arg-type, return-value]
-        if lib is None or isinstance(lib, str):
-            why = lib if isinstance(lib, str) else (_native.why_unavailable(name) or "unavailable")
-            parts.append(f"{name}: NOT available: {why}")
-        else:
-            parts.append(f"{name}: loaded ({getattr(lib, '_name', '?')})")
-    return "\n    ".join(["(built now where the cache lacks them, about 1 s each)", *parts])
+    built = ", ".join(f"{variant} ({path.name})" for variant, path in _native.built().items()) or "none"
+    if not load:
+        variant, why = _native.choose()
+        return f"would load {variant} ({why}); built: {built}" if variant else f"NOT available: {why}"
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        return _native.describe()
 
 
-def _operator_library(build: bool) -> str:
-    from . import _native
+def _operators(load: bool) -> str:
     from ._native import ops_lib
 
-    if not build:
-        try:
-            filename, _ = ops_lib._spec()
-        except RuntimeError as e:
-            return f"cannot be built: {e}"
-        found = [folder / filename for folder in _native._folders() if (folder / filename).is_file()]
-        return f"built: {found[0]}" if found else f"not built yet ({filename}; built on first use, about 15 s)"
-    with warnings.catch_warnings(record=True) as caught:
+    if not load:
+        return "not loaded (report(load=False))"
+    with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         loaded = ops_lib.load()
     if loaded:
-        return f"loaded ({ops_lib._STATE.get('path') or 'loaded before by this process'}; built now if it was missing)"
-    why = ops_lib._STATE.get("error") or (str(caught[-1].message) if caught else "unavailable")
-    return f"NOT available: {why}"
+        return "registered (torch.ops.fastlayers: lstm_padded, gru_padded, rnn_padded, locally_connected2d)"
+    return f"NOT available: {ops_lib._STATE.get('error') or 'unavailable'}"
 
 
 def _cuda() -> str:
@@ -215,12 +156,12 @@ def _backends() -> str:
     return "\n    ".join(lines)
 
 
-def report(build: bool = True) -> str:
+def report(load: bool = True) -> str:
     """A plain-text report of the machine as fastlayers sees it (see the module docstring).
 
     Args:
-        build: build (where the cache lacks them) and load the C kernels and the C++ operator
-            library to say whether they work; False only looks for the C++ library's cached file.
+        load: load the native library and register its operators to say whether they work;
+            False only says which variant would load.
 
     It never raises: a probe that fails prints its reason.
     """
@@ -233,11 +174,8 @@ def report(build: bool = True) -> str:
         ("OS", lambda: platform.platform()),
         ("CPU", _cpu),
         ("CPU features", _cpu_features),
-        ("C compiler", lambda: _compiler(*_native.C_COMPILER)),
-        ("C++ compiler", lambda: _compiler(*_native.CXX_COMPILER)),
-        ("Cache", _cache),
-        ("C kernels", _native_libraries),
-        ("C++ operator library", lambda: _operator_library(build)),
+        ("Native library", lambda: _native_library(load)),
+        ("C++ operators", lambda: _operators(load)),
         ("CUDA", _cuda),
         ("Backends", _backends),
     ]

@@ -2,8 +2,8 @@
 
 Backends:
 
-* ``"cpu"``: the C kernels in ``fastlayers/_native`` (compiled on first use with the system C
-  compiler): CPU tensors, float32/float64, and bfloat16/float16 (computed in float32, see
+* ``"cpu"``: the C kernels in ``fastlayers/_native`` (the native library, built with the package; one
+  CPU variant loaded): CPU tensors, float32/float64, and bfloat16/float16 (computed in float32, see
   :mod:`fastlayers._core.precision`).
 * ``"triton"``: the Triton kernels in ``fastlayers/_triton``: CUDA tensors, or CPU tensors when
   the environment variable ``TRITON_INTERPRET=1`` was set before Triton was imported (Triton's

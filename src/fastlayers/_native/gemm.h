@@ -18,7 +18,7 @@
  *   (fl_gemm_share).
  * The micro-kernel keeps an R x 2 block of vectors of C in registers, broadcasting one A value
  * per row and loading two B vectors per k (6 x 16 floats with AVX2, 8 x 32 with AVX-512: the
- * vector width follows the compiler's target, -march=native); m rows run in balanced blocks of
+ * vector width follows the variant's target flags, setup.py); m rows run in balanced blocks of
  * at most R (8 rows as 4 + 4: a block of few rows loads B as often for less work); k runs in
  * blocks whose panel slice (16 KiB) stays in L1 while the row blocks reuse it.
  */

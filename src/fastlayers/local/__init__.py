@@ -11,7 +11,7 @@ location appended, so a tied (shared) filter is ``conv.weight[..., None, None].e
 layer then equals ``F.conv2d``. Source: LeCun et al. 1989 / Taigman et al. 2014 (DeepFace,
 "locally connected layers"); Keras' LocallyConnected2D; pytorch/pytorch#499.
 
-On CPU (float32/float64) forward and backward run in C kernels compiled on first use
+On CPU (float32/float64) forward and backward run in C kernels built with the package
 (``fastlayers/_native/local.c``): one pass over the input, no unfold copy, extra memory = the
 output. On CUDA (and CPU tensors under Triton's interpreter) Triton kernels; elsewhere (other
 dtypes, no compiler) the plain-PyTorch twin with the same semantics; :func:`fastlayers.backend`
