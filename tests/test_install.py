@@ -100,6 +100,7 @@ print(json.dumps({"shape": list(y.shape), "grad": x.grad is not None, "backends"
 
 _AOTI = """
 import json, sys, torch, fastlayers
+torch.ops.load_library(fastlayers.ops_library())  # the documented one-liner: the installed library's operators
 runner = torch._inductor.aoti_load_package(sys.argv[1])
 case = torch.load(sys.argv[2])
 out = runner(case["x"], case["lengths"])

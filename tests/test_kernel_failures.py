@@ -75,7 +75,7 @@ def _child(out: str, library_dir: str) -> None:
         lib.fastlayers_variant.restype = ctypes.c_char_p
         variant = lib.fastlayers_variant().decode()
     print(json.dumps({"warnings": [str(w.message) for w in caught if "fastlayers" in str(w.message)],
-                      "backends": backends, "operators": ops_lib._STATE.get("loaded"), "variant": variant}))
+                      "backends": backends, "operators": ops_lib.load(), "variant": variant}))
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,14 @@ def _kernel_operand(mm: precision.Products, t: Tensor) -> Tensor:
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the argument types of the kernels in a loaded local.c build (pointers, 13 int64
     sizes, the thread count); once per library."""
-    if not getattr(lib, "_fastlayers_typed", False):
+    if not getattr(lib, "_fastlayers_typed_local", False):
         ints = [ctypes.c_int64] * 13 + [ctypes.c_int]
         for suffix in _SUFFIX.values():
             for name in ("lc2d_forward", "lc2d_backward_input", "lc2d_backward_params"):
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes = [ctypes.c_void_p] * 4 + ints if name != "lc2d_backward_input" else [ctypes.c_void_p] * 3 + ints
                 fn.restype = None
-        lib._fastlayers_typed = True
+        lib._fastlayers_typed_local = True  # (per family: one library holds them all)
     return lib
 
 
