@@ -55,7 +55,6 @@ def _forwards(no_grad: bool) -> dict[str, torch.Tensor]:
 
 
 def _child(out: str, library_dir: str) -> None:
-    import ctypes
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -70,10 +69,7 @@ def _child(out: str, library_dir: str) -> None:
         x = torch.zeros(1)
         backends = {op: select(op, x) for op in ("lstm", "gru", "local2d")}
     torch.save(results, out)
-    lib, variant = _native.library(), None
-    if lib is not None:
-        lib.fastlayers_variant.restype = ctypes.c_char_p
-        variant = lib.fastlayers_variant().decode()
+    variant = _native.built_as()
     print(json.dumps({"warnings": [str(w.message) for w in caught if "fastlayers" in str(w.message)],
                       "backends": backends, "operators": ops_lib.load(), "variant": variant}))
 

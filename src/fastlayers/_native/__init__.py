@@ -155,12 +155,34 @@ def library_path() -> str:
 
 def describe() -> str:
     """One line for ``fastlayers doctor``: the variant loaded (or why none) and why it was chosen."""
+    made = built_as()  # what the loaded file says it was built as
+    if made is None:
+        return f"unavailable: {why_unavailable()}"
+    return f"{made} ({_STATE['why']}; {_STATE['path']}; built: {', '.join(built())})"
+
+
+def declare(lib: ctypes.CDLL, name: str, signatures) -> ctypes.CDLL:
+    """``lib`` with the argtypes of layer family ``name``'s kernels set, once per family (one library
+    holds every family's kernels): ``signatures(real)`` -> {function stem: argtypes} for ``real`` =
+    c_float (the ``<stem>_f32`` functions) and c_double (``<stem>_f64``); every kernel returns void."""
+    mark = f"_fastlayers_typed_{name}"
+    if not getattr(lib, mark, False):
+        for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+            for stem, argtypes in signatures(real).items():
+                f = getattr(lib, f"{stem}_{suffix}")
+                f.argtypes, f.restype = argtypes, None
+        setattr(lib, mark, True)
+    return lib
+
+
+def built_as() -> str | None:
+    """The variant the loaded library says it was built as (its ``fastlayers_variant()``), None
+    where none is loaded."""
     lib = library()
     if lib is None:
-        return f"unavailable: {why_unavailable()}"
+        return None
     lib.fastlayers_variant.restype = ctypes.c_char_p
-    made = lib.fastlayers_variant().decode()  # what the loaded file says it was built as
-    return f"{made} ({_STATE['why']}; {_STATE['path']}; built: {', '.join(built())})"
+    return lib.fastlayers_variant().decode()
 
 
 def address(tensor) -> int | None:

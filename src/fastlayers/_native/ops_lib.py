@@ -57,7 +57,7 @@ def load() -> bool:
                 try:
                     for register in _REGISTER:
                         register()
-                    _STATE["loaded"], _STATE["path"] = True, _native.library_path()
+                    _STATE["loaded"] = True
                 except Exception as e:  # (a layer's call must not raise for it)
                     _STATE["loaded"], _STATE["error"] = False, f"registering its Python half failed: {e}"
                     _native.warn_once(f"fastlayers: the C++ operators' {_STATE['error']}; torch.compile / torch.export "

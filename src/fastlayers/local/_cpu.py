@@ -18,7 +18,7 @@ from torch import Tensor
 from .. import _native
 from .._core import precision, twice
 from .._native import address
-from ._reference import pad, recorded_backward
+from ._reference import needed_grads, pad, recorded_backward, save
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -31,17 +31,12 @@ def _kernel_operand(mm: precision.Products, t: Tensor) -> Tensor:
 
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the argument types of the kernels in a loaded local.c build (pointers, 13 int64
-    sizes, the thread count); once per library."""
-    if not getattr(lib, "_fastlayers_typed_local", False):
-        ints = [ctypes.c_int64] * 13 + [ctypes.c_int]
-        for suffix in _SUFFIX.values():
-            for name in ("lc2d_forward", "lc2d_backward_input", "lc2d_backward_params"):
-                fn = getattr(lib, f"{name}_{suffix}")
-                fn.argtypes = [ctypes.c_void_p] * 4 + ints if name != "lc2d_backward_input" else [ctypes.c_void_p] * 3 + ints
-                fn.restype = None
-        lib._fastlayers_typed_local = True  # (per family: one library holds them all)
-    return lib
+    """``lib`` with the argument types of local.c's kernels declared (pointers, 13 int64 sizes, the
+    thread count; :func:`fastlayers._native.declare`)."""
+    ints = [ctypes.c_int64] * 13 + [ctypes.c_int]
+    return _native.declare(lib, "local", lambda real: {"lc2d_forward": [ctypes.c_void_p] * 4 + ints,
+                                                       "lc2d_backward_input": [ctypes.c_void_p] * 3 + ints,
+                                                       "lc2d_backward_params": [ctypes.c_void_p] * 4 + ints})
 
 
 def _lib():
@@ -96,15 +91,6 @@ def _backward_kernels(grad: Tensor, input: Tensor, weight: Tensor, stride: list[
         dw = w_grad.to(weight.dtype) if w_grad is not None else None
         db = b_grad.to(weight.dtype) if b_grad is not None else None
     return dx, dw, db
-
-
-def save(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, geometry: tuple, low: torch.dtype) -> None:
-    ctx.save_for_backward(input, weight, bias)
-    ctx.geometry, ctx.has_bias, ctx.low = geometry, bias is not None, low
-
-def needed_grads(ctx) -> list[bool]:
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    return [bool(need_x), bool(need_w), bool(need_b and ctx.has_bias)]
 
 
 class LocallyConnected2dNative(torch.autograd.Function):

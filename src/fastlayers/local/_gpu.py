@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .._core import precision, twice
-from ._reference import Pair, pad, recorded_backward
+from ._reference import Pair, needed_grads, pad, recorded_backward, save
 
 
 def triton_forward(input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
@@ -39,8 +39,7 @@ class LocallyConnected2dTriton(torch.autograd.Function):
     def forward(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair,
                 dilation: Pair) -> Tensor:
         low = precision.dtypes(input)[0]
-        ctx.save_for_backward(input, weight, bias)
-        ctx.geometry, ctx.low, ctx.has_bias = (stride, padding, dilation), low, bias is not None
+        save(ctx, input, weight, bias, (stride, padding, dilation), low)
         return triton_forward(input, weight, bias, stride, padding, dilation, low)
 
     @staticmethod
@@ -52,7 +51,7 @@ class LocallyConnected2dTriton(torch.autograd.Function):
         input, weight, _ = ctx.saved_tensors
         (stride, padding, dilation), low = ctx.geometry, ctx.low
         dy = grad.to(low).contiguous()
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = needed_grads(ctx)  # (need_b: only where there is a bias)
         dx = dw = db = None
         batch, chans, height, width = input.shape
         hp, wp = height + 2 * padding[0], width + 2 * padding[1]
@@ -60,8 +59,8 @@ class LocallyConnected2dTriton(torch.autograd.Function):
             dx = kernels.input_grad(dy, weight.to(low).contiguous(), (batch, chans, hp, wp), stride, dilation,
                                     input.dtype)
             dx = dx[:, :, padding[0]:hp - padding[0], padding[1]:wp - padding[1]] if any(padding) else dx
-        if need_w or (need_b and ctx.has_bias):
+        if need_w or need_b:
             padded = pad(input, list(padding)).to(low).contiguous()
             dw, db = kernels.param_grads(dy, padded, tuple(weight.shape), stride, dilation, weight.dtype)
-        return dx, dw if need_w else None, db if need_b and ctx.has_bias else None, None, None, None
+        return dx, dw if need_w else None, db if need_b else None, None, None, None
 

@@ -12,8 +12,7 @@ from torch import Tensor
 
 from .._core import precision, twice
 from .._native import ops_lib
-from ._cpu import needed_grads, save
-from ._reference import recorded_backward
+from ._reference import needed_grads, recorded_backward, save
 
 
 def locally_connected2d_operator(input: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],

@@ -48,6 +48,19 @@ def pad(x: Tensor, padding: list[int] | Pair) -> Tensor:
     return F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
 
 
+def save(ctx, input: Tensor, weight: Tensor, bias: Tensor | None, geometry: tuple, low: torch.dtype) -> None:
+    """What every kernel path's backward reads (and :func:`recorded_backward`): the inputs, the
+    (stride, padding, dilation) geometry, whether there is a bias, the call's low dtype."""
+    ctx.save_for_backward(input, weight, bias)
+    ctx.geometry, ctx.has_bias, ctx.low = geometry, bias is not None, low
+
+
+def needed_grads(ctx) -> list[bool]:
+    """[d input, d weight, d bias] wanted (d bias only where there is a bias)."""
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    return [bool(need_x), bool(need_w), bool(need_b and ctx.has_bias)]
+
+
 def recorded_backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
     """The backward while it is recorded (create_graph): the vector-Jacobian product of
     :func:`locally_connected2d_reference` in the forward's precision (:mod:`fastlayers._core.twice`)."""

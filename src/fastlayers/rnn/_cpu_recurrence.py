@@ -33,16 +33,10 @@ I64, INT = ctypes.c_int64, ctypes.c_int
 
 
 def _typed(name: str, signatures) -> ctypes.CDLL | None:
-    """The native library holding the kernels of ``name``, their argtypes set once (one library holds
-    every family's kernels, so the mark is per name); signatures(real) -> {function stem: argtypes}."""
+    """The native library holding the kernels of ``name``, their argtypes declared (signatures(real)
+    -> {function stem: argtypes}, :func:`fastlayers._native.declare`); None where it is unavailable."""
     lib = _native.load(name)
-    if lib is not None and not getattr(lib, f"_fastlayers_typed_{name}", False):
-        for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
-            for stem, argtypes in signatures(real).items():
-                f = getattr(lib, f"{stem}_{suffix}")
-                f.argtypes, f.restype = argtypes, None
-        setattr(lib, f"_fastlayers_typed_{name}", True)
-    return lib
+    return _native.declare(lib, name, signatures) if lib is not None else None
 
 
 def _lstm_lib():
