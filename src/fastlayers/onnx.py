@@ -1,7 +1,11 @@
-"""ONNX export of models built from fastlayers layers: ``fastlayers.onnx.export(model, args, ...)``.
+"""ONNX export of models built from fastlayers layers.
 
-One call, :func:`export`, runs ``torch.onnx.export(..., dynamo=True)`` with fastlayers' translation
-table (:func:`translations`): the ONNX graphs of the C++ operators that a traced model contains.
+``torch.onnx.export(model, args, dynamo=True)`` works as it is: ``import fastlayers`` arranges that
+the translations of its C++ operators (:func:`translations`: the ONNX graphs of the operators a
+traced model contains) are in onnxscript's torchlib registry, where the exporter reads its table,
+once onnxscript's registry is imported (:mod:`fastlayers._core.exporter`; ``import fastlayers``
+itself does not import onnxscript). :func:`export` is the same call with the table passed
+explicitly and a clear error for a layer left in training mode with random masks.
 Needs ``onnxscript`` (torch's ONNX exporter needs it too); ``onnxruntime`` runs the result.
 
 Shape legend: T time, B batch, F input features, H hidden size (P = proj_size, or H), D directions
@@ -69,9 +73,8 @@ def translations() -> dict[Callable, Callable]:
     from .local import _ops_onnx as local_onnx
     from .rnn import _ops_onnx as rnn_onnx
 
-    ops = torch.ops.fastlayers
-    return {ops.lstm_padded.default: rnn_onnx.lstm_padded, ops.gru_padded.default: rnn_onnx.gru_padded,
-            ops.rnn_padded.default: rnn_onnx.rnn_padded, ops.locally_connected2d.default: local_onnx.locally_connected2d}
+    named = {**rnn_onnx.translations(), **local_onnx.translations()}  # {"fastlayers::<op>": translation}
+    return {getattr(torch.ops.fastlayers, name.split("::")[1]).default: fn for name, fn in named.items()}
 
 
 def _refuse_training_masks(model: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._core import precision, twice
+from .._core import exporter, precision, twice
 from .._native import ops_lib
 from ._reference import needed_grads, recorded_backward, save
 
@@ -57,3 +57,14 @@ def register_operators() -> None:
 
 
 ops_lib.on_load(register_operators)
+
+
+def _onnx_translations() -> dict:
+    """Called once onnxscript's registry is imported (this imports onnxscript too); loads the
+    operators, which the registry must find when torch.onnx reads it; none where they cannot load."""
+    from . import _ops_onnx
+
+    return _ops_onnx.translations() if ops_lib.load() else {}
+
+
+exporter.offer(_onnx_translations)  # torch.onnx.export finds the translation (fastlayers._core.exporter)

@@ -34,3 +34,8 @@ def locally_connected2d(input, weight, bias, stride, padding, dilation):
     w = op.Transpose(op.Reshape(weight, _ints(out_c, in_c * kh * kw, oh * ow)), perm=[2, 1, 0])  # (L, CKK, O)
     y = op.Reshape(op.Transpose(op.MatMul(patches, w), perm=[1, 2, 0]), _ints(0, out_c, oh, ow))
     return op.Add(y, bias) if bias is not None else y
+
+
+def translations() -> dict:
+    """The locally connected operator's translation by qualified name."""
+    return {"fastlayers::locally_connected2d": locally_connected2d}

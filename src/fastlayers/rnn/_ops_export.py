@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._core import exporter
 from .._native import ops_lib
 from ._options import CellOptions
 
@@ -238,3 +239,14 @@ def register_operators() -> None:
 
 
 ops_lib.on_load(register_operators)
+
+
+def _onnx_translations() -> dict:
+    """Called once onnxscript's registry is imported (this imports onnxscript too); loads the
+    operators, which the registry must find when torch.onnx reads it; none where they cannot load."""
+    from . import _ops_onnx
+
+    return _ops_onnx.translations() if ops_lib.load() else {}
+
+
+exporter.offer(_onnx_translations)  # torch.onnx.export finds the translations (fastlayers._core.exporter)

@@ -370,3 +370,9 @@ def rnn_padded(x, lengths, h0, w_ih, w_hh, b_ih=None, b_hh=None, relu=False):
     y, h = op.RNN(x, w_ih, w_hh, _native_bias(b_ih, b_hh, 1, (0,)), _sequence_lens(lengths), h0,
                   activations=["Relu" if relu else "Tanh"] * dirs, direction=_direction(dirs), hidden_size=hidden)
     return _native_output(y), h
+
+
+def translations() -> dict[str, Callable]:
+    """The recurrent operators' translations by qualified name (``fastlayers::<op>``)."""
+    return {"fastlayers::lstm_padded": lstm_padded, "fastlayers::gru_padded": gru_padded,
+            "fastlayers::rnn_padded": rnn_padded}
