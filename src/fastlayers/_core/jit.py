@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 _EXPORT = ("torch.export.export(model, args, kwargs) is the supported route out of Python (dynamic batch and "
-           "time; see the README's Deploy section)")
+           "time; see docs/deploy.md)")
 
 
 def refuse_trace(what: str, why: str) -> None:

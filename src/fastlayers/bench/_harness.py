@@ -358,7 +358,7 @@ def compare(
             The report's ``warmup`` is the number of rounds run.
         block_s: the shortest duration of one measurement, in seconds.
         cliff_threshold: flag ``cliff`` when (forward+backward) / forward exceeds it.
-        rtol: max relative error (max |got - ref| / max |ref|) before a mismatch flag; default
+        rtol: max relative error (``max |got - ref| / max |ref|``) before a mismatch flag; default
             1e-3 for float32, 1e-2 for 16-bit floats, 1e-7 for float64.
         memory: measure peak memory of one forward+backward (CPU: the torch profiler's
             allocation records in time order; CUDA: max_memory_allocated). A candidate with the
