@@ -27,12 +27,16 @@ _allow_whole_module_loads()
 
 
 def ops_library() -> str:
-    """The path of fastlayers' C++ operator library (built on first call, about 15 s, then cached):
-    what a process without fastlayers loads (``torch.ops.load_library(path)``, or ``dlopen`` from
-    C++) to run AOTInductor packages of models built from fastlayers layers (docs/deploy.md).
+    """The path (a str) of fastlayers' native library: the C++ operators and the C kernels, as
+    built with the package, in the CPU variant this process loads (``fastlayers/_native/
+    _C_<variant>.so``, variant ``default``, ``avx2`` or ``avx512``; ``FASTLAYERS_CPU_CAPABILITY``
+    forces one). What a process without fastlayers loads (``torch.ops.load_library(path)``, or
+    ``dlopen`` from C++) to run AOTInductor packages of models built from fastlayers layers
+    (docs/deploy.md). Nothing is compiled.
 
     Raises:
-        RuntimeError: it cannot be built here (no C / C++ compiler, or a failed build), with why.
+        RuntimeError: the library is unavailable (a checkout that was not built, a library built
+            against another torch, or ``FASTLAYERS_NO_NATIVE=1``), with why.
     """
     from ._native.ops_lib import library_path
 

@@ -141,6 +141,9 @@ class AttentionPooling(NotScriptable, nn.Module):
 
     def forward(self, query: Tensor, keys: Tensor, values: Tensor | None = None,
                 lengths: Tensor | list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """:func:`attention_pool` with this module's score (and its parameters): query (B, Dq),
+        keys (B, T, Dk), values (B, T, Dv) (default keys), lengths (B,) or None ->
+        ``(context (B, Dv), weights (B, T))``; errors as :func:`attention_pool`."""
         additive = (self.weight_query, self.weight_key, self.v, self.bias) if self.score == "additive" else None
         return attention_pool(query, keys, values, lengths, score=self.score, additive=additive)
 

@@ -59,7 +59,21 @@ class Inputs:
 
 @dataclass
 class CandidateResult:
-    """Measurements of one candidate. Times in seconds, memory in bytes, errors relative."""
+    """Measurements of one candidate. Times in seconds, memory in bytes, errors relative.
+
+    Attributes:
+        name: the candidate's name (a key of ``candidates``).
+        forward_s, forward_backward_s: the timed repeats, seconds per call (each the mean of
+            ``calls`` back-to-back calls).
+        peak_memory_bytes: peak memory of one forward + backward above what was allocated before
+            it, bytes (None: not measured).
+        output_error: ``max |got - ref| / max |ref|`` of the outputs against the reference (None:
+            the reference itself, or not checked).
+        grad_errors: the same relative error per gradient (keys ``input:<name>`` and ``param:<name>``).
+        flags: ``"value mismatch"``, ``"gradient mismatch: <name>"``, ``"missing gradient: <name>"``,
+            ``"cliff"``; empty when all is well.
+        calls: back-to-back calls per measurement, forward and forward + backward.
+    """
 
     name: str
     forward_s: list[float] = field(default_factory=list)
@@ -91,7 +105,17 @@ class CandidateResult:
 
 @dataclass
 class Report:
-    """A plain record of one comparison: environment, settings and per-candidate results."""
+    """A plain record of one comparison: environment, settings and per-candidate results
+    (``report["name"]`` is a candidate's :class:`CandidateResult`; KeyError naming the candidates
+    for an unknown one).
+
+    Attributes:
+        workload, dtype, device, threads, torch_version, cpu: what ran, where (``cpu``: the CPU's
+            model name).
+        repeats, warmup, reference, cliff_threshold: the settings of :func:`compare`.
+        results: one :class:`CandidateResult` per candidate, in the order given.
+        notes: remarks for the reader (e.g. a candidate's input layout).
+    """
 
     workload: str
     dtype: str

@@ -20,7 +20,16 @@ from .. import GRU, LSTM
 
 @dataclass
 class Workload:
-    """Candidates and inputs for :func:`fastlayers.bench.compare`, plus notes for the reader."""
+    """Candidates and inputs for :func:`fastlayers.bench.compare`, plus notes for the reader.
+
+    Attributes:
+        name: the workload and its sizes, as the report prints them.
+        candidates: name -> callable (an ``nn.Module`` also has its parameters' gradients compared).
+        make_inputs: returns the keyword inputs of every call (tensors requiring grad are compared).
+        reference: the candidate used as the oracle (None: the first).
+        anchor: the candidate the others' times are divided by in the report's ratios.
+        notes: remarks printed under the table.
+    """
 
     name: str
     candidates: dict[str, Callable[..., Any]]

@@ -203,6 +203,9 @@ class LocallyConnected2d(_LocallyConnectedNd):
                          device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
+        """``input`` (B, C_in, H, W) or (C_in, H, W), (H, W) = ``input_size``, the weight's dtype
+        and device -> (B, C_out, OH, OW) or (C_out, OH, OW). ValueError for another spatial size
+        or channel count, TypeError for integer input or another dtype."""
         if self._common(input, 4):  # the module's own weight: its geometry was checked at construction
             return run(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
         self._check_spatial(input)
@@ -238,6 +241,8 @@ class LocallyConnected1d(_LocallyConnectedNd):
         return cached[4], cached[5]
 
     def forward(self, input: Tensor) -> Tensor:
+        """``input`` (B, C_in, L) or (C_in, L), L = ``input_size``, the weight's dtype and device
+        -> (B, C_out, OL) or (C_out, OL); errors as :meth:`LocallyConnected2d.forward`."""
         if self._common(input, 3):  # as LocallyConnected2d's, with H = 1
             weight, bias = self._as_2d()
             y = run(input.unsqueeze(-2), weight, bias, (1, self.stride[0]), (0, self.padding[0]),

@@ -122,7 +122,11 @@ class _Cell(NotScriptable):
         params = self._parameters  # type: ignore[attr-defined]  (nn.Module's own dict: no per-call walk)
         return {name: p for name, p in params.items() if p is not None}
 
-    def forward(self, input: Any, hx: Any = None, *, recurrent_mask: Tensor | None = None) -> Any:  # noqa: D102
+    def forward(self, input: Any, hx: Any = None, *, recurrent_mask: Tensor | None = None) -> Any:
+        """One step: ``input`` (B, F) or unbatched (F,); ``hx`` the state (B, P) (LSTMCell: the pair
+        ``(h, c)``, c (B, H)), zeros if None; ``recurrent_mask`` (B, P) from :meth:`recurrent_mask`
+        (the same for every step of a sequence) or None. Returns the next state in the input's
+        dtype: h (B, P) (LSTMCell: ``(h, c)``). Errors as torch.nn's cells (the class docstring)."""
         x, states, batched = check_cell(f"{self.mode}Cell", self.mode, input, hx,
                                         input_size=self.input_size, weight_dtype=self.weight_ih.dtype,
                                         sizes=self._state_sizes())

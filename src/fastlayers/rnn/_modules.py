@@ -73,7 +73,13 @@ class _LengthsMixin(NotScriptable):
         :meth:`_run` decides. LSTM and GRU only, see :class:`_CellOptionsMixin`."""
         return None
 
-    def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:  # noqa: D102
+    def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:
+        """Run every layer over the sequence: ``input`` (T, B, F), (B, T, F) with ``batch_first``,
+        unbatched (T, F) or a PackedSequence; ``hx`` the initial state (L*D, B, P) (LSTM: the pair
+        ``(h_0, c_0)``, c (L*D, B, H)), zeros if None; ``lengths`` (B,) integers in [1, T] (tensor on
+        any device, or a list), the packed semantics on the padded batch. Returns ``(output, h_n)``
+        (LSTM: ``(output, (h_n, c_n))``), output (T, B, D*P) (or (B, T, D*P)) in the input's dtype,
+        zero at t >= lengths[b]. Shapes, devices and the errors raised: the class docstring."""
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError("lengths: expected None for PackedSequence input (it carries its own lengths)")
@@ -410,7 +416,10 @@ class RNN(_LengthsMixin, nn.RNN):
         )
     )
 
-    def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:  # noqa: D102
+    def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:
+        """As :meth:`LSTM.forward`: ``input`` (T, B, F) (or (B, T, F), (T, F), PackedSequence),
+        ``hx`` (L*D, B, H) or None, ``lengths`` (B,) or None -> ``(output (T, B, D*H), h_n (L*D, B, H))``
+        with the packed semantics; errors as torch.nn.RNN's (the class docstring)."""
         if isinstance(input, Tensor) and input.device.type == "cpu" and _precision.is_low(input):
             return self._forward_in_float32(input, hx, lengths)
         return super().forward(input, hx, lengths=lengths)
