@@ -51,6 +51,11 @@ def attention_pool(
 ) -> tuple[Tensor, Tensor]:
     """Attention pooling of ``values`` over time, weighted by the scores of ``query`` against ``keys``.
 
+    ``weights = softmax_t(score(query, keys_t))`` over the valid steps, ``context = sum_t weights_t
+    * values_t``. Scores: dot ``q . k_t`` and scaled dot ``q . k_t / sqrt(Dk)`` (Luong et al. 2015;
+    Vaswani et al. 2017), additive ``v . tanh(W_q q + W_k k_t + b)`` (Bahdanau et al. 2015). Legend:
+    B batch, T time, Dq / Dk / Dv query, key, value sizes, A the additive score's size.
+
     Args:
         query: (B, Dq) float tensor.
         keys: (B, T, Dk), same dtype and device.
@@ -94,7 +99,10 @@ def attention_pool(
     return attention_pool_reference(query, keys, values, lengths, score=score, additive=additive)
 
 class AttentionPooling(NotScriptable, nn.Module):
-    """Module form of :func:`attention_pool`; owns the additive score's parameters.
+    """Module form of :func:`attention_pool`; owns the additive score's parameters (Bahdanau et
+    al. 2015: ``weight_query`` (A, Dq), ``weight_key`` (A, Dk), ``v`` (A,), ``bias`` (A,)), created
+    with ``device`` / ``dtype`` as torch.nn modules are; dot and scaled dot have none. ValueError for
+    an unknown score or sizes that do not fit it (dot scores need Dq == Dk).
 
     Args:
         query_size: Dq. key_size: Dk (default Dq).

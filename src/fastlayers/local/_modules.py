@@ -179,7 +179,9 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
 
 
 class LocallyConnected2d(_LocallyConnectedNd):
-    """Locally connected 2-D layer: nn.Conv2d with a separate filter and bias per output location.
+    """Locally connected 2-D layer: nn.Conv2d with a separate filter and bias per output location
+    (unshared convolution: Taigman et al. 2014; Keras' ``LocallyConnected2D``). Any floating dtype
+    (``device`` / ``dtype`` as torch.nn modules); low precision sums in float32.
 
     Args:
         in_channels, out_channels: C_in, C_out.
@@ -213,10 +215,14 @@ class LocallyConnected2d(_LocallyConnectedNd):
 
 
 class LocallyConnected1d(_LocallyConnectedNd):
-    """Locally connected 1-D layer: nn.Conv1d with a separate filter and bias per output position.
+    """Locally connected 1-D layer: nn.Conv1d with a separate filter and bias per output position
+    (Keras' ``LocallyConnected1D``). Legend: B batch, C_in / C_out channels, L = ``input_size``
+    positions, K kernel, OL output positions.
 
     Parameters: ``weight`` (C_out, C_in, K, OL), ``bias`` (C_out, OL). Forward: (B, C_in, L) or
-    (C_in, L) -> (B, C_out, OL) or (C_out, OL). Arguments and errors as :class:`LocallyConnected2d`.
+    (C_in, L) -> (B, C_out, OL) or (C_out, OL), the weight's floating dtype. Arguments, dtypes and
+    errors (ValueError for another length or channel count, TypeError for integer input or another
+    dtype) as :class:`LocallyConnected2d`.
     """
 
     def __init__(self, in_channels: int, out_channels: int, input_size: int, kernel_size: int = 1, stride: int = 1,
