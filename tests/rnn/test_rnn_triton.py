@@ -567,3 +567,24 @@ def test_cells_on_the_step_kernels_differentiate_twice_and_serve_no_grad_calls(m
             want = cell(x)
     for a, b in zip(got if mode == "LSTM" else (got,), want if mode == "LSTM" else (want,)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_varlen_input_on_the_triton_engine(mode):
+    """The varlen form (issue 66) on the Triton engine: the padded call with lengths' values, final
+    states and gradients (float64)."""
+    torch.manual_seed(0)
+    lengths, cu = [3, 1, 5], torch.tensor([0, 3, 4, 9])
+    layer = getattr(fastlayers, mode)(3, 4, bidirectional=True, layer_norm=True, dtype=torch.float64)
+    x = torch.randn(9, 3, dtype=torch.float64, requires_grad=True)
+    padded = torch.nn.utils.rnn.pad_sequence(list(x.detach().split(lengths))).requires_grad_()
+    with fastlayers.backend("triton"):
+        y, final = layer(x, cu_seqlens=cu)
+        y_pad, final_pad = layer(padded, lengths=torch.tensor(lengths))
+    want = torch.cat([y_pad[:n, b] for b, n in enumerate(lengths)])
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+    h, h_pad = (final[0], final_pad[0]) if mode == "LSTM" else (final, final_pad)
+    torch.testing.assert_close(h, h_pad, rtol=0, atol=1e-12)
+    g, = torch.autograd.grad(y.square().sum(), x)
+    g_pad, = torch.autograd.grad(want.square().sum(), padded)
+    torch.testing.assert_close(g, torch.cat([g_pad[:n, b] for b, n in enumerate(lengths)]), rtol=0, atol=1e-12)

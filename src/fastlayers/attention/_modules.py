@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .._core import jagged
 from .._core.backend import select
 from .._core.checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_tensor
 from .._core.jit import TRITON, NotScriptable, refuse_trace
@@ -48,6 +49,8 @@ def attention_pool(
     *,
     score: str = "dot",
     additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention pooling of ``values`` over time, weighted by the scores of ``query`` against ``keys``.
 
@@ -65,6 +68,11 @@ def attention_pool(
         score: ``"dot"`` (Dq == Dk), ``"scaled_dot"`` (Dq == Dk) or ``"additive"``.
         additive: for ``score="additive"``: ``(weight_query (A, Dq), weight_key (A, Dk), v (A,),
             bias (A,) or None)``; :class:`AttentionPooling` owns these.
+
+        cu_seqlens, max_seqlen: the varlen form without padding: ``keys`` (N, Dk) and ``values``
+            (N, Dv) hold the B sequences one after another, ``cu_seqlens`` (B+1,) int32 / int64 their
+            offsets (0, ..., N); the weights come back as (N,) in that layout. Jagged NestedTensor
+            ``keys`` / ``values`` (B, j, D) run the same way (weights a jagged (B, j)).
 
     Returns:
         ``(context, weights)``: context (B, Dv), weights (B, T) summing to 1 over valid steps.
@@ -84,6 +92,12 @@ def attention_pool(
     torch.bmm), so keep them finite (an LSTM with ``lengths`` writes zeros there). Large scores
     (keys of size 1e4) stay finite: the softmax subtracts each row's maximum.
     """
+    if isinstance(keys, Tensor) and keys.is_nested:
+        return _nested(query, keys, values, lengths, cu_seqlens, score, additive)
+    if cu_seqlens is not None:
+        return _varlen(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive)
+    if max_seqlen is not None:
+        raise ValueError("max_seqlen: expected None without cu_seqlens")
     values = keys if values is None else values
     _check(query, keys, values)
     which = select("attention", query)
@@ -97,6 +111,41 @@ def attention_pool(
         refuse_trace("fastlayers.attention_pool on the Triton backend", TRITON)
         return AttentionTriton.apply(query, keys, values, lens, scale)
     return attention_pool_reference(query, keys, values, lengths, score=score, additive=additive)
+
+def _varlen(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive) -> tuple[Tensor, Tensor]:
+    """keys (N, Dk), values (N, Dv) or None, cu_seqlens (B+1,) -> context (B, Dv), weights (N,): the
+    padded call with lengths between one index_copy and one index_select (exact)."""
+    if lengths is not None:
+        raise ValueError("lengths: expected None with cu_seqlens (the varlen form carries its lengths)")
+    for name, t in (("keys", keys), ("values", values)):
+        if t is not None and (not isinstance(t, Tensor) or t.dim() != 2):
+            got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a 2-D tensor (N, D) with cu_seqlens (the sequences one after "
+                             f"another), got {got}")
+    if values is not None and values.size(0) != keys.size(0):
+        raise ValueError(f"values: expected {keys.size(0)} rows (as keys), got {values.size(0)}")
+    plan = jagged.varlen(cu_seqlens, keys.size(0), keys.device, batch_first=True, max_seqlen=max_seqlen)
+    padded_values = jagged.pad(values, plan, batch_first=True) if values is not None else None
+    context, weights = attention_pool(query, jagged.pad(keys, plan, batch_first=True), padded_values, plan.lengths,
+                                      score=score, additive=additive)
+    return context, jagged.unpad(weights, plan)
+
+
+def _nested(query, keys, values, lengths, cu_seqlens, score, additive) -> tuple[Tensor, Tensor]:
+    """keys (and values) jagged (B, j, D) -> context (B, Dv), weights jagged (B, j)."""
+    if cu_seqlens is not None or lengths is not None:
+        raise ValueError("cu_seqlens, lengths: expected None for NestedTensor keys (they carry their offsets)")
+    key_values, offsets = jagged.unwrap("keys", keys)
+    value_values = None
+    if values is not None:
+        if not (isinstance(values, Tensor) and values.is_nested):
+            raise ValueError("values: expected a jagged NestedTensor like keys (or None), got a dense tensor")
+        value_values, value_offsets = jagged.unwrap("values", values)
+        if value_offsets.shape != offsets.shape or not bool((value_offsets.cpu() == offsets.cpu()).all()):
+            raise ValueError("values: expected the same offsets (sequence lengths) as keys")
+    context, weights = _varlen(query, key_values, value_values, None, offsets, None, score, additive)
+    return context, jagged.rewrap(weights, offsets)
+
 
 class AttentionPooling(NotScriptable, nn.Module):
     """Module form of :func:`attention_pool`; owns the additive score's parameters (Bahdanau et
@@ -148,12 +197,15 @@ class AttentionPooling(NotScriptable, nn.Module):
                 nn.init.uniform_(p, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
     def forward(self, query: Tensor, keys: Tensor, values: Tensor | None = None,
-                lengths: Tensor | list[int] | None = None) -> tuple[Tensor, Tensor]:
+                lengths: Tensor | list[int] | None = None, *, cu_seqlens: Tensor | None = None,
+                max_seqlen: int | None = None) -> tuple[Tensor, Tensor]:
         """:func:`attention_pool` with this module's score (and its parameters): query (B, Dq),
         keys (B, T, Dk), values (B, T, Dv) (default keys), lengths (B,) or None ->
-        ``(context (B, Dv), weights (B, T))``; errors as :func:`attention_pool`."""
+        ``(context (B, Dv), weights (B, T))``; the varlen form (``cu_seqlens``) and jagged
+        NestedTensors as :func:`attention_pool`; errors as :func:`attention_pool`."""
         additive = (self.weight_query, self.weight_key, self.v, self.bias) if self.score == "additive" else None
-        return attention_pool(query, keys, values, lengths, score=self.score, additive=additive)
+        return attention_pool(query, keys, values, lengths, score=self.score, additive=additive,
+                              cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
     def extra_repr(self) -> str:
         return f"query_size={self.query_size}, key_size={self.key_size}, score={self.score!r}"

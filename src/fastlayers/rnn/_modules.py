@@ -17,10 +17,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
+from .._core import jagged
+from .._core import precision as _precision
 from .._core.checks import as_lengths
 from .._core.jit import ENGINE, NotScriptable, refuse_trace
 from .._native import ops_lib
-from .._core import precision as _precision
 from .._core.backend import select
 from ._cells import step
 from ._docs import COMMON_DOC, GRU_OPTIONS_DOC, OPTIONS_DOC
@@ -73,13 +74,38 @@ class _LengthsMixin(NotScriptable):
         :meth:`_run` decides. LSTM and GRU only, see :class:`_CellOptionsMixin`."""
         return None
 
-    def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:
+    def forward(self, input: Any, hx: Any = None, *, lengths: Any = None, cu_seqlens: Any = None,
+                max_seqlen: Any = None) -> Any:
         """Run every layer over the sequence: ``input`` (T, B, F), (B, T, F) with ``batch_first``,
         unbatched (T, F) or a PackedSequence; ``hx`` the initial state (L*D, B, P) (LSTM: the pair
         ``(h_0, c_0)``, c (L*D, B, H)), zeros if None; ``lengths`` (B,) integers in [1, T] (tensor on
         any device, or a list), the packed semantics on the padded batch. Returns ``(output, h_n)``
         (LSTM: ``(output, (h_n, c_n))``), output (T, B, D*P) (or (B, T, D*P)) in the input's dtype,
-        zero at t >= lengths[b]. Shapes, devices and the errors raised: the class docstring."""
+        zero at t >= lengths[b]. Shapes, devices and the errors raised: the class docstring.
+
+        Without padding (the varlen form, as flash-attention's ``cu_seqlens``): ``input`` (N, F),
+        the B sequences one after another, ``cu_seqlens`` (B+1,) int32 / int64 (0, then the running
+        sum of the lengths, ending at N; on the input's device or the CPU), ``max_seqlen`` an
+        optional int >= the longest length; the output is (N, D*P) in the same layout, h_n (c_n) as
+        with ``lengths``; ``batch_first`` does not apply. A jagged NestedTensor (B, j, F) as
+        ``input`` runs the same way and returns a jagged (B, j, D*P) output with its offsets.
+        ValueError / TypeError for a bad ``cu_seqlens`` (not starting at 0, decreasing, a sequence
+        of length 0, not ending at N, another dtype or device), ``cu_seqlens`` with ``lengths``,
+        a strided nested tensor or ragged features (:mod:`fastlayers._core.jagged`)."""
+        if isinstance(input, Tensor) and input.is_nested:
+            if cu_seqlens is not None or lengths is not None:
+                raise ValueError("cu_seqlens, lengths: expected None for a NestedTensor input (it carries its offsets)")
+            values, offsets = jagged.unwrap("input", input)
+            output, final = self._forward_varlen(values, hx, offsets, max_seqlen)
+            return jagged.rewrap(output, offsets), final
+        if cu_seqlens is not None:
+            if lengths is not None:
+                raise ValueError("lengths: expected None with cu_seqlens (the varlen form carries its lengths)")
+            if isinstance(input, PackedSequence):
+                raise ValueError("cu_seqlens: expected None for PackedSequence input (it carries its own lengths)")
+            return self._forward_varlen(input, hx, cu_seqlens, max_seqlen)
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen: expected None without cu_seqlens")
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError("lengths: expected None for PackedSequence input (it carries its own lengths)")
@@ -143,6 +169,20 @@ class _LengthsMixin(NotScriptable):
                           training=self.training)
         out = out.transpose(0, 1) if self.batch_first else out
         return out, (final if self.mode == "LSTM" else final[0])
+
+    def _forward_varlen(self, values: Any, hx: Any, cu_seqlens: Any, max_seqlen: Any) -> Any:
+        """The varlen form (N, F) + cu_seqlens through the padded path with lengths: one index_copy
+        in, one index_select out (exact; :mod:`fastlayers._core.jagged`)."""
+        if not isinstance(values, Tensor):
+            raise TypeError(f"input: expected a Tensor of shape (N, F) with cu_seqlens, got {type(values).__name__}")
+        if values.dim() != 2:
+            raise ValueError(f"input: expected a 2-D tensor (N, F) with cu_seqlens (the sequences one after another), "
+                             f"got shape {tuple(values.shape)}")
+        plan = jagged.varlen(cu_seqlens, values.size(0), values.device, batch_first=self.batch_first,
+                             max_seqlen=max_seqlen)
+        padded = jagged.pad(values, plan, batch_first=self.batch_first)
+        output, final = self.forward(padded, hx, lengths=plan.lengths)
+        return jagged.unpad(output, plan), final
 
     def _forward_packed(self, packed: PackedSequence, hx: Any) -> Any:
         """A PackedSequence through the lengths path (the cell options have no packed kernel in torch):
@@ -416,10 +456,14 @@ class RNN(_LengthsMixin, nn.RNN):
         )
     )
 
-    def forward(self, input: Any, hx: Any = None, *, lengths: Any = None) -> Any:
-        """As :meth:`LSTM.forward`: ``input`` (T, B, F) (or (B, T, F), (T, F), PackedSequence),
-        ``hx`` (L*D, B, H) or None, ``lengths`` (B,) or None -> ``(output (T, B, D*H), h_n (L*D, B, H))``
-        with the packed semantics; errors as torch.nn.RNN's (the class docstring)."""
+    def forward(self, input: Any, hx: Any = None, *, lengths: Any = None, cu_seqlens: Any = None,
+                max_seqlen: Any = None) -> Any:
+        """As :meth:`LSTM.forward`: ``input`` (T, B, F) (or (B, T, F), (T, F), PackedSequence, the
+        varlen (N, F) with ``cu_seqlens``, a jagged NestedTensor), ``hx`` (L*D, B, H) or None,
+        ``lengths`` (B,) or None -> ``(output (T, B, D*H), h_n (L*D, B, H))`` with the packed
+        semantics; errors as torch.nn.RNN's (the class docstring)."""
+        if cu_seqlens is not None or max_seqlen is not None or (isinstance(input, Tensor) and input.is_nested):
+            return super().forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if isinstance(input, Tensor) and input.device.type == "cpu" and _precision.is_low(input):
             return self._forward_in_float32(input, hx, lengths)
         return super().forward(input, hx, lengths=lengths)

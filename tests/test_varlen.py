@@ -1,0 +1,192 @@
+"""Variable-length batches without padding (issue 66): the varlen form (``cu_seqlens``) and jagged
+NestedTensors on the recurrent layers and attention pooling give the padded call's results with
+lengths (values, final states, gradients of the input and every parameter, float64), on the C
+engine and the reference backend, for modules as constructed; every bad input is refused with a
+clear error (:mod:`fastlayers._core.jagged`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastlayers
+
+LENGTHS = [4, 1, 7, 3]
+CU = [0, 4, 5, 12, 15]
+
+
+def _split(x: torch.Tensor) -> list[torch.Tensor]:
+    return list(x.split(LENGTHS))
+
+
+def _pad(x: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(_split(x), batch_first=batch_first)
+
+
+def _unpad(y: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    return torch.cat([y[b, :n] if batch_first else y[:n, b] for b, n in enumerate(LENGTHS)])
+
+
+def _states(out) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+LAYERS = [
+    (fastlayers.LSTM, {}),
+    (fastlayers.LSTM, {"bidirectional": True, "num_layers": 2, "layer_norm": True, "peephole": True}),
+    (fastlayers.LSTM, {"bidirectional": True, "proj_size": 3, "cell_clip": 0.5, "batch_first": True}),
+    (fastlayers.LSTM, {"zoneout": 0.2, "recurrent_dropout": 0.1}),  # eval below: expectations
+    (fastlayers.GRU, {"bidirectional": True, "layer_norm": True, "zoneout": 0.1}),
+    (fastlayers.GRU, {"num_layers": 2}),
+    (fastlayers.RNN, {"bidirectional": True, "nonlinearity": "relu"}),
+]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("cls, options", LAYERS, ids=lambda v: getattr(v, "__name__", None) or
+                         ",".join(f"{k}={w}" for k, w in v.items()) or "plain")
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("with_hx", [False, True])
+def test_varlen_equals_padded_with_lengths(backend, cls, options, cu_dtype, with_hx):
+    torch.manual_seed(0)
+    layer = cls(5, 6, dtype=torch.float64, **options).eval()  # as constructed
+    x = torch.randn(sum(LENGTHS), 5, dtype=torch.float64, requires_grad=True)
+    padded = _pad(x.detach(), layer.batch_first).requires_grad_()
+    dirs = 2 if layer.bidirectional else 1
+    hx = None
+    if with_hx:
+        sizes = layer._state_sizes()
+        hx = tuple(torch.randn(layer.num_layers * dirs, len(LENGTHS), s, dtype=torch.float64) for s in sizes)
+        hx = hx if cls is fastlayers.LSTM else hx[0]
+    with fastlayers.backend(backend):
+        y, final = layer(x, hx, cu_seqlens=torch.tensor(CU, dtype=cu_dtype))
+        y_pad, final_pad = layer(padded, hx, lengths=torch.tensor(LENGTHS))
+    want = _unpad(y_pad, layer.batch_first)
+    assert y.shape == (sum(LENGTHS), dirs * (options.get("proj_size") or 6))
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+    for got, exp in zip(_states(final), _states(final_pad)):
+        torch.testing.assert_close(got, exp, rtol=0, atol=1e-12)
+    cotangent = torch.randn_like(y)
+    loss = (y * cotangent).sum() + sum(s.square().sum() for s in _states(final))
+    loss_pad = (want * cotangent).sum() + sum(s.square().sum() for s in _states(final_pad))
+    params = list(layer.parameters())
+    grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
+    grads_pad = torch.autograd.grad(loss_pad, [padded, *params], allow_unused=True)
+    torch.testing.assert_close(grads[0], _unpad(grads_pad[0], layer.batch_first), rtol=0, atol=1e-12)
+    for name, g, g_pad in zip([n for n, _ in layer.named_parameters()], grads[1:], grads_pad[1:]):
+        assert (g is None) == (g_pad is None), name
+        if g is not None:
+            torch.testing.assert_close(g, g_pad, rtol=0, atol=1e-12, msg=name)
+
+
+def test_varlen_in_training_mode_draws_the_padded_calls_masks():
+    """Zoneout and recurrent dropout in training: the same seed gives the same masks, as the varlen
+    call is the padded call inside."""
+    layer = fastlayers.LSTM(5, 6, bidirectional=True, zoneout=0.3, recurrent_dropout=0.2, dtype=torch.float64)
+    x = torch.randn(sum(LENGTHS), 5, dtype=torch.float64)
+    torch.manual_seed(3)
+    y, _ = layer(x, cu_seqlens=torch.tensor(CU))
+    torch.manual_seed(3)
+    y_pad, _ = layer(_pad(x, False), lengths=torch.tensor(LENGTHS))
+    torch.testing.assert_close(y, _unpad(y_pad, False), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [fastlayers.LSTM, fastlayers.GRU, fastlayers.RNN])
+def test_jagged_nested_tensor_in_and_out(cls):
+    torch.manual_seed(0)
+    layer = cls(5, 6, bidirectional=True, dtype=torch.float64)
+    parts = [torch.randn(n, 5, dtype=torch.float64) for n in LENGTHS]
+    nested = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=True)
+    out, final = layer(nested)
+    assert out.is_nested and out.layout == torch.jagged
+    torch.testing.assert_close(out.offsets(), nested.offsets())
+    y_pad, final_pad = layer(torch.nn.utils.rnn.pad_sequence(parts), lengths=torch.tensor(LENGTHS))
+    torch.testing.assert_close(out.values(), _unpad(y_pad, False), rtol=0, atol=1e-12)
+    for got, exp in zip(_states(final), _states(final_pad)):
+        torch.testing.assert_close(got, exp, rtol=0, atol=1e-12)
+    out.values().sum().backward()
+    assert nested.grad is not None and nested.grad.values().shape == (sum(LENGTHS), 5)
+    x = torch.cat(parts).requires_grad_()
+    layer(x, cu_seqlens=torch.tensor(CU))[0].sum().backward()
+    torch.testing.assert_close(nested.grad.values(), x.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("score", ["dot", "scaled_dot", "additive"])
+def test_attention_pool_varlen_and_nested(score):
+    torch.manual_seed(0)
+    pool = fastlayers.AttentionPooling(6, score=score, attention_size=4 if score == "additive" else None,
+                                       dtype=torch.float64)
+    q = torch.randn(len(LENGTHS), 6, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(sum(LENGTHS), 6, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sum(LENGTHS), 3, dtype=torch.float64, requires_grad=True)
+    context, weights = pool(q, k, v, cu_seqlens=torch.tensor(CU, dtype=torch.int32))
+    kp, vp = _pad(k, True), _pad(v, True)
+    context_pad, weights_pad = pool(q, kp, vp, torch.tensor(LENGTHS))
+    torch.testing.assert_close(context, context_pad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weights, _unpad(weights_pad, True), rtol=0, atol=1e-12)
+    grads = torch.autograd.grad(context.square().sum(), [q, k, v, *pool.parameters()])
+    grads_pad = torch.autograd.grad(context_pad.square().sum(), [q, kp, vp, *pool.parameters()])
+    for g, g_pad, padded in zip(grads, grads_pad, [False, True, True] + [False] * len(list(pool.parameters()))):
+        torch.testing.assert_close(g, _unpad(g_pad, True) if padded else g_pad, rtol=0, atol=1e-12)
+    nk = torch.nested.nested_tensor_from_jagged(k, torch.tensor(CU))
+    nv = torch.nested.nested_tensor_from_jagged(v, torch.tensor(CU))
+    context_nested, weights_nested = pool(q, nk, nv)
+    assert weights_nested.is_nested
+    torch.testing.assert_close(context_nested, context, rtol=0, atol=0)
+    torch.testing.assert_close(weights_nested.values(), weights, rtol=0, atol=0)
+
+
+BAD_CU = [
+    (torch.tensor([1, 4, 5, 12, 15]), ValueError, r"cu_seqlens: expected cu_seqlens\[0\] = 0, got 1"),
+    (torch.tensor([0, 4, 3, 12, 15]), ValueError, r"cu_seqlens: expected non-decreasing offsets, got cu_seqlens\[2\] = 3 < "
+                                                  r"cu_seqlens\[1\] = 4"),
+    (torch.tensor([0, 4, 4, 12, 15]), ValueError, r"cu_seqlens: every sequence must have length >= 1, got length 0 "
+                                                  r"for sequence 1"),
+    (torch.tensor([0, 4, 5, 12, 14]), ValueError, r"cu_seqlens: expected cu_seqlens\[-1\] = 15 \(the number of value "
+                                                  r"rows\), got 14"),
+    (torch.tensor([0.0, 4, 5, 12, 15]), TypeError, r"cu_seqlens: expected dtype torch.int32 or torch.int64, got "
+                                                   r"torch.float32"),
+    (torch.tensor([[0, 15]]), ValueError, r"cu_seqlens: expected a 1-D tensor of shape \(B\+1,\) with B >= 1, got "
+                                          r"shape \(1, 2\)"),
+    (torch.tensor([0, 4, 5, 12, 15], device="meta"), ValueError, r"cu_seqlens: expected a tensor on cpu \(the values' "
+                                                                  r"device\) or on the CPU, got meta"),
+    ([0, 4, 5, 12, 15], TypeError, r"cu_seqlens: expected a 1-D int32 or int64 tensor, got list"),
+]
+
+
+@pytest.mark.parametrize("cu, error, message", BAD_CU, ids=[m[:30] for _, _, m in BAD_CU])
+@pytest.mark.parametrize("layer", ["LSTM", "attention"])
+def test_bad_cu_seqlens_is_refused(layer, cu, error, message):
+    x = torch.randn(15, 5)
+    with pytest.raises(error, match=message):
+        if layer == "LSTM":
+            fastlayers.LSTM(5, 6, layer_norm=True)(x, cu_seqlens=cu)
+        else:
+            fastlayers.attention_pool(torch.randn(4, 5), x, cu_seqlens=cu)
+
+
+def test_other_bad_varlen_input_is_refused():
+    lstm, x, cu = fastlayers.LSTM(5, 6), torch.randn(15, 5), torch.tensor(CU)
+    with pytest.raises(ValueError, match=r"lengths: expected None with cu_seqlens"):
+        lstm(x, cu_seqlens=cu, lengths=torch.tensor(LENGTHS))
+    with pytest.raises(ValueError, match=r"input: expected a 2-D tensor \(N, F\) with cu_seqlens .*got shape \(15, 1, 5\)"):
+        lstm(x.unsqueeze(1), cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"max_seqlen: expected at least the longest sequence \(7\), got 6"):
+        lstm(x, cu_seqlens=cu, max_seqlen=6)
+    lstm(x, cu_seqlens=cu, max_seqlen=7)  # the longest: fine
+    with pytest.raises(ValueError, match=r"max_seqlen: expected None without cu_seqlens"):
+        lstm(torch.randn(7, 4, 5), max_seqlen=7)
+    with pytest.raises(ValueError, match=r"input \(torch.Size\(\[15, 4\]\)\)|input size|input.size\(-1\) must be equal"):
+        lstm(torch.randn(15, 4), cu_seqlens=cu)  # the feature size: torch's own check, as for padded input
+    strided = torch.nested.nested_tensor([torch.randn(3, 5), torch.randn(4, 5)])
+    with pytest.raises(ValueError, match=r"input: expected a jagged NestedTensor \(layout=torch.jagged\), got layout "
+                                         r"torch.strided"):
+        lstm(strided)
+    jagged = torch.nested.nested_tensor([torch.randn(3, 5), torch.randn(4, 5)], layout=torch.jagged)
+    with pytest.raises(ValueError, match=r"input: expected the ragged dimension at 1 \(B, j, F\), got it at 2"):
+        lstm(jagged.transpose(1, 2))  # (B, F, j): the features ragged
+    with pytest.raises(ValueError, match=r"cu_seqlens, lengths: expected None for a NestedTensor input"):
+        lstm(jagged, cu_seqlens=torch.tensor([0, 3, 7]))
+    with pytest.raises(ValueError, match=r"values: expected the same offsets \(sequence lengths\) as keys"):
+        other = torch.nested.nested_tensor([torch.randn(4, 5), torch.randn(3, 5)], layout=torch.jagged)
+        fastlayers.attention_pool(torch.randn(2, 5), jagged, other)
