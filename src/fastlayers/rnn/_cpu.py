@@ -41,6 +41,7 @@ def lstm_engine(
     dropout: float = 0.0,
     training: bool = False,
     masks: list[dict[str, Tensor]] | None = None,
+    plan: LengthPlan | None = None,
 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """Multi-layer (bidirectional) LSTM with cell options over a time-major padded batch.
 
@@ -56,12 +57,16 @@ def lstm_engine(
         masks: optional per-layer dict with ``recurrent`` (D, B, P), ``zoneout_h`` (D, T, B, P)
             and ``zoneout_c`` (D, T, B, H) keep-masks in original time and batch order (tests pass
             them to compare with the reference); sampled here in training when None.
+        plan: the varlen form instead (issue 66): ``input`` (N, F), the sequences one after another,
+            and the plan of their rows (``make_plan(lengths, T, False, device, varlen=True)``,
+            ``lengths`` then the same lengths); the output is (N, D*P), no padded tensor made.
+            Drawn masks only (``masks`` None).
 
     Returns:
         output (T, B, D*P) with zeros at t >= len_b; h_n (L*D, B, P), c_n (L*D, B, H), torch's
         packed semantics.
     """
-    return _engine("LSTM", input, hx, layers, lengths, options, dropout, training, masks)
+    return _engine("LSTM", input, hx, layers, lengths, options, dropout, training, masks, plan)
 
 
 def gru_engine(
@@ -74,6 +79,7 @@ def gru_engine(
     dropout: float = 0.0,
     training: bool = False,
     masks: list[dict[str, Tensor]] | None = None,
+    plan: LengthPlan | None = None,
 ) -> tuple[Tensor, tuple[Tensor]]:
     """Multi-layer (bidirectional) GRU with cell options (layer_norm, zoneout z_h, recurrent_dropout).
 
@@ -82,7 +88,7 @@ def gru_engine(
     ``ln_ih_weight``, ``ln_hh_weight`` (3H); masks ``recurrent`` (D, B, H), ``zoneout_h``
     (D, T, B, H). Returns output (T, B, D*H) and (h_n,).
     """
-    return _engine("GRU", input, hx, layers, lengths, options, dropout, training, masks)
+    return _engine("GRU", input, hx, layers, lengths, options, dropout, training, masks, plan)
 
 
 def layer_plan(lengths: Tensor | None, steps: int, batch: int, device: torch.device) -> LengthPlan:
@@ -109,15 +115,20 @@ def given_layout(drawn: dict[str, Tensor], plan: LengthPlan, steps: int, batch: 
     return out
 
 
-def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks):
+def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks, varlen=None):
     gates = 4 if cell == "LSTM" else 3
-    steps, batch, _ = input.shape
+    if varlen is not None:  # (N, F): the sequences one after another, no padding anywhere
+        assert masks is None and lengths is not None
+        steps, batch = sum(span for span, _ in varlen.segments), lengths.numel()  # T = the longest, B
+    else:
+        steps, batch, _ = input.shape
     dirs = len(layers[0])
     hidden = layers[0][0]["weight_hh"].size(0) // gates
     proj = "weight_hr" in layers[0][0]
     out_size = layers[0][0]["weight_hr"].size(0) if proj else hidden
     dev = input.device
-    plan = layer_plan(lengths, steps, batch, dev)
+    plan = varlen if varlen is not None else layer_plan(lengths, steps, batch, dev)
+    num_rows = plan.num_rows if varlen is not None else steps * batch  # rows of the input and output layout
     active = tuple(n for span, n in plan.segments for _ in range(span))
     rows = sum(active)
     # packed row k of direction d reads padded row src[d, k] of the (T*B, ...) input; the output
@@ -139,7 +150,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         if identity and dirs == 1:
             xs = x.reshape(1, rows, -1)
         else:
-            xs = x.reshape(steps * batch, -1).index_select(0, src.flatten()).view(dirs, rows, -1)
+            xs = x.reshape(num_rows, -1).index_select(0, src.flatten()).view(dirs, rows, -1)
         m = (masks[li] if masks is not None else None) or {}
         # drawn masks are used as drawn: the recurrent one in length-sorted batch order, zoneout on the
         # packed rows; given ones (original order, :func:`given_layout` makes drawn ones so) are moved there
@@ -160,8 +171,8 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         else:
             if dst is None:
                 dst = (src * dirs + torch.arange(dirs, device=dev).unsqueeze(1)).flatten()
-            x = y.new_zeros(steps * batch * dirs, out_size).index_copy(0, dst, y.reshape(dirs * rows, out_size))
-            x = x.view(steps, batch, dirs * out_size)
+            x = y.new_zeros(num_rows * dirs, out_size).index_copy(0, dst, y.reshape(dirs * rows, out_size))
+            x = x.view(num_rows, dirs * out_size) if varlen is not None else x.view(steps, batch, dirs * out_size)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
         for acc, s in zip(finals, last):

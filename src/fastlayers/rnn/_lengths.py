@@ -52,8 +52,11 @@ def full_plan(steps: int, batch: int, device: torch.device) -> LengthPlan:
                       reverse_rows=rows.view(steps, batch).flip(0).reshape(-1), num_rows=steps * batch)
 
 
-def make_plan(lengths: Tensor, max_len: int, batch_first: bool, device: torch.device) -> LengthPlan:
-    """Build the plan for a validated CPU int64 ``lengths`` of shape (B,) and padded length T."""
+def make_plan(lengths: Tensor, max_len: int, batch_first: bool, device: torch.device, *,
+              varlen: bool = False) -> LengthPlan:
+    """Build the plan for a validated CPU int64 ``lengths`` of shape (B,) and padded length T.
+    ``varlen``: the rows index the sequences one after another (N, F) instead of a padded batch
+    (sequence b's step t at row ``sum(lengths[:b]) + t``; ``num_rows`` N)."""
     batch = lengths.numel()
     sorted_lengths, sorted_indices = torch.sort(lengths, descending=True, stable=True)
     unsorted_indices = torch.empty_like(sorted_indices)
@@ -72,6 +75,12 @@ def make_plan(lengths: Tensor, max_len: int, batch_first: bool, device: torch.de
     slot = torch.arange(time.numel()) - offsets[time]  # position within the sorted batch
     seq = sorted_indices[slot]  # original batch index
     rev_time = lengths[seq] - 1 - time
+    if varlen:
+        starts = torch.cumsum(lengths, 0) - lengths
+        fwd, rev = starts[seq] + time, starts[seq] + rev_time
+        return LengthPlan(sorted_indices=sorted_indices.to(device), unsorted_indices=unsorted_indices.to(device),
+                          segments=segments, forward_rows=fwd.to(device), reverse_rows=rev.to(device),
+                          num_rows=int(lengths.sum()))
     if batch_first:
         fwd, rev = seq * max_len + time, seq * max_len + rev_time
     else:

@@ -25,6 +25,7 @@ from .._native import ops_lib
 from .._core.backend import select
 from ._cells import step
 from ._docs import COMMON_DOC, GRU_OPTIONS_DOC, OPTIONS_DOC
+from ._lengths import make_plan
 from ._ops_export import operator_layers
 from . import _gpu_graphs
 from ._options import CellOptions
@@ -354,6 +355,26 @@ class _CellOptionsMixin:
             out, final = impl(xt, states, self._layer_parameters(), lengths, self.options, dropout=self.dropout,
                               training=self.training)
         return (out.transpose(0, 1) if self.batch_first else out), final
+
+    def _forward_varlen(self, values: Any, hx: Any, cu_seqlens: Any, max_seqlen: Any) -> Any:
+        """The varlen form on the C engine: its packed rows read from and written to the (N, ...)
+        layout directly (no padded tensor: memory follows N, not B x T); elsewhere (other backends,
+        recomputation, tracing) through the padded path (:meth:`_LengthsMixin._forward_varlen`)."""
+        if not (isinstance(values, Tensor) and values.dim() == 2 and values.size(0) > 0) \
+                or torch.compiler.is_compiling() or select(self.mode.lower(), values) != "cpu" or self._recomputes():
+            return super()._forward_varlen(values, hx, cu_seqlens, max_seqlen)  # type: ignore[misc]
+        lengths, longest = jagged.check_cu_seqlens(cu_seqlens, values.size(0), values.device, max_seqlen=max_seqlen)
+        batch = lengths.numel()
+        # the checks of a (T, B, F) call, on a view of that shape (no copy): features, dtype, hx's shapes
+        view = values.unsqueeze(0).expand(batch, -1, -1) if self.batch_first else values.unsqueeze(1).expand(-1, batch, -1)
+        _, states = self._check_args(view, hx)  # type: ignore[attr-defined]
+        if states is None:
+            layers = self.num_layers * (2 if self.bidirectional else 1)
+            states = tuple(values.new_zeros(layers, batch, size) for size in self._state_sizes())  # type: ignore[attr-defined]
+        plan = make_plan(lengths, longest, False, values.device, varlen=True)
+        out, final = ENGINES[self.mode, "cpu"](values, states, self._layer_parameters(), lengths, self.options,
+                                               dropout=self.dropout, training=self.training, plan=plan)
+        return out, (final if self.mode == "LSTM" else final[0])
 
     def cell(self, layer: int = 0, direction: int = 0) -> "CellView":
         """A step-wise cell sharing this layer's weights: ``cell(x_t (B, F), state) -> state``."""

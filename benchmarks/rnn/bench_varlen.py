@@ -1,0 +1,98 @@
+"""Variable-length batches without padding (issue 66): the varlen form (``cu_seqlens``) against
+the padded call with lengths, one process, side by side.
+
+Seed sizes (512 -> 256 x 2 directions), B sequences whose lengths are log-normal (sigma 0.9, scaled
+so the longest is T_MAX; max/mean about 4 at B = 32), float32, forward + backward with the input
+requiring grad. Memory: the peak bytes allocated during one call that starts from the per-sequence
+tensors (a data loader's output): the padded batch or the concatenation built inside it, the
+layer, the backward (the torch profiler's allocation records, as ``fastlayers.bench``; the engine's
+buffer pool emptied first). Time: medians of interleaved fwd+bwd calls on inputs built once.
+
+    python benchmarks/rnn/bench_varlen.py [--batch 32] [--t-max 1600] [--repeats 5] [--plain]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fastlayers
+from fastlayers._core.pool import empty_cache
+from fastlayers._core.system import cpu_name
+
+
+def lognormal_lengths(batch: int, t_max: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.exp(0.9 * torch.randn(batch, generator=g, dtype=torch.float64))
+    lengths = (raw / raw.max() * t_max).round().clamp(min=1).to(torch.int64)
+    return lengths.tolist()
+
+
+def peak_bytes(call) -> int:
+    gc.collect()
+    empty_cache()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    deltas = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    current = peak = 0
+    for _, nbytes in deltas:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--t-max", type=int, default=1600)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--plain", action="store_true", help="LSTM without options (default: layer_norm=True)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    lengths = lognormal_lengths(args.batch, args.t_max)
+    parts = [torch.randn(n, 512) for n in lengths]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    lstm = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=not args.plain)
+
+    def padded_call(x=None):
+        x = torch.nn.utils.rnn.pad_sequence(parts).requires_grad_() if x is None else x
+        y, _ = lstm(x, lengths=torch.tensor(lengths))
+        y.sum().backward()
+
+    def varlen_call(x=None):
+        x = torch.cat(parts).requires_grad_() if x is None else x
+        y, _ = lstm(x, cu_seqlens=cu)
+        y.sum().backward()
+
+    calls = {"padded + lengths": padded_call, "varlen (cu_seqlens)": varlen_call}
+    memory = {name: peak_bytes(call) for name, call in calls.items()}
+    built = {"padded + lengths": torch.nn.utils.rnn.pad_sequence(parts).requires_grad_(),
+             "varlen (cu_seqlens)": torch.cat(parts).requires_grad_()}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for name, call in calls.items():  # warm-up
+        call(built[name])
+    for _ in range(args.repeats):
+        for name, call in calls.items():
+            built[name].grad = None
+            start = time.perf_counter()
+            call(built[name])
+            times[name].append(time.perf_counter() - start)
+    mean = sum(lengths) / len(lengths)
+    print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; LSTM 512 -> 256 x 2"
+          f"{'' if args.plain else ', layer_norm=True'}, B = {args.batch}, lengths log-normal: max {max(lengths)}, "
+          f"mean {mean:.0f} (max/mean {max(lengths) / mean:.2f}), N = {sum(lengths)}; fwd+bwd, median of {args.repeats}")
+    print("| call | fwd+bwd ms | x padded | peak MiB (from the per-sequence tensors) | x padded |")
+    print("|---|---:|---:|---:|---:|")
+    base_t, base_m = statistics.median(times["padded + lengths"]), memory["padded + lengths"]
+    for name in calls:
+        t, m = statistics.median(times[name]), memory[name]
+        print(f"| {name} | {t * 1e3:.0f} | {t / base_t:.2f} | {m / 2**20:.0f} | {m / base_m:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
