@@ -206,6 +206,7 @@ def test_epoch_order_is_seeded_and_split_across_processes():
     ({"batch_size": 0}, r"batch_size: expected an int >= 1, got 0"),
     ({"cell": "gru", "peephole": True}, r"peephole / cell_clip: LSTM options"),
     ({"lr": 0}, r"lr: expected a learning rate > 0"),
+    ({"batching": "ragged"}, r"batching: expected one of \('padded', 'varlen'\), got 'ragged'"),
 ])
 def test_bad_settings(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
@@ -291,3 +292,20 @@ def test_torchrun_two_processes(tmp_path):
     assert summary["processes"] == 2 and summary["steps"] == 8  # 64 sequences / 2 processes / batch 8, 2 epochs
     assert proc.stdout.count("test: loss") == 1  # rank 0 alone reports
     assert [r["epoch"] for r in _metrics(tmp_path)] == [1, 2]
+
+
+def test_varlen_batching_gives_the_padded_runs_metrics_and_weights(uninterrupted, tmp_path):
+    """--batching varlen (the sequences concatenated with cu_seqlens, issue 66) trains the same
+    model: the same metrics and final weights as the padded run (zoneout masks, LayerNorm and the
+    attention head included)."""
+    out = tmp_path / "varlen"
+    proc = subprocess.run(_cli(out, "--batching", "varlen"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "config.json").read_text())["batching"] == "varlen"
+    padded_out = uninterrupted[0]
+    for got, want in zip(_metrics(out), _metrics(padded_out), strict=True):
+        assert got.keys() == want.keys()
+        for key in got:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    for name, w in _weights(padded_out).items():
+        torch.testing.assert_close(_weights(out)[name], w, rtol=1e-5, atol=1e-6, msg=name)

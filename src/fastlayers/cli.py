@@ -76,7 +76,7 @@ def _every(text: str) -> int | str:
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from .train._config import CELLS, DATASETS, HEADS, PRECISIONS, TrainConfig
+    from .train._config import BATCHINGS, CELLS, DATASETS, HEADS, PRECISIONS, TrainConfig
 
     d = TrainConfig()
     p.add_argument("--dataset", choices=DATASETS, default=d.dataset,
@@ -97,6 +97,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per process")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--precision", choices=PRECISIONS, default=d.precision)
+    p.add_argument("--batching", choices=BATCHINGS, default=d.batching,
+                   help="padded: each batch padded to its longest sequence, with lengths; varlen: the sequences "
+                        "concatenated with cu_seqlens, no padding (the same results)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=str(d.out), help="output directory (default: %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps; 0: at epoch ends only")

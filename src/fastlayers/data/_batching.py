@@ -42,3 +42,12 @@ def pad_batch(s: Sequences, idx: list[int], device: torch.device | str = "cpu") 
     for i, f in enumerate(feats):
         x[i, :f.shape[0]] = torch.from_numpy(f)
     return x.to(device), lengths, torch.from_numpy(s.labels[idx]).to(device)
+
+
+def concat_batch(s: Sequences, idx: list[int], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+    """The varlen form: x (N, F) float32 (the sequences one after another, N their total length),
+    cu_seqlens (B+1,) int64 (0, then the running sum of the lengths), labels (B,) int64."""
+    feats = [torch.from_numpy(s.features[i]) for i in idx]
+    lengths = torch.tensor([f.shape[0] for f in feats], dtype=torch.int64)
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return torch.cat(feats).to(device), cu_seqlens.to(device), torch.from_numpy(s.labels[idx]).to(device)

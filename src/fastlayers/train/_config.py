@@ -11,6 +11,7 @@ DATASETS = ("digits", "vowels")
 CELLS = ("lstm", "gru")
 HEADS = ("final", "attention")
 PRECISIONS = ("fp32", "bf16")
+BATCHINGS = ("padded", "varlen")
 # settings that define the model and the data order: a checkpoint only resumes a run that agrees on them
 RUN_DEFINING = ("dataset", "cell", "hidden_size", "num_layers", "bidirectional", "layer_norm", "peephole", "cell_clip",
                 "zoneout", "recurrent_dropout", "dropout", "head", "epochs", "batch_size", "lr", "precision", "seed",
@@ -38,6 +39,9 @@ class TrainConfig:
     rnn_checkpoint_every: the encoder's ``checkpoint_every`` (recomputation through time: an int
         k >= 1, ``"auto"`` for about sqrt(T / D), or None), memory for time; it changes no result
         beyond the order of sums, so a run may resume with another value.
+    batching: ``"padded"`` (each batch zero-padded to its longest sequence, with lengths) or
+        ``"varlen"`` (the sequences concatenated, with ``cu_seqlens``: no padding; the same
+        results), so a run may resume with the other.
     max_samples: train on the first N training sequences only (quick runs); max_steps: stop after
         N optimisation steps in total (tests). device: ``"cpu"`` or ``"cuda"``.
     """
@@ -65,6 +69,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     rnn_checkpoint_every: int | str | None = None
+    batching: str = "padded"
     max_samples: int | None = None
     max_steps: int | None = None
     device: str = "cpu"
@@ -72,7 +77,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         for name, allowed in (("dataset", DATASETS), ("cell", CELLS), ("head", HEADS), ("precision", PRECISIONS),
-                              ("device", ("cpu", "cuda"))):
+                              ("batching", BATCHINGS), ("device", ("cpu", "cuda"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         for name in ("hidden_size", "num_layers", "epochs", "batch_size", "keep"):

@@ -1,4 +1,4 @@
-"""The training loop of ``fastlayers train``: epochs of padded batches, metrics, checkpoints, curves."""
+"""The training loop of ``fastlayers train``: epochs of batches (padded, or varlen), metrics, checkpoints, curves."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .._core.system import cpu_name
-from ..data import batches, pad_batch
+from ..data import batches, concat_batch, pad_batch
 from . import _distributed, _outdir
 from ._checkpoint import CheckpointError, load_latest, rng_state, save_checkpoint, set_rng_state, write_atomic
 from ._config import TrainConfig
@@ -26,15 +26,25 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16" else contextlib.nullcontext()
 
 
+def model_inputs(cfg: TrainConfig, data, idx: list[int], device: torch.device) -> tuple[tuple, dict, torch.Tensor]:
+    """(positional, keyword arguments of the model, labels) of one batch, as ``cfg.batching`` says:
+    padded (x (B, T, F), lengths) or varlen (x (N, F), cu_seqlens=)."""
+    if cfg.batching == "varlen":
+        x, cu_seqlens, y = concat_batch(data, idx, device)
+        return (x,), {"cu_seqlens": cu_seqlens}, y
+    x, lengths, y = pad_batch(data, idx, device)
+    return (x, lengths), {}, y
+
+
 def evaluate(model: nn.Module, data, cfg: TrainConfig, device: torch.device) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) of ``model`` on a whole split, in eval mode."""
     model.eval()
     loss = correct = 0.0
     with torch.no_grad():
         for idx in batches(list(range(len(data.features))), 256):
-            x, lengths, y = pad_batch(data, idx, device)
+            args, kwargs, y = model_inputs(cfg, data, idx, device)
             with _autocast(cfg, device):
-                logits = model(x, lengths).float()
+                logits = model(*args, **kwargs).float()
             loss += F.cross_entropy(logits, y, reduction="sum").item()
             correct += (logits.argmax(1) == y).sum().item()
     model.train()
@@ -131,9 +141,9 @@ class _Run:
         start = time.perf_counter()
         try:
             for idx in order[p["step_in_epoch"]:]:
-                x, lengths, y = pad_batch(self.splits.train, idx, self.procs.device)
+                args, kwargs, y = model_inputs(cfg, self.splits.train, idx, self.procs.device)
                 with _autocast(cfg, self.procs.device):
-                    logits = self.net(x, lengths).float()
+                    logits = self.net(*args, **kwargs).float()
                 loss = F.cross_entropy(logits, y)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()

@@ -17,7 +17,8 @@ class SequenceClassifier(nn.Module):
     both directions; ``"attention"``: :class:`fastlayers.AttentionPooling` (additive score) over
     the outputs, queried by those final states, then the linear layer.
 
-    Forward: x (B, T, F), lengths (B,) int64 -> logits (B, num_classes).
+    Forward: x (B, T, F), lengths (B,) int64 -> logits (B, num_classes); or the varlen form
+    x (N, F), ``cu_seqlens=`` (B+1,) (the sequences one after another, no padding).
     """
 
     def __init__(self, cfg: TrainConfig, num_features: int, num_classes: int) -> None:
@@ -34,10 +35,11 @@ class SequenceClassifier(nn.Module):
         self.pool = AttentionPooling(width, score="additive") if cfg.head == "attention" else None
         self.head = nn.Linear(width, num_classes)
 
-    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
-        out, state = self.encoder(x, lengths=lengths)
+    def forward(self, x: Tensor, lengths: Tensor | None = None, *, cu_seqlens: Tensor | None = None) -> Tensor:
+        varlen = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {"lengths": lengths}
+        out, state = self.encoder(x, **varlen)
         h_n = state[0] if isinstance(state, tuple) else state
         final = torch.cat(list(h_n[-self.directions:]), dim=1)  # (B, D*H)
         if self.pool is not None:
-            final, _ = self.pool(final, out, out, lengths)
+            final, _ = self.pool(final, out, out, **varlen)
         return self.head(final)
