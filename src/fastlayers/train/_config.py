@@ -41,7 +41,7 @@ class TrainConfig:
         beyond the order of sums, so a run may resume with another value.
     batching: ``"padded"`` (each batch zero-padded to its longest sequence, with lengths) or
         ``"varlen"`` (the sequences concatenated, with ``cu_seqlens``: no padding; the same
-        results), so a run may resume with the other.
+        results, but for the draws of inter-layer dropout), so a run may resume with the other.
     max_samples: train on the first N training sequences only (quick runs); max_steps: stop after
         N optimisation steps in total (tests). device: ``"cpu"`` or ``"cuda"``.
     """
