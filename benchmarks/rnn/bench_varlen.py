@@ -14,16 +14,14 @@ buffer pool emptied first). Time: medians of interleaved fwd+bwd calls on inputs
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import fastlayers
-from fastlayers._core.pool import empty_cache
 from fastlayers._core.system import cpu_name
+from fastlayers.bench._harness import peak_bytes
 
 
 def lognormal_lengths(batch: int, t_max: int, seed: int = 0) -> list[int]:
@@ -31,19 +29,6 @@ def lognormal_lengths(batch: int, t_max: int, seed: int = 0) -> list[int]:
     raw = torch.exp(0.9 * torch.randn(batch, generator=g, dtype=torch.float64))
     lengths = (raw / raw.max() * t_max).round().clamp(min=1).to(torch.int64)
     return lengths.tolist()
-
-
-def peak_bytes(call) -> int:
-    gc.collect()
-    empty_cache()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        call()
-    deltas = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    current = peak = 0
-    for _, nbytes in deltas:
-        current += nbytes
-        peak = max(peak, current)
-    return peak
 
 
 def main() -> None:
@@ -70,7 +55,7 @@ def main() -> None:
         y.sum().backward()
 
     calls = {"padded + lengths": padded_call, "varlen (cu_seqlens)": varlen_call}
-    memory = {name: peak_bytes(call) for name, call in calls.items()}
+    memory = {name: peak_bytes(call, torch.device("cpu")) for name, call in calls.items()}
     built = {"padded + lengths": torch.nn.utils.rnn.pad_sequence(parts).requires_grad_(),
              "varlen (cu_seqlens)": torch.cat(parts).requires_grad_()}
     times: dict[str, list[float]] = {name: [] for name in calls}

@@ -9,11 +9,12 @@ holding the sequences one after another, ``cu_seqlens`` (B+1,) int32 / int64 wit
 ``cu_seqlens[B] = N``. A jagged NestedTensor (``torch.nested``, ``layout=torch.jagged``) is that
 pair as one object: ``values()`` and ``offsets()``.
 
-The layers run a varlen batch through their padded path with lengths: :func:`rows` maps every
-value row to its row of the padded (T, B) (or (B, T)) layout, :func:`pad` and :func:`unpad` are one
+Where a layer has no path of its own for the varlen form (the recurrent layers off the C engine,
+attention pooling) it runs the padded path with lengths: :func:`varlen` maps every value row to
+its row of the padded (T, B) (or (B, T)) layout, :func:`pad` and :func:`unpad` are one
 ``index_copy`` and one ``index_select`` (differentiable, twice too), so results and gradients equal
-the padded call's exactly. (The padded copies cost memory the varlen form is meant to save: the
-engines taking the rows directly is the next step of issue 66.)
+the padded call's exactly, at the padded call's memory. (The C engine reads the rows directly:
+``fastlayers.rnn._lengths.make_plan(varlen=True)``.)
 """
 
 from __future__ import annotations

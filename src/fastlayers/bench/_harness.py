@@ -308,19 +308,24 @@ def _to_dtype(fn: Candidate, inputs: Inputs, dtype: torch.dtype) -> tuple[Candid
 
 
 def _peak_memory(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], device: torch.device) -> int | None:
-    """Peak bytes allocated above the starting level during one forward+backward call (the
-    engine's buffer pool is emptied first, so buffers it would reuse count as allocations)."""
+    """Peak bytes allocated above the starting level during one forward+backward call (:func:`peak_bytes`)."""
+    _clear_grads(_differentiables(fn, inputs).values())
+    return peak_bytes(lambda: _run(fn, inputs, cotangents, True), device)
+
+
+def peak_bytes(call: Callable[[], Any], device: torch.device) -> int | None:
+    """Peak bytes allocated above the starting level while ``call()`` runs on ``device`` (the
+    engine's buffer pool is emptied first, so buffers it would reuse count as allocations): CUDA's
+    peak counter, or on CPU the torch profiler's allocation records in time order; None elsewhere."""
     from .._core.pool import empty_cache
 
-    diffs = _differentiables(fn, inputs).values()
-    _clear_grads(diffs)
     gc.collect()
     empty_cache()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-        _run(fn, inputs, cotangents, True)
+        call()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     if device.type != "cpu":
@@ -331,7 +336,7 @@ def _peak_memory(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], device
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _run(fn, inputs, cotangents, True)
+        call()
     # the raw allocation records (name "[memory]", signed nbytes) rather than prof.events(), whose
     # Python event tree takes minutes for the ~10^6 ops of a per-column-view candidate
     raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)

@@ -117,18 +117,17 @@ def given_layout(drawn: dict[str, Tensor], plan: LengthPlan, steps: int, batch: 
 
 def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks, varlen=None):
     gates = 4 if cell == "LSTM" else 3
-    if varlen is not None:  # (N, F): the sequences one after another, no padding anywhere
-        assert masks is None and lengths is not None
-        steps, batch = sum(span for span, _ in varlen.segments), lengths.numel()  # T = the longest, B
-    else:
-        steps, batch, _ = input.shape
     dirs = len(layers[0])
     hidden = layers[0][0]["weight_hh"].size(0) // gates
     proj = "weight_hr" in layers[0][0]
     out_size = layers[0][0]["weight_hr"].size(0) if proj else hidden
     dev = input.device
-    plan = varlen if varlen is not None else layer_plan(lengths, steps, batch, dev)
-    num_rows = plan.num_rows if varlen is not None else steps * batch  # rows of the input and output layout
+    if varlen is None:
+        steps, batch, _ = input.shape
+        plan, num_rows = layer_plan(lengths, steps, batch, dev), steps * batch  # rows of the input / output layout
+    else:  # (N, F): the sequences one after another, no padding anywhere
+        assert masks is None and lengths is not None
+        batch, plan, num_rows = lengths.numel(), varlen, varlen.num_rows
     active = tuple(n for span, n in plan.segments for _ in range(span))
     rows = sum(active)
     # packed row k of direction d reads padded row src[d, k] of the (T*B, ...) input; the output
@@ -160,7 +159,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
         for key, width in (("zoneout_c", hidden), ("zoneout_h", out_size)):
             zm = m.get(key)
             if zm is not None:  # (D, T, B, width) in original time and batch order -> packed rows
-                zm = torch.stack([zm[d].reshape(steps * batch, width).index_select(0, src[d]) for d in range(dirs)])
+                zm = torch.stack([zm[d].reshape(num_rows, width).index_select(0, src[d]) for d in range(dirs)])
             zmasks.append(zm if zm is not None else drawn.get(key))
         k = slice(li * dirs, (li + 1) * dirs)
         y, last = packed_layer(cell, xs, dir_params, tuple(s[k] for s in states), rmask, zmasks[0], zmasks[1], active,

@@ -55,6 +55,12 @@ class _LengthsMixin(NotScriptable):
             return (proj or self.hidden_size, self.hidden_size)
         return (self.hidden_size,)
 
+    def _zero_states(self, like: Tensor, batch: int) -> tuple[Tensor, ...]:
+        """The initial states of a call without ``hx``: zeros (L*D, B, size) of ``like``'s dtype and
+        device, one per state (LSTM: h (P) and c (H))."""
+        layers = self.num_layers * (2 if self.bidirectional else 1)
+        return tuple(like.new_zeros(layers, batch, size) for size in self._state_sizes())
+
     def _check_args(self, input: object, hx: object) -> tuple[Tensor, tuple[Tensor, ...] | None]:
         """(input, hx as batched 3-D states or None), or torch.nn's error for the same call (see
         :mod:`._validate`)."""
@@ -144,8 +150,7 @@ class _LengthsMixin(NotScriptable):
         if lengths is not None:
             lengths = as_lengths(lengths, batch, steps)
         if states is None:
-            layers = self.num_layers * (2 if self.bidirectional else 1)
-            states = tuple(x.new_zeros(layers, batch, size) for size in self._state_sizes())
+            states = self._zero_states(x, batch)
         output, final = operator_layers(self, x, states, lengths) if exporting else self._run(x, states, lengths, engine)
         if not batched:
             output = output.squeeze(time_dim ^ 1)
@@ -162,8 +167,7 @@ class _LengthsMixin(NotScriptable):
         if self.mode not in ("LSTM", "GRU"):
             return super().forward(x, states[0] if states is not None else None)  # type: ignore[misc]
         if states is None:
-            layers = self.num_layers * (2 if self.bidirectional else 1)
-            states = tuple(x.new_zeros(layers, 0, size) for size in self._state_sizes())
+            states = self._zero_states(x, 0)
         impl = ENGINES[self.mode, "reference"]
         xt = x.transpose(0, 1) if self.batch_first else x
         out, final = impl(xt, states, self._layer_parameters(), None, self.options, dropout=self.dropout,
@@ -369,8 +373,7 @@ class _CellOptionsMixin:
         view = values.unsqueeze(0).expand(batch, -1, -1) if self.batch_first else values.unsqueeze(1).expand(-1, batch, -1)
         _, states = self._check_args(view, hx)  # type: ignore[attr-defined]
         if states is None:
-            layers = self.num_layers * (2 if self.bidirectional else 1)
-            states = tuple(values.new_zeros(layers, batch, size) for size in self._state_sizes())  # type: ignore[attr-defined]
+            states = self._zero_states(values, batch)  # type: ignore[attr-defined]
         plan = make_plan(lengths, longest, False, values.device, varlen=True)
         out, final = ENGINES[self.mode, "cpu"](values, states, self._layer_parameters(), lengths, self.options,
                                                dropout=self.dropout, training=self.training, plan=plan)
