@@ -45,16 +45,17 @@ py=${PYTHON:-python3}
 if [ "$mode" = "--dry-run" ]; then
     export TRITON_INTERPRET=1
     # one option set per engine step: the interpreter runs every step kernel in Python
-    device=cpu size=small local_size=small repeats=1 warmup=0 only_all="LSTM zoneout" only_ln="GRU zoneout" \
+    device=cpu size=small local_size=small repeats=1 local_repeats=1 warmup=0 only_all="LSTM zoneout" \
+        only_ln="GRU zoneout" \
         only_profile="GRU zoneout"
     random_t=(--device cpu --size small --calls 1 --warmup 1 --fixed-calls 1 --only GRU)
     train=(--device cpu --epochs 1 --max-samples 32 --datasets vowels)
-    remat=(--device cpu --steps 12 --batch 2) remat_scaling=(--device cpu --scaling 8,16 --batch 2 --with-torch --calls 1)
+    remat=(--device cpu --steps 12 --batch 2) remat_scaling=(--device cpu --scaling 8 --batch 2 --with-torch --calls 1)
     remat_sweep=(--device cpu --steps 12 --batch 2 --calls 1 --sweep none,auto,5)
     overhead=(--device cpu --min-run-time 0.01 --rounds 1)
     det_runs=2 only_det="GRU zoneout 0.1 + recurrent" small_cells=GRU
 else
-    device=cuda size=seed local_size=seed repeats=5 warmup=2 only_all="" only_ln="layer_norm" \
+    device=cuda size=seed local_size=seed repeats=5 local_repeats=20 warmup=2 only_all="" only_ln="layer_norm" \
         only_profile="LSTM layer_norm"
     random_t=(--device cuda)
     train=(--device cuda)
@@ -113,7 +114,7 @@ step engine_profile 30 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$devic
     --profile
 step engine_sweep 60 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$device" "${rounds[@]}" --sweep
 step local_attention 60 "$py" benchmarks/bench_gpu_local.py --device "$device" --size "$local_size" \
-    --repeats "$((repeats * 4))" --warmup "$warmup"
+    --repeats "$local_repeats" --warmup "$warmup"
 if [ "$mode" != "--dry-run" ]; then  # (make test runs the static check itself)
     step static 60 "$py" benchmarks/gpu_static.py --set ci --arch sm_90a --json "$out/static.json"
 fi

@@ -165,6 +165,75 @@ def test_a_model_of_every_layer_compiles_with_default_settings():
     assert _graph_breaks(m, torch.randn(7, 3, 4), lengths) >= 1
 
 
+VARLEN = [(fastlayers.LSTM, dict(layer_norm=True, peephole=True, bidirectional=True, num_layers=2)),
+          (fastlayers.LSTM, dict(proj_size=3, zoneout=0.2, cell_clip=0.5)),
+          (fastlayers.GRU, dict(layer_norm=True, bidirectional=True)),
+          (fastlayers.RNN, dict(nonlinearity="relu", num_layers=2))]
+
+
+def _varlen_batch(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return torch.randn(sum(lengths), 6, generator=g), cu  # (6 features: no cu_seqlens length duck-sized to them)
+
+
+@pytest.mark.parametrize("cls, kwargs", VARLEN, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_varlen_fullgraph_with_allow_rnn_and_one_graph_for_every_batch(cls, kwargs):
+    """The varlen form (issue 66) traces without a graph break (one operator per layer) and, with
+    dynamic shapes, one graph serves batches of other lengths, totals and sizes; outputs and
+    gradients equal eager."""
+    torch.manual_seed(0)
+    m = cls(6, 5, **kwargs).eval()
+
+    def call(x, cu):
+        out, h = m(x, cu_seqlens=cu)
+        return out, h
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(call, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for seed, lengths in enumerate(([3, 7, 1], [5, 2, 2, 6], [1, 4], [9, 3, 3])):
+        x, cu = _varlen_batch(lengths, seed)
+        eager = _outputs_and_grads(lambda v: call(v, cu), m, [x])
+        got = _outputs_and_grads(lambda v: compiled(v, cu), m, [x])
+        for a, b in zip(got[0] + list(got[1]), eager[0] + list(eager[1]), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames == frames[:1] * 4, frames  # compiled at the first batch only
+
+
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_jagged_nested_input_compiles_fullgraph():
+    torch.manual_seed(0)
+    m = fastlayers.GRU(6, 5, bidirectional=True, layer_norm=True).eval()
+    nested = torch.nested.nested_tensor([torch.randn(n, 6) for n in (3, 5, 2)], layout=torch.jagged)
+    got = torch.compile(lambda t: m(t)[0], backend="aot_eager", fullgraph=True)(nested)
+    want = m(nested)[0]
+    assert got.is_nested and torch.equal(got.offsets(), want.offsets())
+    torch.testing.assert_close(got.values(), want.values(), rtol=0, atol=1e-6)
+
+
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_varlen_compiled_in_training_draws_the_operators_masks():
+    """In training mode the compiled varlen call draws its zoneout and recurrent-dropout masks as the
+    eager operator path does (the same draws from the same seed): equal outputs and gradients."""
+    from fastlayers.rnn._ops_varlen import varlen_operator_layers
+
+    torch.manual_seed(0)
+    m = fastlayers.LSTM(6, 5, zoneout=(0.2, 0.3), recurrent_dropout=0.25, bidirectional=True).train()
+    x, cu = _varlen_batch([3, 6, 2], 0)
+    states = tuple(torch.zeros(2, 3, 5) for _ in range(2))
+    torch.manual_seed(1)
+    want = _outputs_and_grads(lambda v: varlen_operator_layers(m, v, states, cu)[0], m, [x])
+    torch.manual_seed(1)
+    compiled = torch.compile(lambda v: m(v, cu_seqlens=cu)[0], backend="aot_eager", fullgraph=True)
+    got = _outputs_and_grads(compiled, m, [x])
+    for a, b in zip(got[0] + list(got[1]), want[0] + list(want[1]), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert bool(got[1][0].abs().sum() > 0)
+
+
 def test_custom_operators_pass_opcheck():
     assert ops_lib.load()  # the C++ operators (locally_connected2d)
     torch.manual_seed(0)
@@ -179,3 +248,13 @@ def test_custom_operators_pass_opcheck():
                                             None, None, None, None, active, [1.5, 0.0, 0.0, 0.0]))
     torch.library.opcheck(_ops_compile.gru_layer, (r(d, n, f), r(d, 3 * h, f), None, r(d, 3 * h), r(d, batch, h),
                                            r(d, 3 * h, h), r(d, 3 * h), None, None, None, active, [0.0]))
+    # the varlen operators (issue 66): the values (12, F) of sequences 4, 4, 2, 2 and their cu_seqlens
+    cu = torch.tensor([0, 4, 8, 10, 12])
+    g = 4 * h
+    torch.library.opcheck(torch.ops.fastlayers.lstm_varlen,
+                          (r(n, f), cu, r(d, 4, h), r(d, 4, h), r(d, g, f), r(d, g, h), r(d, g), r(d, g), r(d, g),
+                           r(d, g), r(d, h), r(d, h), r(d, 3 * h), None, None, None, None, 0.5, 0.0, 0.0, 0.0))
+    torch.library.opcheck(torch.ops.fastlayers.gru_varlen, (r(n, f), cu, r(d, 4, h), r(d, 3 * h, f), r(d, 3 * h, h),
+                                                            r(d, 3 * h), r(d, 3 * h), None, None, None, None, 0.0))
+    torch.library.opcheck(torch.ops.fastlayers.rnn_varlen, (r(n, f), cu, r(d, 4, h), r(d, h, f), r(d, h, h), None,
+                                                            None, True))

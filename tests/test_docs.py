@@ -2,20 +2,20 @@
 written, and every public name has a docstring and an entry in the API reference (docs/api.rst).
 
 The blocks are extracted from the pages when the tests are collected (not copied here), and each
-runs as a reader would run it: its text alone, as a script in a fresh Python process whose working
-directory is an empty temporary folder. A block therefore defines everything it uses; a block that
-cannot run that way belongs in a ```sh (or other non-python) block.
+runs as a reader would run it: its text alone, as the main script of a fresh Python process whose
+working directory is an empty temporary folder (forked from a process that has imported torch and
+fastlayers and nothing else: tests/docs_blocks.py). A block therefore defines everything it uses;
+a block that cannot run that way belongs in a ```sh (or other non-python) block.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from docs_blocks import run_block
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -61,15 +61,14 @@ def test_python_blocks_found():
 @pytest.mark.parametrize("page, heading, line, code", PYTHON,
                          ids=[f"{_slug(p.removesuffix('.md'))}-{line}" for p, _, line, _ in PYTHON])
 def test_python_block_runs(page, heading, line, code, tmp_path):
-    script = tmp_path / "block.py"
+    folder = tmp_path / "cwd"  # empty but for the block
+    folder.mkdir()
+    script = folder / "block.py"
     script.write_text(code, encoding="utf-8")
-    # the reader's environment: not the interpreter setting tests/conftest.py adds for the test process
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"{page} line {line} (under '{heading}') failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}",
-                    pytrace=False)
+    status, output = run_block(script, timeout=600)
+    if status != 0:
+        why = "ran out of time (600 s)" if status is None else f"failed (exit status {status})"
+        pytest.fail(f"{page} line {line} (under '{heading}') {why}:\n{output[-6000:]}", pytrace=False)
 
 
 def _public_names() -> dict[str, object]:

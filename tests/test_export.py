@@ -148,6 +148,83 @@ def test_attention_pooling_with_lengths_exports():
     torch.testing.assert_close(ep.module()(q, k, lengths), module(q, k, lengths), rtol=1e-6, atol=1e-6)
 
 
+class _Varlen(torch.nn.Module):
+    """A recurrent layer's varlen call (issue 66): (values (N, F), cu_seqlens (B+1,), h_0 [, c_0])."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, cu_seqlens, h0, c0=None):
+        return self.layer(x, (h0, c0) if c0 is not None else h0, cu_seqlens=cu_seqlens)
+
+
+def _varlen_inputs(layer, lengths, dtype, seed, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), 5, generator=g, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    states = 2 * layer.num_layers if layer.bidirectional else layer.num_layers
+    hx = [torch.randn(states, len(lengths), getattr(layer, "proj_size", 0) or 6, generator=g, dtype=dtype)]
+    if isinstance(layer, fastlayers.LSTM):
+        hx.append(torch.randn(states, len(lengths), 6, generator=g, dtype=dtype))
+    return [x.requires_grad_(grad), cu, *(h.requires_grad_(grad) for h in hx)]
+
+
+@pytest.mark.parametrize("mode,name", [("LSTM", "all + proj"), ("GRU", "all"), ("RNN", "relu")])
+def test_varlen_export_keeps_the_total_length_and_batch_dynamic(mode, name):
+    """The varlen form exports (one operator per layer: lengths are data, N and B dynamic, B + 1 the
+    length of cu_seqlens); the program equals eager in value and gradient (float64) at other lengths."""
+    model = _Varlen(_build(mode, name, False, dtype=torch.float64))
+    n, b = Dim("N"), Dim("Bv")
+    args = _varlen_inputs(model.layer, [4, 7, 2], torch.float64, 0)
+    dynamic = ({0: n}, {0: b + 1}, *[{1: b}] * len(args[2:]))
+    exported = torch.export.export(model, tuple(args), dynamic_shapes=dynamic).module()
+    for i, lengths in enumerate(([3, 9, 1, 5], [2, 6], [8, 1, 1, 4, 2, 7])):
+        grads = []
+        for module in (exported, model):
+            a = _varlen_inputs(model.layer, lengths, torch.float64, i + 1, grad=True)
+            outs = tree_leaves(module(*a))
+            assert outs[0].shape == (sum(lengths), 6 if mode == "LSTM" else 12)  # (proj_size 3 with LSTM)
+            leaves = [a[0], *a[2:], *module.parameters()]
+            torch.manual_seed(5)
+            loss = sum((o * torch.randn_like(o)).sum() for o in outs)
+            grads.append((outs, torch.autograd.grad(loss, leaves, allow_unused=True)))
+        (got, got_grads), (want, want_grads) = grads
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+        for x, y in zip(got_grads, want_grads, strict=True):
+            assert (x is None) == (y is None)
+            if x is not None:
+                torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+def test_varlen_operators_differentiate_twice():
+    """The varlen operators' backward (and the padded ones', whose recomputation it shares) is
+    differentiable: gradgradcheck in float64, not zeros."""
+    torch.manual_seed(0)
+    d, f, h, batch = 2, 3, 4, 3
+    cu = torch.tensor([0, 2, 7, 8])
+    r = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    w_ih, w_hh, ln, ln_cell = r(d, 4 * h, f), r(d, 4 * h, h), r(d, 4 * h), r(d, h)
+
+    def layer(x, h0, c0, w_ih):  # with LayerNorm (gains: ln for W_ih x and W_hh h, ln_cell with bias ln_cell)
+        return torch.ops.fastlayers.lstm_varlen(x, cu, h0, c0, w_ih, w_hh, None, None, ln, ln, ln_cell, ln_cell, None,
+                                                None, None, None, None, 0.0, 0.0, 0.0, 0.0)
+
+    inputs = (r(8, f), r(d, batch, h), r(d, batch, h), w_ih)
+    assert torch.autograd.gradcheck(layer, inputs) and torch.autograd.gradgradcheck(layer, inputs, fast_mode=True)
+    assert ops_lib.load()
+    lengths = torch.tensor([2, 5, 1])
+
+    def padded(x, h0, c0, w_ih):
+        return torch.ops.fastlayers.lstm_padded(x, lengths, h0, c0, w_ih, w_hh, None, None, None, None, None, None,
+                                                None, None, None, None, None, 0.0, 0.0, 0.0, 0.0)
+
+    inputs = (r(5, batch, f), r(d, batch, h), r(d, batch, h), w_ih)
+    assert torch.autograd.gradcheck(padded, inputs, fast_mode=True) and \
+        torch.autograd.gradgradcheck(padded, inputs, fast_mode=True)
+
+
 def test_operators_pass_opcheck():
     """Schema, fake functions and autograd registration. Not test_aot_dispatch_dynamic: the operators'
     backward recomputes the layer with the eager engine, whose plan reads the lengths on the host

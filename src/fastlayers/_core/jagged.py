@@ -40,16 +40,13 @@ class Varlen:
         return self.lengths.numel()
 
 
-def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device, *, name: str = "cu_seqlens",
-                     max_seqlen: object = None) -> tuple[Tensor, int]:
-    """Validate ``cu_seqlens`` against ``total`` value rows on ``device`` and return the lengths
-    (B,) as a CPU int64 tensor and the longest length.
+def check_form(cu_seqlens: object, device: torch.device, *, name: str = "cu_seqlens") -> None:
+    """The checks of ``cu_seqlens`` that read no value (type, dtype, shape, device): all that a traced
+    call (torch.compile, torch.export) checks before its operators read the values at run time.
 
     Raises:
-        TypeError: not a tensor, or not int32 / int64; ``max_seqlen`` not an int.
-        ValueError: not 1-D with at least 2 entries, on another device than the values (or the
-            CPU), not starting at 0, decreasing, a zero-length sequence, not ending at ``total``;
-            ``max_seqlen`` smaller than the longest sequence.
+        TypeError: not a tensor, or not int32 / int64.
+        ValueError: not 1-D with at least 2 entries, or on another device than the values (or the CPU).
     """
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"{name}: expected a 1-D int32 or int64 tensor, got {type(cu_seqlens).__name__}")
@@ -61,6 +58,27 @@ def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device, *, na
     if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
         raise ValueError(f"{name}: expected a tensor on {device} (the values' device) or on the CPU, got "
                          f"{cu_seqlens.device}")
+
+
+def check_max_seqlen(max_seqlen: object) -> None:
+    """TypeError unless ``max_seqlen`` is an int (not a bool)."""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"max_seqlen: expected an int or None, got {type(max_seqlen).__name__}")
+
+
+def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device, *, name: str = "cu_seqlens",
+                     max_seqlen: object = None) -> tuple[Tensor, int]:
+    """Validate ``cu_seqlens`` against ``total`` value rows on ``device`` and return the lengths
+    (B,) as a CPU int64 tensor and the longest length.
+
+    Raises:
+        TypeError: not a tensor, or not int32 / int64; ``max_seqlen`` not an int.
+        ValueError: not 1-D with at least 2 entries, on another device than the values (or the
+            CPU), not starting at 0, decreasing, a zero-length sequence, not ending at ``total``;
+            ``max_seqlen`` smaller than the longest sequence.
+    """
+    check_form(cu_seqlens, device, name=name)
+    assert isinstance(cu_seqlens, Tensor)
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
     if int(cu[0]) != 0:
         raise ValueError(f"{name}: expected cu_seqlens[0] = 0, got {int(cu[0])}")
@@ -77,8 +95,7 @@ def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device, *, na
         raise ValueError(f"{name}: expected cu_seqlens[-1] = {total} (the number of value rows), got {int(cu[-1])}")
     longest = int(lengths.max())
     if max_seqlen is not None:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-            raise TypeError(f"max_seqlen: expected an int or None, got {type(max_seqlen).__name__}")
+        check_max_seqlen(max_seqlen)
         if max_seqlen < longest:
             raise ValueError(f"max_seqlen: expected at least the longest sequence ({longest}), got {max_seqlen}")
     return lengths, longest

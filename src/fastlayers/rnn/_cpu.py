@@ -60,7 +60,7 @@ def lstm_engine(
         plan: the varlen form instead (issue 66): ``input`` (N, F), the sequences one after another,
             and the plan of their rows (``make_plan(lengths, T, False, device, varlen=True)``,
             ``lengths`` then the same lengths); the output is (N, D*P), no padded tensor made.
-            Drawn masks only (``masks`` None).
+            Given zoneout masks are then (D, N, width), in the values' row order.
 
     Returns:
         output (T, B, D*P) with zeros at t >= len_b; h_n (L*D, B, P), c_n (L*D, B, H), torch's
@@ -126,7 +126,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
         steps, batch, _ = input.shape
         plan, num_rows = layer_plan(lengths, steps, batch, dev), steps * batch  # rows of the input / output layout
     else:  # (N, F): the sequences one after another, no padding anywhere
-        assert masks is None and lengths is not None
+        assert lengths is not None
         batch, plan, num_rows = lengths.numel(), varlen, varlen.num_rows
     active = tuple(n for span, n in plan.segments for _ in range(span))
     rows = sum(active)

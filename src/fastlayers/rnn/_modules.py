@@ -27,6 +27,7 @@ from ._cells import step
 from ._docs import COMMON_DOC, GRU_OPTIONS_DOC, OPTIONS_DOC
 from ._lengths import make_plan
 from ._ops_export import operator_layers
+from ._ops_varlen import varlen_operator_layers
 from . import _gpu_graphs
 from ._options import CellOptions
 from ._reference import reference_varlen_rnn
@@ -177,17 +178,34 @@ class _LengthsMixin(NotScriptable):
 
     def _forward_varlen(self, values: Any, hx: Any, cu_seqlens: Any, max_seqlen: Any) -> Any:
         """The varlen form (N, F) + cu_seqlens through the padded path with lengths: one index_copy
-        in, one index_select out (exact; :mod:`fastlayers._core.jagged`)."""
+        in, one index_select out (exact; :mod:`fastlayers._core.jagged`). While torch.compile or
+        torch.export traces: one operator per layer (:mod:`._ops_varlen`), no graph break."""
         if not isinstance(values, Tensor):
             raise TypeError(f"input: expected a Tensor of shape (N, F) with cu_seqlens, got {type(values).__name__}")
         if values.dim() != 2:
             raise ValueError(f"input: expected a 2-D tensor (N, F) with cu_seqlens (the sequences one after another), "
                              f"got shape {tuple(values.shape)}")
+        if torch.compiler.is_compiling():  # traced: one operator per layer, no graph break (._ops_varlen)
+            jagged.check_form(cu_seqlens, values.device)
+            if max_seqlen is not None:
+                jagged.check_max_seqlen(max_seqlen)
+            states = self._varlen_states(values, hx, cu_seqlens.size(0) - 1)
+            output, final = varlen_operator_layers(self, values, states, cu_seqlens)
+            return output, (final if self.mode == "LSTM" else final[0])
         plan = jagged.varlen(cu_seqlens, values.size(0), values.device, batch_first=self.batch_first,
                              max_seqlen=max_seqlen)
         padded = jagged.pad(values, plan, batch_first=self.batch_first)
         output, final = self.forward(padded, hx, lengths=plan.lengths)
         return jagged.unpad(output, plan), final
+
+    def _varlen_states(self, values: Tensor, hx: Any, batch: int) -> tuple[Tensor, ...]:
+        """The initial states of a varlen call of ``batch`` sequences: ``hx`` checked as for a (T, B, F)
+        call (features, dtype, device, the states' shapes), else zeros."""
+        # one step of that shape (a view of values would guard on batch != 1 under torch.export)
+        features = values.size(1)
+        view = values.new_empty((batch, 1, features) if self.batch_first else (1, batch, features))
+        _, states = self._check_args(view, hx)
+        return states if states is not None else self._zero_states(values, batch)
 
     def _forward_packed(self, packed: PackedSequence, hx: Any) -> Any:
         """A PackedSequence through the lengths path (the cell options have no packed kernel in torch):
@@ -363,17 +381,13 @@ class _CellOptionsMixin:
     def _forward_varlen(self, values: Any, hx: Any, cu_seqlens: Any, max_seqlen: Any) -> Any:
         """The varlen form on the C engine: its packed rows read from and written to the (N, ...)
         layout directly (no padded tensor: memory follows N, not B x T); elsewhere (other backends,
-        recomputation, tracing) through the padded path (:meth:`_LengthsMixin._forward_varlen`)."""
+        recomputation) through the padded path, and traced through the varlen operators
+        (:meth:`_LengthsMixin._forward_varlen`)."""
         if not (isinstance(values, Tensor) and values.dim() == 2 and values.size(0) > 0) \
                 or torch.compiler.is_compiling() or select(self.mode.lower(), values) != "cpu" or self._recomputes():
             return super()._forward_varlen(values, hx, cu_seqlens, max_seqlen)  # type: ignore[misc]
         lengths, longest = jagged.check_cu_seqlens(cu_seqlens, values.size(0), values.device, max_seqlen=max_seqlen)
-        batch = lengths.numel()
-        # the checks of a (T, B, F) call, on a view of that shape (no copy): features, dtype, hx's shapes
-        view = values.unsqueeze(0).expand(batch, -1, -1) if self.batch_first else values.unsqueeze(1).expand(-1, batch, -1)
-        _, states = self._check_args(view, hx)  # type: ignore[attr-defined]
-        if states is None:
-            states = self._zero_states(values, batch)  # type: ignore[attr-defined]
+        states = self._varlen_states(values, hx, lengths.numel())  # type: ignore[attr-defined]
         plan = make_plan(lengths, longest, False, values.device, varlen=True)
         out, final = ENGINES[self.mode, "cpu"](values, states, self._layer_parameters(), lengths, self.options,
                                                dropout=self.dropout, training=self.training, plan=plan)

@@ -115,13 +115,9 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
 
 # ---- the Python side of the operators (run once the library loads: ops_lib.on_load at the end)
 
-def _layer_eagerly(cell: str, x: Tensor, lengths: Tensor | None, states: tuple[Tensor, ...], w: dict,
-                   masks: dict, consts: dict) -> tuple[Tensor, ...]:
-    """One layer with the eager engine (differentiable): the operators' CUDA kernel and the
-    recomputation their autograd differentiates. Arguments as the operators'."""
-    from .._core.backend import select
-    from ._routing import engine
-
+def _layer_args(cell: str, w: dict, consts: dict) -> tuple[list[dict[str, Tensor]], CellOptions]:
+    """The engine's arguments for one layer: its per-direction parameter dicts (both biases or
+    neither) and its cell options, from the operators' stacked weights ``w`` and constants."""
     dirs = w["w_ih"].size(0)
     names = {"ln_ih": "ln_ih_weight", "ln_hh": "ln_hh_weight", "peephole": "weight_peephole", "w_hr": "weight_hr",
              "w_ih": "weight_ih", "w_hh": "weight_hh", "b_ih": "bias_ih", "b_hh": "bias_hh"}
@@ -130,15 +126,26 @@ def _layer_eagerly(cell: str, x: Tensor, lengths: Tensor | None, states: tuple[T
         for p in layer:
             for b in ("bias_ih", "bias_hh"):
                 p.setdefault(b, torch.zeros_like(p["weight_ih"][:, 0]))
-    lens = None if lengths is None else lengths.to("cpu", torch.int64)
-    m = {"recurrent": masks.get("rmask"), "zoneout_h": masks.get("zh"), "zoneout_c": masks.get("zc")}
-    m = {k: v for k, v in m.items() if v is not None}
     if cell == "LSTM":
         options = CellOptions(layer_norm=w.get("ln_ih") is not None, peephole=w.get("peephole") is not None,
                               cell_clip=consts["cell_clip"] or None, zoneout=(consts["z_h"], consts["z_c"]),
                               proj_clip=consts["proj_clip"] or None)
     else:
         options = CellOptions(layer_norm=w.get("ln_ih") is not None, zoneout=(consts["z_h"], 0.0))
+    return layer, options
+
+
+def _layer_eagerly(cell: str, x: Tensor, lengths: Tensor | None, states: tuple[Tensor, ...], w: dict,
+                   masks: dict, consts: dict) -> tuple[Tensor, ...]:
+    """One layer with the eager engine (differentiable): the operators' CUDA kernel and the
+    recomputation their autograd differentiates. Arguments as the operators'."""
+    from .._core.backend import select
+    from ._routing import engine
+
+    layer, options = _layer_args(cell, w, consts)
+    lens = None if lengths is None else lengths.to("cpu", torch.int64)
+    m = {"recurrent": masks.get("rmask"), "zoneout_h": masks.get("zh"), "zoneout_c": masks.get("zc")}
+    m = {k: v for k, v in m.items() if v is not None}
     which = select(cell.lower(), x)
     out, final = engine(cell, which)(x, states, [layer], lens, options, training=False, masks=[m])
     return (out, *final)
@@ -164,23 +171,31 @@ def _rnn_eagerly(x: Tensor, lengths: Tensor | None, h0: Tensor, w_ih: Tensor, w_
     return pad_packed_sequence(out, total_length=steps)[0], h
 
 
+def vjp(run, inputs: list, needs: list[bool], grads: list) -> list[Tensor | None]:
+    """The gradients of ``inputs`` (where ``needs``) of ``run(*inputs)`` against the output gradients
+    ``grads``: recomputed with the eager engine, then its vector-Jacobian product. While grad mode
+    is on (a backward with create_graph) the recomputation runs on the inputs themselves, so the
+    gradients stay differentiable functions of them; otherwise on detached copies."""
+    create_graph = torch.is_grad_enabled()
+    with torch.enable_grad():
+        leaves = list(inputs) if create_graph else [
+            t.detach().requires_grad_(bool(n)) if t is not None and t.is_floating_point() else t
+            for t, n in zip(inputs, needs)]
+        outs = run(*leaves)
+        wanted = [i for i, (t, n) in enumerate(zip(leaves, needs)) if n and t is not None and t.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+        got = torch.autograd.grad([o for o, _ in pairs], [leaves[i] for i in wanted], [g for _, g in pairs],
+                                  allow_unused=True, create_graph=create_graph) if wanted and pairs else ()
+    result: list[Tensor | None] = [None] * len(inputs)
+    for i, g in zip(wanted, got):
+        result[i] = g
+    return result
+
+
 def _recompute_backward(ctx, grads: tuple, run) -> tuple:
     """Gradients of the saved inputs: ``run(*inputs)`` recomputed with the eager engine, then its
-    vector-Jacobian product (differentiable again under create_graph)."""
-    saved = list(ctx.saved_tensors)
-    needs = ctx.needs_input_grad
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(bool(n)) if t is not None and t.is_floating_point() else t
-                  for t, n in zip(saved, needs)]
-        outs = run(*leaves)
-        wanted = [(i, t) for i, t in enumerate(leaves) if t is not None and t.requires_grad]
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
-        got = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wanted], [g for _, g in pairs],
-                                  allow_unused=True, create_graph=torch.is_grad_enabled())
-    result: list[Tensor | None] = [None] * len(saved)
-    for (i, _), g in zip(wanted, got):
-        result[i] = g
-    return tuple(result)
+    vector-Jacobian product (:func:`vjp`; differentiable again under create_graph)."""
+    return tuple(vjp(run, list(ctx.saved_tensors), list(ctx.needs_input_grad), list(grads)))
 
 
 _LSTM_ARGS = ("x", "lengths", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh", "ln_ih", "ln_hh", "ln_cell_weight",
