@@ -8,7 +8,10 @@ tensors (a data loader's output): the padded batch or the concatenation built in
 layer, the backward (the torch profiler's allocation records, as ``fastlayers.bench``; the engine's
 buffer pool emptied first). Time: medians of interleaved fwd+bwd calls on inputs built once.
 
-    python benchmarks/rnn/bench_varlen.py [--batch 32] [--t-max 1600] [--repeats 5] [--plain]
+    python benchmarks/rnn/bench_varlen.py [--batch 32] [--t-max 1600] [--repeats 5] [--plain] [--checkpoint]
+
+``--checkpoint`` adds a third row: the varlen call of the same layer with ``checkpoint_every="auto"``
+(recomputation: the saved activations of the time loop traded for a second forward).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> None:
     parser.add_argument("--t-max", type=int, default=1600)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--plain", action="store_true", help="LSTM without options (default: layer_norm=True)")
+    parser.add_argument("--checkpoint", action="store_true", help="also the varlen call with checkpoint_every='auto'")
     args = parser.parse_args()
     torch.manual_seed(0)
     lengths = lognormal_lengths(args.batch, args.t_max)
@@ -55,9 +59,19 @@ def main() -> None:
         y.sum().backward()
 
     calls = {"padded + lengths": padded_call, "varlen (cu_seqlens)": varlen_call}
+    if args.checkpoint:
+        remat = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=not args.plain, checkpoint_every="auto")
+        remat.load_state_dict(lstm.state_dict())
+
+        def remat_call(x=None):
+            x = torch.cat(parts).requires_grad_() if x is None else x
+            y, _ = remat(x, cu_seqlens=cu)
+            y.sum().backward()
+
+        calls["varlen, checkpoint_every='auto'"] = remat_call
     memory = {name: peak_bytes(call, torch.device("cpu")) for name, call in calls.items()}
-    built = {"padded + lengths": torch.nn.utils.rnn.pad_sequence(parts).requires_grad_(),
-             "varlen (cu_seqlens)": torch.cat(parts).requires_grad_()}
+    built = {name: (torch.nn.utils.rnn.pad_sequence(parts) if name.startswith("padded") else torch.cat(parts))
+             .requires_grad_() for name in calls}
     times: dict[str, list[float]] = {name: [] for name in calls}
     for name, call in calls.items():  # warm-up
         call(built[name])

@@ -12,7 +12,8 @@ Their shapes follow from N and B alone, so the graph never reads a length: a new
 lengths (or another N, dynamic under torch.export) runs the same graph. The operators run the
 eager engine (the C engine's varlen rows on CPU; elsewhere the padded path between
 :func:`fastlayers._core.jagged.pad` and ``unpad``) and validate ``cu_seqlens``'s values there, at
-run time, with the eager call's errors. Their autograd recomputes the layer with the eager engine
+run time, with the eager call's errors (``max_seqlen`` is not needed there: only its type is checked
+while tracing). Their autograd recomputes the layer with the eager engine
 and takes its gradient, as the padded export operators do (:mod:`._ops_export`): a compiled
 training step pays one extra forward per layer. Python operators: an exported program runs where
 fastlayers is imported (``ep.module()``), not in AOTInductor packages.
