@@ -28,7 +28,7 @@
 # (EAGER_STEPS=0, 60); fastlayers train on the digits and the vowels
 # against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA); issue 67:
 # bench_gpu_engine.py --small-hidden (110), bench_gpu_deterministic.py (90; 45 s on the H200),
-# probe_gpu_persistent.py (50; 15 s there). On the H200 on 2026-11-26 (torch 2.11, Triton 3.6) the
+# probe_gpu_persistent.py (50; 15 s there); issue 66: bench_varlen.py --checkpoint (60, not yet run on a GPU). On the H200 on 2026-11-26 (torch 2.11, Triton 3.6) the
 # steps took: versions 5, cuda_tests 50, local_attention 12, remat 136 (before the sweep), random_t
 # 29, train 51, engine_fp32 52, chunk_sweep 29 s.
 # On the GPU machine the first step builds the native library in place (setup.py: about a minute
@@ -54,6 +54,7 @@ if [ "$mode" = "--dry-run" ]; then
     remat_sweep=(--device cpu --steps 12 --batch 2 --calls 1 --sweep none,auto,5)
     overhead=(--device cpu --min-run-time 0.01 --rounds 1)
     det_runs=2 only_det="GRU zoneout 0.1 + recurrent" small_cells=GRU
+    varlen=(--device cpu --batch 3 --t-max 8 --repeats 1 --checkpoint)
 else
     device=cuda size=seed local_size=seed repeats=5 local_repeats=20 warmup=2 only_all="" only_ln="layer_norm" \
         only_profile="LSTM layer_norm"
@@ -64,6 +65,7 @@ else
     remat_sweep=(--device cuda --steps 800 --batch 32 --sweep none,auto,32,64,128,200,400,800)
     overhead=(--device cuda)
     det_runs=3 only_det="" small_cells=LSTM,GRU
+    varlen=(--device cuda --repeats 5 --checkpoint)
 fi
 rounds=(--repeats "$repeats" --warmup "$warmup")  # timed rounds, untimed rounds before them
 steps=()
@@ -139,6 +141,8 @@ step small_hidden 110 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$device
 step deterministic 90 "$py" benchmarks/rnn/bench_gpu_deterministic.py --device "$device" --size "$size" \
     --runs "$det_runs" --repeats "$repeats" --only "$only_det"
 step persistent_probe 50 "$py" benchmarks/rnn/probe_gpu_persistent.py --device "$device"
+# issue 66: the varlen form against the padded call with lengths, time and the allocator's peak
+step varlen 60 "$py" benchmarks/rnn/bench_varlen.py "${varlen[@]}"
 
 "$py" - "$out" "${steps[@]}" <<'EOF'
 import json, sys

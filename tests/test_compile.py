@@ -203,6 +203,30 @@ def test_varlen_fullgraph_with_allow_rnn_and_one_graph_for_every_batch(cls, kwar
     assert frames[0] >= 1 and frames == frames[:1] * 4, frames  # compiled at the first batch only
 
 
+@pytest.mark.parametrize("score", ["dot", "additive"])
+def test_attention_pool_varlen_fullgraph_and_one_graph_for_every_batch(score):
+    """attention_pool's varlen form traces as segment operations (no graph break, no host read): one
+    graph for batches of other lengths, N and B; outputs and gradients equal eager."""
+    torch.manual_seed(0)
+    pool = fastlayers.AttentionPooling(6, score=score)
+
+    def call(q, k, cu):
+        return pool(q, k, cu_seqlens=cu)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(call, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for seed, lengths in enumerate(([3, 7, 1], [5, 2, 2, 6], [1, 4])):
+        k, cu = _varlen_batch(lengths, seed)
+        q = torch.randn(len(lengths), 6)
+        eager = _outputs_and_grads(lambda q, k: call(q, k, cu), pool, [q, k])
+        got = _outputs_and_grads(lambda q, k: compiled(q, k, cu), pool, [q, k])
+        for a, b in zip(got[0] + list(got[1]), eager[0] + list(eager[1]), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames == frames[:1] * 3, frames
+
+
 @torch._dynamo.config.patch(allow_rnn=True)
 def test_jagged_nested_input_compiles_fullgraph():
     torch.manual_seed(0)

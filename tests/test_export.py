@@ -198,6 +198,27 @@ def test_varlen_export_keeps_the_total_length_and_batch_dynamic(mode, name):
                 torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
 
 
+def test_attention_pool_varlen_exports_with_n_and_b_dynamic():
+    class Pool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = fastlayers.AttentionPooling(4, score="additive")
+
+        def forward(self, q, k, cu_seqlens):
+            return self.pool(q, k, cu_seqlens=cu_seqlens)
+
+    torch.manual_seed(0)
+    model = Pool()
+    b = Dim("Bv")
+    example = (torch.randn(3, 4), torch.randn(9, 4), torch.tensor([0, 2, 7, 9]))
+    ep = torch.export.export(model, example, dynamic_shapes=({0: b}, {0: Dim("N")}, {0: b + 1}))
+    for lengths in ([4, 1, 6, 2], [5, 3]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        args = (torch.randn(len(lengths), 4), torch.randn(sum(lengths), 4), cu)
+        for a, w in zip(ep.module()(*args), model(*args), strict=True):
+            torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-6)
+
+
 def test_varlen_operators_differentiate_twice():
     """The varlen operators' backward (and the padded ones', whose recomputation it shares) is
     differentiable: gradgradcheck in float64, not zeros."""

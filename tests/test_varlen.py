@@ -128,6 +128,17 @@ def test_attention_pool_varlen_and_nested(score):
     grads_pad = torch.autograd.grad(context_pad.square().sum(), [q, kp, vp, *pool.parameters()])
     for g, g_pad, padded in zip(grads, grads_pad, [False, True, True] + [False] * len(list(pool.parameters()))):
         torch.testing.assert_close(g, _unpad(g_pad, True) if padded else g_pad, rtol=0, atol=1e-12)
+    # the segment operations a traced call runs (torch.compile, torch.export): the same, in value and gradient
+    from fastlayers.attention._reference import attention_pool_varlen_reference
+
+    additive = (pool.weight_query, pool.weight_key, pool.v, pool.bias) if score == "additive" else None
+    context_seg, weights_seg = attention_pool_varlen_reference(q, k, v, torch.tensor(CU, dtype=torch.int32),
+                                                               score=score, additive=additive)
+    torch.testing.assert_close(context_seg, context, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weights_seg, weights, rtol=0, atol=1e-12)
+    grads_seg = torch.autograd.grad(context_seg.square().sum(), [q, k, v, *pool.parameters()])
+    for g, g_seg in zip(grads, grads_seg, strict=True):
+        torch.testing.assert_close(g_seg, g, rtol=0, atol=1e-12)
     nk = torch.nested.nested_tensor_from_jagged(k, torch.tensor(CU))
     nv = torch.nested.nested_tensor_from_jagged(v, torch.tensor(CU))
     context_nested, weights_nested = pool(q, nk, nv)

@@ -9,6 +9,7 @@ layer, the backward (the torch profiler's allocation records, as ``fastlayers.be
 buffer pool emptied first). Time: medians of interleaved fwd+bwd calls on inputs built once.
 
     python benchmarks/rnn/bench_varlen.py [--batch 32] [--t-max 1600] [--repeats 5] [--plain] [--checkpoint]
+                                          [--device cpu|cuda]
 
 ``--checkpoint`` adds a third row: the varlen call of the same layer with ``checkpoint_every="auto"``
 (recomputation: the saved activations of the time loop traded for a second forward).
@@ -41,16 +42,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--plain", action="store_true", help="LSTM without options (default: layer_norm=True)")
     parser.add_argument("--checkpoint", action="store_true", help="also the varlen call with checkpoint_every='auto'")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (memory: the allocator's peak)")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.manual_seed(0)
     lengths = lognormal_lengths(args.batch, args.t_max)
-    parts = [torch.randn(n, 512) for n in lengths]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    lstm = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=not args.plain)
+    parts = [torch.randn(n, 512, device=device) for n in lengths]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+    lstm = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=not args.plain, device=device)
 
     def padded_call(x=None):
         x = torch.nn.utils.rnn.pad_sequence(parts).requires_grad_() if x is None else x
-        y, _ = lstm(x, lengths=torch.tensor(lengths))
+        y, _ = lstm(x, lengths=torch.tensor(lengths, device=device))
         y.sum().backward()
 
     def varlen_call(x=None):
@@ -60,7 +63,8 @@ def main() -> None:
 
     calls = {"padded + lengths": padded_call, "varlen (cu_seqlens)": varlen_call}
     if args.checkpoint:
-        remat = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=not args.plain, checkpoint_every="auto")
+        remat = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=not args.plain, checkpoint_every="auto",
+                                device=device)
         remat.load_state_dict(lstm.state_dict())
 
         def remat_call(x=None):
@@ -69,7 +73,7 @@ def main() -> None:
             y.sum().backward()
 
         calls["varlen, checkpoint_every='auto'"] = remat_call
-    memory = {name: peak_bytes(call, torch.device("cpu")) for name, call in calls.items()}
+    memory = {name: peak_bytes(call, device) for name, call in calls.items()}
     built = {name: (torch.nn.utils.rnn.pad_sequence(parts) if name.startswith("padded") else torch.cat(parts))
              .requires_grad_() for name in calls}
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -78,11 +82,16 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, call in calls.items():
             built[name].grad = None
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
             call(built[name])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times[name].append(time.perf_counter() - start)
     mean = sum(lengths) / len(lengths)
-    print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; LSTM 512 -> 256 x 2"
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    print(f"{machine}, torch {torch.__version__}, {torch.get_num_threads()} threads; LSTM 512 -> 256 x 2"
           f"{'' if args.plain else ', layer_norm=True'}, B = {args.batch}, lengths log-normal: max {max(lengths)}, "
           f"mean {mean:.0f} (max/mean {max(lengths) / mean:.2f}), N = {sum(lengths)}; fwd+bwd, median of {args.repeats}")
     print("| call | fwd+bwd ms | x padded | peak MiB (from the per-sequence tensors) | x padded |")

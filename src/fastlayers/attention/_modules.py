@@ -16,7 +16,7 @@ from .._core.backend import select
 from .._core.checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_tensor
 from .._core.jit import TRITON, NotScriptable, refuse_trace
 from ._gpu import AttentionTriton
-from ._reference import SCORES, attention_pool_reference, check_dot
+from ._reference import SCORES, attention_pool_reference, attention_pool_varlen_reference, check_dot
 
 
 def _check(query: Tensor, keys: Tensor, values: Tensor) -> None:
@@ -124,11 +124,35 @@ def _varlen(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additiv
                              f"another), got {got}")
     if values is not None and values.size(0) != keys.size(0):
         raise ValueError(f"values: expected {keys.size(0)} rows (as keys), got {values.size(0)}")
+    if torch.compiler.is_compiling():  # traced: segment operations, no host read, no graph break
+        return _traced_varlen(query, keys, keys if values is None else values, cu_seqlens, max_seqlen, score,
+                              additive)
     plan = jagged.varlen(cu_seqlens, keys.size(0), keys.device, batch_first=True, max_seqlen=max_seqlen)
     padded_values = jagged.pad(values, plan, batch_first=True) if values is not None else None
     context, weights = attention_pool(query, jagged.pad(keys, plan, batch_first=True), padded_values, plan.lengths,
                                       score=score, additive=additive)
     return context, jagged.unpad(weights, plan)
+
+
+def _traced_varlen(query, keys, values, cu_seqlens, max_seqlen, score, additive) -> tuple[Tensor, Tensor]:
+    """The varlen form while torch.compile or torch.export traces: the checks that read no value
+    (cu_seqlens' form, the tensors' ranks, dtypes and sizes), then the segment operations of
+    :func:`attention_pool_varlen_reference` (any backend)."""
+    jagged.check_form(cu_seqlens, keys.device)
+    if max_seqlen is not None:
+        jagged.check_max_seqlen(max_seqlen)
+    if score not in SCORES:
+        raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+    for name, t in (("query", query), ("keys", keys), ("values", values)):
+        check_tensor(name, t)
+        check_floating(name, t)
+    check_rank("query", query, (2,), "(B, Dq)")
+    check_same_dtype_device("keys", keys, "query", query)
+    check_same_dtype_device("values", values, "query", query)
+    if query.size(0) != cu_seqlens.size(0) - 1:
+        raise ValueError(f"query: expected batch size {cu_seqlens.size(0) - 1} (cu_seqlens' length - 1), got "
+                         f"{query.size(0)}")
+    return attention_pool_varlen_reference(query, keys, values, cu_seqlens, score=score, additive=additive)
 
 
 def _nested(query, keys, values, lengths, cu_seqlens, score, additive) -> tuple[Tensor, Tensor]:

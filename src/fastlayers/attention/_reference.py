@@ -57,6 +57,48 @@ def attention_pool_reference(
         return context.to(mm.low), weights.to(mm.low)
     return context, weights
 
+def attention_pool_varlen_reference(query: Tensor, keys: Tensor, values: Tensor, cu_seqlens: Tensor, *,
+                                    score: str = "dot",
+                                    additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None
+                                    ) -> tuple[Tensor, Tensor]:
+    """The varlen form with segment operations: query (B, Dq), keys (N, Dk), values (N, Dv),
+    cu_seqlens (B+1,) (validated, or read by nothing that needs it valid) -> (context (B, Dv),
+    weights (N,)). No padded tensor and no host read of the lengths: every shape follows from N and
+    B, so torch.compile and torch.export trace it (issue 66). The same values as the padded call
+    with lengths up to the order of the sums (float64: 1e-15 here)."""
+    rows, batch = keys.size(0), cu_seqlens.size(0) - 1
+    offsets = cu_seqlens.to(device=keys.device, dtype=torch.int64)
+    seq = torch.searchsorted(offsets[1:], torch.arange(rows, device=keys.device), right=True)  # (N,) sequence of a row
+    mm = precision.Products.of(query)
+    if score == "additive":
+        if additive is None:
+            raise ValueError("additive: expected (weight_query, weight_key, v, bias) for score='additive', got None")
+        w_q, w_k, v, bias = additive
+        size = v.size(0)
+        check_shape("additive weight_query", w_q, (size, query.size(1)), "(A, Dq)")
+        check_shape("additive weight_key", w_k, (size, keys.size(1)), "(A, Dk)")
+        hidden = mm.matmul(keys, w_k.T) + mm.matmul(query, w_q.T).index_select(0, seq)  # (N, A)
+        if bias is not None:
+            hidden = hidden + bias.to(mm.acc)
+        scores = mm.matmul(torch.tanh(hidden), v)  # (N,)
+    else:
+        if query.size(1) != keys.size(1):
+            raise ValueError(f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, "
+                             f"got {keys.size(1)}")
+        scores = (keys.to(mm.acc) * query.to(mm.acc).index_select(0, seq)).sum(1)  # (N,)
+        if score == "scaled_dot":
+            scores = scores * (1 / math.sqrt(keys.size(1)))
+    scores = scores.to(mm.acc)
+    top = scores.new_full((batch,), float("-inf")).scatter_reduce(0, seq, scores.detach(), "amax")
+    e = torch.exp(scores - top.index_select(0, seq))
+    weights = e / e.new_zeros(batch).index_add(0, seq, e).index_select(0, seq)
+    context = values.new_zeros(batch, values.size(1), dtype=mm.acc).index_add(
+        0, seq, weights.unsqueeze(1) * values.to(mm.acc))
+    if mm.mixed:  # as attention_pool_reference: the results in the low dtype
+        return context.to(mm.low), weights.to(mm.low)
+    return context, weights
+
+
 def check_dot(query: Tensor, keys: Tensor, score: str) -> None:
     if query.size(1) != keys.size(2):
         raise ValueError(f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, got "
