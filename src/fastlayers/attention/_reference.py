@@ -36,16 +36,7 @@ def attention_pool_reference(
         return _dot_one_dtype(query, keys, values, lengths, score == "scaled_dot")
     mm = precision.Products.of(query)
     if score == "additive":
-        if additive is None:
-            raise ValueError("additive: expected (weight_query, weight_key, v, bias) for score='additive', got None")
-        w_q, w_k, v, bias = additive
-        size = v.size(0)
-        check_shape("additive weight_query", w_q, (size, query.size(1)), "(A, Dq)")
-        check_shape("additive weight_key", w_k, (size, keys.size(2)), "(A, Dk)")
-        hidden = mm.matmul(keys, w_k.T) + mm.matmul(query, w_q.T).unsqueeze(1)  # (B, T, A)
-        if bias is not None:
-            hidden = hidden + bias.to(mm.acc)
-        scores = mm.matmul(torch.tanh(hidden), v)  # (B, T)
+        scores = _additive_scores(mm, query, keys, additive, lambda projected: projected.unsqueeze(1))  # (B, T)
     else:
         check_dot(query, keys, score)
         scores = mm.matmul(keys, query.unsqueeze(2)).squeeze(2)  # (B, T)
@@ -71,16 +62,7 @@ def attention_pool_varlen_reference(query: Tensor, keys: Tensor, values: Tensor,
     seq = torch.searchsorted(offsets[1:], torch.arange(rows, device=keys.device), right=True)  # (N,) sequence of a row
     mm = precision.Products.of(query)
     if score == "additive":
-        if additive is None:
-            raise ValueError("additive: expected (weight_query, weight_key, v, bias) for score='additive', got None")
-        w_q, w_k, v, bias = additive
-        size = v.size(0)
-        check_shape("additive weight_query", w_q, (size, query.size(1)), "(A, Dq)")
-        check_shape("additive weight_key", w_k, (size, keys.size(1)), "(A, Dk)")
-        hidden = mm.matmul(keys, w_k.T) + mm.matmul(query, w_q.T).index_select(0, seq)  # (N, A)
-        if bias is not None:
-            hidden = hidden + bias.to(mm.acc)
-        scores = mm.matmul(torch.tanh(hidden), v)  # (N,)
+        scores = _additive_scores(mm, query, keys, additive, lambda projected: projected.index_select(0, seq))  # (N,)
     else:
         if query.size(1) != keys.size(1):
             raise ValueError(f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, "
@@ -97,6 +79,22 @@ def attention_pool_varlen_reference(query: Tensor, keys: Tensor, values: Tensor,
     if mm.mixed:  # as attention_pool_reference: the results in the low dtype
         return context.to(mm.low), weights.to(mm.low)
     return context, weights
+
+
+def _additive_scores(mm: precision.Products, query: Tensor, keys: Tensor,
+                     additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None, spread) -> Tensor:
+    """The additive score v . tanh(W_k k + W_q q + b) of keys (..., Dk): ``spread`` places the query
+    projection (B, A) beside the keys' (over the time steps, or over the varlen rows)."""
+    if additive is None:
+        raise ValueError("additive: expected (weight_query, weight_key, v, bias) for score='additive', got None")
+    w_q, w_k, v, bias = additive
+    size = v.size(0)
+    check_shape("additive weight_query", w_q, (size, query.size(1)), "(A, Dq)")
+    check_shape("additive weight_key", w_k, (size, keys.size(-1)), "(A, Dk)")
+    hidden = mm.matmul(keys, w_k.T) + spread(mm.matmul(query, w_q.T))
+    if bias is not None:
+        hidden = hidden + bias.to(mm.acc)
+    return mm.matmul(torch.tanh(hidden), v)
 
 
 def check_dot(query: Tensor, keys: Tensor, score: str) -> None:
