@@ -129,7 +129,7 @@ def main() -> None:
         where += f", EAGER_STEPS={args.eager_steps}"
     print(f"{where}, torch {torch.__version__}; time per call (us), torch.utils.benchmark "
           f"blocked_autorange, the median of {args.rounds} alternating rounds a column, both columns in this process")
-    print(f"| call | fastlayers fwd | torch fwd | x | target | fastlayers fwd+bwd | torch fwd+bwd | x |")
+    print("| call | fastlayers fwd | torch fwd | x | target | fastlayers fwd+bwd | torch fwd+bwd | x |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     with device:  # the rows' modules and tensors are made on the device
         rows = _rows()

@@ -472,3 +472,101 @@ def test_training_under_deterministic_algorithms_is_bitwise_repeatable(label, gr
     assert len(first) == len(second) and all(p is not None and bool(torch.isfinite(p).all()) for p in first)
     for i, (a, b) in enumerate(zip(first, second)):
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), (label, i)
+
+
+VARLEN_LENGTHS = [9, 1, 33, 4]  # T over one captured chunk (32 steps) in the third sequence
+
+
+@pytest.mark.parametrize("cu_device", ["cuda", "cpu"])
+@pytest.mark.parametrize("cls, kwargs", [
+    (fastlayers.LSTM, dict(num_layers=2, bidirectional=True, layer_norm=True, peephole=True)),
+    (fastlayers.GRU, dict(bidirectional=True, layer_norm=True, zoneout=0.1)),
+    (fastlayers.LSTM, dict(bidirectional=True, batch_first=True)),
+], ids=["LSTM-ln-peephole-2x2", "GRU-ln-zoneout", "LSTM-plain"])
+def test_varlen_on_cuda_equals_the_padded_call_and_the_reference(cls, kwargs, cu_device):
+    """Issue 66 on the GPU: the varlen form (cu_seqlens on the GPU or on the CPU) equals the padded
+    call with lengths on CUDA and the float64 reference on the CPU, in value, final states and the
+    gradients of the input and every parameter (modules as constructed, eval mode)."""
+    torch.manual_seed(0)
+    # the plain layer runs cuDNN on CUDA, whose backward needs training mode (as torch.nn.LSTM's); no dropout here
+    m = cls(5, 8, dtype=torch.float64, **kwargs).train("layer_norm" not in kwargs)
+    x = torch.randn(sum(VARLEN_LENGTHS), 5, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+
+    def run(module, values, padded):
+        module.zero_grad(set_to_none=True)
+        leaf = values.detach().clone().requires_grad_(True)
+        if padded:
+            inp = torch.nn.utils.rnn.pad_sequence(list(leaf.split(VARLEN_LENGTHS)), batch_first=module.batch_first)
+            out, h = module(inp, lengths=torch.tensor(VARLEN_LENGTHS))
+            out = torch.cat([out[b, :n] if module.batch_first else out[:n, b] for b, n in enumerate(VARLEN_LENGTHS)])
+        else:
+            out, h = module(leaf, cu_seqlens=cu.to(cu_device if values.is_cuda else "cpu"))
+        states = h if isinstance(h, tuple) else (h,)
+        g = torch.Generator().manual_seed(1)
+        loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)).sum() for o in (out, *states))
+        loss.backward()
+        return [t.detach().cpu() for t in (out, *states, leaf.grad, *(p.grad for p in module.parameters()))]
+
+    with fastlayers.backend("reference"):
+        want = run(m, x, padded=False)
+    m.to(DEV)
+    got = run(m, x.to(DEV), padded=False)
+    got_padded = run(m, x.to(DEV), padded=True)
+    for a, b, c in zip(got, got_padded, want, strict=True):
+        torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(b, c, atol=1e-10, rtol=1e-10)
+
+
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_varlen_on_cuda_compiles_fullgraph_once_for_every_batch():
+    """Issue 66 on the GPU: the varlen operators trace on CUDA tensors (aot_eager, dynamic shapes):
+    one graph for batches of other lengths, N and B; outputs and gradients equal eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    m = fastlayers.LSTM(6, 5, bidirectional=True, layer_norm=True, device=DEV).eval()
+
+    def call(x, cu):
+        out, (h, c) = m(x, cu_seqlens=cu)
+        return out, h, c
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(call, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for seed, lengths in enumerate(([3, 7, 1], [5, 2, 2, 6], [40, 4])):
+        torch.manual_seed(seed)
+        x = torch.randn(sum(lengths), 6, device=DEV)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+        results = []
+        for fn in (call, compiled):
+            leaf = x.clone().requires_grad_(True)
+            m.zero_grad(set_to_none=True)
+            outs = fn(leaf, cu)
+            sum((o * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+            results.append([o.detach() for o in outs] + [leaf.grad] + [p.grad for p in m.parameters()])
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames == frames[:1] * 3, frames
+
+
+@pytest.mark.parametrize("score", ["dot", "additive"])
+def test_attention_pool_varlen_on_cuda_equals_the_padded_call(score):
+    """Issue 66 on the GPU: attention pooling's varlen form on CUDA equals the padded call with
+    lengths (values, weights and every gradient, float64)."""
+    torch.manual_seed(0)
+    pool = fastlayers.AttentionPooling(6, score=score, dtype=torch.float64, device=DEV)
+    q = torch.randn(len(VARLEN_LENGTHS), 6, dtype=torch.float64, device=DEV, requires_grad=True)
+    k = torch.randn(sum(VARLEN_LENGTHS), 6, dtype=torch.float64, device=DEV, requires_grad=True)
+    cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    context, weights = pool(q, k, cu_seqlens=cu)
+    kp = torch.nn.utils.rnn.pad_sequence(list(k.split(VARLEN_LENGTHS)), batch_first=True)
+    context_pad, weights_pad = pool(q, kp, lengths=torch.tensor(VARLEN_LENGTHS, device=DEV))
+    torch.testing.assert_close(context, context_pad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(weights, torch.cat([weights_pad[b, :n] for b, n in enumerate(VARLEN_LENGTHS)]),
+                               rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad(context.square().sum(), [q, k, *pool.parameters()])
+    grads_pad = torch.autograd.grad(context_pad.square().sum(), [q, k, *pool.parameters()])
+    for g, g_pad in zip(grads, grads_pad, strict=True):
+        torch.testing.assert_close(g, g_pad, rtol=1e-10, atol=1e-10)

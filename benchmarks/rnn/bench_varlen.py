@@ -6,7 +6,8 @@ so the longest is T_MAX; max/mean about 4 at B = 32), float32, forward + backwar
 requiring grad. Memory: the peak bytes allocated during one call that starts from the per-sequence
 tensors (a data loader's output): the padded batch or the concatenation built inside it, the
 layer, the backward (the torch profiler's allocation records, as ``fastlayers.bench``; the engine's
-buffer pool emptied first). Time: medians of interleaved fwd+bwd calls on inputs built once.
+buffer pool emptied first; on CUDA after one untimed call of each, so that no row holds the
+first call's CUDA graph captures). Time: medians of interleaved fwd+bwd calls on inputs built once.
 
     python benchmarks/rnn/bench_varlen.py [--batch 32] [--t-max 1600] [--repeats 5] [--plain] [--checkpoint]
                                           [--device cpu|cuda]
@@ -73,6 +74,9 @@ def main() -> None:
             y.sum().backward()
 
         calls["varlen, checkpoint_every='auto'"] = remat_call
+    if device.type == "cuda":  # the first call captures the engine's CUDA graphs: its peak would hold the capture's
+        for call in calls.values():  # allocations, and later calls of the same T replay them (measured after one call)
+            call()
     memory = {name: peak_bytes(call, device) for name, call in calls.items()}
     built = {name: (torch.nn.utils.rnn.pad_sequence(parts) if name.startswith("padded") else torch.cat(parts))
              .requires_grad_() for name in calls}

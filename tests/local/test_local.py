@@ -4,7 +4,6 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 from fastlayers import LocallyConnected1d, LocallyConnected2d

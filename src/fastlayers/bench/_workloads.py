@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
