@@ -570,3 +570,29 @@ def test_attention_pool_varlen_on_cuda_equals_the_padded_call(score):
     grads_pad = torch.autograd.grad(context_pad.square().sum(), [q, k, *pool.parameters()])
     for g, g_pad in zip(grads, grads_pad, strict=True):
         torch.testing.assert_close(g, g_pad, rtol=1e-10, atol=1e-10)
+
+
+def test_checkpoint_every_with_lengths_on_cuda_makes_no_more_host_syncs_than_without():
+    """Issue 67: a checkpointed call's segments take their running rows and flip indices from one
+    asynchronous copy per call (``_remat_segments.to_device``), so the segments add no
+    synchronizing operation (before: one blocking copy per flipped segment, 101 in one call of the
+    seed shape with lengths)."""
+    import warnings
+
+    def syncs(every):
+        torch.manual_seed(0)
+        m = fastlayers.LSTM(6, 8, bidirectional=True, layer_norm=True, checkpoint_every=every, device=DEV)
+        x = torch.randn(40, 5, 6, device=DEV, requires_grad=True)
+        lengths = torch.tensor([40, 17, 33, 3, 25])
+        m(x, lengths=lengths)[0].sum().backward()  # the loops' captures
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                m(x, lengths=lengths)[0].sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return sum("synchronizing" in str(w.message) for w in caught)
+
+    assert syncs(4) <= syncs(None)

@@ -84,7 +84,7 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
     dirs = len(layers[0])
     k = segment_length(every, steps, dirs)
     dev = input.device
-    plan = Plan(steps, k, lengths, dev)
+    plan = Plan(steps, k, lengths, dev, flips=engine in (lstm_engine_gpu, gru_engine_gpu) and dirs == 2)
     maps = row_maps(lengths, steps, batch, dirs, dev)
     finals: list[Tensor] = []
     x = input

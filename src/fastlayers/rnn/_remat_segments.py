@@ -31,19 +31,31 @@ def row_maps(lengths: Tensor | None, steps: int, batch: int, dirs: int, device: 
     col = torch.arange(batch, device=device)
     maps = [(t * batch + col).contiguous()]
     if dirs == 2:
-        maps.append((_reversed_steps(steps, batch, lengths, device) * batch + col).contiguous())
+        reverse = to_device([_reversed_steps(steps, batch, lengths)], device)[0] if lengths is not None else steps - 1 - t
+        maps.append((reverse * batch + col).contiguous())
     return maps
 
 
-def _reversed_steps(steps: int, batch: int, lengths: Tensor | None, device: torch.device) -> Tensor:
-    """(T, B): for row t of sequence b, the row of the same step with the time reversed within the
-    sequence's length (lengths[b] - 1 - t), rows at or after the length unchanged; all T reversed
-    without lengths. Its own inverse."""
-    t = torch.arange(steps, device=device).unsqueeze(1).expand(steps, batch)
-    if lengths is None:
-        return steps - 1 - t
-    n = lengths.to(device).unsqueeze(0)
+def _reversed_steps(steps: int, batch: int, lengths: Tensor) -> Tensor:
+    """(T, B) on the lengths' device: for row t of sequence b, the row of the same step with the time
+    reversed within the sequence's length (lengths[b] - 1 - t), rows at or after the length
+    unchanged. Its own inverse."""
+    t = torch.arange(steps, device=lengths.device).unsqueeze(1).expand(steps, batch)
+    n = lengths.unsqueeze(0)
     return torch.where(t < n, n - 1 - t, t)
+
+
+def to_device(parts: list[Tensor], device: torch.device) -> list[Tensor]:
+    """CPU integer tensors (one dtype) on ``device`` in ONE host-to-device copy, from pinned memory
+    on CUDA (asynchronous: a copy from pageable memory per tensor made the host wait for the GPU
+    once per segment); the tensors themselves on the CPU."""
+    if device.type == "cpu" or not parts:
+        return parts
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    flat = flat.to(device, non_blocking=True)
+    return [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
 
 def _index(fmap: Tensor, start: int, stop: int, rows: Tensor | None) -> Tensor:
@@ -78,28 +90,35 @@ def _give(flat: Tensor, fmap: Tensor, identity: bool, start: int, stop: int, row
 
 class Plan:
     """The segments of one layer (both directions share them, each in its own time): bounds, and
-    per segment the running batch rows and lengths."""
+    per segment the running batch rows (on the device) and lengths (CPU, as the engines take them);
+    with ``flips``, per segment the (k_j, B_j) index that reverses each running sequence's steps
+    within the segment (:func:`_flip`; None: all k_j steps), on the device. Lengths: CPU int64."""
 
-    def __init__(self, steps: int, k: int, lengths: Tensor | None, device: torch.device) -> None:
+    def __init__(self, steps: int, k: int, lengths: Tensor | None, device: torch.device, flips: bool = False) -> None:
         self.bounds = [(s, min(s + k, steps)) for s in range(0, steps, k)]
         self.parts: list[tuple[Tensor | None, Tensor | None]] = []  # (rows or None = all, lengths or None = full)
-        for start, stop in self.bounds:
-            if lengths is None:
-                self.parts.append((None, None))
-                continue
-            running = lengths > start
-            seg = (lengths - start).clamp(max=stop - start)
-            if bool(running.all()):
-                full = bool((seg == stop - start).all())
-                self.parts.append((None, None if full else seg))
-            else:
-                rows = running.nonzero().flatten()
-                self.parts.append((rows.to(device), seg[rows]))
+        self.flips: list[Tensor | None] = []
         if lengths is not None:  # segments after every sequence's end run nothing
             last = int(lengths.max())
-            keep = [i for i, (start, _) in enumerate(self.bounds) if start < last]
-            self.bounds = [self.bounds[i] for i in keep]
-            self.parts = [self.parts[i] for i in keep]
+            self.bounds = [(start, stop) for start, stop in self.bounds if start < last]
+        moved: list[Tensor] = []  # rows and flip indices, moved to the device together below
+        for start, stop in self.bounds:
+            rows = seg = None
+            if lengths is not None:
+                running = lengths > start
+                seg = (lengths - start).clamp(max=stop - start)
+                if bool(running.all()):
+                    seg = None if bool((seg == stop - start).all()) else seg
+                else:
+                    rows = running.nonzero().flatten()
+                    seg = seg[rows]
+            self.parts.append((rows, seg))
+            self.flips.append(_reversed_steps(stop - start, seg.numel(), seg) if flips and seg is not None else None)
+            moved += [t for t in (rows, self.flips[-1]) if t is not None]
+        on_device = iter(to_device(moved, device))  # in the order moved: each segment's rows, then its flip
+        for j, ((rows, seg), flip) in enumerate(zip(self.parts, self.flips)):
+            self.parts[j] = (next(on_device) if rows is not None else None, seg)
+            self.flips[j] = next(on_device) if flip is not None else None
 
 
 class Spec(NamedTuple):
@@ -257,14 +276,13 @@ def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: T
     _hand_out(grads, carry, slice(None), pick, leaves, range(len(leaves)), dparams)
 
 
-def _flip(t: Tensor, lengths: Tensor | None) -> Tensor:
+def _flip(t: Tensor, idx: Tensor | None) -> Tensor:
     """A segment's rows (k, B_j, ...) with each sequence's first lengths[b] steps in reverse order
-    (all k without lengths); the rows after them stay. Its own inverse. The Triton engine's reverse
-    direction runs row t from len_b - 1 down to 0, so a direction's own-time rows given flipped run
-    in their own order there."""
-    if lengths is None:
+    (``idx``, the segment's :attr:`Plan.flips`; all k when None); the rows after them stay. Its own
+    inverse. The Triton engine's reverse direction runs row t from len_b - 1 down to 0, so a
+    direction's own-time rows given flipped run in their own order there."""
+    if idx is None:
         return t.flip(0)
-    idx = _reversed_steps(t.size(0), t.size(1), lengths, t.device)  # (k, B_j)
     return t.gather(0, idx.view(*idx.shape, *(1,) * (t.dim() - 2)).expand_as(t))
 
 
@@ -275,18 +293,18 @@ def _paired(spec: Spec, j: int, xs: list[Tensor], states: list[Tensor], params: 
     time (k_j, B_j, F), states (2, B_j, width) per state, params[d] direction d's parameters.
     Returns ([direction d's output in its own time, (k_j, B_j, P)], the final states (2, B_j, width)).
     The reverse direction's rows go in flipped within each sequence's length (:func:`_flip`)."""
-    seg_lengths = spec.plan.parts[j][1]
-    x = torch.stack([xs[0], _flip(xs[1], seg_lengths)])  # (2, k_j, B_j, F)
+    seg_lengths, flip = spec.plan.parts[j][1], spec.plan.flips[j]
+    x = torch.stack([xs[0], _flip(xs[1], flip)])  # (2, k_j, B_j, F)
     per_dir = [_segment_masks(spec, j, d) for d in range(2)]
     masks = None
     if per_dir[0] is not None:
         masks = {key: torch.cat([per_dir[0][key], per_dir[1][key] if key == "recurrent"
-                                 else _flip(per_dir[1][key][0], seg_lengths).unsqueeze(0)])
+                                 else _flip(per_dir[1][key][0], flip).unsqueeze(0)])
                  for key in per_dir[0]}
     y, last = spec.engine(x, tuple(states), [list(params)], seg_lengths, spec.options, dropout=0.0,
                           training=spec.training, masks=[masks] if masks is not None else None)
     width = spec.width
-    return [y[..., :width], _flip(y[..., width:], seg_lengths)], last
+    return [y[..., :width], _flip(y[..., width:], flip)], last
 
 
 def _paired_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
