@@ -40,9 +40,10 @@ class Varlen:
         return self.lengths.numel()
 
 
-def check_form(cu_seqlens: object, device: torch.device, *, name: str = "cu_seqlens") -> None:
+def check_form(cu_seqlens: object, device: torch.device, *, name: str = "cu_seqlens") -> Tensor:
     """The checks of ``cu_seqlens`` that read no value (type, dtype, shape, device): all that a traced
     call (torch.compile, torch.export) checks before its operators read the values at run time.
+    Returns ``cu_seqlens`` (a tensor, once checked).
 
     Raises:
         TypeError: not a tensor, or not int32 / int64.
@@ -58,6 +59,7 @@ def check_form(cu_seqlens: object, device: torch.device, *, name: str = "cu_seql
     if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
         raise ValueError(f"{name}: expected a tensor on {device} (the values' device) or on the CPU, got "
                          f"{cu_seqlens.device}")
+    return cu_seqlens
 
 
 def check_max_seqlen(max_seqlen: object) -> None:
@@ -77,9 +79,7 @@ def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device, *, na
             CPU), not starting at 0, decreasing, a zero-length sequence, not ending at ``total``;
             ``max_seqlen`` smaller than the longest sequence.
     """
-    check_form(cu_seqlens, device, name=name)
-    assert isinstance(cu_seqlens, Tensor)
-    cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
+    cu = check_form(cu_seqlens, device, name=name).to(device="cpu", dtype=torch.int64)
     if int(cu[0]) != 0:
         raise ValueError(f"{name}: expected cu_seqlens[0] = 0, got {int(cu[0])}")
     lengths = cu[1:] - cu[:-1]

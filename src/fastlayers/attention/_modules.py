@@ -19,9 +19,11 @@ from ._gpu import AttentionTriton
 from ._reference import SCORES, attention_pool_reference, attention_pool_varlen_reference, check_dot
 
 
-def _check(query: Tensor, keys: Tensor, values: Tensor) -> None:
-    if (type(query) is Tensor and type(keys) is Tensor and type(values) is Tensor and query.dim() == 2
-            and keys.dim() == 3 and values.dim() == 3 and query.is_floating_point()
+def _check(query: Tensor, keys: Tensor, values: Tensor, varlen: bool = False) -> None:
+    """query (B, Dq), keys (B, T, Dk) and values (B, T, Dv) floating, in one dtype and device; with
+    ``varlen`` keys and values are (N, D) rows (their ranks and row counts checked by the caller)."""
+    if (not varlen and type(query) is Tensor and type(keys) is Tensor and type(values) is Tensor
+            and query.dim() == 2 and keys.dim() == 3 and values.dim() == 3 and query.is_floating_point()
             and query.dtype == keys.dtype == values.dtype and query.device == keys.device == values.device
             and keys.size(0) == query.size(0) and values.shape[:2] == keys.shape[:2] and keys.size(1) >= 1):
         return  # the common valid call, in a few operations; anything else gets the checks below
@@ -29,10 +31,13 @@ def _check(query: Tensor, keys: Tensor, values: Tensor) -> None:
         check_tensor(name, t)
         check_floating(name, t)
     check_rank("query", query, (2,), "(B, Dq)")
-    check_rank("keys", keys, (3,), "(B, T, Dk)")
-    check_rank("values", values, (3,), "(B, T, Dv)")
+    if not varlen:
+        check_rank("keys", keys, (3,), "(B, T, Dk)")
+        check_rank("values", values, (3,), "(B, T, Dv)")
     check_same_dtype_device("keys", keys, "query", query)
     check_same_dtype_device("values", values, "query", query)
+    if varlen:
+        return
     if keys.size(0) != query.size(0):
         raise ValueError(f"keys: expected batch size {query.size(0)} (that of query), got {keys.size(0)}")
     if values.shape[:2] != keys.shape[:2]:
@@ -143,12 +148,7 @@ def _traced_varlen(query, keys, values, cu_seqlens, max_seqlen, score, additive)
         jagged.check_max_seqlen(max_seqlen)
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
-    for name, t in (("query", query), ("keys", keys), ("values", values)):
-        check_tensor(name, t)
-        check_floating(name, t)
-    check_rank("query", query, (2,), "(B, Dq)")
-    check_same_dtype_device("keys", keys, "query", query)
-    check_same_dtype_device("values", values, "query", query)
+    _check(query, keys, values, varlen=True)
     if query.size(0) != cu_seqlens.size(0) - 1:
         raise ValueError(f"query: expected batch size {cu_seqlens.size(0) - 1} (cu_seqlens' length - 1), got "
                          f"{query.size(0)}")

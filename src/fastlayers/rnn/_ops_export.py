@@ -81,18 +81,9 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
                                                    p["bias_ih"], p["bias_hh"], module.mode == "RNN_RELU")
             last: tuple[Tensor, ...] = (h,)
         else:
-            width = states[0].size(2)
-            rmask = None
-            if training and options.recurrent_dropout > 0:
-                keep = 1 - options.recurrent_dropout
-                rmask = torch.bernoulli(torch.full((dirs, batch, width), keep, dtype=xt.dtype, device=xt.device)) / keep
-            zc = zh = None
-            if training and z_h > 0:
-                zh = torch.bernoulli(torch.full((dirs, steps, batch, width), z_h, dtype=xt.dtype, device=xt.device))
+            rmask, zc, zh = operator_masks(options, training, xt, dirs, batch, (steps, batch), states[0].size(2),
+                                           module.hidden_size if mode == "LSTM" else None)
             if mode == "LSTM":
-                if training and z_c > 0:
-                    zc = torch.bernoulli(torch.full((dirs, steps, batch, module.hidden_size), z_c, dtype=xt.dtype,
-                                                    device=xt.device))
                 y, h, c = torch.ops.fastlayers.lstm_padded(
                     xt, lengths, states[0][k], states[1][k], p["weight_ih"], p["weight_hh"], p["bias_ih"],
                     p["bias_hh"], p["ln_ih_weight"], p["ln_hh_weight"], p["ln_cell_weight"], p["ln_cell_bias"],
@@ -135,6 +126,34 @@ def _layer_args(cell: str, w: dict, consts: dict) -> tuple[list[dict[str, Tensor
     return layer, options
 
 
+def operator_masks(options: CellOptions, training: bool, like: Tensor, dirs: int, batch: int, rows: tuple[int, ...],
+                   width: int, hidden: int | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The training masks an operator takes, drawn by its caller in like's dtype and device (in this
+    order): recurrent dropout's scaled keep-mask (D, B, width), zoneout's h mask (D, *rows, width) and,
+    for an LSTM (``hidden`` given), its c mask (D, *rows, hidden); None where none is drawn. ``rows``:
+    (T, B) for the padded operators, (N,) for the varlen ones."""
+    def bernoulli(shape: tuple[int, ...], p: float) -> Tensor:
+        return torch.bernoulli(torch.full(shape, p, dtype=like.dtype, device=like.device))
+
+    z_h, z_c = options.zoneout
+    rmask = zc = zh = None
+    if training and options.recurrent_dropout > 0:
+        keep = 1 - options.recurrent_dropout
+        rmask = bernoulli((dirs, batch, width), keep) / keep
+    if training and z_h > 0:
+        zh = bernoulli((dirs, *rows, width), z_h)
+    if training and hidden is not None and z_c > 0:
+        zc = bernoulli((dirs, *rows, hidden), z_c)
+    return rmask, zc, zh
+
+
+def engine_masks(masks: dict) -> dict:
+    """The operators' mask arguments (``rmask``, ``zh``, ``zc``) as the engines' masks dict
+    (``recurrent``, ``zoneout_h``, ``zoneout_c``), those absent left out."""
+    m = {"recurrent": masks.get("rmask"), "zoneout_h": masks.get("zh"), "zoneout_c": masks.get("zc")}
+    return {k: v for k, v in m.items() if v is not None}
+
+
 def _layer_eagerly(cell: str, x: Tensor, lengths: Tensor | None, states: tuple[Tensor, ...], w: dict,
                    masks: dict, consts: dict) -> tuple[Tensor, ...]:
     """One layer with the eager engine (differentiable): the operators' CUDA kernel and the
@@ -144,10 +163,8 @@ def _layer_eagerly(cell: str, x: Tensor, lengths: Tensor | None, states: tuple[T
 
     layer, options = _layer_args(cell, w, consts)
     lens = None if lengths is None else lengths.to("cpu", torch.int64)
-    m = {"recurrent": masks.get("rmask"), "zoneout_h": masks.get("zh"), "zoneout_c": masks.get("zc")}
-    m = {k: v for k, v in m.items() if v is not None}
     which = select(cell.lower(), x)
-    out, final = engine(cell, which)(x, states, [layer], lens, options, training=False, masks=[m])
+    out, final = engine(cell, which)(x, states, [layer], lens, options, training=False, masks=[engine_masks(masks)])
     return (out, *final)
 
 

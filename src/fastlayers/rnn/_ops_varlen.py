@@ -34,7 +34,8 @@ from torch import Tensor
 from .._core import jagged
 from .._core.backend import select
 from ._lengths import make_plan
-from ._ops_export import _GRU_KEYS, _LSTM_KEYS, _RNN_KEYS, _layer_args, _layer_eagerly, _rnn_eagerly, vjp
+from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _RNN_KEYS, _layer_args, _layer_eagerly, _rnn_eagerly, engine_masks,
+                          operator_masks, vjp)
 from ._options import CellOptions
 from ._routing import engine
 
@@ -54,10 +55,9 @@ def _varlen_eagerly(cell: str, x: Tensor, cu_seqlens: Tensor, states: tuple[Tens
     if cell in ("LSTM", "GRU") and select(cell.lower(), x) == "cpu":
         lengths, longest = jagged.check_cu_seqlens(cu_seqlens, x.size(0), x.device)
         layer, options = _layer_args(cell, w, consts)
-        m = {"recurrent": masks.get("rmask"), "zoneout_h": masks.get("zh"), "zoneout_c": masks.get("zc")}
         plan = make_plan(lengths, longest, False, x.device, varlen=True)
         out, final = engine(cell, "cpu")(x, states, [layer], lengths, options, training=False,
-                                         masks=[{k: v for k, v in m.items() if v is not None}], plan=plan)
+                                         masks=[engine_masks(masks)], plan=plan)
         return (out, *final)
     plan = jagged.varlen(cu_seqlens, x.size(0), x.device, batch_first=False)
     padded = jagged.pad(x, plan, batch_first=False)
@@ -221,19 +221,9 @@ def varlen_operator_layers(module: Any, values: Tensor, states: tuple[Tensor, ..
             x, h = torch.ops.fastlayers.rnn_varlen(x, cu_seqlens, states[0][k], *p, mode == "RNN_RELU")
             last: tuple[Tensor, ...] = (h,)
         else:
-            width = states[0].size(2)
-
-            def keep_mask(shape: tuple[int, ...], p_keep: float) -> Tensor:
-                return torch.bernoulli(torch.full(shape, p_keep, dtype=x.dtype, device=x.device))
-
-            rmask = zc = zh = None
-            if training and options.recurrent_dropout > 0:
-                rmask = keep_mask((dirs, batch, width), 1 - options.recurrent_dropout) / (1 - options.recurrent_dropout)
-            if training and z_h > 0:
-                zh = keep_mask((dirs, rows, width), z_h)
+            rmask, zc, zh = operator_masks(options, training, x, dirs, batch, (rows,), states[0].size(2),
+                                           module.hidden_size if mode == "LSTM" else None)
             if mode == "LSTM":
-                if training and z_c > 0:
-                    zc = keep_mask((dirs, rows, module.hidden_size), z_c)
                 x, h, c = torch.ops.fastlayers.lstm_varlen(
                     x, cu_seqlens, states[0][k], states[1][k], *p, rmask, zc, zh, float(options.cell_clip or 0.0),
                     0.0 if training else float(z_c), 0.0 if training else float(z_h), float(options.proj_clip or 0.0))
