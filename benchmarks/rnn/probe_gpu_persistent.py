@@ -17,6 +17,16 @@ other P - 1 programs of its direction at the barrier. "coop": launched with Trit
 launch_cooperative_grid (co-residency guaranteed by the driver). Checked against torch.nn.LSTM (cuDNN, TF32 off) with the same weights, timed
 beside its forward.
 
+Row-wise persistent forward (issue 67, deliverable 2, small hidden sizes; the same LSTM): one
+program per direction and sequence runs all T steps with no barrier at all, since the rows of a
+batch never meet; the product h (H,) x W_hh's four (H x H) gate blocks as broadcast-multiply-sums
+in registers (W_hh held across steps or reloaded from L1 each step; for H > 64 in k chunks of 16,
+h passed through a scratch row), the cell in registers. What it is for: cuDNN's persistent kernels
+take 1.1-1.6 us per step forward at H <= 64 where the engine's two launches per step take 5-6 us;
+this says whether a kernel of ours reaches them before the engine gets one (forward and backward).
+Compiled for sm_90a without a GPU (2026-11-27, Triton 3.6): H = 32 64 registers, H = 64 224-255
+(no spill), H = 128 in chunks of 16 134, 0 spills; whole at H = 128 it spills 11 KB.
+
     python benchmarks/rnn/probe_gpu_persistent.py [--device cuda]
     TRITON_INTERPRET=1 python benchmarks/rnn/probe_gpu_persistent.py --device cpu   # P = 1: math only
 """
@@ -105,6 +115,85 @@ def _persistent_lstm_forward(xp, w, hbuf, y, counter, flag, T, B, H, P,
         _grid_barrier(counter + d, (s + 1) * P, flag, LIMIT)
 
 
+@triton.jit
+def _rowwise_lstm_forward(xp, w, hs, y, T, B, H, BLOCK_H: tl.constexpr, BK: tl.constexpr, HOLD_W: tl.constexpr):
+    # one program per (direction, sequence), all T steps, no barrier between programs (the rows of
+    # a batch never meet): xp (T, B, D, 4H) input projection with both biases; w (D, 4H, H) W_hh;
+    # y (T, B, D * H); hs (D * B, BLOCK_H) scratch. The recurrent product of one row, h (H,) times
+    # W_hh's four (H x H) gate blocks, as broadcast-multiply-sums in registers (no tl.dot: its
+    # operands would be staged through shared memory every step). BK == BLOCK_H: the whole product
+    # at once, with HOLD_W the blocks loaded once before the loop (registers), else every step
+    # (from L1 / L2); BK < BLOCK_H: over k in chunks of BK, h written to the row's scratch and read
+    # back a chunk at a time (registers for BK x H per gate instead of H x H)
+    pid = tl.program_id(0)
+    d = pid // B
+    b = pid % B
+    G = 4 * H
+    j = tl.arange(0, BLOCK_H)  # the product's output unit
+    jm = j < H
+    h = tl.zeros([BLOCK_H], dtype=tl.float32)
+    c = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if BK == BLOCK_H:
+        k = tl.arange(0, BLOCK_H)  # its reduction index (h's unit)
+        wm = (k < H)[:, None] & jm[None, :]
+        wd = w + d * G * H + j[None, :] * H + k[:, None]  # [k, j] of gate block 0: W_hh[d, j, k]
+        wi = tl.load(wd, mask=wm, other=0.0)
+        wf = tl.load(wd + H * H, mask=wm, other=0.0)
+        wg = tl.load(wd + 2 * H * H, mask=wm, other=0.0)
+        wo = tl.load(wd + 3 * H * H, mask=wm, other=0.0)
+    for s in range(T):
+        t = tl.where(d == 0, s, T - 1 - s)
+        row = xp + ((t * B + b) * 2 + d) * G + j
+        ai = tl.load(row, mask=jm, other=0.0)
+        af = tl.load(row + H, mask=jm, other=0.0)
+        ag = tl.load(row + 2 * H, mask=jm, other=0.0)
+        ao = tl.load(row + 3 * H, mask=jm, other=0.0)
+        if BK == BLOCK_H:
+            if not HOLD_W:
+                wi = tl.load(wd, mask=wm, other=0.0)
+                wf = tl.load(wd + H * H, mask=wm, other=0.0)
+                wg = tl.load(wd + 2 * H * H, mask=wm, other=0.0)
+                wo = tl.load(wd + 3 * H * H, mask=wm, other=0.0)
+            hk = h[:, None]  # the previous h indexed by k (the compiler moves it between the layouts)
+            ai += tl.sum(hk * wi, axis=0)
+            af += tl.sum(hk * wf, axis=0)
+            ag += tl.sum(hk * wg, axis=0)
+            ao += tl.sum(hk * wo, axis=0)
+        else:
+            tl.store(hs + pid * BLOCK_H + j, h)
+            tl.debug_barrier()  # the row's h stored by every thread before any reads it back
+            for k0 in range(0, BLOCK_H, BK):
+                k = k0 + tl.arange(0, BK)
+                wm = (k < H)[:, None] & jm[None, :]
+                wd = w + d * G * H + j[None, :] * H + k[:, None]
+                hk = tl.load(hs + pid * BLOCK_H + k)[:, None]
+                ai += tl.sum(hk * tl.load(wd, mask=wm, other=0.0), axis=0)
+                af += tl.sum(hk * tl.load(wd + H * H, mask=wm, other=0.0), axis=0)
+                ag += tl.sum(hk * tl.load(wd + 2 * H * H, mask=wm, other=0.0), axis=0)
+                ao += tl.sum(hk * tl.load(wd + 3 * H * H, mask=wm, other=0.0), axis=0)
+            tl.debug_barrier()  # every read of this step's h done before the next step overwrites it
+        c = sigmoid(af) * c + sigmoid(ai) * tanh(ag)
+        h = tl.where(jm, sigmoid(ao) * tanh(c), 0.0)
+        tl.store(y + (t * B + b) * (2 * H) + d * H + j, h, mask=jm)
+
+
+def rowwise_forward(x, lstm, warps, hold, bk=None):
+    """torch.nn.LSTM(bidirectional=True, bias=True) forward from zero states by
+    :func:`_rowwise_lstm_forward` (``bk``: the product's k chunk, default all of H), output y only."""
+    steps, batch, _ = x.shape
+    hidden = lstm.hidden_size
+    block = triton.next_power_of_2(hidden)
+    w_ih = torch.stack([lstm.weight_ih_l0, lstm.weight_ih_l0_reverse])
+    bias = torch.stack([lstm.bias_ih_l0 + lstm.bias_hh_l0, lstm.bias_ih_l0_reverse + lstm.bias_hh_l0_reverse])
+    w_hh = torch.stack([lstm.weight_hh_l0, lstm.weight_hh_l0_reverse]).contiguous()
+    xp = (torch.einsum("tbf,dgf->tbdg", x, w_ih) + bias).contiguous()
+    y = x.new_empty(steps, batch, 2 * hidden)
+    hs = x.new_empty(2 * batch, block)
+    _rowwise_lstm_forward[(2 * batch,)](xp, w_hh, hs, y, steps, batch, hidden, BLOCK_H=block, BK=bk or block,
+                                        HOLD_W=hold, num_warps=warps)
+    return y
+
+
 def persistent_forward(x, lstm, units, warps, cooperative=False, precision="ieee"):
     """torch.nn.LSTM(bidirectional=True, bias=True) forward from zero states, output y only."""
     steps, batch, _ = x.shape
@@ -189,6 +278,31 @@ def main() -> int:
                 print(f"| {steps}, {batch}, {features}, {hidden} | {units}{' coop' if coop else ''}"
                       f"{' tf32' if prec == 'tf32' else ''} | "
                       f"{2 * hidden // units} | {warps} | "
+                      f"{err:.1e}{'' if ok else ' FAIL'} | {ms:.2f} | {base:.2f} | {ms * 1e3 / steps:.2f} | "
+                      f"{ms / base:.2f} |", flush=True)
+    rowwise = [(800, 8, 32, 32), (800, 32, 32, 32), (800, 128, 32, 32), (800, 8, 64, 64), (800, 32, 64, 64),
+               (800, 128, 64, 64), (800, 8, 128, 128), (800, 32, 128, 128)] if gpu else [(4, 2, 3, 12)]
+    print("\n| row-wise persistent LSTM fwd (one program per direction and sequence): T, B, F, H | W_hh | warps | "
+          "max abs diff vs cuDNN | ours ms | cuDNN fwd ms | ours us/step | ratio |\n|---|---|---:|---:|---:|---:|---:|---:|")
+    for steps, batch, features, hidden in rowwise[:1] if args.quick else rowwise:
+        torch.manual_seed(0)
+        lstm = torch.nn.LSTM(features, hidden, bidirectional=True, device=device)
+        x = torch.randn(steps, batch, features, device=device)
+        with torch.no_grad():
+            want = lstm(x)[0]
+            base = timed(device, lambda: lstm(x))
+            configs = ((True, 4, None), (False, 4, None), (False, 8, None), (False, 4, 16), (False, 8, 16)) if gpu \
+                else ((True, 4, None), (False, 4, 8))  # the interpreter: math only, one timed call
+            for hold, warps, bk in configs:
+                if hidden > 64 and bk is None:  # 4 H^2 floats in registers: up to H = 64 (spills beyond)
+                    continue
+                got = rowwise_forward(x, lstm, warps, hold, bk)
+                err = (got - want).abs().max().item()
+                ok = err < 1e-4
+                bad += not ok
+                ms = timed(device, lambda: rowwise_forward(x, lstm, warps, hold, bk), repeats=20 if gpu else 1)
+                print(f"| {steps}, {batch}, {features}, {hidden} | {'held' if hold else 'reloaded'}"
+                      f"{f' in k chunks of {bk}' if bk else ''} | {warps} | "
                       f"{err:.1e}{'' if ok else ' FAIL'} | {ms:.2f} | {base:.2f} | {ms * 1e3 / steps:.2f} | "
                       f"{ms / base:.2f} |", flush=True)
     return 1 if bad else 0
