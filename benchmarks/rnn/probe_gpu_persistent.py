@@ -24,8 +24,12 @@ in registers (W_hh held across steps or reloaded from L1 each step; for H > 64 i
 h passed through a scratch row), the cell in registers. What it is for: cuDNN's persistent kernels
 take 1.1-1.6 us per step forward at H <= 64 where the engine's two launches per step take 5-6 us;
 this says whether a kernel of ours reaches them before the engine gets one (forward and backward).
-Compiled for sm_90a without a GPU (2026-11-27, Triton 3.6): H = 32 64 registers, H = 64 224-255
-(no spill), H = 128 in chunks of 16 134, 0 spills; whole at H = 128 it spills 11 KB.
+Each shape twice: torch.nn.LSTM's plain cell, then fastlayers' LayerNorm cell (the bar's layer,
+checked against fastlayers.LSTM(layer_norm=True) with its LayerNorm parameters moved off 1 / 0, and
+timed against cuDNN's plain forward, the engine's own time beside it). Compiled for sm_90a without a
+GPU (2026-11-27, Triton 3.6, 4 warps), registers: plain H = 32 64-78, H = 64 224-255, H = 128 in
+chunks of 16 134, no spill (whole, H = 128 spills 11 KB); LayerNorm H = 32 103-128, H = 64 in chunks
+of 16 or 32 168, H = 128 in chunks of 16 239, no spill (whole, H = 64 spills 360-428 bytes).
 
     python benchmarks/rnn/probe_gpu_persistent.py [--device cuda]
     TRITON_INTERPRET=1 python benchmarks/rnn/probe_gpu_persistent.py --device cpu   # P = 1: math only
@@ -34,6 +38,7 @@ Compiled for sm_90a without a GPU (2026-11-27, Triton 3.6): H = 32 64 registers,
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -41,6 +46,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+import fastlayers
 
 from fastlayers._triton._cell import sigmoid, tanh  # the step kernels' own
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing.py
@@ -116,7 +123,20 @@ def _persistent_lstm_forward(xp, w, hbuf, y, counter, flag, T, B, H, P,
 
 
 @triton.jit
-def _rowwise_lstm_forward(xp, w, hs, y, T, B, H, BLOCK_H: tl.constexpr, BK: tl.constexpr, HOLD_W: tl.constexpr):
+def _ln4(a, b, c, d, gain, j, jm, H, eps):
+    """LayerNorm over the 4H values a | b | c | d of one row (each (BLOCK_H,), zero past H), times the
+    gain's four blocks (gain: a pointer to 4H floats), the biased variance, as the engine."""
+    mean = (tl.sum(a, 0) + tl.sum(b, 0) + tl.sum(c, 0) + tl.sum(d, 0)) / (4 * H)
+    a, b = tl.where(jm, a - mean, 0.0), tl.where(jm, b - mean, 0.0)
+    c, d = tl.where(jm, c - mean, 0.0), tl.where(jm, d - mean, 0.0)
+    r = 1 / tl.sqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0) + tl.sum(c * c, 0) + tl.sum(d * d, 0)) / (4 * H) + eps)
+    return (a * r * tl.load(gain + j, mask=jm, other=0.0), b * r * tl.load(gain + H + j, mask=jm, other=0.0),
+            c * r * tl.load(gain + 2 * H + j, mask=jm, other=0.0), d * r * tl.load(gain + 3 * H + j, mask=jm, other=0.0))
+
+
+@triton.jit
+def _rowwise_lstm_forward(xp, w, hs, y, bias, gx, gh, gc, bc, T, B, H, eps, BLOCK_H: tl.constexpr, BK: tl.constexpr,
+                          HOLD_W: tl.constexpr, LN: tl.constexpr):
     # one program per (direction, sequence), all T steps, no barrier between programs (the rows of
     # a batch never meet): xp (T, B, D, 4H) input projection with both biases; w (D, 4H, H) W_hh;
     # y (T, B, D * H); hs (D * B, BLOCK_H) scratch. The recurrent product of one row, h (H,) times
@@ -124,7 +144,8 @@ def _rowwise_lstm_forward(xp, w, hs, y, T, B, H, BLOCK_H: tl.constexpr, BK: tl.c
     # operands would be staged through shared memory every step). BK == BLOCK_H: the whole product
     # at once, with HOLD_W the blocks loaded once before the loop (registers), else every step
     # (from L1 / L2); BK < BLOCK_H: over k in chunks of BK, h written to the row's scratch and read
-    # back a chunk at a time (registers for BK x H per gate instead of H x H)
+    # back a chunk at a time (registers for BK x H per gate instead of H x H). LN: fastlayers'
+    # LayerNorm LSTM (xp without the biases): LN(W_ih x) gx + LN(W_hh h) gh + b, and h = o tanh(LN(c) gc + bc)
     pid = tl.program_id(0)
     d = pid // B
     b = pid % B
@@ -144,10 +165,17 @@ def _rowwise_lstm_forward(xp, w, hs, y, T, B, H, BLOCK_H: tl.constexpr, BK: tl.c
     for s in range(T):
         t = tl.where(d == 0, s, T - 1 - s)
         row = xp + ((t * B + b) * 2 + d) * G + j
-        ai = tl.load(row, mask=jm, other=0.0)
-        af = tl.load(row + H, mask=jm, other=0.0)
-        ag = tl.load(row + 2 * H, mask=jm, other=0.0)
-        ao = tl.load(row + 3 * H, mask=jm, other=0.0)
+        xi = tl.load(row, mask=jm, other=0.0)
+        xf = tl.load(row + H, mask=jm, other=0.0)
+        xg = tl.load(row + 2 * H, mask=jm, other=0.0)
+        xo = tl.load(row + 3 * H, mask=jm, other=0.0)
+        if LN:  # the recurrent product gets its own LayerNorm: accumulate it apart
+            ai = tl.zeros([BLOCK_H], dtype=tl.float32)
+            af = tl.zeros([BLOCK_H], dtype=tl.float32)
+            ag = tl.zeros([BLOCK_H], dtype=tl.float32)
+            ao = tl.zeros([BLOCK_H], dtype=tl.float32)
+        else:
+            ai, af, ag, ao = xi, xf, xg, xo
         if BK == BLOCK_H:
             if not HOLD_W:
                 wi = tl.load(wd, mask=wm, other=0.0)
@@ -172,25 +200,45 @@ def _rowwise_lstm_forward(xp, w, hs, y, T, B, H, BLOCK_H: tl.constexpr, BK: tl.c
                 ag += tl.sum(hk * tl.load(wd + 2 * H * H, mask=wm, other=0.0), axis=0)
                 ao += tl.sum(hk * tl.load(wd + 3 * H * H, mask=wm, other=0.0), axis=0)
             tl.debug_barrier()  # every read of this step's h done before the next step overwrites it
-        c = sigmoid(af) * c + sigmoid(ai) * tanh(ag)
-        h = tl.where(jm, sigmoid(ao) * tanh(c), 0.0)
+        if LN:
+            xi, xf, xg, xo = _ln4(xi, xf, xg, xo, gx + d * G, j, jm, H, eps)
+            ai, af, ag, ao = _ln4(ai, af, ag, ao, gh + d * G, j, jm, H, eps)
+            bd = bias + d * G + j
+            ai += xi + tl.load(bd, mask=jm, other=0.0)
+            af += xf + tl.load(bd + H, mask=jm, other=0.0)
+            ag += xg + tl.load(bd + 2 * H, mask=jm, other=0.0)
+            ao += xo + tl.load(bd + 3 * H, mask=jm, other=0.0)
+        c = tl.where(jm, sigmoid(af) * c + sigmoid(ai) * tanh(ag), 0.0)
+        n = c
+        if LN:
+            mc = tl.sum(c, 0) / H
+            dc = tl.where(jm, c - mc, 0.0)
+            n = dc / tl.sqrt(tl.sum(dc * dc, 0) / H + eps) * tl.load(gc + d * H + j, mask=jm, other=0.0) + \
+                tl.load(bc + d * H + j, mask=jm, other=0.0)
+        h = tl.where(jm, sigmoid(ao) * tanh(n), 0.0)
         tl.store(y + (t * B + b) * (2 * H) + d * H + j, h, mask=jm)
 
 
 def rowwise_forward(x, lstm, warps, hold, bk=None):
-    """torch.nn.LSTM(bidirectional=True, bias=True) forward from zero states by
-    :func:`_rowwise_lstm_forward` (``bk``: the product's k chunk, default all of H), output y only."""
+    """A bidirectional LSTM's forward from zero states by :func:`_rowwise_lstm_forward` (``bk``: the
+    product's k chunk, default all of H), output y only: torch.nn.LSTM (bias=True), or
+    fastlayers.LSTM(layer_norm=True) (its LayerNorm parameters read when it has them)."""
     steps, batch, _ = x.shape
     hidden = lstm.hidden_size
     block = triton.next_power_of_2(hidden)
-    w_ih = torch.stack([lstm.weight_ih_l0, lstm.weight_ih_l0_reverse])
-    bias = torch.stack([lstm.bias_ih_l0 + lstm.bias_hh_l0, lstm.bias_ih_l0_reverse + lstm.bias_hh_l0_reverse])
-    w_hh = torch.stack([lstm.weight_hh_l0, lstm.weight_hh_l0_reverse]).contiguous()
-    xp = (torch.einsum("tbf,dgf->tbdg", x, w_ih) + bias).contiguous()
+    ln = hasattr(lstm, "ln_ih_weight_l0")
+
+    def both(name):
+        return torch.stack([getattr(lstm, f"{name}_l0"), getattr(lstm, f"{name}_l0_reverse")]).contiguous()
+
+    bias = both("bias_ih") + both("bias_hh")
+    xp = torch.einsum("tbf,dgf->tbdg", x, both("weight_ih"))
+    xp = (xp if ln else xp + bias).contiguous()
     y = x.new_empty(steps, batch, 2 * hidden)
     hs = x.new_empty(2 * batch, block)
-    _rowwise_lstm_forward[(2 * batch,)](xp, w_hh, hs, y, steps, batch, hidden, BLOCK_H=block, BK=bk or block,
-                                        HOLD_W=hold, num_warps=warps)
+    gains = [both(n) for n in ("ln_ih_weight", "ln_hh_weight", "ln_cell_weight", "ln_cell_bias")] if ln else [bias] * 4
+    _rowwise_lstm_forward[(2 * batch,)](xp, both("weight_hh"), hs, y, bias, *gains, steps, batch, hidden, 1e-5,
+                                        BLOCK_H=block, BK=bk or block, HOLD_W=hold, LN=ln, num_warps=warps)
     return y
 
 
@@ -283,14 +331,24 @@ def main() -> int:
     rowwise = [(800, 8, 32, 32), (800, 32, 32, 32), (800, 128, 32, 32), (800, 8, 64, 64), (800, 32, 64, 64),
                (800, 128, 64, 64), (800, 8, 128, 128), (800, 32, 128, 128)] if gpu else [(4, 2, 3, 12)]
     print("\n| row-wise persistent LSTM fwd (one program per direction and sequence): T, B, F, H | W_hh | warps | "
-          "max abs diff vs cuDNN | ours ms | cuDNN fwd ms | ours us/step | ratio |\n|---|---|---:|---:|---:|---:|---:|---:|")
-    for steps, batch, features, hidden in rowwise[:1] if args.quick else rowwise:
+          "max abs diff vs the layer | ours ms | cuDNN fwd ms | ours us/step | ratio to cuDNN |\n|---|---|---:|---:|---:|---:|---:|---:|")
+    for (steps, batch, features, hidden), ln in itertools.product(rowwise[:1] if args.quick else rowwise, (False, True)):
         torch.manual_seed(0)
-        lstm = torch.nn.LSTM(features, hidden, bidirectional=True, device=device)
+        cudnn = torch.nn.LSTM(features, hidden, bidirectional=True, device=device)
+        lstm = cudnn
         x = torch.randn(steps, batch, features, device=device)
         with torch.no_grad():
+            base = timed(device, lambda: cudnn(x))
+            if ln:  # as constructed, its LayerNorm gains are 1 and biases 0: moved off them for the check
+                lstm = fastlayers.LSTM(features, hidden, bidirectional=True, layer_norm=True, device=device)
+                for name, p in lstm.named_parameters():
+                    if name.startswith("ln_"):
+                        p.add_(0.1 * torch.randn_like(p))
+                engine = timed(device, lambda: lstm(x), repeats=20 if gpu else 1)
+                print(f"| {steps}, {batch}, {features}, {hidden} LayerNorm | fastlayers.LSTM(layer_norm=True) "
+                      f"as it runs | | | {engine:.2f} | {base:.2f} | {engine * 1e3 / steps:.2f} | "
+                      f"{engine / base:.2f} |", flush=True)
             want = lstm(x)[0]
-            base = timed(device, lambda: lstm(x))
             configs = ((True, 4, None), (False, 4, None), (False, 8, None), (False, 4, 16), (False, 8, 16)) if gpu \
                 else ((True, 4, None), (False, 4, 8))  # the interpreter: math only, one timed call
             for hold, warps, bk in configs:
@@ -301,7 +359,8 @@ def main() -> int:
                 ok = err < 1e-4
                 bad += not ok
                 ms = timed(device, lambda: rowwise_forward(x, lstm, warps, hold, bk), repeats=20 if gpu else 1)
-                print(f"| {steps}, {batch}, {features}, {hidden} | {'held' if hold else 'reloaded'}"
+                print(f"| {steps}, {batch}, {features}, {hidden}{' LayerNorm' if ln else ''} | "
+                      f"{'held' if hold else 'reloaded'}"
                       f"{f' in k chunks of {bk}' if bk else ''} | {warps} | "
                       f"{err:.1e}{'' if ok else ' FAIL'} | {ms:.2f} | {base:.2f} | {ms * 1e3 / steps:.2f} | "
                       f"{ms / base:.2f} |", flush=True)
