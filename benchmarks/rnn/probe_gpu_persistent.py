@@ -30,6 +30,13 @@ timed against cuDNN's plain forward, the engine's own time beside it). Compiled 
 GPU (2026-11-27, Triton 3.6, 4 warps), registers: plain H = 32 64-78, H = 64 224-255, H = 128 in
 chunks of 16 134, no spill (whole, H = 128 spills 11 KB); LayerNorm H = 32 103-128, H = 64 in chunks
 of 16 or 32 168, H = 128 in chunks of 16 239, no spill (whole, H = 64 spills 360-428 bytes).
+Then fwd+bwd of the plain cell the same way: the forward saving the gates' activations and c, a
+backward kernel per direction and sequence (last step first, the state gradient carried back
+through W_hh as broadcast-multiply-sums, in j chunks past H = 64), writing the gates'
+pre-activation gradients, and the weights', the bias' and the input's gradients as GEMMs after
+(as the engine); checked against cuDNN's autograd (output, input and every weight gradient),
+timed against cuDNN's fwd+bwd. Registers (sm_90a, 4 warps): backward 56-72 whole at H = 32 and in
+chunks of 16 up to H = 128 (64 there), the saving forward 54-128 in chunks; no spill.
 
     python benchmarks/rnn/probe_gpu_persistent.py [--device cuda]
     TRITON_INTERPRET=1 python benchmarks/rnn/probe_gpu_persistent.py --device cpu   # P = 1: math only
@@ -135,8 +142,8 @@ def _ln4(a, b, c, d, gain, j, jm, H, eps):
 
 
 @triton.jit
-def _rowwise_lstm_forward(xp, w, hs, y, bias, gx, gh, gc, bc, T, B, H, eps, BLOCK_H: tl.constexpr, BK: tl.constexpr,
-                          HOLD_W: tl.constexpr, LN: tl.constexpr):
+def _rowwise_lstm_forward(xp, w, hs, y, bias, gx, gh, gc, bc, acts, cs, T, B, H, eps, BLOCK_H: tl.constexpr,
+                          BK: tl.constexpr, HOLD_W: tl.constexpr, LN: tl.constexpr, SAVE: tl.constexpr):
     # one program per (direction, sequence), all T steps, no barrier between programs (the rows of
     # a batch never meet): xp (T, B, D, 4H) input projection with both biases; w (D, 4H, H) W_hh;
     # y (T, B, D * H); hs (D * B, BLOCK_H) scratch. The recurrent product of one row, h (H,) times
@@ -145,7 +152,8 @@ def _rowwise_lstm_forward(xp, w, hs, y, bias, gx, gh, gc, bc, T, B, H, eps, BLOC
     # at once, with HOLD_W the blocks loaded once before the loop (registers), else every step
     # (from L1 / L2); BK < BLOCK_H: over k in chunks of BK, h written to the row's scratch and read
     # back a chunk at a time (registers for BK x H per gate instead of H x H). LN: fastlayers'
-    # LayerNorm LSTM (xp without the biases): LN(W_ih x) gx + LN(W_hh h) gh + b, and h = o tanh(LN(c) gc + bc)
+    # LayerNorm LSTM (xp without the biases): LN(W_ih x) gx + LN(W_hh h) gh + b, and h = o tanh(LN(c) gc + bc).
+    # SAVE (plain cell): the gates' activations (T, B, D, 4H) and c (T, B, D, H) for the backward
     pid = tl.program_id(0)
     d = pid // B
     b = pid % B
@@ -208,15 +216,124 @@ def _rowwise_lstm_forward(xp, w, hs, y, bias, gx, gh, gc, bc, T, B, H, eps, BLOC
             af += xf + tl.load(bd + H, mask=jm, other=0.0)
             ag += xg + tl.load(bd + 2 * H, mask=jm, other=0.0)
             ao += xo + tl.load(bd + 3 * H, mask=jm, other=0.0)
-        c = tl.where(jm, sigmoid(af) * c + sigmoid(ai) * tanh(ag), 0.0)
+        gi, gf, gg, go = sigmoid(ai), sigmoid(af), tanh(ag), sigmoid(ao)
+        c = tl.where(jm, gf * c + gi * gg, 0.0)
+        if SAVE:
+            at = acts + ((t * B + b) * 2 + d) * G + j
+            tl.store(at, gi, mask=jm)
+            tl.store(at + H, gf, mask=jm)
+            tl.store(at + 2 * H, gg, mask=jm)
+            tl.store(at + 3 * H, go, mask=jm)
+            tl.store(cs + ((t * B + b) * 2 + d) * H + j, c, mask=jm)
         n = c
         if LN:
             mc = tl.sum(c, 0) / H
             dc = tl.where(jm, c - mc, 0.0)
             n = dc / tl.sqrt(tl.sum(dc * dc, 0) / H + eps) * tl.load(gc + d * H + j, mask=jm, other=0.0) + \
                 tl.load(bc + d * H + j, mask=jm, other=0.0)
-        h = tl.where(jm, sigmoid(ao) * tanh(n), 0.0)
+        h = tl.where(jm, go * tanh(n), 0.0)
         tl.store(y + (t * B + b) * (2 * H) + d * H + j, h, mask=jm)
+
+
+@triton.jit
+def _rowwise_lstm_backward(dy, w, acts, cs, dpre, hs, T, B, H, BLOCK_H: tl.constexpr, BK: tl.constexpr):
+    # the plain cell's backward through time for one (direction, sequence) per program, last step
+    # first: dy (T, B, D * H) the output's gradient; acts / cs the forward's saved gates and c;
+    # writes dpre (T, B, D, 4H), the gates' pre-activation gradients (the weights', the bias' and the
+    # input's gradients are GEMMs over it afterwards, as the engine's); the state gradient carried
+    # back through W_hh as broadcast-multiply-sums (dh[k] = sum_j dpre[j] W_hh[j, k]), in j chunks of
+    # BK through hs (D * B, 4 * BLOCK_H) when BK < BLOCK_H
+    pid = tl.program_id(0)
+    d = pid // B
+    b = pid % B
+    G = 4 * H
+    j = tl.arange(0, BLOCK_H)
+    jm = j < H
+    dh_c = tl.zeros([BLOCK_H], dtype=tl.float32)
+    dc_c = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s in range(T):
+        r = T - 1 - s  # the direction's own step, last first
+        t = tl.where(d == 0, r, T - 1 - r)
+        tp = tl.where(d == 0, r - 1, T - r)  # the time of the step before it
+        row = (t * B + b) * 2 + d
+        at = acts + row * G + j
+        gi = tl.load(at, mask=jm, other=0.0)
+        gf = tl.load(at + H, mask=jm, other=0.0)
+        gg = tl.load(at + 2 * H, mask=jm, other=0.0)
+        go = tl.load(at + 3 * H, mask=jm, other=0.0)
+        ct = tl.load(cs + row * H + j, mask=jm, other=0.0)
+        cp = tl.load(cs + ((tp * B + b) * 2 + d) * H + j, mask=jm & (r > 0), other=0.0)
+        dh = tl.load(dy + (t * B + b) * (2 * H) + d * H + j, mask=jm, other=0.0) + dh_c
+        tc = tanh(ct)
+        dc = dc_c + dh * go * (1 - tc * tc)
+        pi = tl.where(jm, dc * gg * gi * (1 - gi), 0.0)
+        pf = tl.where(jm, dc * cp * gf * (1 - gf), 0.0)
+        pg = tl.where(jm, dc * gi * (1 - gg * gg), 0.0)
+        po = tl.where(jm, dh * tc * go * (1 - go), 0.0)
+        dc_c = dc * gf
+        out = dpre + row * G + j
+        tl.store(out, pi, mask=jm)
+        tl.store(out + H, pf, mask=jm)
+        tl.store(out + 2 * H, pg, mask=jm)
+        tl.store(out + 3 * H, po, mask=jm)
+        k = tl.arange(0, BLOCK_H)
+        km = k < H
+        if BK == BLOCK_H:
+            wm = jm[:, None] & km[None, :]
+            wd = w + d * G * H + j[:, None] * H + k[None, :]  # [j, k] of gate block 0: W_hh[d, j, k]
+            dh_c = tl.sum(pi[:, None] * tl.load(wd, mask=wm, other=0.0), axis=0) + \
+                tl.sum(pf[:, None] * tl.load(wd + H * H, mask=wm, other=0.0), axis=0) + \
+                tl.sum(pg[:, None] * tl.load(wd + 2 * H * H, mask=wm, other=0.0), axis=0) + \
+                tl.sum(po[:, None] * tl.load(wd + 3 * H * H, mask=wm, other=0.0), axis=0)
+        else:
+            sp = hs + pid * 4 * BLOCK_H + j
+            tl.store(sp, pi)
+            tl.store(sp + BLOCK_H, pf)
+            tl.store(sp + 2 * BLOCK_H, pg)
+            tl.store(sp + 3 * BLOCK_H, po)
+            tl.debug_barrier()  # the row's dpre stored by every thread before any reads it back
+            dh_c = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for j0 in range(0, BLOCK_H, BK):
+                jj = j0 + tl.arange(0, BK)
+                wm = (jj < H)[:, None] & km[None, :]
+                wd = w + d * G * H + jj[:, None] * H + k[None, :]
+                sq = hs + pid * 4 * BLOCK_H + jj
+                dh_c += tl.sum(tl.load(sq)[:, None] * tl.load(wd, mask=wm, other=0.0), axis=0)
+                dh_c += tl.sum(tl.load(sq + BLOCK_H)[:, None] * tl.load(wd + H * H, mask=wm, other=0.0), axis=0)
+                dh_c += tl.sum(tl.load(sq + 2 * BLOCK_H)[:, None] * tl.load(wd + 2 * H * H, mask=wm, other=0.0), axis=0)
+                dh_c += tl.sum(tl.load(sq + 3 * BLOCK_H)[:, None] * tl.load(wd + 3 * H * H, mask=wm, other=0.0), axis=0)
+            tl.debug_barrier()  # every read of this step's dpre done before the next step overwrites it
+
+
+def rowwise_train(x, lstm, dy, warps, bk=None):
+    """torch.nn.LSTM(bidirectional=True, bias=True) forward and backward from zero states with
+    :func:`_rowwise_lstm_forward` (saving) and :func:`_rowwise_lstm_backward`, the rest as GEMMs:
+    returns (y, dx, [dW_ih, dW_hh, db] per direction) for the output gradient dy."""
+    steps, batch, _ = x.shape
+    hidden = lstm.hidden_size
+    block = triton.next_power_of_2(hidden)
+
+    def both(name):
+        return torch.stack([getattr(lstm, f"{name}_l0"), getattr(lstm, f"{name}_l0_reverse")]).contiguous()
+
+    w_ih, w_hh, bias = both("weight_ih"), both("weight_hh"), both("bias_ih") + both("bias_hh")
+    xp = (torch.einsum("tbf,dgf->tbdg", x, w_ih) + bias).contiguous()
+    y = x.new_empty(steps, batch, 2 * hidden)
+    hs = x.new_empty(2 * batch, 4 * block)
+    acts = x.new_empty(steps, batch, 2, 4 * hidden)
+    cs = x.new_empty(steps, batch, 2, hidden)
+    _rowwise_lstm_forward[(2 * batch,)](xp, w_hh, hs, y, bias, bias, bias, bias, bias, acts, cs, steps, batch, hidden,
+                                        1e-5, BLOCK_H=block, BK=bk or block, HOLD_W=False, LN=False, SAVE=True,
+                                        num_warps=warps)
+    dpre = torch.empty_like(acts)
+    _rowwise_lstm_backward[(2 * batch,)](dy.contiguous(), w_hh, acts, cs, dpre, hs, steps, batch, hidden,
+                                         BLOCK_H=block, BK=bk or block, num_warps=warps)
+    dx = torch.einsum("tbdg,dgf->tbf", dpre, w_ih)
+    zero = y.new_zeros(1, batch, hidden)
+    hprev = [torch.cat([zero, y[:-1, :, :hidden]]), torch.cat([y[1:, :, hidden:], zero])]  # each direction's h before
+    grads = [[torch.einsum("tbg,tbf->gf", dpre[:, :, di], x), torch.einsum("tbg,tbk->gk", dpre[:, :, di], hprev[di]),
+              dpre[:, :, di].sum((0, 1))] for di in range(2)]
+    return y, dx, grads
 
 
 def rowwise_forward(x, lstm, warps, hold, bk=None):
@@ -237,8 +354,8 @@ def rowwise_forward(x, lstm, warps, hold, bk=None):
     y = x.new_empty(steps, batch, 2 * hidden)
     hs = x.new_empty(2 * batch, block)
     gains = [both(n) for n in ("ln_ih_weight", "ln_hh_weight", "ln_cell_weight", "ln_cell_bias")] if ln else [bias] * 4
-    _rowwise_lstm_forward[(2 * batch,)](xp, both("weight_hh"), hs, y, bias, *gains, steps, batch, hidden, 1e-5,
-                                        BLOCK_H=block, BK=bk or block, HOLD_W=hold, LN=ln, num_warps=warps)
+    _rowwise_lstm_forward[(2 * batch,)](xp, both("weight_hh"), hs, y, bias, *gains, y, y, steps, batch, hidden, 1e-5,
+                                        BLOCK_H=block, BK=bk or block, HOLD_W=hold, LN=ln, SAVE=False, num_warps=warps)
     return y
 
 
@@ -350,7 +467,7 @@ def main() -> int:
                       f"{engine / base:.2f} |", flush=True)
             want = lstm(x)[0]
             configs = ((True, 4, None), (False, 4, None), (False, 8, None), (False, 4, 16), (False, 8, 16)) if gpu \
-                else ((True, 4, None), (False, 4, 8))  # the interpreter: math only, one timed call
+                else (((False, 4, 8),) if ln else ((True, 4, None),))  # the interpreter: each path once
             for hold, warps, bk in configs:
                 if hidden > 64 and bk is None:  # 4 H^2 floats in registers: up to H = 64 (spills beyond)
                     continue
@@ -362,6 +479,38 @@ def main() -> int:
                 print(f"| {steps}, {batch}, {features}, {hidden}{' LayerNorm' if ln else ''} | "
                       f"{'held' if hold else 'reloaded'}"
                       f"{f' in k chunks of {bk}' if bk else ''} | {warps} | "
+                      f"{err:.1e}{'' if ok else ' FAIL'} | {ms:.2f} | {base:.2f} | {ms * 1e3 / steps:.2f} | "
+                      f"{ms / base:.2f} |", flush=True)
+    print("\n| row-wise persistent LSTM fwd+bwd (plain cell; the weights' and the input's gradients by GEMMs after): "
+          "T, B, F, H | warps | k / j chunk | max rel diff vs cuDNN (y, dx, dW) | ours ms | cuDNN fwd+bwd ms | "
+          "ours us/step | ratio |\n|---|---:|---|---:|---:|---:|---:|---:|")
+    for steps, batch, features, hidden in rowwise[:1] if args.quick else rowwise:
+        torch.manual_seed(0)
+        lstm = torch.nn.LSTM(features, hidden, bidirectional=True, device=device)
+        x = torch.randn(steps, batch, features, device=device)
+        dy = torch.randn(steps, batch, 2 * hidden, device=device)
+        xg = x.clone().requires_grad_()
+
+        def cudnn_train():
+            lstm.zero_grad(set_to_none=True)
+            xg.grad = None
+            lstm(xg)[0].backward(dy)
+
+        cudnn_train()
+        want = [lstm(xg)[0].detach(), xg.grad] + [getattr(lstm, f"{n}_l0{sfx}").grad for sfx in ("", "_reverse")
+                                                   for n in ("weight_ih", "weight_hh", "bias_ih")]
+        base = timed(device, cudnn_train, repeats=20 if gpu else 1)
+        with torch.no_grad():
+            for warps, bk in (((4, None), (8, None), (4, 16), (8, 16)) if gpu else ((4, None), (4, 8))):
+                if hidden > 64 and bk is None:
+                    continue
+                y, dx, grads = rowwise_train(x, lstm, dy, warps, bk)
+                got = [y, dx] + [g for per in grads for g in per]
+                err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(got, want))
+                ok = err < 1e-4
+                bad += not ok
+                ms = timed(device, lambda: rowwise_train(x, lstm, dy, warps, bk), repeats=20 if gpu else 1)
+                print(f"| {steps}, {batch}, {features}, {hidden} | {warps} | {bk or 'whole'} | "
                       f"{err:.1e}{'' if ok else ' FAIL'} | {ms:.2f} | {base:.2f} | {ms * 1e3 / steps:.2f} | "
                       f"{ms / base:.2f} |", flush=True)
     return 1 if bad else 0
