@@ -29,7 +29,7 @@
 # (EAGER_STEPS=0, 60); fastlayers train on the digits and the vowels
 # against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA); issue 67:
 # bench_gpu_engine.py --small-hidden (110), bench_gpu_deterministic.py (90; 45 s on the H200),
-# probe_gpu_persistent.py (90, with the row-wise forward of 2026-11-27; 15 s there before it), probe_gpu_remat.py (90; about 40 s on the H200), bench_remat.py --every 100 and 200 in fresh processes
+# probe_gpu_persistent.py (150, with the row-wise forward and fwd+bwd of 2026-11-27; 15 s there before them), probe_gpu_remat.py (90; about 40 s on the H200), bench_remat.py --every 100 and 200 in fresh processes
 # (150, not yet run); issue 66: bench_varlen.py --checkpoint (60, not yet run on a GPU). On the H200 on 2026-11-26 (torch 2.11, Triton 3.6) the
 # steps took: versions 5, cuda_tests 50, local_attention 12, remat 136 (before the sweep), random_t
 # 29, train 51, engine_fp32 52, chunk_sweep 29 s; on 2026-11-27 local_attention 16, random_t 34, varlen 15 s.
@@ -142,7 +142,7 @@ step small_hidden 110 "$py" benchmarks/rnn/bench_gpu_engine.py --device "$device
     "${rounds[@]}"
 step deterministic 90 "$py" benchmarks/rnn/bench_gpu_deterministic.py --device "$device" --size "$size" \
     --runs "$det_runs" --repeats "$repeats" --only "$only_det"
-step persistent_probe 90 "$py" benchmarks/rnn/probe_gpu_persistent.py --device "$device"
+step persistent_probe 150 "$py" benchmarks/rnn/probe_gpu_persistent.py --device "$device"
 if [ "$mode" != "--dry-run" ]; then  # checkpoint_every's per-segment cost: time per k, launches, copies, syncs
     step remat_probe 90 "$py" benchmarks/rnn/probe_gpu_remat.py --device cuda
     # fresh-process memory at k = T / 8 and T / 4 (the probe's peaks leave the captured buffers out):
