@@ -477,6 +477,10 @@ def test_training_under_deterministic_algorithms_is_bitwise_repeatable(label, gr
 VARLEN_LENGTHS = [9, 1, 33, 4]  # T over one captured chunk (32 steps) in the third sequence
 
 
+def _cu_seqlens(lengths: list[int], device: str = "cpu") -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
 @pytest.mark.parametrize("cu_device", ["cuda", "cpu"])
 @pytest.mark.parametrize("cls, kwargs", [
     (fastlayers.LSTM, dict(num_layers=2, bidirectional=True, layer_norm=True, peephole=True)),
@@ -491,7 +495,7 @@ def test_varlen_on_cuda_equals_the_padded_call_and_the_reference(cls, kwargs, cu
     # the plain layer runs cuDNN on CUDA, whose backward needs training mode (as torch.nn.LSTM's); no dropout here
     m = cls(5, 8, dtype=torch.float64, **kwargs).train("layer_norm" not in kwargs)
     x = torch.randn(sum(VARLEN_LENGTHS), 5, dtype=torch.float64)
-    cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    cu = _cu_seqlens(VARLEN_LENGTHS)
 
     def run(module, values, padded):
         module.zero_grad(set_to_none=True)
@@ -537,7 +541,7 @@ def test_varlen_on_cuda_compiles_fullgraph_once_for_every_batch():
     for seed, lengths in enumerate(([3, 7, 1], [5, 2, 2, 6], [40, 4])):
         torch.manual_seed(seed)
         x = torch.randn(sum(lengths), 6, device=DEV)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+        cu = _cu_seqlens(lengths, DEV)
         results = []
         for fn in (call, compiled):
             leaf = x.clone().requires_grad_(True)
@@ -559,7 +563,7 @@ def test_attention_pool_varlen_on_cuda_equals_the_padded_call(score):
     pool = fastlayers.AttentionPooling(6, score=score, dtype=torch.float64, device=DEV)
     q = torch.randn(len(VARLEN_LENGTHS), 6, dtype=torch.float64, device=DEV, requires_grad=True)
     k = torch.randn(sum(VARLEN_LENGTHS), 6, dtype=torch.float64, device=DEV, requires_grad=True)
-    cu = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    cu = _cu_seqlens(VARLEN_LENGTHS, DEV)
     context, weights = pool(q, k, cu_seqlens=cu)
     kp = torch.nn.utils.rnn.pad_sequence(list(k.split(VARLEN_LENGTHS)), batch_first=True)
     context_pad, weights_pad = pool(q, kp, lengths=torch.tensor(VARLEN_LENGTHS, device=DEV))

@@ -48,6 +48,7 @@ def attention_pool_reference(
         return context.to(mm.low), weights.to(mm.low)
     return context, weights
 
+
 def attention_pool_varlen_reference(query: Tensor, keys: Tensor, values: Tensor, cu_seqlens: Tensor, *,
                                     score: str = "dot",
                                     additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None
@@ -64,9 +65,7 @@ def attention_pool_varlen_reference(query: Tensor, keys: Tensor, values: Tensor,
     if score == "additive":
         scores = _additive_scores(mm, query, keys, additive, lambda projected: projected.index_select(0, seq))  # (N,)
     else:
-        if query.size(1) != keys.size(1):
-            raise ValueError(f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, "
-                             f"got {keys.size(1)}")
+        check_dot(query, keys, score)
         scores = (keys.to(mm.acc) * query.to(mm.acc).index_select(0, seq)).sum(1)  # (N,)
         if score == "scaled_dot":
             scores = scores * (1 / math.sqrt(keys.size(1)))
@@ -98,9 +97,10 @@ def _additive_scores(mm: precision.Products, query: Tensor, keys: Tensor,
 
 
 def check_dot(query: Tensor, keys: Tensor, score: str) -> None:
-    if query.size(1) != keys.size(2):
+    """Dk (keys' last dimension: (B, T, Dk) or the varlen form's (N, Dk)) equal to query's Dq."""
+    if query.size(1) != keys.size(-1):
         raise ValueError(f"keys: expected feature size Dk = {query.size(1)} (query's Dq) for score={score!r}, got "
-                         f"{keys.size(2)}")
+                         f"{keys.size(-1)}")
 
 
 def _masked(scores: Tensor, lengths: Tensor | list[int] | None, batch: int, steps: int) -> Tensor:

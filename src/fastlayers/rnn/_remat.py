@@ -84,7 +84,8 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
     dirs = len(layers[0])
     k = segment_length(every, steps, dirs)
     dev = input.device
-    plan = Plan(steps, k, lengths, dev, flips=engine in (lstm_engine_gpu, gru_engine_gpu) and dirs == 2)
+    triton = engine in (lstm_engine_gpu, gru_engine_gpu)
+    plan = Plan(steps, k, lengths, dev, flips=triton and dirs == 2)
     maps = row_maps(lengths, steps, batch, dirs, dev)
     finals: list[Tensor] = []
     x = input
@@ -98,7 +99,7 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
         names = list(dir_params[0])
         states = tuple(s[li * dirs:(li + 1) * dirs] for s in hx)
         spec = Spec(engine, plan, maps, options, training, m, len(states), names, width, cell,
-                     engine in (lstm_engine, gru_engine), engine in (lstm_engine_gpu, gru_engine_gpu))
+                     engine in (lstm_engine, gru_engine), triton)
         x, *last = Segments.apply(spec, x, *states, *(p[n] for p in dir_params for n in names))
         finals.append(last)
         if dropout > 0 and training and li < len(layers) - 1:
