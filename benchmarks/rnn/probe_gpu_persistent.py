@@ -380,10 +380,10 @@ def persistent_forward(x, lstm, units, warps, cooperative=False, precision="ieee
     return y, flag
 
 
-def timed(device, fn, repeats=20):
-    """Median ms of ``repeats`` calls after three."""
+def timed(device, fn, repeats=20, warmup=3):
+    """Median ms of ``repeats`` calls after ``warmup``."""
     timer = Timer(device)
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     return statistics.median(timer(fn) for _ in range(repeats))
 
@@ -445,6 +445,7 @@ def main() -> int:
                       f"{2 * hidden // units} | {warps} | "
                       f"{err:.1e}{'' if ok else ' FAIL'} | {ms:.2f} | {base:.2f} | {ms * 1e3 / steps:.2f} | "
                       f"{ms / base:.2f} |", flush=True)
+    reps = (20, 3) if gpu else (1, 0)  # the row-wise rows' timed calls and warm-ups (the interpreter: math only)
     rowwise = [(800, 8, 32, 32), (800, 32, 32, 32), (800, 128, 32, 32), (800, 8, 64, 64), (800, 32, 64, 64),
                (800, 128, 64, 64), (800, 8, 128, 128), (800, 32, 128, 128)] if gpu else [(4, 2, 3, 12)]
     print("\n| row-wise persistent LSTM fwd (one program per direction and sequence): T, B, F, H | W_hh | warps | "
@@ -461,7 +462,7 @@ def main() -> int:
                 for name, p in lstm.named_parameters():
                     if name.startswith("ln_"):
                         p.add_(0.1 * torch.randn_like(p))
-                engine = timed(device, lambda: lstm(x), repeats=20 if gpu else 1)
+                engine = timed(device, lambda: lstm(x), *reps)
                 print(f"| {steps}, {batch}, {features}, {hidden} LayerNorm | fastlayers.LSTM(layer_norm=True) "
                       f"as it runs | | | {engine:.2f} | {base:.2f} | {engine * 1e3 / steps:.2f} | "
                       f"{engine / base:.2f} |", flush=True)
@@ -475,7 +476,7 @@ def main() -> int:
                 err = (got - want).abs().max().item()
                 ok = err < 1e-4
                 bad += not ok
-                ms = timed(device, lambda: rowwise_forward(x, lstm, warps, hold, bk), repeats=20 if gpu else 1)
+                ms = timed(device, lambda: rowwise_forward(x, lstm, warps, hold, bk), *reps)
                 print(f"| {steps}, {batch}, {features}, {hidden}{' LayerNorm' if ln else ''} | "
                       f"{'held' if hold else 'reloaded'}"
                       f"{f' in k chunks of {bk}' if bk else ''} | {warps} | "
@@ -499,7 +500,7 @@ def main() -> int:
         cudnn_train()
         want = [lstm(xg)[0].detach(), xg.grad] + [getattr(lstm, f"{n}_l0{sfx}").grad for sfx in ("", "_reverse")
                                                    for n in ("weight_ih", "weight_hh", "bias_ih")]
-        base = timed(device, cudnn_train, repeats=20 if gpu else 1)
+        base = timed(device, cudnn_train, *reps)
         with torch.no_grad():
             for warps, bk in (((4, None), (8, None), (4, 16), (8, 16)) if gpu else ((4, None), (4, 8))):
                 if hidden > 64 and bk is None:
@@ -509,7 +510,7 @@ def main() -> int:
                 err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(got, want))
                 ok = err < 1e-4
                 bad += not ok
-                ms = timed(device, lambda: rowwise_train(x, lstm, dy, warps, bk), repeats=20 if gpu else 1)
+                ms = timed(device, lambda: rowwise_train(x, lstm, dy, warps, bk), *reps)
                 print(f"| {steps}, {batch}, {features}, {hidden} | {warps} | {bk or 'whole'} | "
                       f"{err:.1e}{'' if ok else ' FAIL'} | {ms:.2f} | {base:.2f} | {ms * 1e3 / steps:.2f} | "
                       f"{ms / base:.2f} |", flush=True)
