@@ -165,12 +165,16 @@ def test_fresh_venv_without_a_compiler_runs_the_kernels_export_and_aoti(wheel, t
     py, cli = str(venv / "bin" / "python"), str(venv / "bin" / "fastlayers")
     tools = tmp_path / "tools"  # the PATH's only folder besides the venv: no compiler in it
     tools.mkdir()
+    # a user's shell: none of the checkout's or this machine's settings (this machine sets
+    # PYTHONDONTWRITEBYTECODE, with which every process below would compile torch's modules anew)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FASTLAYERS_DATA", "FASTLAYERS_OFFLINE",
-                                                            "VIRTUAL_ENV", "CC", "CXX", "FASTLAYERS_CPU_CAPABILITY")}
+                                                            "VIRTUAL_ENV", "CC", "CXX", "FASTLAYERS_CPU_CAPABILITY",
+                                                            "PYTHONDONTWRITEBYTECODE")}
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PATH=f"{venv / 'bin'}:{tools}")
     pip = [py, "-m", "pip", "install", "--quiet"]
     # torch pinned (the CPU build on disk), without compiling its thousands of modules ahead (25 of
-    # its 35 s of install here; the imports below compile the few they read); then the wheel
+    # its 35 s of install here; the first import below compiles and caches the few it reads); then
+    # the wheel
     for cmd in ([*pip, "--no-compile", "torch==2.13.0"], [*pip, str(wheel)]):
         proc = _run(cmd, env, tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
