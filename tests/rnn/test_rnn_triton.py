@@ -409,7 +409,9 @@ def test_a_chunk_longer_than_t(cell, chunked, monkeypatch):
 @pytest.mark.parametrize("cell, proj", [("LSTM", 3), ("GRU", None)])
 def test_distinct_t_replay_the_same_captures(cell, proj, chunked):
     """T = 5, 3, 4, 5 (with lengths, without, equal lengths shorter than T): one capture per
-    loop, made by the first call, then replays only; every call equal to the reference."""
+    loop, made by the first call, then replays only; every call equal to the reference (so the
+    parameter gradients' per-row sums start from zero at every replay). Those sums are (D, B, X):
+    no buffer of the entry that holds them has a time dimension."""
     opts = CellOptions.make(layer_norm=True, peephole=True, cell_clip=0.5) if cell == "LSTM" else \
         CellOptions.make(layer_norm=True, zoneout=(0.2, 0.0))
     engine, reference = ENGINES[cell]
@@ -421,6 +423,10 @@ def test_distinct_t_replay_the_same_captures(cell, proj, chunked):
     assert chunked.stats["captures"] == 2 and chunked.stats["grown"] == 0
     entries = [e for es in chunked._entries.values() for e in es]
     assert len(entries) == 1 and entries[0].capacity == 6
+    gates = (4 if cell == "LSTM" else 3) * H
+    sums = {"pgx": gates, "pb": gates, "pgh": gates, **({"pgc": H, "pbc": H, "ppeep": 3 * H} if cell == "LSTM" else
+                                                       {"dhb": gates})}
+    assert {k: tuple(entries[0].buffers[k].shape) for k in sums} == {k: (D, B, n) for k, n in sums.items()}
 
 
 def test_steps_after_the_longest_sequence_are_not_run(chunked):

@@ -165,6 +165,24 @@ def store_blocks(ptr, H, k, km, v0, v1, v2, v3, BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def add_blocks(ptr, H, k, km, v0, v1, v2, v3, BLOCKS: tl.constexpr):
+    """Add v0..v3 to the first BLOCKS (3 or 4) gate blocks of a row at ptr (block j at ptr + j * H),
+    in place: a parameter gradient's per-row sum over the steps. One program owns the row and
+    the steps run one launch after another, so the sum needs no atomics and is the same every run."""
+    add_row(ptr, k, km, v0)
+    add_row(ptr + H, k, km, v1)
+    add_row(ptr + 2 * H, k, km, v2)
+    if BLOCKS > 3:
+        add_row(ptr + 3 * H, k, km, v3)
+
+
+@triton.jit
+def add_row(ptr, k, km, v):
+    """ptr[k] += v over the lanes km (a one-block row, as :func:`add_blocks`)."""
+    tl.store(ptr + k, tl.load(ptr + k, mask=km, other=0.0) + v, mask=km)
+
+
+@triton.jit
 def finish_h(s, T, TC, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd,
              ZH_MASK: tl.constexpr, RMASK: tl.constexpr, acc_t: tl.constexpr):
     """h = zh h0 + (1-zh) h1 for an active row (else h0 kept); y[t] = h (0 when not active);

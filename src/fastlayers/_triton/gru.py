@@ -7,7 +7,8 @@ the step as device data and "active" as in :mod:`._cell`. Forward, one active ro
   h1 = (1 - zg) ng + zg h0   h = zh h0 + (1-zh) h1   y[t] = h; hd[:, s+1] = h * rmask.
 Saved (step layout): gates (rg, zg, ng), hb_n, h0, the LayerNorm statistics and r-hat.
 Backward: the chain rule; gradients of xp (time layout), of r (step layout) and of hb (for b_hh),
-and the per-row products whose sums are the LayerNorm gains' and biases' gradients.
+and each row's sums over the steps of the LayerNorm gains' and biases' gradient terms (added to in
+place by the row's own program: no atomics).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, parts, parts_stride,
-                    present_or, recurrent_norm, sigmoid, step_of, store_blocks, tanh, zero_unless)
+from ._cell import (add_blocks, block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, parts,
+                    parts_stride, present_or, recurrent_norm, sigmoid, step_of, store_blocks, tanh, zero_unless)
 from ._launch import launch
 
 
@@ -93,13 +94,13 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, g, g_parts, rmask, 
     xrow = ((t * B + b) * D + d) * G
     if LN:
         if NEED_HB:
-            store_blocks(dhb + step * G, H, k, km, drg, dz, dhn, dhn, 3)
+            add_blocks(dhb + state * G, H, k, km, drg, dz, dhn, dhn, 3)
         q0, q1, q2, _ = load_blocks(rhat + step * G, H, k, km, acc_t, 3)
         v0, v1, v2, _ = norm_backward(drg, dz, dhn, dhn, gh + d * G, q0, q1, q2, q2, tl.load(rrstd + step), H, k, km,
                                       acc_t, 3)
         store_blocks(dr + step * G, H, k, km, v0, v1, v2, v2, 3)
         if NEED_GH:
-            store_blocks(pgh + step * G, H, k, km, drg * q0, dz * q1, dhn * q2, dhn, 3)
+            add_blocks(pgh + state * G, H, k, km, drg * q0, dz * q1, dhn * q2, dhn, 3)
         mx = tl.load(xstat + 2 * step)
         sx = tl.load(xstat + 2 * step + 1)
         q0, q1, q2, _ = load_blocks(xp + xrow, H, k, km, acc_t, 3)
@@ -108,9 +109,9 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, g, g_parts, rmask, 
         v0, v1, v2, _ = norm_backward(drg, dz, dn, dn, gx + d * G, q0, q1, q2, q2, sx, H, k, km, acc_t, 3)
         store_blocks(dpre + xrow, H, k, km, v0, v1, v2, v2, 3)
         if NEED_GX:
-            store_blocks(pgx + step * G, H, k, km, drg * q0, dz * q1, dn * q2, dn, 3)
+            add_blocks(pgx + state * G, H, k, km, drg * q0, dz * q1, dn * q2, dn, 3)
         if NEED_B:
-            store_blocks(pb + step * G, H, k, km, drg, dz, dn, dn, 3)
+            add_blocks(pb + state * G, H, k, km, drg, dz, dn, dn, 3)
     else:
         store_blocks(dr + step * G, H, k, km, drg, dz, dhn, dhn, 3)
         store_blocks(dpre + xrow, H, k, km, drg, dz, dn, dn, 3)
@@ -143,8 +144,8 @@ def step_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tenso
     """Back through step s = clock[0] + j: dy (TC, B, D, H); dh (D, B, H) in place; g (S, D, B, H)
     the recurrent GEMM's partial sums of the step after (zeros before the loop's first step); xp
     with layer_norm (else None). grads: ``dpre`` (TC, B, D, 3H), ``dr`` (D, TC, B, 3H), and, where
-    needed, ``dhb`` (gradient of hb, for b_hh with layer_norm), ``pgx``, ``pb``, ``pgh``
-    (D, TC, B, 3H)."""
+    needed, per-row sums over the steps added to in place (zeros before the loop), (D, B, 3H):
+    ``dhb`` (the gradient of hb, for b_hh with layer_norm), ``pgx``, ``pb``, ``pgh``."""
     dirs, batch, hidden = dh.shape
     clock, j = at
     launch(_backward_kernel, (dirs * batch,), (

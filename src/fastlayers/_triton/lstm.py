@@ -15,8 +15,9 @@ With a projection the kernel stops at h1 (into y1) and :func:`project` finishes 
 GEMM h1 @ W_hr^T (proj_clip, zoneout of h, output, next recurrent input).
 
 Backward, one active row: the chain rule of the above, writing the gradient of xp (time layout)
-and of r (step layout), updating dh, dc in place, and the per-row products whose sums over rows are
-the LayerNorm and peephole parameter gradients (reduced after the loop, no atomics). Sums in
+and of r (step layout), updating dh, dc in place, and adding the row's terms of the LayerNorm and
+peephole parameter gradients to its sums over the steps (state layout, one program per row: no
+atomics; summed over the rows after the loop). Sums in
 float32 (float64 for float64 buffers).
 """
 
@@ -26,9 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._cell import (block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, norm_backward_terms,
-                    norm_stats, parts, parts_stride, present_or, recurrent_norm, sigmoid, step_of, store_blocks, tanh,
-                    zero_unless)
+from ._cell import (add_blocks, add_row, block, carried, finish_h, input_norm, load_blocks, locate, norm_backward,
+                    norm_backward_terms, norm_stats, parts, parts_stride, present_or, recurrent_norm, sigmoid,
+                    step_of, store_blocks, tanh, zero_unless)
 from ._launch import launch
 
 
@@ -215,8 +216,8 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, dc, g, g_parts, rma
         m1, m2 = norm_backward_terms(dhat, dhat, dhat, dhat, chat, chat, chat, chat, km, H, 1)
         dc1 = sc * (dhat - m1 - chat * m2)
         if NEED_GC:
-            tl.store(pgc + step * H + k, tl.where(active, dn * chat, 0.0), mask=km)
-            tl.store(pbc + step * H + k, tl.where(active, dn, 0.0), mask=km)
+            add_row(pgc + state * H, k, km, tl.where(active, dn * chat, 0.0))
+            add_row(pbc + state * H, k, km, tl.where(active, dn, 0.0))
     else:
         dc1 = dn
     dc1 += (1 - kc) * dcv
@@ -233,10 +234,10 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, dc, g, g_parts, rma
     if PEEP:
         dc0 += di * tl.load(pd + k, mask=km, other=0.0) + df * tl.load(pd + H + k, mask=km, other=0.0)
         if NEED_PEEP:
-            pp = ppeep + step * 3 * H
-            tl.store(pp + k, tl.where(active, di * cb, 0.0), mask=km)
-            tl.store(pp + H + k, tl.where(active, df * cb, 0.0), mask=km)
-            tl.store(pp + 2 * H + k, tl.where(active, do * cn, 0.0), mask=km)
+            pp = ppeep + state * 3 * H
+            add_row(pp, k, km, tl.where(active, di * cb, 0.0))
+            add_row(pp + H, k, km, tl.where(active, df * cb, 0.0))
+            add_row(pp + 2 * H, k, km, tl.where(active, do * cn, 0.0))
     tl.store(dh + state * H + k, tl.where(active, kh * dhout, dhv), mask=km)
     tl.store(dc + state * H + k, tl.where(active, dc0, dcv), mask=km)
     di = tl.where(active, di, 0.0)
@@ -251,7 +252,7 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, dc, g, g_parts, rma
                                        acc_t, 4)
         store_blocks(dr + step * G, H, k, km, v0, v1, v2, v3, 4)
         if NEED_GH:
-            store_blocks(pgh + step * G, H, k, km, di * q0, df * q1, dg * q2, do * q3, 4)
+            add_blocks(pgh + state * G, H, k, km, di * q0, df * q1, dg * q2, do * q3, 4)
         # through x = gx * x-hat + bias: the gradient of xp (zero for a row that is not active: its
         # upstream gradients are zero and its x-hat is read as zeros)
         mx = tl.load(xstat + 2 * step)
@@ -262,9 +263,9 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, dc, g, g_parts, rma
         v0, v1, v2, v3 = norm_backward(di, df, dg, do, gx + d * G, q0, q1, q2, q3, sx, H, k, km, acc_t, 4)
         store_blocks(dpre + xrow, H, k, km, v0, v1, v2, v3, 4)
         if NEED_GX:
-            store_blocks(pgx + step * G, H, k, km, di * q0, df * q1, dg * q2, do * q3, 4)
+            add_blocks(pgx + state * G, H, k, km, di * q0, df * q1, dg * q2, do * q3, 4)
         if NEED_B:
-            store_blocks(pb + step * G, H, k, km, di, df, dg, do, 4)
+            add_blocks(pb + state * G, H, k, km, di, df, dg, do, 4)
     else:
         store_blocks(dr + step * G, H, k, km, di, df, dg, do, 4)
         store_blocks(dpre + xrow, H, k, km, di, df, dg, do, 4)
@@ -334,8 +335,9 @@ def step_backward(at: tuple[Tensor, int], lengths: Tensor, dy: Tensor, dh: Tenso
     projection the gradient of h1 at this step (D, B, H); dh, dc (D, B, H) in place; g (S, D, B, H)
     as in :func:`project_backward` (with a projection unused: that kernel adds it); xp
     (TC, B, D, 4H) with layer_norm (else None). grads: ``dpre`` (TC, B, D, 4H), ``dr``
-    (D, TC, B, 4H), and the per-row products ``pgx``, ``pb``, ``pgh`` (D, TC, B, 4H), ``pgc``,
-    ``pbc`` (D, TC, B, H), ``ppeep`` (D, TC, B, 3H), None where not needed."""
+    (D, TC, B, 4H), and the parameter gradients' per-row sums over the steps, added to in place
+    (zeros before the loop): ``pgx``, ``pb``, ``pgh`` (D, B, 4H), ``pgc``, ``pbc`` (D, B, H),
+    ``ppeep`` (D, B, 3H), None where not needed."""
     dirs, batch, hidden = dc.shape
     dy_step = dy.dim() == 3
     clock, j = at

@@ -18,8 +18,9 @@ directions at once:
   depends on the lengths); with a projection, one more GEMM and kernel;
 * the backward runs the step kernels and the recurrent product in reverse (that product in S
   partial sums over slices of G, which the next step kernel adds); dW_hh (dW_hr) is one GEMM
-  after the loop, the LayerNorm and peephole parameter gradients are sums over the per-row
-  products the kernels wrote (deterministic: no atomics).
+  after the loop; the LayerNorm and peephole parameter gradients are the sums over the rows of
+  per-row sums (D, B, X) that each step kernel adds its row's terms to (one program per row, the
+  steps one launch after another: deterministic, no atomics, and no buffer of T x B rows).
 
 Grid of the step kernels (decided from the static facts of ``benchmarks/gpu_static.py``, Triton 3.6,
 sm_90a; to be measured on the GPU): one 4-warp program per (direction, sequence), i.e. 64 programs

@@ -11,7 +11,8 @@ forward (two LayerNorms, the gate activations, clip, zoneout) and their autograd
 is torch's two GEMMs (addmm with the bias where there is no LayerNorm), two state copies (the
 kernels update the state in place) and one step kernel; with a projection one more GEMM and
 kernel. The backward is one step kernel, the GEMMs of the input, weight and state gradients, and
-the sums of the per-row products that give the LayerNorm and peephole gradients.
+the sums over the rows of the per-row terms of the LayerNorm and peephole gradients (which the
+kernel adds into one zero-filled buffer).
 
 Served (:func:`serves`): eager float32 / float64 calls without autocast, on CUDA where the
 backend choice is Triton's (:func:`fastlayers._core.backend.triton_kernels`), or on CPU tensors under
@@ -101,9 +102,22 @@ def _state_grad(dh: Tensor, dr: Tensor, w_hh: Tensor, rmask: Tensor | None) -> T
     return dh + (back * rmask if rmask is not None else back)
 
 
+def _sums(like: Tensor, batch: int, widths: dict[str, int | None]) -> dict[str, Tensor | None]:
+    """Zeroed per-row sums (1, B, width) for the names whose width is not None, carved from one
+    zero-filled tensor (one fill for all of them: a cell's backward is a few launches)."""
+    used = {k: w for k, w in widths.items() if w is not None}
+    flat = like.new_zeros(batch * sum(used.values()))
+    out: dict[str, Tensor | None] = dict.fromkeys(widths)
+    offset = 0
+    for k, w in used.items():
+        out[k] = flat[offset:offset + batch * w].view(1, batch, w)
+        offset += batch * w
+    return out
+
+
 def _sum(t: Tensor | None) -> Tensor | None:
-    """Sum of per-row products (1, 1, B, X) over the rows: (X,)."""
-    return None if t is None else t.sum((0, 1, 2))
+    """A parameter gradient from the step kernel's per-row sums (1, B, X): the sum over the rows, (X,)."""
+    return None if t is None else t.sum((0, 1))
 
 
 class LSTMStep(torch.autograd.Function):
@@ -166,13 +180,11 @@ class LSTMStep(torch.autograd.Function):
         dc = dc1.clone(memory_format=torch.contiguous_format) if dc1 is not None else x.new_zeros(batch, hidden)
         z = x.new_zeros(2, batch, size)  # the state gradient before the step, and no recurrent part after it
         dh, g = z[:1], z[1:].view(*row, size)
-        grads = dict(dpre=new(1, batch, 1, gsize), dr=new(*row, gsize),
-                     pgx=new(*row, gsize) if ln and need[2] else None,
-                     pb=new(*row, gsize) if ln and bias is not None and need[3] else None,
-                     pgh=new(*row, gsize) if ln and need[7] else None,
-                     pgc=new(*row, hidden) if ln and (need[8] or need[9]) else None,
-                     pbc=new(*row, hidden) if ln and (need[8] or need[9]) else None,
-                     ppeep=new(*row, 3 * hidden) if peep is not None and need[10] else None)
+        grads = dict(dpre=new(1, batch, 1, gsize), dr=new(*row, gsize), **_sums(x, batch, dict(  # the kernel adds to
+            pgx=gsize if ln and need[2] else None, pb=gsize if ln and bias is not None and need[3] else None,
+            pgh=gsize if ln and need[7] else None, pgc=hidden if ln and (need[8] or need[9]) else None,
+            pbc=hidden if ln and (need[8] or need[9]) else None,
+            ppeep=3 * hidden if peep is not None and need[10] else None)))
         at, lengths, numbers = _at(x), lengths_tensor(None, 1, batch, x), numbers_tensor(kernels, consts, x)
         c0v = c0.contiguous().unsqueeze(0)
         d_w_hr = None
@@ -241,10 +253,9 @@ class GRUStep(torch.autograd.Function):
         row = (1, 1, batch, gsize)
         z = x.new_zeros(2, batch, hidden)
         dh, g = z[:1], z[1:].view(1, 1, batch, hidden)
-        grads = dict(dpre=new(1, batch, 1, gsize), dr=new(*row),
-                     dhb=new(*row) if ln and b_hh is not None and need[6] else None,
-                     pgx=new(*row) if ln and need[2] else None, pb=new(*row) if ln and b_ih is not None and need[3]
-                     else None, pgh=new(*row) if ln and need[7] else None)
+        grads = dict(dpre=new(1, batch, 1, gsize), dr=new(*row), **_sums(x, batch, dict(  # the kernel adds to
+            dhb=gsize if ln and b_hh is not None and need[6] else None, pgx=gsize if ln and need[2] else None,
+            pb=gsize if ln and b_ih is not None and need[3] else None, pgh=gsize if ln and need[7] else None)))
         kernels.step_backward(_at(x), lengths_tensor(None, 1, batch, x), dh1.contiguous().view(1, batch, 1, hidden), dh, g,
                               rmask, ctx.xp, gx, gh, zh, buf, grads, numbers_tensor(kernels, ctx.consts[0], x))
         dpre, dr = grads["dpre"].view(batch, gsize), grads["dr"].view(batch, gsize)

@@ -115,8 +115,16 @@ def _result(loop: _gpu_graphs.Loop, t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _rows_sum(t: Tensor | None) -> Tensor | None:
-    """Sum of per-row products (D, T, B, X) over the rows: (D, X)."""
-    return None if t is None else t.sum((1, 2))
+    """A parameter gradient from its per-row sums over the steps (D, B, X), which the backward
+    kernels accumulate in place: the sum over the rows, (D, X)."""
+    return None if t is None else t.sum(1)
+
+
+def _zero(st: dict, *names: str) -> None:
+    """The per-row sums among ``names`` that this backward has, zeroed before its loop."""
+    for name in names:
+        if st.get(name) is not None:
+            st[name].zero_()
 
 
 class LSTMLayer(torch.autograd.Function):
@@ -196,13 +204,14 @@ class LSTMLayer(torch.autograd.Function):
             step = (dirs, TIME, batch)
             w = mm.operand(w_hh)
             ins = dict(dy=dy, dh=dh, dc=dc, c0=c0, w_hh=w, w_hr=mm.operand(w_hr) if proj else None)
+            row = (dirs, batch)  # the parameter gradients' per-row sums over the steps
             outs = dict(
                 dpre=(TIME, batch, dirs, gsize), dr=(*step, gsize),
-                pgx=(*step, gsize) if ln and need[2] else None, pb=(*step, gsize) if ln and ctx.has_bias and need[3]
-                else None, pgh=(*step, gsize) if ln and need[7] else None,
-                pgc=(*step, hidden) if ln and (need[8] or need[9]) else None,
-                pbc=(*step, hidden) if ln and (need[8] or need[9]) else None,
-                ppeep=(*step, 3 * hidden) if fwd["peep"] is not None and need[10] else None,
+                pgx=(*row, gsize) if ln and need[2] else None, pb=(*row, gsize) if ln and ctx.has_bias and need[3]
+                else None, pgh=(*row, gsize) if ln and need[7] else None,
+                pgc=(*row, hidden) if ln and (need[8] or need[9]) else None,
+                pbc=(*row, hidden) if ln and (need[8] or need[9]) else None,
+                ppeep=(*row, 3 * hidden) if fwd["peep"] is not None and need[10] else None,
                 dhp=(*step, out_size) if proj else None, g=(_slices(w), dirs, batch, out_size),
                 dy1=(dirs, batch, hidden) if proj else None, dhk=(dirs, batch, hidden) if proj else None)
             st = loop.add(ins, outs, {"dy": 0})
@@ -253,8 +262,7 @@ def _lstm_forward_steps(kernels, mm, st: dict, consts, js) -> None:
 
 def _lstm_backward_prologue(st: dict) -> None:
     st["g"].zero_()  # the recurrent part of the gradient before the loop's first step
-    if st["dhk"] is not None:
-        st["dhk"].zero_()
+    _zero(st, "dhk", "pgx", "pb", "pgh", "pgc", "pbc", "ppeep")
 
 
 def _lstm_backward_steps(kernels, mm, st: dict, consts, js) -> None:
@@ -339,12 +347,13 @@ class GRULayer(torch.autograd.Function):
                   ).view(steps, batch, dirs, hidden)
             dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else like.new_zeros(dirs, batch, hidden)
             step = (dirs, TIME, batch, gsize)
+            row = (dirs, batch, gsize)  # the parameter gradients' per-row sums over the steps
             w = mm.operand(w_hh)
             outs = dict(dpre=(TIME, batch, dirs, gsize), dr=step,
-                        dhb=step if ln and ctx.has_bias[1] and need[6] else None,
-                        pgx=step if ln and need[2] else None,
-                        pb=step if ln and ctx.has_bias[0] and need[3] else None,
-                        pgh=step if ln and need[7] else None, g=(_slices(w), dirs, batch, hidden))
+                        dhb=row if ln and ctx.has_bias[1] and need[6] else None,
+                        pgx=row if ln and need[2] else None,
+                        pb=row if ln and ctx.has_bias[0] and need[3] else None,
+                        pgh=row if ln and need[7] else None, g=(_slices(w), dirs, batch, hidden))
             st = loop.add(dict(dy=dy, dh=dh, w_hh=w), outs, {"dy": 0})
             loop.run("backward", st, _gru_backward_prologue, lambda st, js: _gru_backward_steps(kernels, mm, st, js),
                      reverse=True)
@@ -355,7 +364,7 @@ class GRULayer(torch.autograd.Function):
             d_b_ih = (_rows_sum(cut["pb"]) if ln else cut["dpre"].sum((0, 1))) if ctx.has_bias[0] and need[3] \
                 else None
             d_w_hh = _outer(mm, cut["dr"], cut["hd"]) if need[5] else None
-            d_b_hh = (_rows_sum(cut["dhb"]) if ln else _rows_sum(cut["dr"])) if ctx.has_bias[1] and need[6] \
+            d_b_hh = (_rows_sum(cut["dhb"]) if ln else cut["dr"].sum((1, 2))) if ctx.has_bias[1] and need[6] \
                 else None
             out = (d_x, d_w_ih, _rows_sum(cut["pgx"]), d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh,
                    _rows_sum(cut["pgh"]))
@@ -379,6 +388,7 @@ def _gru_forward_steps(kernels, mm, st: dict, js) -> None:
 
 def _gru_backward_prologue(st: dict) -> None:
     st["g"].zero_()
+    _zero(st, "dhb", "pgx", "pb", "pgh")
 
 
 def _gru_backward_steps(kernels, mm, st: dict, js) -> None:
