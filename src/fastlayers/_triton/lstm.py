@@ -234,10 +234,9 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, dy, dh, dc, g, g_parts, rma
     if PEEP:
         dc0 += di * tl.load(pd + k, mask=km, other=0.0) + df * tl.load(pd + H + k, mask=km, other=0.0)
         if NEED_PEEP:
-            pp = ppeep + state * 3 * H
-            add_row(pp, k, km, tl.where(active, di * cb, 0.0))
-            add_row(pp + H, k, km, tl.where(active, df * cb, 0.0))
-            add_row(pp + 2 * H, k, km, tl.where(active, do * cn, 0.0))
+            pdo = tl.where(active, do * cn, 0.0)
+            add_blocks(ppeep + state * 3 * H, H, k, km, tl.where(active, di * cb, 0.0), tl.where(active, df * cb, 0.0),
+                       pdo, pdo, 3)
     tl.store(dh + state * H + k, tl.where(active, kh * dhout, dhv), mask=km)
     tl.store(dc + state * H + k, tl.where(active, dc0, dcv), mask=km)
     di = tl.where(active, di, 0.0)
