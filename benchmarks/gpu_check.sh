@@ -30,7 +30,8 @@
 # against torch.nn.LSTM + PackedSequence (300; needs the dataset wheels: FASTLAYERS_DATA); issue 67:
 # bench_gpu_engine.py --small-hidden (110), bench_gpu_deterministic.py (90; 45 s on the H200),
 # probe_gpu_persistent.py (150, with the row-wise forward and fwd+bwd of 2026-11-27; 15 s there before them), probe_gpu_remat.py (90; about 40 s on the H200), bench_remat.py --every 100 and 200 in fresh processes
-# (150, not yet run), probe_gpu_buffers.py (60, not yet run); issue 66: bench_varlen.py --checkpoint (60). On the H200 on 2026-11-26 (torch 2.11, Triton 3.6) the
+# (150, not yet run), probe_gpu_buffers.py (60, not yet run); issue 66: bench_varlen.py --checkpoint (60),
+# probe_gpu_buffers.py --varlen (60, not yet run). On the H200 on 2026-11-26 (torch 2.11, Triton 3.6) the
 # steps took: versions 5, cuda_tests 50, local_attention 12, remat 136 (before the sweep), random_t
 # 29, train 51, engine_fp32 52, chunk_sweep 29 s; on 2026-11-27 local_attention 16, random_t 34, varlen 15 s.
 # On the GPU machine the first step builds the native library in place (setup.py: about a minute
@@ -152,6 +153,8 @@ if [ "$mode" != "--dry-run" ]; then  # checkpoint_every's per-segment cost: time
 fi
 if [ "$mode" != "--dry-run" ]; then  # what a captured layer's loop entry holds, by buffer (seed shape)
     step buffers 60 "$py" benchmarks/rnn/probe_gpu_buffers.py --device cuda
+    # issue 66: the entry of the padded call with lengths against the varlen call's (value rows)
+    step varlen_buffers 60 "$py" benchmarks/rnn/probe_gpu_buffers.py --device cuda --varlen --steps 1600
 fi
 # issue 66: the varlen form against the padded call with lengths, time and the allocator's peak
 step varlen 60 "$py" benchmarks/rnn/bench_varlen.py "${varlen[@]}"

@@ -4,10 +4,12 @@ the padded call with lengths, one process, side by side.
 Seed sizes (512 -> 256 x 2 directions), B sequences whose lengths are log-normal (sigma 0.9, scaled
 so the longest is T_MAX; max/mean about 4 at B = 32), float32, forward + backward with the input
 requiring grad. Memory: the peak bytes allocated during one call that starts from the per-sequence
-tensors (a data loader's output): the padded batch or the concatenation built inside it, the
-layer, the backward (the torch profiler's allocation records, as ``fastlayers.bench``; the engine's
-buffer pool emptied first; on CUDA after one untimed call of each, so that no row holds the
-first call's CUDA graph captures). Time: medians of interleaved fwd+bwd calls on inputs built once.
+tensors (a data loader's output): the padded batch or the concatenation built inside it, the layer,
+the backward (the torch profiler's allocation records, as ``fastlayers.bench``; the engine's buffer
+pool emptied first; on CUDA after one untimed call of each, so that no row holds the first call's
+CUDA graph captures; the last columns add the bytes of the captured loops' buffers that call left
+held between calls, which the allocator's peak of a replaying call leaves out). Time: medians of
+interleaved fwd+bwd calls on inputs built once.
 
     python benchmarks/rnn/bench_varlen.py [--batch 32] [--t-max 1600] [--repeats 5] [--plain] [--checkpoint]
                                           [--device cpu|cuda]
@@ -27,6 +29,7 @@ import torch
 import fastlayers
 from fastlayers._core.system import cpu_name
 from fastlayers.bench._harness import peak_bytes
+from fastlayers.rnn import _gpu_graphs
 
 
 def lognormal_lengths(batch: int, t_max: int, seed: int = 0) -> list[int]:
@@ -74,9 +77,14 @@ def main() -> None:
             y.sum().backward()
 
         calls["varlen, checkpoint_every='auto'"] = remat_call
-    if device.type == "cuda":  # the first call captures the engine's CUDA graphs: its peak would hold the capture's
-        for call in calls.values():  # allocations, and later calls of the same T replay them (measured after one call)
+    held = dict.fromkeys(calls, 0)  # the bytes of the captured loop entries each call left held (CUDA)
+    # on CUDA the first call captures the engine's CUDA graphs: its peak would hold the capture's
+    # allocations, and later calls of the same T replay them (measured after one call)
+    if device.type == "cuda":
+        for name, call in calls.items():
+            before = _gpu_graphs.holding(device)[1]
             call()
+            held[name] = _gpu_graphs.holding(device)[1] - before
     memory = {name: peak_bytes(call, device) for name, call in calls.items()}
     built = {name: (torch.nn.utils.rnn.pad_sequence(parts) if name.startswith("padded") else torch.cat(parts))
              .requires_grad_() for name in calls}
@@ -98,12 +106,15 @@ def main() -> None:
     print(f"{machine}, torch {torch.__version__}, {torch.get_num_threads()} threads; LSTM 512 -> 256 x 2"
           f"{'' if args.plain else ', layer_norm=True'}, B = {args.batch}, lengths log-normal: max {max(lengths)}, "
           f"mean {mean:.0f} (max/mean {max(lengths) / mean:.2f}), N = {sum(lengths)}; fwd+bwd, median of {args.repeats}")
-    print("| call | fwd+bwd ms | x padded | peak MiB (from the per-sequence tensors) | x padded |")
-    print("|---|---:|---:|---:|---:|")
-    base_t, base_m = statistics.median(times["padded + lengths"]), memory["padded + lengths"]
+    print("| call | fwd+bwd ms | x padded | peak MiB (from the per-sequence tensors) | x padded | "
+          "+ entry held MiB | x padded |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    pad = "padded + lengths"
+    base_t, base_m = statistics.median(times[pad]), memory[pad]
     for name in calls:
-        t, m = statistics.median(times[name]), memory[name]
-        print(f"| {name} | {t * 1e3:.0f} | {t / base_t:.2f} | {m / 2**20:.0f} | {m / base_m:.2f} |")
+        t, m, total = statistics.median(times[name]), memory[name], memory[name] + held[name]
+        print(f"| {name} | {t * 1e3:.0f} | {t / base_t:.2f} | {m / 2**20:.0f} | {m / base_m:.2f} | "
+              f"{total / 2**20:.0f} | {total / (base_m + held[pad]):.2f} |")
 
 
 if __name__ == "__main__":

@@ -575,22 +575,123 @@ def test_cells_on_the_step_kernels_differentiate_twice_and_serve_no_grad_calls(m
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
-def test_varlen_input_on_the_triton_engine(mode):
-    """The varlen form (issue 66) on the Triton engine: the padded call with lengths' values, final
-    states and gradients (float64)."""
+# ---- the varlen form (issue 66): the engine on the value rows (N, F), every buffer sized by N
+
+def _varlen_run(fn, plan, values, hx, layers, opts, training=False, masks=None, padded=False, twice=False):
+    """Outputs and gradients (of values, hx, every parameter) of a random linear function of the
+    varlen results; ``padded``: the same call through the padded engine with lengths (values padded
+    and the output unpadded with index ops, masks (D, N, X) padded per direction); ``twice``: the
+    gradients of the gradients' weighted sum too (create_graph)."""
+    from fastlayers._core import jagged
+
+    values = values.clone().requires_grad_()
+    hx = tuple(h.clone().requires_grad_() for h in hx)
+    layers = [[{k: v.clone().requires_grad_() for k, v in p.items()} for p in d] for d in layers]
+    if padded:
+        if masks is not None:
+            masks = [{k: torch.stack([jagged.pad(v, plan, batch_first=False) for v in m[k]]) if k.startswith("zoneout")
+                      else m[k] for k in m} for m in masks]
+        y, final = fn(jagged.pad(values, plan, batch_first=False), hx, layers, plan.lengths, opts, training=training,
+                      masks=masks)
+        y = jagged.unpad(y, plan)
+    else:
+        y, final = fn(values, hx, layers, plan.lengths, opts, training=training, masks=masks, varlen=plan)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in (y, *final))
+    leaves = [values, *hx, *(p[k] for d in layers for p in d for k in sorted(p))]
+    grads = torch.autograd.grad(loss, leaves, create_graph=twice)
+    if twice:
+        total = sum((gr * torch.randn(gr.shape, generator=g, dtype=gr.dtype)).sum() for gr in grads)
+        grads = grads + torch.autograd.grad(total, leaves)
+    return [y.detach(), *(f.detach() for f in final)], [gr.detach() for gr in grads]
+
+
+def _varlen_case(cell, proj, training, lengths=LENGTHS, layers=1):
+    """(plan, values (N, F), hx, masks on the value rows (D, N, X) or None) for ``lengths``."""
+    from fastlayers._core import jagged
+
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    plan = jagged.varlen(cu, int(cu[-1]), torch.device("cpu"), batch_first=False)
+    x, hx = _inputs(cell, proj, layers=layers)
+    values = jagged.unpad(x[:plan.steps], plan)
+    masks = None
+    if training:
+        masks = [{k: torch.stack([jagged.unpad(v[:plan.steps], plan) for v in m[k]]) if k.startswith("zoneout")
+                  else m[k] for k in m} for m in _masks(cell, proj, layers=layers)]
+    return plan, values, hx, masks
+
+
+@pytest.mark.each_triton
+@pytest.mark.parametrize("cell, opts, proj, training", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_varlen_engine_equals_the_padded_engine(cell, opts, proj, training):
+    """The engine on the value rows (varlen) gives the padded call with lengths' outputs, final
+    states and every gradient (float64, 1e-12): every option set, both directions, two layers,
+    projection, hx, the training masks passed in (zoneout on the value rows), a sequence of
+    length 1 and the longest one in the middle of the batch."""
+    engine, _ = ENGINES[cell]
+    layers = _parameters(cell, opts, proj)
+    plan, values, hx, masks = _varlen_case(cell, proj, training, layers=L)
+    got = _varlen_run(engine, plan, values, hx, layers, opts, training, masks)
+    want = _varlen_run(engine, plan, values, hx, layers, opts, training, masks, padded=True)
+    assert got[0][0].shape == (int(LENGTHS.sum()), D * (proj or H))
+    _assert_same(got, want, 1e-12)
+
+
+@pytest.mark.parametrize("cell, opts, proj", [("LSTM", CellOptions.make(layer_norm=True, peephole=True), 3),
+                                              ("GRU", CellOptions.make(layer_norm=True), None)])
+def test_varlen_engine_differentiates_twice(cell, opts, proj):
+    """create_graph through the varlen layer: its backward is the padded reference's, between pad
+    and unpad; the second derivatives equal the padded engine's."""
+    engine, _ = ENGINES[cell]
+    layers = _parameters(cell, opts, proj, layers=1)
+    plan, values, hx, _ = _varlen_case(cell, proj, False)
+    got = _varlen_run(engine, plan, values, hx, layers, opts, twice=True)
+    want = _varlen_run(engine, plan, values, hx, layers, opts, padded=True, twice=True)
+    _assert_same(got, want, 1e-12)
+
+
+@pytest.mark.parametrize("cell, proj", [("LSTM", 3), ("GRU", None)])
+def test_varlen_buffers_hold_value_rows_and_replay_for_any_lengths(cell, proj, chunked):
+    """Captured (emulated) varlen loops: every buffer of the entry with a time dimension holds
+    value rows, (D, rows, X) or (rows, D, X), with no batch dimension (memory follows N, not T x B),
+    its capacity counts rows; batches of other lengths (other N and T) replay the same captures and
+    equal the padded engine."""
+    opts = CellOptions.make(layer_norm=True, peephole=True, cell_clip=0.5) if cell == "LSTM" else \
+        CellOptions.make(layer_norm=True, zoneout=(0.2, 0.0))
+    engine, _ = ENGINES[cell]
+    layers = _parameters(cell, opts, proj, layers=1)
+    for lengths in (LENGTHS, torch.tensor([2, 1, 2]), torch.tensor([4, 5, 1])):
+        plan, values, hx, _ = _varlen_case(cell, proj, False, lengths)
+        got = _varlen_run(engine, plan, values, hx, layers, opts)
+        with pytest.MonkeyPatch.context() as mp:  # the padded engine eagerly: no entry of its own
+            mp.setenv("FASTLAYERS_CUDA_GRAPHS", "0")
+            want = _varlen_run(engine, plan, values, hx, layers, opts, padded=True)
+        _assert_same(got, want, 1e-12)
+    assert chunked.stats["captures"] == 2 and chunked.stats["grown"] == 0
+    entries = [e for es in chunked._entries.values() for e in es]
+    assert len(entries) == 1 and entries[0].capacity == 10  # 9 rows, rounded up to the chunk (2)
+    gates = (4 if cell == "LSTM" else 3) * H
+    timed = {"xp": (10, D, gates), "dpre": (10, D, gates), "y": (10, D, proj or H), "gates": (D, 10, gates),
+             "dr": (D, 10, gates), "hd": (D, 10, proj or H), "rhat": (D, 10, gates), "rrstd": (D, 10)}
+    assert {k: tuple(entries[0].buffers[k].shape) for k in timed} == timed
+
+
+def test_module_varlen_runs_the_engine_on_value_rows():
+    """A module with cell options and the Triton backend forced: the varlen call runs the engine's
+    layer on the value rows (no padded tensor), equal to the padded call with lengths."""
     torch.manual_seed(0)
     lengths, cu = [3, 1, 5], torch.tensor([0, 3, 4, 9])
-    layer = getattr(fastlayers, mode)(3, 4, bidirectional=True, layer_norm=True, dtype=torch.float64)
+    layer = fastlayers.LSTM(3, 4, bidirectional=True, layer_norm=True, dtype=torch.float64)
     x = torch.randn(9, 3, dtype=torch.float64, requires_grad=True)
     padded = torch.nn.utils.rnn.pad_sequence(list(x.detach().split(lengths))).requires_grad_()
     with fastlayers.backend("triton"):
-        y, final = layer(x, cu_seqlens=cu)
-        y_pad, final_pad = layer(padded, lengths=torch.tensor(lengths))
+        y, (h, c) = layer(x, cu_seqlens=cu)
+        y_pad, (h_pad, c_pad) = layer(padded, lengths=torch.tensor(lengths))
+    assert type(y.grad_fn).__name__ == "LSTMLayerBackward"
     want = torch.cat([y_pad[:n, b] for b, n in enumerate(lengths)])
     torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
-    h, h_pad = (final[0], final_pad[0]) if mode == "LSTM" else (final, final_pad)
     torch.testing.assert_close(h, h_pad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(c, c_pad, rtol=0, atol=1e-12)
     g, = torch.autograd.grad(y.square().sum(), x)
     g_pad, = torch.autograd.grad(want.square().sum(), padded)
     torch.testing.assert_close(g, torch.cat([g_pad[:n, b] for b, n in enumerate(lengths)]), rtol=0, atol=1e-12)

@@ -10,6 +10,10 @@ batch, X features.
   step; the recurrent input and every buffer the backward reads;
 * state (D, B, X); original-order masks (D, TC, B, X), indexed by time.
 
+Varlen (the kernels' ``VARLEN``, issue 66): the value rows themselves, N = the sum of the lengths,
+sequence b's time t at row starts[b] + t, TC the buffers' row capacity (N or more): time layout
+(TC, D, X), step layout and masks (D, TC, X); no row for a padding position (:func:`locate`).
+
 The step a launch runs is device data: s = clock[0] + j, with j an argument of the launch and
 the int32 tensor ``clock`` = [first step, T] written by the driver (:mod:`fastlayers.rnn._gpu_graphs`),
 so one captured chunk of launches replays for any step offset and any T. A launch whose s is
@@ -49,16 +53,54 @@ def step_of(clock, j):
 
 
 @triton.jit
-def locate(s, T, TC, B, lengths):
+def locate(s, T, TC, B, lengths, starts, VARLEN: tl.constexpr):
     """The row of this program (one per (direction d, sequence b)) at step s of a loop of T steps
-    in buffers of time capacity TC: (d, b, active, t, step, state): whether step s runs for it
-    (t < len_b), its time t (a padding position where it does not run), its row in the step layout
-    and in the state. Only ``active`` reads the lengths."""
+    in buffers of time capacity TC: (d, b, active, t, step, state, trow, mrow, own): whether step s
+    runs for it (t < len_b), its time t (a padding position where it does not run), its row in the
+    step layout, in the state, in the time layout (``trow * D + d``) and in the original-order masks,
+    and ``own``: whether the row's step-layout and time-layout positions are its own to write.
+
+    Padded layout: step row (d * TC + s) * B + b, time row t * B + b, mask row (d * TC + t) * B + b;
+    every row writes its positions (a row that does not run writes its padding position). Varlen
+    layout (``VARLEN``: TC is the buffers' row capacity, ``starts`` (B,) the first value row of each
+    sequence): the rows of sequence b are its own value rows, starts[b] + t, in every layout (step
+    row d * TC + starts[b] + t); a row that does not run has no position: it reads its sequence's
+    last one (in bounds) and writes nothing (``own`` false). Only ``active`` reads the lengths in
+    the padded layout."""
     pid = tl.program_id(0).to(tl.int64)
     d, b = pid // B, pid % B
     t = tl.where(d == 0, s, T - 1 - s)
-    active = t < tl.load(lengths + b)
-    return d, b, active, t, (d * TC + s) * B + b, d * B + b
+    n = tl.load(lengths + b)
+    active = t < n
+    step, trow, mrow = (d * TC + s) * B + b, t * B + b, (d * TC + t) * B + b
+    own = tl.full((), 1, tl.int1)
+    if VARLEN:
+        trow = tl.load(starts + b) + tl.minimum(t, n - 1)
+        step = d * TC + trow
+        mrow = step
+        own = active
+    return d, b, active, t, step, d * B + b, trow, mrow, own
+
+
+@triton.jit
+def neighbour(s, T, B, d, b, t, step, lengths, starts, LATER: tl.constexpr, VARLEN: tl.constexpr):
+    """The step-layout row of the same row's step after this one (``LATER``: the next step of the
+    loop) or before it, and whether it exists. Padded: step s + 1 (s - 1), one (D, B) block on, for
+    s + 1 < T (s > 0). Varlen: the sequence's time t + 1 (t - 1) for the forward direction, t - 1
+    (t + 1) for the reverse one, where that time is within its length."""
+    if LATER:
+        row, there = step + B, s + 1 < T
+    else:
+        row, there = step - B, s > 0
+    if VARLEN:
+        n = tl.load(lengths + b)
+        if LATER:
+            u = tl.where(d == 0, t + 1, t - 1)
+        else:
+            u = tl.where(d == 0, t - 1, t + 1)
+        row = step - tl.minimum(t, n - 1) + u
+        there = (u >= 0) & (u < n)
+    return row, there
 
 
 @triton.jit
@@ -116,13 +158,13 @@ def zero_unless(active, v0, v1, v2, v3):
 
 
 @triton.jit
-def input_norm(x0, x1, x2, x3, gain, bias, xstat, step, H, k, km, eps, acc_t: tl.constexpr, HAS_BIAS: tl.constexpr,
-               BLOCKS: tl.constexpr):
+def input_norm(x0, x1, x2, x3, gain, bias, xstat, step, own, H, k, km, eps, acc_t: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BLOCKS: tl.constexpr):
     """gain * x-hat (+ bias) over the gate blocks of the input projection, x-hat = (x - mean) * rstd
-    over all of them; (mean, rstd) stored at xstat[step]."""
+    over all of them; (mean, rstd) stored at xstat[step] where the row owns it (:func:`locate`)."""
     mx, sx = norm_stats(x0, x1, x2, x3, km, BLOCKS * H, eps, BLOCKS)
-    tl.store(xstat + 2 * step, mx)
-    tl.store(xstat + 2 * step + 1, sx)
+    tl.store(xstat + 2 * step, mx, mask=own)
+    tl.store(xstat + 2 * step + 1, sx, mask=own)
     g0, g1, g2, g3 = load_blocks(gain, H, k, km, acc_t, BLOCKS)
     x0, x1, x2, x3 = g0 * ((x0 - mx) * sx), g1 * ((x1 - mx) * sx), g2 * ((x2 - mx) * sx), g3 * ((x3 - mx) * sx)
     if HAS_BIAS:
@@ -132,13 +174,14 @@ def input_norm(x0, x1, x2, x3, gain, bias, xstat, step, H, k, km, eps, acc_t: tl
 
 
 @triton.jit
-def recurrent_norm(r0, r1, r2, r3, gain, rhat, rrstd, step, H, k, km, eps, acc_t: tl.constexpr,
+def recurrent_norm(r0, r1, r2, r3, gain, rhat, rrstd, step, own, H, k, km, eps, acc_t: tl.constexpr,
                    BLOCKS: tl.constexpr):
-    """gain * r-hat over the gate blocks of the recurrent product; r-hat and rstd stored at step."""
+    """gain * r-hat over the gate blocks of the recurrent product; r-hat and rstd stored at step
+    where the row owns it."""
     mr, sr = norm_stats(r0, r1, r2, r3, km, BLOCKS * H, eps, BLOCKS)
-    tl.store(rrstd + step, sr)
+    tl.store(rrstd + step, sr, mask=own)
     r0, r1, r2, r3 = (r0 - mr) * sr, (r1 - mr) * sr, (r2 - mr) * sr, (r3 - mr) * sr
-    store_blocks(rhat + step * BLOCKS * H, H, k, km, r0, r1, r2, r3, BLOCKS)
+    store_blocks(rhat + step * BLOCKS * H, H, k, km & own, r0, r1, r2, r3, BLOCKS)
     g0, g1, g2, g3 = load_blocks(gain, H, k, km, acc_t, BLOCKS)
     return r0 * g0, r1 * g1, r2 * g2, r3 * g3
 
@@ -183,21 +226,22 @@ def add_row(ptr, k, km, v):
 
 
 @triton.jit
-def finish_h(s, T, TC, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd,
-             ZH_MASK: tl.constexpr, RMASK: tl.constexpr, acc_t: tl.constexpr):
+def finish_h(s, T, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, y, hd, step, trow, mrow, own,
+             lengths, starts, ZH_MASK: tl.constexpr, RMASK: tl.constexpr, VARLEN: tl.constexpr, acc_t: tl.constexpr):
     """h = zh h0 + (1-zh) h1 for an active row (else h0 kept); y[t] = h (0 when not active);
-    hd[:, s+1] = h * rmask."""
+    hd at the step after = h * rmask (varlen: only where the row runs and has a step after)."""
     state = d * B + b
     h0 = tl.load(h + state * P + k, mask=km, other=0.0).to(acc_t)
     kh = zh_const
     if ZH_MASK:
-        kh = tl.load(zh + ((d * TC + t) * B + b) * P + k, mask=km, other=0.0).to(acc_t)
+        kh = tl.load(zh + mrow * P + k, mask=km, other=0.0).to(acc_t)
     hn = tl.where(active, kh * h0 + (1 - kh) * h1, h0)
     tl.store(h + state * P + k, hn, mask=km)
-    tl.store(y + ((t * B + b) * D + d) * P + k, tl.where(active, hn, 0.0), mask=km)
+    tl.store(y + (trow * D + d) * P + k, tl.where(active, hn, 0.0), mask=km & own)
     if RMASK:
         hn = hn * tl.load(rmask + state * P + k, mask=km, other=0.0)
-    tl.store(hd + ((d * TC + s + 1) * B + b) * P + k, hn, mask=tl.where(s + 1 < T, km, False))
+    nxt, there = neighbour(s, T, B, d, b, t, step, lengths, starts, True, VARLEN)
+    tl.store(hd + nxt * P + k, hn, mask=km & there & own)
 
 
 @triton.jit

@@ -43,24 +43,32 @@ K_PER_SLICE = 128
 
 
 @triton.jit(do_not_specialize=["j"])
-def _kernel(a, b, c, clock, j, M, N, K, k_slice, s_ad, s_at, s_am, s_bd, s_bk, s_cs, s_cd, s_cm,
+def _kernel(a, b, c, clock, j, lengths, starts, M, N, K, k_slice, s_ad, s_at, s_am, s_bd, s_bk, s_cs, s_cd, s_cm,
             SLICES: tl.constexpr, PRECISION: tl.constexpr, A_DTYPE: tl.constexpr, WIDEN: tl.constexpr,
-            F64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+            VARLEN: tl.constexpr, F64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     s = tl.load(clock).to(tl.int64) + j
-    if (s < 0) | (s >= tl.load(clock + 1)):
+    steps = tl.load(clock + 1)
+    if (s < 0) | (s >= steps):
         return
-    a += s * s_at
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     d = (tl.program_id(2) // SLICES).to(tl.int64)
     js = tl.program_id(2) % SLICES
+    rows = rm < M
+    if VARLEN:  # row m of a at step s: the value row starts[m] + t of its time t, where t < len_m
+        t = tl.where(d == 0, s, steps - 1 - s)
+        rows = rows & (t < tl.load(lengths + rm, mask=rm < M, other=0))
+        am = tl.load(starts + rm, mask=rows, other=0) + t
+    else:
+        a += s * s_at
+        am = rm
     rk = tl.arange(0, BK)
     start = js * k_slice
     end = tl.minimum(start + k_slice, K)
     acc = tl.zeros([BM, BN], dtype=tl.float64 if F64 else tl.float32)
     for k in range(start, end, BK):
         ks = k + rk
-        at = tl.load(a + d * s_ad + rm[:, None] * s_am + ks[None, :], mask=(rm[:, None] < M) & (ks[None, :] < end),
+        at = tl.load(a + d * s_ad + am[:, None] * s_am + ks[None, :], mask=rows[:, None] & (ks[None, :] < end),
                      other=0.0)
         bt = tl.load(b + d * s_bd + ks[:, None] * s_bk + rn[None, :], mask=(ks[:, None] < end) & (rn[None, :] < N),
                      other=0.0)
@@ -84,17 +92,28 @@ def slices(k: int) -> int:
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int], low: torch.dtype | None = None) -> Tensor:
+def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int], low: torch.dtype | None = None,
+           rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """out (S, D, M, N) [or (D, M, N)] = the S partial products of a[:, s] @ b (D, K, N), a (D, TC,
     M, K), s = clock[0] + j for ``at = (clock, j)`` (out untouched when s is outside [0, clock[1])).
     ``low``: the low dtype of a mixed-precision call whose ``b`` is float32 (``a`` is rounded to
-    it). Raises AssertionError on layouts other than the above."""
+    it). ``rows = (lengths, starts)``, (M,) int64 each: the varlen layout (:mod:`._cell`), a (D, TC,
+    K) with row m of step s at starts[m] + t (t = s forward, T - 1 - s reverse), zero where t >=
+    lengths[m]. Raises AssertionError on layouts other than the above."""
     clock, j = at
-    dirs, _, rows, inner = a.shape
+    if rows is None:
+        dirs, _, count_m, inner = a.shape
+        lengths = starts = clock
+        strides = a.stride(0), a.stride(1), a.stride(2)  # direction, step, row
+    else:
+        (dirs, _, inner), (lengths, starts) = a.shape, rows
+        count_m = lengths.numel()
+        strides = a.stride(0), 0, a.stride(1)
     cols = b.size(2)
     parts = out if out.dim() == 4 else out.unsqueeze(0)
     count = parts.size(0)
-    assert a.stride(3) == 1 and b.stride(2) == 1 and parts.is_contiguous() and parts.shape[1:] == (dirs, rows, cols)
+    assert a.stride(-1) == 1 and b.stride(2) == 1 and parts.is_contiguous() and \
+        parts.shape[1:] == (dirs, count_m, cols)
     k_slice = cdiv(cdiv(inner, count), BLOCK_K) * BLOCK_K
     # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly (1e11 off at K=128): under it
     # low-precision operands are widened to float32 first
@@ -108,11 +127,12 @@ def matmul(a: Tensor, b: Tensor, out: Tensor, at: tuple[Tensor, int], low: torch
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     else:
         precision = None
-    grid = (cdiv(cols, BLOCK_N), cdiv(rows, BLOCK_M), dirs * count)
+    grid = (cdiv(cols, BLOCK_N), cdiv(count_m, BLOCK_M), dirs * count)
     launch(_kernel, grid, (
-        a, b, parts, clock, j, rows, cols, inner, k_slice, a.stride(0), a.stride(1), a.stride(2), b.stride(0),
+        a, b, parts, clock, j, lengths, starts, count_m, cols, inner, k_slice, *strides, b.stride(0),
         b.stride(1), parts.stride(0), parts.stride(1), parts.stride(2)),
         {"SLICES": count, "PRECISION": precision, "A_DTYPE": a_dtype if a.dtype != b.dtype or low is not None else None,
-         "WIDEN": widen, "F64": b.dtype == torch.float64, "BM": BLOCK_M, "BN": BLOCK_N, "BK": BLOCK_K},
+         "WIDEN": widen, "VARLEN": rows is not None, "F64": b.dtype == torch.float64, "BM": BLOCK_M, "BN": BLOCK_N,
+         "BK": BLOCK_K},
         num_warps=4, num_stages=2)
     return out

@@ -35,6 +35,13 @@ Measured on the H100 (2026-11-24, eager LN-LSTM fwd+bwd under the profiler): ste
 yet: H=1024 (105-146 registers, no spills) and small B, where 8 warps per program, or rows split
 over 2-4 programs for the kernels without LayerNorm, are the candidates.
 
+The varlen form (input (N, F), the sequences one after another, issue 66) runs the same loops on
+the value rows themselves: the input projection, the output and every buffer the loops save are
+(N, ...) instead of (T, B, ...), sequence b's time t at row starts[b] + t; per step each
+(direction, sequence) program runs its own row where t < len_b and does nothing else (no padding
+position to write), and the recurrent product gathers the step's rows
+(:mod:`fastlayers._triton._cell`, :mod:`fastlayers._triton.step_matmul`).
+
 Nothing in the time loop depends on the lengths' values or on T on the host: the step s is
 device data of every launch (:mod:`fastlayers._triton._cell`), so a chunk of steps is captured
 once in a CUDA graph and replayed for any lengths and any T (:mod:`._gpu_graphs`; the plain modules'
@@ -56,30 +63,36 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._core import precision as _precision
+from .._core import jagged, precision as _precision
 from . import _gpu_graphs
 from ._common import drawn_masks, input_bias
 from ._options import CellOptions
-from ._gpu_layers import GRULayer, LSTMLayer, stack_directions
+from ._gpu_layers import GRULayer, LSTMLayer, Varlen, stack_directions
 
 
 
 def lstm_engine_gpu(input: Tensor, hx: tuple[Tensor, Tensor], layers: list[list[dict[str, Tensor]]],
                     lengths: Tensor | None, options: CellOptions, *, dropout: float = 0.0, training: bool = False,
-                    masks: list[dict[str, Tensor]] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+                    masks: list[dict[str, Tensor]] | None = None, varlen: jagged.Varlen | None = None
+                    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """As :func:`fastlayers.rnn._cpu.lstm_engine` (same arguments, results and masks), on the
     Triton backend (CUDA tensors; CPU tensors under Triton's interpreter). Also takes, for one
     layer, an input per direction: (D, T, B, F), direction d reading its own as it would the
     layer's (the reverse one from each sequence's last valid row back); its gradient is then
-    (D, T, B, F), and such a call does not differentiate twice (RuntimeError)."""
-    return _engine("LSTM", input, hx, layers, lengths, options, dropout, training, masks)
+    (D, T, B, F), and such a call does not differentiate twice (RuntimeError). With ``varlen``
+    (:func:`fastlayers._core.jagged.varlen`, time-major; ``lengths`` its lengths): the varlen form,
+    input (N, F) and output (N, D*P), every buffer sized by N; masks drawn (or given) with
+    zoneout (D, N, width) on the value rows."""
+    return _engine("LSTM", input, hx, layers, lengths, options, dropout, training, masks, varlen)
 
 
 def gru_engine_gpu(input: Tensor, hx: tuple[Tensor], layers: list[list[dict[str, Tensor]]], lengths: Tensor | None,
                    options: CellOptions, *, dropout: float = 0.0, training: bool = False,
-                   masks: list[dict[str, Tensor]] | None = None) -> tuple[Tensor, tuple[Tensor]]:
-    """As :func:`fastlayers.rnn._cpu.gru_engine`, on the Triton backend."""
-    return _engine("GRU", input, hx, layers, lengths, options, dropout, training, masks)
+                   masks: list[dict[str, Tensor]] | None = None, varlen: jagged.Varlen | None = None
+                   ) -> tuple[Tensor, tuple[Tensor]]:
+    """As :func:`fastlayers.rnn._cpu.gru_engine`, on the Triton backend (``varlen`` as
+    :func:`lstm_engine_gpu`'s)."""
+    return _engine("GRU", input, hx, layers, lengths, options, dropout, training, masks, varlen)
 
 
 # plain-call signature -> (_gpu_graphs.generation, longest T) for which every loop of such a call replays
@@ -147,19 +160,20 @@ def _prepare(module, x: Tensor, steps: int, grad: bool, sig: tuple) -> None:
         _READY.popitem(last=False)
 
 
-def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks):
+def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks, varlen=None):
     # input (T, B, F), or (D, T, B, F) for one layer whose directions read inputs of their own
     # (direction d's row (t, b) read as the layer's row (t, b) would be: the reverse direction runs
-    # t from len_b - 1 down to 0; what _remat runs a segment's directions with, in one call)
-    steps, batch = input.shape[-3:-1]
+    # t from len_b - 1 down to 0; what _remat runs a segment's directions with, in one call); or the
+    # varlen form's (N, F)
     dirs = len(layers[0])
+    dev = input.device
+    if varlen is not None:  # no padding to skip or zero: every row is a value row
+        return _layers(cell, input, hx, layers, options, dropout, training, masks, varlen.lengths.to(dev),
+                       varlen.batch, (dirs, input.size(0)), Varlen.of(varlen, dev))
+    steps, batch = input.shape[-3:-1]
     if input.dim() == 4 and (len(layers) != 1 or input.size(0) != dirs):
         raise ValueError(f"input: a (D, T, B, F) input is for one layer of D = {dirs} directions, got shape "
                          f"{tuple(input.shape)} for {len(layers)} layer(s)")
-    gates = 4 if cell == "LSTM" else 3
-    hidden = layers[0][0]["weight_hh"].size(0) // gates
-    out_size = layers[0][0]["weight_hr"].size(0) if "weight_hr" in layers[0][0] else hidden
-    dev = input.device
     # lengths (validated, CPU int64) are data of the kernels; the loops run up to the longest one
     # only (the steps after every sequence's end change nothing), and a batch of equal lengths
     # needs none (the kernels then take all T)
@@ -168,22 +182,39 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
         longest = int(lengths.max())
         if not bool((lengths == longest).all()):
             lens = lengths.to(dev, non_blocking=True)
-    z_h, z_c = options.zoneout
-    ln, peep = options.layer_norm, options.peephole
-    finals: list[list[Tensor]] = [[] for _ in hx]
     x = input[..., :longest, :, :]
     if lens is not None:  # padding is never read: zeros there keep NaN / inf out of dW_ih = dpre^T x
         x = x.masked_fill((torch.arange(longest, device=dev).unsqueeze(1) >= lens).unsqueeze(2), 0)
+    x, finals = _layers(cell, x, hx, layers, options, dropout, training, masks, lens, batch, (dirs, steps, batch),
+                        None, longest)
+    if longest < steps:  # the rows after every sequence's end: zeros, as the packed path's output
+        x = F.pad(x, (0, 0, 0, 0, 0, steps - longest))
+    return x, finals
+
+
+def _layers(cell, x, hx, layers, options, dropout, training, masks, lens, batch, zoneout_rows, varlen,
+            longest=None):
+    """The layers of one call, each one autograd Function over all its directions: x (T, B, F) (or
+    (D, T, B, F)) cut to the longest length, or varlen (N, F) with ``varlen`` a :class:`Varlen`;
+    zoneout masks drawn (or given) as (*zoneout_rows, width) and cut to ``longest`` steps."""
+    dirs = len(layers[0])
+    gates = 4 if cell == "LSTM" else 3
+    hidden = layers[0][0]["weight_hh"].size(0) // gates
+    out_size = layers[0][0]["weight_hr"].size(0) if "weight_hr" in layers[0][0] else hidden
+    z_h, z_c = options.zoneout
+    ln, peep = options.layer_norm, options.peephole
+    finals: list[list[Tensor]] = [[] for _ in hx]
     for li, dir_params in enumerate(layers):
         stack = lambda name, use=True: stack_directions([p[name] for p in dir_params]) if use else None  # noqa: E731
         has_bias, bias = input_bias(cell, dir_params, stack)
         m = (masks[li] if masks is not None else None) or {}
         # drawn in the layout of given masks: (D, B, P); zoneout (D, T, B, width), original time and
-        # batch order, as the kernels read them
-        m = {**m, **drawn_masks(cell, options, training, m, (dirs, batch, out_size), (dirs, steps, batch), hidden,
-                                out_size, x)}
+        # batch order, as the kernels read them (varlen: (D, N, width), the value rows)
+        m = {**m, **drawn_masks(cell, options, training, m, (dirs, batch, out_size), zoneout_rows, hidden, out_size,
+                                x)}
         rmask = m.get("recurrent")
-        zmasks = [m[key][:, :longest] if key in m else None for key in ("zoneout_c", "zoneout_h")]
+        zmasks = [(m[key][:, :longest] if varlen is None else m[key]) if key in m else None
+                  for key in ("zoneout_c", "zoneout_h")]
         k = slice(li * dirs, (li + 1) * dirs)
         if cell == "LSTM":
             consts = (options.cell_clip or 0.0, 0.0 if training else z_c, 0.0 if training else z_h,
@@ -192,16 +223,14 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks)
                 x, stack("weight_ih"), stack("ln_ih_weight", ln), bias, hx[0][k], hx[1][k], stack("weight_hh"),
                 stack("ln_hh_weight", ln), stack("ln_cell_weight", ln), stack("ln_cell_bias", ln),
                 stack("weight_peephole", peep), stack("weight_hr", "weight_hr" in dir_params[0]),
-                rmask, zmasks[0], zmasks[1], lens, consts)
+                rmask, zmasks[0], zmasks[1], lens, consts, varlen)
         else:
             y, *last = GRULayer.apply(x, stack("weight_ih"), stack("ln_ih_weight", ln), bias, hx[0][k],
                                       stack("weight_hh"), stack("bias_hh", has_bias), stack("ln_hh_weight", ln), rmask,
-                                      zmasks[1], lens, (0.0 if training else z_h,))
+                                      zmasks[1], lens, (0.0 if training else z_h,), varlen)
         x = y
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
         for acc, s in zip(finals, last):
             acc.append(s)
-    if longest < steps:  # the rows after every sequence's end: zeros, as the packed path's output
-        x = F.pad(x, (0, 0, 0, 0, 0, steps - longest))
     return x, tuple(torch.cat(f) if len(f) > 1 else f[0] for f in finals)

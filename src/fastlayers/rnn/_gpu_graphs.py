@@ -13,18 +13,19 @@ backward loop). A loop of T steps sets the clock and replays the chunk ceil(T / 
 one capture serves every T, and every lengths vector (the lengths are data too).
 
 Entries. A captured entry holds the buffers of one layer call (its inputs, its saved activations
-and, once a backward ran, the backward's buffers), each with its time dimension sized by the
-entry's *capacity*, and the chunk graphs captured on them (the forward's, the backward's). It is
-keyed by everything but T (the layer's loop key, the buffers' other dimensions, dtypes, device).
-A call of T steps takes an idle entry of its key whose capacity is at least T; if there is none,
-the key's capacity grows to max(T, GROWTH x the last one), rounded up to a multiple of CHUNK, and
-a new entry is made (its graphs captured on first use) while the idle smaller ones are dropped:
-a recapture per growth, never per T, and the memory held is that of the longest T seen (at most
-GROWTH x it, plus a chunk). The forward's entry stays busy until the layer's backward is done
-(``backward_done``; or its autograd node is dropped): a second call with the same key meanwhile
-takes a second entry. Idle entries are dropped, least recently used first, when the buffers of
-all entries of a device exceed ``FASTLAYERS_CUDA_GRAPHS_MAX_MB`` (default: a quarter of the
-device's memory).
+and, once a backward ran, the backward's buffers), each with its time dimension sized by the entry's
+*capacity*, and the chunk graphs captured on them (the forward's, the backward's). It is keyed by
+everything but T (the layer's loop key, the buffers' other dimensions, dtypes, device). A call of T
+steps takes an idle entry of its key whose capacity is at least T; if there is none, the key's
+capacity grows to max(T, GROWTH x the last one), rounded up to a multiple of CHUNK, and a new entry
+is made (its graphs captured on first use) while the idle smaller ones are dropped: a recapture per
+growth, never per T, and the memory held is that of the longest T seen (at most GROWTH x it, plus a
+chunk). A varlen call's buffers hold its N value rows instead of T steps of B rows: its entries'
+capacity counts rows (:func:`open`'s ``extent``). The forward's entry stays busy until the layer's
+backward is done (``backward_done``; or its autograd node is dropped): a second call with the same
+key meanwhile takes a second entry. Idle entries are dropped, least recently used first, when the
+buffers of all entries of a device exceed ``FASTLAYERS_CUDA_GRAPHS_MAX_MB`` (default: a quarter of
+the device's memory).
 
 Eager loops run where capture is off or impossible: ``FASTLAYERS_CUDA_GRAPHS=0``, CPU tensors
 (Triton's interpreter), inside a capture of the caller's own, under torch.compile; and loops of at
@@ -177,14 +178,15 @@ class Loop:
     """
 
     def __init__(self, entry: _Entry | None, st: dict[str, Any], steps: int, device: torch.device,
-                 time_dims: dict[str, int]) -> None:
+                 time_dims: dict[str, int], extent: int | None = None) -> None:
         self.entry, self.st, self.steps, self.device = entry, st, steps, device
+        self.extent = steps if extent is None else extent  # what the buffers' time dimension holds
         self.time_dims = dict(time_dims)  # name -> time dimension, of every buffer with one
         self.release: Callable[[], None] = _nothing
 
     def cut(self, st: dict[str, Any]) -> dict[str, Any]:
-        """The tensors of ``st`` cut to the loop's T steps along their time dimension."""
-        return {k: v.narrow(self.time_dims[k], 0, self.steps) if v is not None and k in self.time_dims else v
+        """The tensors of ``st`` cut to the loop's extent (T steps, or N rows) along their time dimension."""
+        return {k: v.narrow(self.time_dims[k], 0, self.extent) if v is not None and k in self.time_dims else v
                 for k, v in st.items()}
 
     @property
@@ -202,7 +204,7 @@ class Loop:
         self.time_dims.update(_time_dims(outs, time_dims))
         if self.entry is None:
             part.update(ins)
-            part.update({k: _empty(like, s, self.steps) for k, s in outs.items()})
+            part.update({k: _empty(like, s, self.extent) for k, s in outs.items()})
             return part
         entry = self.entry
         dims = time_dims or {}
@@ -224,7 +226,7 @@ class Loop:
                 entry.nbytes += size
             _allocate(entry, new, new_outs, time_dims or {}, like)
         for k, v in ins.items():
-            part[k] = _fill(entry.buffers[k], v, (time_dims or {}).get(k), self.steps) if v is not None else None
+            part[k] = _fill(entry.buffers[k], v, (time_dims or {}).get(k), self.extent) if v is not None else None
         part.update({k: entry.buffers[k] if s is not None else None for k, s in outs.items()})
         return part
 
@@ -288,29 +290,33 @@ class Loop:
 
 
 def open(owner: object | None, key: tuple, steps: int, ins: dict[str, Tensor | None], outs: dict[str, tuple | None],
-         time_dims: dict[str, int] | None = None) -> Loop:
+         time_dims: dict[str, int] | None = None, extent: int | None = None) -> Loop:
     """The buffers of a layer call of ``steps`` steps: ``ins`` (tensors or None; the dimension
     ``time_dims[name]`` of an input is its time dimension) and new buffers of the shapes ``outs``
     (TIME in the time dimension, None: absent) in the dtype and device of ``ins["numbers"]``, plus
     ``clock`` (int32 [first step, T]). Captured (:func:`enabled`): an entry's buffers, the inputs
     copied in, valid until ``Loop.release()`` (also called when ``owner`` is garbage-collected);
-    eagerly, the inputs themselves and fresh buffers. The loops may update inputs in place."""
+    eagerly, the inputs themselves and fresh buffers. The loops may update inputs in place.
+    ``extent``: what the TIME dimension holds when it is not the steps (the varlen form's N rows,
+    run in T steps): an entry's capacity then counts rows."""
     like = ins["numbers"]
     assert like is not None
     time_dims = time_dims or {}
+    size = steps if extent is None else extent
     prepare_steps = getattr(_state, "preparing", None)
-    most = max(steps, prepare_steps or 0)
-    entry = _claim(key, most, ins, outs, time_dims) if most > EAGER_STEPS and enabled(like) else None
+    most = max(size, prepare_steps or 0)
+    entry = _claim(key, most, ins, outs, time_dims) if max(steps, prepare_steps or 0) > EAGER_STEPS and \
+        enabled(like) else None
     if entry is None:
-        st: dict[str, Any] = {**ins, **{k: _empty(like, s, steps) for k, s in outs.items()}}
+        st: dict[str, Any] = {**ins, **{k: _empty(like, s, size) for k, s in outs.items()}}
         st["clock"] = _clock(like.device, steps)
-        return Loop(None, st, steps, like.device, _time_dims(outs, time_dims))
-    st = {k: _fill(entry.buffers[k], v, time_dims.get(k), steps) if v is not None else None for k, v in ins.items()}
+        return Loop(None, st, steps, like.device, _time_dims(outs, time_dims), size)
+    st = {k: _fill(entry.buffers[k], v, time_dims.get(k), size) if v is not None else None for k, v in ins.items()}
     st.update({k: entry.buffers[k] if s is not None else None for k, s in outs.items()})
     st["clock"] = entry.buffers["clock"]
     if prepare_steps is not None:
         _state.claimed.append(entry.capacity)
-    loop = Loop(entry, st, steps, like.device, _time_dims(outs, time_dims))
+    loop = Loop(entry, st, steps, like.device, _time_dims(outs, time_dims), size)
     # weakref.finalize runs once, whether called or when the owner is collected
     loop.release = weakref.finalize(owner, _free, entry) if owner is not None else lambda: _free(entry)
     return loop

@@ -379,13 +379,25 @@ class _CellOptionsMixin:
         return (out.transpose(0, 1) if self.batch_first else out), final
 
     def _forward_varlen(self, values: Any, hx: Any, cu_seqlens: Any, max_seqlen: Any) -> Any:
-        """The varlen form on the C engine: its packed rows read from and written to the (N, ...)
-        layout directly (no padded tensor: memory follows N, not B x T); elsewhere (other backends,
-        recomputation) through the padded path, and traced through the varlen operators
-        (:meth:`_LengthsMixin._forward_varlen`)."""
+        """The varlen form on the C engine (its packed rows read from and written to the (N, ...)
+        layout directly) and, for a layer with cell options, on the Triton engine (its buffers sized
+        by the N value rows): no padded tensor, memory follows N, not B x T. Elsewhere (the
+        reference backend, plain layers off the C engine, recomputation) through the padded path,
+        and traced through the varlen operators (:meth:`_LengthsMixin._forward_varlen`)."""
+        backend = select(self.mode.lower(), values) if isinstance(values, Tensor) else None
+        on_engine = backend == "cpu" or (backend == "triton" and (not self.options.plain
+                                                                  or self._engine_precision(values)))
         if not (isinstance(values, Tensor) and values.dim() == 2 and values.size(0) > 0) \
-                or torch.compiler.is_compiling() or select(self.mode.lower(), values) != "cpu" or self._recomputes():
+                or torch.compiler.is_compiling() or not on_engine or self._recomputes():
             return super()._forward_varlen(values, hx, cu_seqlens, max_seqlen)  # type: ignore[misc]
+        if backend == "triton":
+            varlen = jagged.varlen(cu_seqlens, values.size(0), values.device, batch_first=False,
+                                   max_seqlen=max_seqlen)
+            states = self._varlen_states(values, hx, varlen.batch)  # type: ignore[attr-defined]
+            out, final = ENGINES[self.mode, "triton"](values, states, self._layer_parameters(), varlen.lengths,
+                                                      self.options, dropout=self.dropout, training=self.training,
+                                                      varlen=varlen)
+            return out, (final if self.mode == "LSTM" else final[0])
         lengths, longest = jagged.check_cu_seqlens(cu_seqlens, values.size(0), values.device, max_seqlen=max_seqlen)
         states = self._varlen_states(values, hx, lengths.numel())  # type: ignore[attr-defined]
         plan = make_plan(lengths, longest, False, values.device, varlen=True)

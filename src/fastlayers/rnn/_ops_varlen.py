@@ -6,17 +6,17 @@ output size (proj_size, or H), D directions.
 
 While torch.compile or torch.export traces a call with ``cu_seqlens`` (or a jagged NestedTensor),
 each layer is one call of ``torch.ops.fastlayers.lstm_varlen``, ``gru_varlen`` or ``rnn_varlen``:
-plain tensors in (the values (N, F), ``cu_seqlens`` (B+1,), the states, the layer's weights
-stacked over directions, the training masks) and out (the output (N, D*P), the final states).
-Their shapes follow from N and B alone, so the graph never reads a length: a new batch of other
-lengths (or another N, dynamic under torch.export) runs the same graph. The operators run the
-eager engine (the C engine's varlen rows on CPU; elsewhere the padded path between
-:func:`fastlayers._core.jagged.pad` and ``unpad``) and validate ``cu_seqlens``'s values there, at
-run time, with the eager call's errors (``max_seqlen`` is not needed there: only its type is checked
-while tracing). Their autograd recomputes the layer with the eager engine
-and takes its gradient, as the padded export operators do (:mod:`._ops_export`): a compiled
-training step pays one extra forward per layer. Python operators: an exported program runs where
-fastlayers is imported (``ep.module()``), not in AOTInductor packages.
+plain tensors in (the values (N, F), ``cu_seqlens`` (B+1,), the states, the layer's weights stacked
+over directions, the training masks) and out (the output (N, D*P), the final states). Their shapes
+follow from N and B alone, so the graph never reads a length: a new batch of other lengths (or
+another N, dynamic under torch.export) runs the same graph. The operators run the eager engine (the
+C engine's varlen rows on CPU, the Triton engine's on the Triton backend; the reference backend and
+the Elman RNN take the padded path between :func:`fastlayers._core.jagged.pad` and ``unpad``) and
+validate ``cu_seqlens``'s values there, at run time, with the eager call's errors (``max_seqlen`` is
+not needed there: only its type is checked while tracing). Their autograd recomputes the layer with
+the eager engine and takes its gradient, as the padded export operators do (:mod:`._ops_export`): a
+compiled training step pays one extra forward per layer. Python operators: an exported program runs
+where fastlayers is imported (``ep.module()``), not in AOTInductor packages.
 
 Training masks are drawn by the caller (:func:`varlen_operator_layers`) with torch.bernoulli:
 zoneout keep-masks (D, N, width) in the values' row order, the recurrent mask (D, B, P).
@@ -52,12 +52,19 @@ def _varlen_eagerly(cell: str, x: Tensor, cu_seqlens: Tensor, states: tuple[Tens
                     consts: dict) -> tuple[Tensor, ...]:
     """One varlen layer with the eager engine (differentiable): the operators' implementation and
     the recomputation their autograd differentiates. ``cell``: "LSTM", "GRU", "RNN_TANH", "RNN_RELU"."""
-    if cell in ("LSTM", "GRU") and select(cell.lower(), x) == "cpu":
+    backend = select(cell.lower(), x) if cell in ("LSTM", "GRU") else None
+    if backend == "cpu":
         lengths, longest = jagged.check_cu_seqlens(cu_seqlens, x.size(0), x.device)
         layer, options = _layer_args(cell, w, consts)
         plan = make_plan(lengths, longest, False, x.device, varlen=True)
         out, final = engine(cell, "cpu")(x, states, [layer], lengths, options, training=False,
                                          masks=[engine_masks(masks)], plan=plan)
+        return (out, *final)
+    if backend == "triton":  # the Triton engine on the value rows (masks (D, N, width) as they are)
+        varlen = jagged.varlen(cu_seqlens, x.size(0), x.device, batch_first=False)
+        layer, options = _layer_args(cell, w, consts)
+        out, final = engine(cell, "triton")(x, states, [layer], varlen.lengths, options, training=False,
+                                            masks=[engine_masks(masks)], varlen=varlen)
         return (out, *final)
     plan = jagged.varlen(cu_seqlens, x.size(0), x.device, batch_first=False)
     padded = jagged.pad(x, plan, batch_first=False)
