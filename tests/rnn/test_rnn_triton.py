@@ -695,3 +695,22 @@ def test_module_varlen_runs_the_engine_on_value_rows():
     g, = torch.autograd.grad(y.square().sum(), x)
     g_pad, = torch.autograd.grad(want.square().sum(), padded)
     torch.testing.assert_close(g, torch.cat([g_pad[:n, b] for b, n in enumerate(lengths)]), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_module_varlen_in_training_draws_the_padded_calls_masks(mode):
+    """Zoneout and recurrent dropout in training on the Triton engine: the same seed gives the
+    varlen call the padded call's masks (drawn (D, T, B, width), kept on the value rows), so the
+    same outputs."""
+    lengths, cu = [3, 1, 5], torch.tensor([0, 3, 4, 9])
+    layer = getattr(fastlayers, mode)(3, 4, bidirectional=True, layer_norm=True, zoneout=0.3, recurrent_dropout=0.2,
+                                      dtype=torch.float64)
+    x = torch.randn(9, 3, dtype=torch.float64)
+    padded = torch.nn.utils.rnn.pad_sequence(list(x.split(lengths)))
+    with fastlayers.backend("triton"):
+        torch.manual_seed(3)
+        y, _ = layer(x, cu_seqlens=cu)
+        torch.manual_seed(3)
+        y_pad, _ = layer(padded, lengths=torch.tensor(lengths))
+    assert type(y.grad_fn).__name__ == f"{mode}LayerBackward"
+    torch.testing.assert_close(y, torch.cat([y_pad[:n, b] for b, n in enumerate(lengths)]), rtol=0, atol=1e-12)

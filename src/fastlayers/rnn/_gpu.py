@@ -81,8 +81,8 @@ def lstm_engine_gpu(input: Tensor, hx: tuple[Tensor, Tensor], layers: list[list[
     layer's (the reverse one from each sequence's last valid row back); its gradient is then
     (D, T, B, F), and such a call does not differentiate twice (RuntimeError). With ``varlen``
     (:func:`fastlayers._core.jagged.varlen`, time-major; ``lengths`` its lengths): the varlen form,
-    input (N, F) and output (N, D*P), every buffer sized by N; masks drawn (or given) with
-    zoneout (D, N, width) on the value rows."""
+    input (N, F) and output (N, D*P), every buffer sized by N; given zoneout masks (D, N, width) on
+    the value rows; drawn ones are the padded call's (the same draws from the same seed)."""
     return _engine("LSTM", input, hx, layers, lengths, options, dropout, training, masks, varlen)
 
 
@@ -169,7 +169,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
     dev = input.device
     if varlen is not None:  # no padding to skip or zero: every row is a value row
         return _layers(cell, input, hx, layers, options, dropout, training, masks, varlen.lengths.to(dev),
-                       varlen.batch, (dirs, input.size(0)), Varlen.of(varlen, dev))
+                       varlen.batch, (dirs, varlen.steps, varlen.batch), Varlen.of(varlen, dev))
     steps, batch = input.shape[-3:-1]
     if input.dim() == 4 and (len(layers) != 1 or input.size(0) != dirs):
         raise ValueError(f"input: a (D, T, B, F) input is for one layer of D = {dirs} directions, got shape "
@@ -196,7 +196,8 @@ def _layers(cell, x, hx, layers, options, dropout, training, masks, lens, batch,
             longest=None):
     """The layers of one call, each one autograd Function over all its directions: x (T, B, F) (or
     (D, T, B, F)) cut to the longest length, or varlen (N, F) with ``varlen`` a :class:`Varlen`;
-    zoneout masks drawn (or given) as (*zoneout_rows, width) and cut to ``longest`` steps."""
+    zoneout masks drawn as (*zoneout_rows, width) (or given) and cut to ``longest`` steps, or, varlen,
+    taken to the value rows (given ones are there already)."""
     dirs = len(layers[0])
     gates = 4 if cell == "LSTM" else 3
     hidden = layers[0][0]["weight_hh"].size(0) // gates
@@ -209,9 +210,13 @@ def _layers(cell, x, hx, layers, options, dropout, training, masks, lens, batch,
         has_bias, bias = input_bias(cell, dir_params, stack)
         m = (masks[li] if masks is not None else None) or {}
         # drawn in the layout of given masks: (D, B, P); zoneout (D, T, B, width), original time and
-        # batch order, as the kernels read them (varlen: (D, N, width), the value rows)
-        m = {**m, **drawn_masks(cell, options, training, m, (dirs, batch, out_size), zoneout_rows, hidden, out_size,
-                                x)}
+        # batch order, as the kernels read them; varlen: drawn so too (the padded call's masks from
+        # the same seed), then kept on the value rows (D, N, width), as the kernels read them there
+        drawn = drawn_masks(cell, options, training, m, (dirs, batch, out_size), zoneout_rows, hidden, out_size, x)
+        if varlen is not None:
+            drawn = {k: torch.stack([jagged.unpad(v, varlen.plan) for v in t]) if k.startswith("zoneout") else t
+                     for k, t in drawn.items()}
+        m = {**m, **drawn}
         rmask = m.get("recurrent")
         zmasks = [(m[key][:, :longest] if varlen is None else m[key]) if key in m else None
                   for key in ("zoneout_c", "zoneout_h")]
