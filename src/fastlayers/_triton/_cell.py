@@ -73,13 +73,20 @@ def locate(s, T, TC, B, lengths, starts, VARLEN: tl.constexpr):
     n = tl.load(lengths + b)
     active = t < n
     step, trow, mrow = (d * TC + s) * B + b, t * B + b, (d * TC + t) * B + b
-    own = tl.full((), 1, tl.int1)
+    own = t == t  # true (a comparison the compiler folds; an int1 constant is no mask to Triton 3.9's interpreter)
     if VARLEN:
         trow = tl.load(starts + b) + tl.minimum(t, n - 1)
         step = d * TC + trow
         mrow = step
         own = active
     return d, b, active, t, step, d * B + b, trow, mrow, own
+
+
+@triton.jit
+def lanes(km, cond):
+    """The lanes km where the scalar ``cond`` holds (tl.where: Triton 3.9's interpreter makes
+    ``lanes & scalar`` an int32 mask, which its stores refuse)."""
+    return tl.where(cond, km, False)
 
 
 @triton.jit
@@ -181,7 +188,7 @@ def recurrent_norm(r0, r1, r2, r3, gain, rhat, rrstd, step, own, H, k, km, eps, 
     mr, sr = norm_stats(r0, r1, r2, r3, km, BLOCKS * H, eps, BLOCKS)
     tl.store(rrstd + step, sr, mask=own)
     r0, r1, r2, r3 = (r0 - mr) * sr, (r1 - mr) * sr, (r2 - mr) * sr, (r3 - mr) * sr
-    store_blocks(rhat + step * BLOCKS * H, H, k, km & own, r0, r1, r2, r3, BLOCKS)
+    store_blocks(rhat + step * BLOCKS * H, H, k, lanes(km, own), r0, r1, r2, r3, BLOCKS)
     g0, g1, g2, g3 = load_blocks(gain, H, k, km, acc_t, BLOCKS)
     return r0 * g0, r1 * g1, r2 * g2, r3 * g3
 
@@ -237,11 +244,11 @@ def finish_h(s, T, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, 
         kh = tl.load(zh + mrow * P + k, mask=km, other=0.0).to(acc_t)
     hn = tl.where(active, kh * h0 + (1 - kh) * h1, h0)
     tl.store(h + state * P + k, hn, mask=km)
-    tl.store(y + (trow * D + d) * P + k, tl.where(active, hn, 0.0), mask=km & own)
+    tl.store(y + (trow * D + d) * P + k, tl.where(active, hn, 0.0), mask=lanes(km, own))
     if RMASK:
         hn = hn * tl.load(rmask + state * P + k, mask=km, other=0.0)
     nxt, there = neighbour(s, T, B, d, b, t, step, lengths, starts, True, VARLEN)
-    tl.store(hd + nxt * P + k, hn, mask=km & there & own)
+    tl.store(hd + nxt * P + k, hn, mask=lanes(lanes(km, there), own))
 
 
 @triton.jit

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._cell import (add_blocks, block, carried, finish_h, input_norm, load_blocks, locate, norm_backward, parts,
-                    parts_stride, present_or, recurrent_norm, sigmoid, step_of, store_blocks, tanh, zero_unless)
+from ._cell import (add_blocks, block, carried, finish_h, input_norm, lanes, load_blocks, locate, norm_backward,
+                    parts, parts_stride, present_or, recurrent_norm, sigmoid, step_of, store_blocks, tanh, zero_unless)
 from ._launch import launch
 
 
@@ -50,7 +50,7 @@ def _forward_kernel(clock, j, TC, B, D, H, lengths, starts, xp, b_ih, gx, r, h, 
     zg = sigmoid(x1 + r1)
     ng = tanh(x2 + rg * r2)
     h0 = tl.load(h + state * H + k, mask=km, other=0.0).to(acc_t)
-    sm = km & own  # the lanes of the step-layout rows this program writes
+    sm = lanes(km, own)  # the lanes of the step-layout rows this program writes
     store_blocks(gates + step * G, H, k, sm, rg, zg, ng, ng, 3)
     tl.store(hbn + step * H + k, r2, mask=sm)
     tl.store(hist + step * H + k, h0, mask=sm)
@@ -94,7 +94,7 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, starts, dy, dh, g, g_parts,
     drg = tl.where(active, dn * hb2 * rg * (1 - rg), 0.0)
     dhn = dn * rg  # the gradient of hb_n
     xrow = (trow * D + d) * G
-    sm = km & own
+    sm = lanes(km, own)
     if LN:
         if NEED_HB:
             add_blocks(dhb + state * G, H, k, km, drg, dz, dhn, dhn, 3)

@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._cell import (add_blocks, add_row, block, carried, finish_h, input_norm, load_blocks, locate, neighbour,
-                    norm_backward, norm_backward_terms, norm_stats, parts, parts_stride, present_or, recurrent_norm,
-                    sigmoid, step_of, store_blocks, tanh, zero_unless)
+from ._cell import (add_blocks, add_row, block, carried, finish_h, input_norm, lanes, load_blocks, locate,
+                    neighbour, norm_backward, norm_backward_terms, norm_stats, parts, parts_stride, present_or,
+                    recurrent_norm, sigmoid, step_of, store_blocks, tanh, zero_unless)
 from ._launch import launch
 
 
@@ -60,7 +60,7 @@ def _forward_kernel(clock, j, TC, B, D, H, lengths, starts, xp, bias, gx, r, h, 
         r0, r1, r2, r3 = recurrent_norm(r0, r1, r2, r3, gh + d * G, rhat, rrstd, step, own, H, k, km, eps, acc_t,
                                         4)
     c0 = tl.load(c + state * H + k, mask=km, other=0.0).to(acc_t)
-    sm = km & own  # the lanes of the step-layout rows this program writes
+    sm = lanes(km, own)  # the lanes of the step-layout rows this program writes
     if SAVE_CHIST:
         tl.store(chist + step * H + k, c0, mask=sm)
     p0, p1, p3 = x0 + r0, x1 + r1, x3 + r3
@@ -120,7 +120,7 @@ def _project_kernel(clock, j, TC, B, D, P, lengths, starts, hp, h, rmask, zh, ke
     _, _, zh_const, pclip, _ = _scalars(scalars, acc_t)
     v = tl.load(hp + state * P + k, mask=km, other=0.0).to(acc_t)
     if PCLIP:
-        tl.store(keep + step * P + k, tl.where(tl.abs(v) <= pclip, 1.0, 0.0), mask=km & own)
+        tl.store(keep + step * P + k, tl.where(tl.abs(v) <= pclip, 1.0, 0.0), mask=lanes(km, own))
         v = tl.where(v > pclip, pclip, tl.where(v < -pclip, -pclip, v))
     finish_h(s, T, B, D, P, b, d, t, active, k, km, v, h, rmask, zh, zh_const, y, hd, step, trow, mrow, own, lengths,
              starts, ZH_MASK, RMASK, VARLEN, acc_t)
@@ -149,7 +149,7 @@ def _project_backward_kernel(clock, j, TC, B, D, P, lengths, starts, dy, dh, g, 
     ghp = (1 - kh) * dtot
     if PCLIP:
         ghp = ghp * tl.load(keep + step * P + k, mask=km, other=0.0)
-    tl.store(dhp + step * P + k, tl.where(active, ghp, 0.0), mask=km & own)
+    tl.store(dhp + step * P + k, tl.where(active, ghp, 0.0), mask=lanes(km, own))
     tl.store(dh + state * P + k, tl.where(active, kh * dtot, dhv), mask=km)
 
 
@@ -198,8 +198,8 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, starts, dy, dh, dc, g, g_pa
         cb = tl.load(chist + step * H + k, mask=km, other=0.0)
     else:  # the cell state before step s: the step before's c1, or c_0
         before, there = neighbour(s, T, B, d, b, t, step, lengths, starts, False, VARLEN)
-        cb = tl.load(c1 + before * H + k, mask=km & there, other=0.0) + \
-            tl.load(c0 + state * H + k, mask=km & (there == 0), other=0.0)
+        cb = tl.load(c1 + before * H + k, mask=lanes(km, there), other=0.0) + \
+            tl.load(c0 + state * H + k, mask=lanes(km, there == 0), other=0.0)
     dhout = dyv + dhv
     dh1 = (1 - kh) * dhout
     if LN:
@@ -245,7 +245,7 @@ def _backward_kernel(clock, j, TC, B, D, H, lengths, starts, dy, dh, dc, g, g_pa
     dg = tl.where(active, dg, 0.0)
     do = tl.where(active, do, 0.0)
     xrow = (trow * D + d) * G
-    sm = km & own
+    sm = lanes(km, own)
     if LN:
         # through a = gh * r-hat: the gradient of r
         q0, q1, q2, q3 = load_blocks(rhat + step * G, H, k, km, acc_t, 4)
