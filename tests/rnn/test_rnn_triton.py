@@ -643,11 +643,10 @@ def test_varlen_engine_equals_the_padded_engine(case, layers):
     _assert_same(got, want, 1e-12)
 
 
-@pytest.mark.parametrize("cell, opts, proj", [("LSTM", CellOptions.make(layer_norm=True, peephole=True), 3),
-                                              ("GRU", CellOptions.make(layer_norm=True), None)])
-def test_varlen_engine_differentiates_twice(cell, opts, proj):
-    """create_graph through the varlen layer: its backward is the padded reference's, between pad
-    and unpad; the second derivatives equal the padded engine's."""
+def test_varlen_engine_differentiates_twice():
+    """create_graph through the varlen layer (LSTM and GRU share the code): its backward is the
+    padded reference's, between pad and unpad; the second derivatives equal the padded engine's."""
+    cell, opts, proj = "LSTM", CellOptions.make(layer_norm=True, peephole=True), 3
     engine, _ = ENGINES[cell]
     layers = _parameters(cell, opts, proj, layers=1)
     plan, values, hx, _ = _varlen_case(cell, proj, False)
@@ -656,14 +655,13 @@ def test_varlen_engine_differentiates_twice(cell, opts, proj):
     _assert_same(got, want, 1e-12)
 
 
-@pytest.mark.parametrize("cell, proj", [("LSTM", 3), ("GRU", None)])
-def test_varlen_buffers_hold_value_rows_and_replay_for_any_lengths(cell, proj, chunked):
-    """Captured (emulated) varlen loops: every buffer of the entry with a time dimension holds
-    value rows, (D, rows, X) or (rows, D, X), with no batch dimension (memory follows N, not T x B),
-    its capacity counts rows; batches of other lengths (other N and T) replay the same captures and
-    equal the padded engine."""
-    opts = CellOptions.make(layer_norm=True, peephole=True, cell_clip=0.5) if cell == "LSTM" else \
-        CellOptions.make(layer_norm=True, zoneout=(0.2, 0.0))
+def test_varlen_buffers_hold_value_rows_and_replay_for_any_lengths(chunked):
+    """Captured (emulated) varlen loops (the LSTM with a projection; the GRU's share the driver):
+    every buffer of the entry with a time dimension holds value rows, (D, rows, X) or (rows, D, X),
+    with no batch dimension (memory follows N, not T x B), its capacity counts rows; a batch of other
+    lengths (other N and T) replays the same captures; both equal the padded engine."""
+    cell, proj = "LSTM", 3
+    opts = CellOptions.make(layer_norm=True, peephole=True, cell_clip=0.5)
     engine, _ = ENGINES[cell]
     layers = _parameters(cell, opts, proj, layers=1)
     for lengths in (LENGTHS, torch.tensor([2, 1, 2])):
@@ -676,7 +674,7 @@ def test_varlen_buffers_hold_value_rows_and_replay_for_any_lengths(cell, proj, c
     assert chunked.stats["captures"] == 2 and chunked.stats["grown"] == 0
     entries = [e for es in chunked._entries.values() for e in es]
     assert len(entries) == 1 and entries[0].capacity == 10  # 9 rows, rounded up to the chunk (2)
-    gates = (4 if cell == "LSTM" else 3) * H
+    gates = 4 * H
     timed = {"xp": (10, D, gates), "dpre": (10, D, gates), "y": (10, D, proj or H), "gates": (D, 10, gates),
              "dr": (D, 10, gates), "hd": (D, 10, proj or H), "rhat": (D, 10, gates), "rrstd": (D, 10)}
     assert {k: tuple(entries[0].buffers[k].shape) for k in timed} == timed
@@ -703,11 +701,11 @@ def test_module_varlen_runs_the_engine_on_value_rows():
     torch.testing.assert_close(g, torch.cat([g_pad[:n, b] for b, n in enumerate(lengths)]), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
-def test_module_varlen_in_training_draws_the_padded_calls_masks(mode):
+def test_module_varlen_in_training_draws_the_padded_calls_masks():
     """Zoneout and recurrent dropout in training on the Triton engine: the same seed gives the
-    varlen call the padded call's masks (drawn (D, T, B, width), kept on the value rows), so the
-    same outputs."""
+    varlen call the padded call's masks (drawn (D, T, B, width), kept on the value rows; the GRU's
+    through the same code), so the same outputs."""
+    mode = "LSTM"
     lengths, cu = [3, 1, 5], torch.tensor([0, 3, 4, 9])
     layer = getattr(fastlayers, mode)(3, 4, bidirectional=True, layer_norm=True, zoneout=0.3, recurrent_dropout=0.2,
                                       dtype=torch.float64)
