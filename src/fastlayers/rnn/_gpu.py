@@ -218,8 +218,7 @@ def _layers(cell, x, hx, layers, options, dropout, training, masks, lens, batch,
                      for k, t in drawn.items()}
         m = {**m, **drawn}
         rmask = m.get("recurrent")
-        zmasks = [(m[key][:, :longest] if varlen is None else m[key]) if key in m else None
-                  for key in ("zoneout_c", "zoneout_h")]
+        zmasks = [m[key][:, :longest] if key in m else None for key in ("zoneout_c", "zoneout_h")]  # varlen: all
         k = slice(li * dirs, (li + 1) * dirs)
         if cell == "LSTM":
             consts = (options.cell_clip or 0.0, 0.0 if training else z_c, 0.0 if training else z_h,

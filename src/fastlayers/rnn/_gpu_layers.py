@@ -231,7 +231,7 @@ class LSTMLayer(torch.autograd.Function):
             st = loop.st
         ctx.save_for_backward(*originals, x, w_ih, c0 if c0.dtype == acc else c0.to(acc), w_hh, w_hr)
         ctx.loop, ctx.mm, ctx.consts, ctx.has_bias = loop, mm, consts, bias is not None
-        ctx.varlen, ctx.lead = varlen, lead
+        ctx.varlen = varlen
         # captured: the state and output are copies (the next call replays into the same memory)
         return (_result(loop, st["y"][:extent].view(*lead, dirs * out_size), mm.low),
                 _result(loop, st["h"], mm.low), _result(loop, st["c"], mm.low))
@@ -376,7 +376,7 @@ class GRULayer(torch.autograd.Function):
             st = loop.st
         ctx.save_for_backward(*originals, x, w_ih, w_hh)
         ctx.loop, ctx.mm, ctx.has_bias, ctx.consts = loop, mm, (b_ih is not None, b_hh is not None), consts
-        ctx.varlen, ctx.lead = varlen, lead
+        ctx.varlen = varlen
         return (_result(loop, st["y"][:extent].view(*lead, dirs * hidden), mm.low),
                 _result(loop, st["h"], mm.low))
 

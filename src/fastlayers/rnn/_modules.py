@@ -390,19 +390,17 @@ class _CellOptionsMixin:
         if not (isinstance(values, Tensor) and values.dim() == 2 and values.size(0) > 0) \
                 or torch.compiler.is_compiling() or not on_engine or self._recomputes():
             return super()._forward_varlen(values, hx, cu_seqlens, max_seqlen)  # type: ignore[misc]
-        if backend == "triton":
+        if backend == "triton":  # the Triton engine takes the validated varlen batch
             varlen = jagged.varlen(cu_seqlens, values.size(0), values.device, batch_first=False,
                                    max_seqlen=max_seqlen)
-            states = self._varlen_states(values, hx, varlen.batch)  # type: ignore[attr-defined]
-            out, final = ENGINES[self.mode, "triton"](values, states, self._layer_parameters(), varlen.lengths,
-                                                      self.options, dropout=self.dropout, training=self.training,
-                                                      varlen=varlen)
-            return out, (final if self.mode == "LSTM" else final[0])
-        lengths, longest = jagged.check_cu_seqlens(cu_seqlens, values.size(0), values.device, max_seqlen=max_seqlen)
+            lengths, rows = varlen.lengths, {"varlen": varlen}
+        else:  # the C engine its plan of the rows
+            lengths, longest = jagged.check_cu_seqlens(cu_seqlens, values.size(0), values.device,
+                                                       max_seqlen=max_seqlen)
+            rows = {"plan": make_plan(lengths, longest, False, values.device, varlen=True)}
         states = self._varlen_states(values, hx, lengths.numel())  # type: ignore[attr-defined]
-        plan = make_plan(lengths, longest, False, values.device, varlen=True)
-        out, final = ENGINES[self.mode, "cpu"](values, states, self._layer_parameters(), lengths, self.options,
-                                               dropout=self.dropout, training=self.training, plan=plan)
+        out, final = ENGINES[self.mode, backend](values, states, self._layer_parameters(), lengths, self.options,
+                                                 dropout=self.dropout, training=self.training, **rows)
         return out, (final if self.mode == "LSTM" else final[0])
 
     def cell(self, layer: int = 0, direction: int = 0) -> "CellView":

@@ -53,18 +53,16 @@ def _varlen_eagerly(cell: str, x: Tensor, cu_seqlens: Tensor, states: tuple[Tens
     """One varlen layer with the eager engine (differentiable): the operators' implementation and
     the recomputation their autograd differentiates. ``cell``: "LSTM", "GRU", "RNN_TANH", "RNN_RELU"."""
     backend = select(cell.lower(), x) if cell in ("LSTM", "GRU") else None
-    if backend == "cpu":
-        lengths, longest = jagged.check_cu_seqlens(cu_seqlens, x.size(0), x.device)
+    if backend in ("cpu", "triton"):  # the engines on the value rows (masks (D, N, width) as they are)
+        if backend == "triton":
+            varlen = jagged.varlen(cu_seqlens, x.size(0), x.device, batch_first=False)
+            lengths, rows = varlen.lengths, {"varlen": varlen}
+        else:
+            lengths, longest = jagged.check_cu_seqlens(cu_seqlens, x.size(0), x.device)
+            rows = {"plan": make_plan(lengths, longest, False, x.device, varlen=True)}
         layer, options = _layer_args(cell, w, consts)
-        plan = make_plan(lengths, longest, False, x.device, varlen=True)
-        out, final = engine(cell, "cpu")(x, states, [layer], lengths, options, training=False,
-                                         masks=[engine_masks(masks)], plan=plan)
-        return (out, *final)
-    if backend == "triton":  # the Triton engine on the value rows (masks (D, N, width) as they are)
-        varlen = jagged.varlen(cu_seqlens, x.size(0), x.device, batch_first=False)
-        layer, options = _layer_args(cell, w, consts)
-        out, final = engine(cell, "triton")(x, states, [layer], varlen.lengths, options, training=False,
-                                            masks=[engine_masks(masks)], varlen=varlen)
+        out, final = engine(cell, backend)(x, states, [layer], lengths, options, training=False,
+                                           masks=[engine_masks(masks)], **rows)
         return (out, *final)
     plan = jagged.varlen(cu_seqlens, x.size(0), x.device, batch_first=False)
     padded = jagged.pad(x, plan, batch_first=False)
