@@ -9,7 +9,11 @@ reach the large-GEMM rate, so the real bound is higher. Candidates, one process,
 medians after one warm-up round: ``fastlayers.LSTM / GRU(layer_norm=True)`` and ``torch.nn.LSTM /
 GRU``, fwd+bwd (input requires grad), and the fastlayers layers' forward under ``no_grad``.
 
-    python benchmarks/rnn/bench_cpu_floor.py [--repeats 5] [--threads 2]
+    python benchmarks/rnn/bench_cpu_floor.py [--repeats 5] [--threads 2] [--compare-products]
+
+--compare-products adds, for each fastlayers call, the same call with the layers' large products
+(input projection, its input gradient) on the other engine than this CPU's choice (matmul.c or
+torch's BLAS, fastlayers._native.own_products), interleaved with the rest.
 
 Prints the CPU (vendor, family / model, the ISA flags that matter), the sgemm rate, and a table:
 seconds, x the floor, x torch's module.
@@ -24,6 +28,7 @@ import time
 import torch
 
 import fastlayers
+from fastlayers import _native
 from fastlayers._core.system import cpu_description
 
 F_IN, HIDDEN, STEPS, BATCH, DIRS = 512, 256, 800, 32, 2
@@ -53,10 +58,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compare-products", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rate = sgemm_rate()
-    print(f"# {cpu_description()}; torch {torch.__version__}, {args.threads} threads")
+    own = _native.own_products()
+    print(f"# {cpu_description()}; torch {torch.__version__}, {args.threads} threads; the layers' large products on "
+          f"{'matmul.c' if own else 'torch BLAS'}")
     print(f"# torch.mm 2048^3 float32: {rate / 1e9:.1f} GFLOP/s")
     torch.manual_seed(0)
     x = torch.randn(STEPS, BATCH, F_IN, requires_grad=True)
@@ -64,16 +72,20 @@ def main() -> int:
     for cell, gates in (("LSTM", 4), ("GRU", 3)):
         ours = getattr(fastlayers, cell)(F_IN, HIDDEN, bidirectional=True, layer_norm=True)
         theirs = getattr(torch.nn, cell)(F_IN, HIDDEN, bidirectional=True)
-        cands[f"fastlayers.{cell}(layer_norm=True) fwd+bwd"] = (ours, True, gates, f"torch.nn.{cell} fwd+bwd")
-        cands[f"torch.nn.{cell} fwd+bwd"] = (theirs, True, gates, None)
-        cands[f"fastlayers.{cell}(layer_norm=True) no_grad fwd"] = (ours, False, gates, f"torch.nn.{cell} no_grad fwd")
-        cands[f"torch.nn.{cell} no_grad fwd"] = (theirs, False, gates, None)
+        other = f" [products on {'torch BLAS' if own else 'matmul.c'}]"
+        for grad, call in ((True, "fwd+bwd"), (False, "no_grad fwd")):
+            cands[f"fastlayers.{cell}(layer_norm=True) {call}"] = (ours, grad, gates, f"torch.nn.{cell} {call}", None)
+            if args.compare_products:
+                cands[f"fastlayers.{cell}(layer_norm=True) {call}{other}"] = (ours, grad, gates,
+                                                                              f"torch.nn.{cell} {call}", not own)
+            cands[f"torch.nn.{cell} {call}"] = (theirs, grad, gates, None, None)
     times: dict[str, list[float]] = {k: [] for k in cands}
     for rep in range(-1, args.repeats):
         names = list(cands)
         names = names[rep % len(names):] + names[:rep % len(names)] if rep >= 0 else names
         for name in names:
-            module, grad, _, _ = cands[name]
+            module, grad, _, _, products = cands[name]
+            _native.prefer_own_products(products)
             t0 = time.perf_counter()
             if grad:
                 module(x)[0].sum().backward()
@@ -83,7 +95,8 @@ def main() -> int:
             if rep >= 0:
                 times[name].append(time.perf_counter() - t0)
     print("| call | s (median) | GEMM GFLOP | x floor | x torch's module |\n|---|---:|---:|---:|---:|")
-    for name, (_, grad, gates, anchor) in cands.items():
+    _native.prefer_own_products(None)
+    for name, (_, grad, gates, anchor, _) in cands.items():
         med = statistics.median(times[name])
         flops = workload_flops(gates, grad)
         ratio = f"{med / statistics.median(times[anchor]):.2f}" if anchor else ""

@@ -105,7 +105,11 @@ def _native_library(load: bool) -> str:
         return f"would load {variant} ({why}); built: {built}" if variant else f"NOT available: {why}"
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        return _native.describe()
+        line = _native.describe()
+        if _native.library() is not None:
+            line += (f"; the recurrent layers' large products on "
+                     f"{'its own kernel (matmul.c)' if _native.own_products() else 'torch BLAS'}")
+        return line
 
 
 def _operators(load: bool) -> str:

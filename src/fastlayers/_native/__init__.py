@@ -1,5 +1,5 @@
-"""fastlayers' native library: the C kernels (``lstm.c``, ``gru.c``, ``local.c``; plain C99 + OpenMP,
-called through ctypes) and the C++ operators (``ops.cpp``, ``TORCH_LIBRARY``) linked into one shared
+"""fastlayers' native library: the C kernels (``lstm.c``, ``gru.c``, ``local.c``, ``matmul.c``; plain
+C99 + OpenMP, called through ctypes) and the C++ operators (``ops.cpp``, ``TORCH_LIBRARY``) linked into one shared
 library per CPU variant, built when the package is built (``setup.py``: ``pip install
 --no-build-isolation .``, ``pip wheel``, or an editable install) and loaded here, one variant per
 process. Nothing is compiled at run time.
@@ -31,6 +31,7 @@ from pathlib import Path
 
 VARIANTS = ("default", "avx2", "avx512")  # lowest first
 ENV = "FASTLAYERS_CPU_CAPABILITY"
+PRODUCTS_ENV = "FASTLAYERS_LARGE_PRODUCTS"
 _HERE = Path(__file__).parent
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": the CDLL or None; "path", "variant", "why"; "error": why it is unavailable
@@ -118,6 +119,14 @@ def _open() -> ctypes.CDLL | None:
                   f"(rebuild fastlayers against the installed torch)", stacklevel=5)
         return None
     _STATE["path"] = path
+    lib.fl_matmul_preferred.restype = ctypes.c_int
+    lib.fl_matmul_prefer.argtypes, lib.fl_matmul_prefer.restype = [ctypes.c_int], None
+    choice = os.environ.get(PRODUCTS_ENV, "").strip().lower()
+    if choice in ("native", "torch"):
+        lib.fl_matmul_prefer(int(choice == "native"))
+    elif choice:
+        warn_once(f"fastlayers: {PRODUCTS_ENV}={choice!r}: expected 'native' or 'torch'; the CPU's choice is used",
+                  stacklevel=5)
     return lib
 
 
@@ -151,6 +160,24 @@ def library_path() -> str:
     if library() is None:
         raise RuntimeError(f"fastlayers: the native library is unavailable: {why_unavailable()}")
     return str(_STATE["path"])
+
+
+def own_products() -> bool:
+    """Whether the recurrent layers' large products (the input projection and its input gradient)
+    run on the library's own kernel (``matmul.c``) instead of torch's BLAS: on AMD CPUs, where it
+    was measured faster (torch's MKL runs a generic code path there; on Intel it runs its own
+    AVX-512 code); ``$FASTLAYERS_LARGE_PRODUCTS`` (``native`` or ``torch``) or
+    :func:`prefer_own_products` overrides. False where the library is unavailable."""
+    lib = library()
+    return bool(lib is not None and lib.fl_matmul_preferred())
+
+
+def prefer_own_products(choice: bool | None) -> None:
+    """Force the choice of :func:`own_products` for this process (True: ``matmul.c``, False: torch's
+    BLAS, None: the CPU's choice); the C++ operators follow it too. A no-op without the library."""
+    lib = library()
+    if lib is not None:
+        lib.fl_matmul_prefer(-1 if choice is None else int(choice))
 
 
 def describe() -> str:

@@ -126,7 +126,7 @@ static void fl_gemm_##SUFFIX(int64_t m, int64_t p0, int64_t p1, int64_t K, int64
 /* The step loops' use: the weights of D directions (direction d's K x N matrix at w + d*K*N) as    \
  * D * np panels, q = d * np + p; each thread packs and multiplies the same share [q0, q1) every   \
  * step (fl_share), so its panels stay in its caches. */                                             \
-static void fl_gemm_pack_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t K, int64_t N,   \
+static inline void fl_gemm_pack_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t K, int64_t N,   \
                                         const T* w, T* wp)                                           \
 {                                                                                                    \
     for (int64_t q = q0; q < q1; q++)                                                                \
@@ -135,7 +135,7 @@ static void fl_gemm_pack_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int6
 }                                                                                                    \
 /* C_d[:m] = A_d[:m] @ W_d (accumulate = 0) or += (1) for the share's panels: A_d rows at            \
  * A + d*a_ds*K (stride K), C_d rows at C + d*c_ds*N (stride N) */                                   \
-static void fl_gemm_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t m, int64_t K,        \
+static inline void fl_gemm_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t m, int64_t K,        \
                                    int64_t N, const T* A, int64_t a_ds, const T* wp, T* C,           \
                                    int64_t c_ds, int accumulate)                                     \
 {                                                                                                    \
@@ -147,7 +147,7 @@ static void fl_gemm_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t m
 }                                                                                                    \
 /* a backward step's recurrent product: dh_d[:m] += (dr_d[:m] @ W_d) * mask_d[:m] for the share's    \
  * panels (dh and mask (D, B, N); without a mask added in place, else through g (D * m * N)) */       \
-static void fl_gemm_items_add_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t m, int64_t K,    \
+static inline void fl_gemm_items_add_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t m, int64_t K,    \
                                        int64_t N, const T* dr, int64_t dr_ds, const T* wp, T* dh,    \
                                        int64_t B, const T* mask, T* g)                               \
 {                                                                                                    \

@@ -1,5 +1,5 @@
 // fastlayers' C++ operators, what every family's operators share: the C kernels' declarations
-// (linked in from lstm.c, gru.c, local.c), their typed table, and the dtype helpers.
+// (linked in from lstm.c, gru.c, local.c, matmul.c), their typed table, and the dtype helpers.
 // Included once, by ops.cpp: the operator library is one translation unit (torch's headers are
 // parsed once; a build takes about 15 s), split into files by layer family.
 
@@ -34,6 +34,8 @@ extern "C" {
   void lc2d_backward_params_##S(const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,      \
                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,       \
                                 int64_t, int64_t, int);
+#define FL_MATMUL(T, S)                                                                                \
+  void fl_matmul_##S(int64_t, int64_t, int64_t, int64_t, const T*, const T*, int, const T*, T*, T*, int);
 FL_LSTM_FWD(float, f32)
 FL_LSTM_FWD(double, f64)
 FL_LSTM_LOOP(float, f32)
@@ -42,6 +44,9 @@ FL_GRU_LOOP(float, f32)
 FL_GRU_LOOP(double, f64)
 FL_LC2D(float, f32)
 FL_LC2D(double, f64)
+FL_MATMUL(float, f32)
+FL_MATMUL(double, f64)
+int fl_matmul_preferred(void);
 }
 
 
@@ -55,6 +60,7 @@ template <> struct Kernels<float> {
   static constexpr auto lc2d = lc2d_forward_f32;
   static constexpr auto lc2d_dx = lc2d_backward_input_f32;
   static constexpr auto lc2d_dw = lc2d_backward_params_f32;
+  static constexpr auto matmul = fl_matmul_f32;
 };
 template <> struct Kernels<double> {
   static constexpr auto lstm = lstm_step_forward_f64;
@@ -63,6 +69,7 @@ template <> struct Kernels<double> {
   static constexpr auto lc2d = lc2d_forward_f64;
   static constexpr auto lc2d_dx = lc2d_backward_input_f64;
   static constexpr auto lc2d_dw = lc2d_backward_params_f64;
+  static constexpr auto matmul = fl_matmul_f64;
 };
 
 at::ScalarType compute_dtype(at::ScalarType t) {

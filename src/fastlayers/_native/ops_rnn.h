@@ -191,6 +191,23 @@ at::Tensor gather_into(at::Tensor& out, const at::Tensor& x, const Plan& p) {
   return out;
 }
 
+// The input projection xp = xs W_ih^T (+ bias: (D, G), added to every row): (D, N, F) x (D, G, F) ->
+// (D, N, G), every operand contiguous. matmul.c's kernel where it is the faster one on this CPU
+// (fl_matmul_preferred), else torch's BLAS.
+template <typename T>
+void project(at::Tensor& xp, const at::Tensor& xs, const at::Tensor& w_ih, const at::Tensor& bias) {
+  const int64_t dirs = w_ih.size(0), gsize = w_ih.size(1), width = w_ih.size(2);
+  if (fl_matmul_preferred()) {
+    auto packed = at::empty({dirs * width * ((gsize + 31) / 32 * 32)}, xp.options());
+    Kernels<T>::matmul(dirs, xs.size(1), width, gsize, ptr<T>(xs), ptr<T>(w_ih), 1, ptr<T>(bias), ptr<T>(xp),
+                       ptr<T>(packed), at::get_num_threads());
+  } else if (bias.defined()) {
+    at::baddbmm_out(xp, bias.view({dirs, 1, gsize}), xs, w_ih.transpose(1, 2));
+  } else {
+    at::bmm_out(xp, xs, w_ih.transpose(1, 2));
+  }
+}
+
 void check_layer(const at::Tensor& x, const at::Tensor& w_ih, const at::Tensor& w_hh, const at::Tensor& h0,
                  int64_t gates) {
   TORCH_CHECK(x.device().is_cpu(), "fastlayers: this C++ kernel runs CPU tensors, got ", x.device());
@@ -254,9 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   T* chist = reinterpret_cast<T*>(raw[12]);
   auto row = [](T* base, int64_t o, int64_t width) { return base ? base + o * width : nullptr; };
   xs = gather_into(xs, as(x_in, dt), p);
-  const auto w_t = w_ih.transpose(1, 2);
-  if (!gx.defined() && bias.defined()) at::baddbmm_out(xp, bias.view({dirs, 1, gsize}), xs, w_t);
-  else at::bmm_out(xp, xs, w_t);
+  project<T>(xp, xs, w_ih, gx.defined() ? at::Tensor() : bias);
   auto hk = proj ? at::zeros({dirs, batch, hidden}, opt) : h;
   const auto ybuf = proj ? y1 : y;
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
@@ -377,9 +392,7 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   T *gates = reinterpret_cast<T*>(raw[5]), *hbn = reinterpret_cast<T*>(raw[6]), *hist = reinterpret_cast<T*>(raw[7]);
   T *xstat = reinterpret_cast<T*>(raw[8]), *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]);
   xs = gather_into(xs, as(x_in, dt), p);
-  const auto w_t = w_ih.transpose(1, 2);
-  if (!gx.defined() && b_ih.defined()) at::baddbmm_out(xp, b_ih.view({dirs, 1, gsize}), xs, w_t);
-  else at::bmm_out(xp, xs, w_t);
+  project<T>(xp, xs, w_ih, gx.defined() ? at::Tensor() : b_ih);
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
   const auto w_hh_t = w_hh.transpose(1, 2).contiguous();
   const int threads = at::get_num_threads();

@@ -60,6 +60,47 @@ def _gru_lib():
         + [INT]})
 
 
+def _matmul_lib():
+    return _typed("matmul", lambda real: {"fl_matmul": [I64] * 4 + [P, P, INT, P, P, P, INT]})
+
+
+def _own(mm: _precision.Products, *tensors: Tensor | None) -> bool:
+    """Whether a large product of these operands runs on ``_native/matmul.c`` (the CPU's choice,
+    :func:`fastlayers._native.own_products`): products in float32 / float64, every operand of that
+    dtype and contiguous."""
+    if mm.mixed or mm.acc not in _SUFFIX or not _native.own_products():
+        return False
+    return all(t is None or (t.dtype == mm.acc and t.is_contiguous()) for t in tensors)
+
+
+def _project(mm: _precision.Products, xs: Tensor, w_ih: Tensor, bias: Tensor | None, xp: Tensor) -> None:
+    """The input projection into ``xp``: xp[d] = xs[d] W_ih[d]^T (+ bias[d] on every row);
+    (D, N, F) x (D, G, F) -> (D, N, G)."""
+    if _own(mm, xs, w_ih, bias, xp):
+        dirs, gsize, width = w_ih.shape
+        packed = torch.empty(_packed_weight(width, gsize, dirs), dtype=xp.dtype)
+        getattr(_matmul_lib(), f"fl_matmul_{_SUFFIX[mm.acc]}")(
+            dirs, xs.size(1), width, gsize, xs.data_ptr(), w_ih.data_ptr(), 1, address(bias), xp.data_ptr(),
+            packed.data_ptr(), torch.get_num_threads())
+    elif bias is not None:
+        mm.baddbmm(bias.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
+    else:
+        mm.bmm(xs, w_ih.transpose(1, 2), out=xp)
+
+
+def _input_grad(mm: _precision.Products, dpre: Tensor, w_ih: Tensor, dtype: torch.dtype) -> Tensor:
+    """dX[d] = dpre[d] W_ih[d]: (D, N, G) x (D, G, F) -> (D, N, F) in ``dtype``."""
+    if not _own(mm, dpre, w_ih):
+        return mm.bmm(dpre, w_ih, dtype=dtype)
+    dirs, gsize, width = w_ih.shape
+    out = dpre.new_empty(dirs, dpre.size(1), width)
+    packed = torch.empty(_packed_weight(gsize, width, dirs), dtype=out.dtype)
+    getattr(_matmul_lib(), f"fl_matmul_{_SUFFIX[mm.acc]}")(
+        dirs, dpre.size(1), gsize, width, dpre.data_ptr(), w_ih.data_ptr(), 0, None, out.data_ptr(), packed.data_ptr(),
+        torch.get_num_threads())
+    return out.to(dtype)
+
+
 def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
     """Work space of the C time loops' packed step weight (gemm.h): D * K * N rounded up to 32."""
     return (dirs * k * -(-n // 32) * 32,)
@@ -196,10 +237,8 @@ class LSTMRecurrence(torch.autograd.Function):
         # the output in acc; with a low output dtype only the converted copy leaves (the float32 one is pooled)
         y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, out_size, dtype=acc)
         xs_op = _into(buf.get("xs_low"), xs)
-        if gx is None and bias is not None:
-            mm.baddbmm(bias.unsqueeze(1), xs_op, w_ih.transpose(1, 2), out=xp)
-        else:  # with LayerNorm the kernel normalises W_ih x, then adds the bias
-            mm.bmm(xs_op, w_ih.transpose(1, 2), out=xp)
+        # with LayerNorm the kernel normalises W_ih x, then adds the bias
+        _project(mm, xs_op, w_ih, bias if gx is None else None, xp)
         # with a projection the kernel writes h1 into y1 and keeps scratch state hk
         y1, hk = (buf["y1"], xs.new_zeros(dirs, batch, hidden)) if proj else (y, h)
         keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
@@ -337,7 +376,7 @@ class LSTMRecurrence(torch.autograd.Function):
         # one GEMM each over all packed rows: dX[d] = dpre[d] W_ih[d], dW_ih[d] = dpre[d]^T X[d],
         # dW_hh[d] = dr[d]^T hd[d], dW_hr[d] = dhp[d]^T y1[d]
         dp_op = _into(tmp["dpre_low"], dpre) if separate_dr else _either(dr_low, dpre)  # (dr_low: dpre's copy)
-        d_xs = mm.bmm(dp_op, w_ih, dtype=ctx.dtypes[0]) if need[0] else None
+        d_xs = _input_grad(mm, dp_op, w_ih, ctx.dtypes[0]) if need[0] else None
         d_w_ih = mm.bmm(dp_op.transpose(1, 2), _either(buf.get("xs_low"), xs), dtype=ctx.dtypes[1]) if need[1] else None
         d_bias = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias and need[3] else None
         d_w_hh = mm.bmm(_either(dr_low, dr).transpose(1, 2), _either(buf.get("hd_low"), hd)) if need[6] else None
@@ -397,10 +436,7 @@ class GRURecurrence(torch.autograd.Function):
         y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, hidden, dtype=acc)  # as in LSTMRecurrence
         xp, r, hd, hd_low = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"], buf.get("hd_low")
         xs_op = _into(buf.get("xs_low"), xs)
-        if gx is None and b_ih is not None:
-            mm.baddbmm(b_ih.unsqueeze(1), xs_op, w_ih.transpose(1, 2), out=xp)
-        else:  # with LayerNorm the kernel normalises W_ih x, then adds b_ih
-            mm.bmm(xs_op, w_ih.transpose(1, 2), out=xp)
+        _project(mm, xs_op, w_ih, b_ih if gx is None else None, xp)  # (with LayerNorm: b_ih after it, in the kernel)
         hd[:, :first] = h * rmask if rmask is not None else h
         w_t = mm.operand(w_hh.transpose(1, 2)).contiguous()  # (as the LSTM's)
         offsets = _offsets(active)
@@ -482,7 +518,7 @@ class GRURecurrence(torch.autograd.Function):
             dh[:, :n] += gn
         # one GEMM each over all packed rows: dX, dW_ih, dW_hh = dr^T hd
         dp_op = _into(tmp["dpre_low"], dpre)
-        d_xs = mm.bmm(dp_op, w_ih, dtype=ctx.dtypes[0]) if need[0] else None
+        d_xs = _input_grad(mm, dp_op, w_ih, ctx.dtypes[0]) if need[0] else None
         d_w_ih = mm.bmm(dp_op.transpose(1, 2), _either(buf.get("xs_low"), xs), dtype=ctx.dtypes[1]) if need[1] else None
         d_b_ih = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias[0] and need[3] else None
         d_w_hh = mm.bmm(_either(dr_low, dr).transpose(1, 2), _either(buf.get("hd_low"), hd)) if need[5] else None

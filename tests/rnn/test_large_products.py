@@ -1,0 +1,89 @@
+"""The recurrent layers' large products on the native kernel (``_native/matmul.c``: the input
+projection and its input gradient), chosen per CPU (:func:`fastlayers._native.own_products`):
+the kernel against torch.bmm at sizes past its row blocks, panels and k blocks, and the layers
+with it against the layers on torch's BLAS."""
+
+import pytest
+import torch
+
+import fastlayers
+from fastlayers import _native
+from fastlayers.rnn import _cpu_recurrence
+
+pytestmark = pytest.mark.skipif(_native.library() is None, reason="needs the native library")
+
+
+@pytest.fixture
+def choice():
+    """Restores the CPU's choice after a test forced one."""
+    yield _native.prefer_own_products
+    _native.prefer_own_products(None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dirs,rows,k,n", [(1, 1, 1, 1), (2, 97, 130, 33), (1, 250, 300, 70), (2, 0, 8, 16),
+                                           (2, 5, 0, 40), (1, 193, 257, 128)])
+@pytest.mark.parametrize("trans", [0, 1])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_kernel_matches_bmm(dtype, dirs, rows, k, n, trans, bias, threads):
+    """C_d = A_d @ op(B_d) (+ bias_d): rows over one block of 96, k over one block of the panel
+    slice (128 / 256), partial panels, empty rows, k = 0; more threads than items."""
+    torch.manual_seed(0)
+    a = torch.randn(dirs, rows, k, dtype=dtype)
+    b = torch.randn(dirs, n, k, dtype=dtype) if trans else torch.randn(dirs, k, n, dtype=dtype)
+    c0 = torch.randn(dirs, n, dtype=dtype) if bias else None
+    out = torch.full((dirs, rows, n), float("nan"), dtype=dtype)
+    packed = torch.empty(_cpu_recurrence._packed_weight(k, n, dirs), dtype=dtype)
+    suffix = "f32" if dtype == torch.float32 else "f64"
+    getattr(_cpu_recurrence._matmul_lib(), f"fl_matmul_{suffix}")(
+        dirs, rows, k, n, a.data_ptr(), b.data_ptr(), trans, c0.data_ptr() if bias else None, out.data_ptr(),
+        packed.data_ptr(), threads)
+    want = torch.bmm(a, b.transpose(1, 2) if trans else b)
+    if bias:
+        want = want + c0.unsqueeze(1)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, want, **tol)
+
+
+def test_choice_follows_the_cpu_and_can_be_forced(choice):
+    choice(None)
+    with open("/proc/cpuinfo") as f:
+        vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    if _native.built_as() in ("avx2", "avx512"):
+        assert _native.own_products() == (vendor == "AuthenticAMD")
+    choice(True)
+    assert _native.own_products()
+    choice(False)
+    assert not _native.own_products()
+
+
+@pytest.mark.parametrize("cell,options", [("LSTM", dict(layer_norm=True)), ("LSTM", dict(peephole=True)),
+                                          ("LSTM", dict(bias=False, zoneout=0.1)), ("GRU", dict(layer_norm=True)),
+                                          ("GRU", dict(recurrent_dropout=0.2))])
+def test_layers_match_torch_products(choice, cell, options):
+    """Training fwd+bwd (every gradient) and the eval no-grad call (the C++ operator) with the
+    products on matmul.c equal those on torch's BLAS, float64, two layers, lengths, more rows than
+    one block."""
+    torch.manual_seed(0)
+    m = getattr(fastlayers, cell)(37, 45, num_layers=2, bidirectional=True, dtype=torch.float64, **options)
+    x = torch.randn(41, 5, 37, dtype=torch.float64)
+    lengths = torch.tensor([41, 7, 30, 1, 41])
+    results = []
+    for own in (True, False):
+        choice(own)
+        m.train()
+        torch.manual_seed(1)
+        xi = x.clone().requires_grad_()
+        y = m(xi, lengths=lengths)[0]
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.size(-1), dtype=y.dtype)).sum(),
+                                    [xi, *m.parameters()])
+        m.eval()
+        with torch.no_grad():
+            y_eval = m(x, lengths=lengths)[0]
+        results.append((y.detach(), grads, y_eval))
+    (y1, g1, e1), (y2, g2, e2) = results
+    torch.testing.assert_close(y1, y2, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(e1, e2, rtol=1e-10, atol=1e-10)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
