@@ -122,7 +122,8 @@ at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t ba
   const int64_t dirs = y.size(0), width = y.size(2);
   if (p.identity()) return y.view({steps, batch, width});
   auto dst = (p.src * dirs + at::arange(dirs, at::kLong).unsqueeze(1)).flatten();
-  return at::zeros({steps * batch * dirs, width}, y.options())
+  // every row is written when every sequence runs all T steps: no zero fill first
+  return (p.full ? at::empty({steps * batch * dirs, width}, y.options()) : at::zeros({steps * batch * dirs, width}, y.options()))
       .index_copy(0, dst, y.reshape({dirs * p.rows, width}))
       .view({steps, batch, dirs * width});
 }

@@ -24,6 +24,7 @@ from .._core.backend import cpu_kernels, select
 from .._core.jit import NotScriptable
 from . import _gpu_cell
 from ._reference import gru_cell_step, lstm_cell_step
+from ._common import keep_mask
 from ._options import CellOptions
 from ._validate import check_cell, check_mask
 
@@ -61,7 +62,7 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
     out = []
     for z, old, upd in zip(options.zoneout, states, new):
         if z:
-            keep = torch.bernoulli(torch.full_like(upd, z)) if training else z
+            keep = keep_mask(upd.shape, z, upd.dtype, upd.device) if training else z
             upd = keep * old.to(upd.dtype) + (1 - keep) * upd
         out.append(upd.to(mm.low))
     return tuple(out)
@@ -86,8 +87,7 @@ def _step_on_operator(mode: str, x: Tensor, states: tuple[Tensor, ...], params: 
     z_h, z_c = options.zoneout
 
     def keep(z: float, width: int) -> Tensor | None:
-        return torch.bernoulli(torch.full((1, 1, batch, width), z, dtype=x.dtype, device=x.device)) \
-            if training and z else None
+        return keep_mask((1, 1, batch, width), z, x.dtype, x.device) if training and z else None
 
     with torch._C._AutoDispatchBelowAutograd():  # (serves(): never under torch.compile)
         if mode == "LSTM":
@@ -146,7 +146,7 @@ class _Cell(NotScriptable):
         if not (self.training and p > 0):
             return None
         w = self.weight_ih
-        return torch.bernoulli(torch.full((batch, self._state_sizes()[0]), 1 - p, dtype=w.dtype, device=w.device)) / (1 - p)
+        return keep_mask((batch, self._state_sizes()[0]), 1 - p, w.dtype, w.device) / (1 - p)
 
     def _register_options(self, options: CellOptions, proj_size: int = 0) -> None:
         self.options = options

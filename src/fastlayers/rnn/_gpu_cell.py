@@ -33,7 +33,7 @@ from . import _gpu_graphs
 from ._gpu_layers import lengths_tensor, numbers_tensor
 from ._reference import gru_cell_step, layer_options, lstm_cell_step
 from ._options import CellOptions
-from ._common import as_dtype
+from ._common import as_dtype, keep_mask
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -70,7 +70,7 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
     recurrent_mask = as_dtype(recurrent_mask, dtype)
 
     def keep(z: float, width: int) -> Tensor | None:
-        return torch.bernoulli(x.new_full((batch, width), z)) if training and z else None
+        return keep_mask((batch, width), z, x.dtype, x.device) if training and z else None
 
     ln = options.layer_norm
     if mode == "LSTM":

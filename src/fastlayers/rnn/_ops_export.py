@@ -27,7 +27,7 @@ the engine's Python driver, which is what costs at small shapes (issue 42: the o
 small LSTM call in about torch.nn.LSTM's time, the Python driver in 5x; :func:`fastlayers._native.ops_lib.serves`).
 The first such call on a machine builds the library (about 15 s, once; then cached).
 
-Training masks (zoneout, recurrent dropout) are drawn with torch.bernoulli and passed to the
+Training masks (zoneout, recurrent dropout) are drawn with :func:`._common.keep_mask` and passed to the
 operator: (D, T, B, width) zoneout keep-masks and a (D, B, P) recurrent mask.
 """
 
@@ -41,6 +41,7 @@ from torch import Tensor
 
 from .._core import exporter
 from .._native import ops_lib
+from ._common import keep_mask
 from ._options import CellOptions
 
 _LSTM_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "ln_hh_weight", "ln_cell_weight",
@@ -133,7 +134,7 @@ def operator_masks(options: CellOptions, training: bool, like: Tensor, dirs: int
     for an LSTM (``hidden`` given), its c mask (D, *rows, hidden); None where none is drawn. ``rows``:
     (T, B) for the padded operators, (N,) for the varlen ones."""
     def bernoulli(shape: tuple[int, ...], p: float) -> Tensor:
-        return torch.bernoulli(torch.full(shape, p, dtype=like.dtype, device=like.device))
+        return keep_mask(shape, p, like.dtype, like.device)
 
     z_h, z_c = options.zoneout
     rmask = zc = zh = None

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from .._core import precision as _precision, twice
+from ._common import keep_mask
 from ._options import CellOptions
 from ._varlen import KERNELS
 
@@ -134,7 +135,7 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
             rmask = m["recurrent"][d] if "recurrent" in m else None
             if rmask is None and training and options.recurrent_dropout > 0:
                 keep = 1 - options.recurrent_dropout
-                rmask = torch.bernoulli(torch.full_like(states[0], keep)) / keep
+                rmask = keep_mask(states[0].shape, keep, states[0].dtype, states[0].device) / keep
             ys: list[Tensor] = [None] * steps  # type: ignore[list-item]
             for t in (range(steps) if d == 0 else range(steps - 1, -1, -1)):
                 alive = (t < lengths).unsqueeze(1)
@@ -143,12 +144,12 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
                 for i, (old, upd) in enumerate(zip(states, new)):
                     key = ("zoneout_h", "zoneout_c")[i]
                     if key in m:  # given masks apply in any mode (as in the engine)
-                        keep_mask = m[key][d, t]
+                        kept = m[key][d, t]
                     elif training:
-                        keep_mask = torch.bernoulli(torch.full_like(old, probs[i]))
+                        kept = keep_mask(old.shape, probs[i], old.dtype, old.device)
                     else:
-                        keep_mask = probs[i]
-                    upd = keep_mask * old + (1 - keep_mask) * upd
+                        kept = probs[i]
+                    upd = kept * old + (1 - kept) * upd
                     if i == 0:
                         ys[t] = torch.where(alive, upd, torch.zeros_like(upd))
                     states[i] = torch.where(alive, upd, old)
