@@ -1,5 +1,5 @@
 """The recurrent layers' large products on the native kernel (``_native/matmul.c``: the input
-projection and its input gradient), chosen per CPU (:func:`fastlayers._native.own_products`):
+projection and its input gradient), chosen per CPU and size (:func:`fastlayers._native.own_products`):
 the kernel against torch.bmm at sizes past its row blocks, panels and k blocks, and the layers
 with it against the layers on torch's BLAS."""
 
@@ -51,11 +51,12 @@ def test_choice_follows_the_cpu_and_can_be_forced(choice):
     with open("/proc/cpuinfo") as f:
         vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
     if _native.built_as() in ("avx2", "avx512"):
-        assert _native.own_products() == (vendor == "AuthenticAMD")
+        assert _native.own_products(1024) == (vendor == "AuthenticAMD")
+    assert not _native.own_products(1023)  # (small products: torch's BLAS on every CPU)
     choice(True)
-    assert _native.own_products()
+    assert _native.own_products(1)
     choice(False)
-    assert not _native.own_products()
+    assert not _native.own_products(1 << 20)
 
 
 @pytest.mark.parametrize("cell,options", [("LSTM", dict(layer_norm=True)), ("LSTM", dict(peephole=True)),

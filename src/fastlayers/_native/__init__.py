@@ -119,7 +119,7 @@ def _open() -> ctypes.CDLL | None:
                   f"(rebuild fastlayers against the installed torch)", stacklevel=5)
         return None
     _STATE["path"] = path
-    lib.fl_matmul_preferred.restype = ctypes.c_int
+    lib.fl_matmul_preferred.argtypes, lib.fl_matmul_preferred.restype = [ctypes.c_int64], ctypes.c_int
     lib.fl_matmul_prefer.argtypes, lib.fl_matmul_prefer.restype = [ctypes.c_int], None
     choice = os.environ.get(PRODUCTS_ENV, "").strip().lower()
     if choice in ("native", "torch"):
@@ -162,19 +162,20 @@ def library_path() -> str:
     return str(_STATE["path"])
 
 
-def own_products() -> bool:
+def own_products(rows: int = 1 << 62) -> bool:
     """Whether the recurrent layers' large products (the input projection and its input gradient)
-    run on the library's own kernel (``matmul.c``) instead of torch's BLAS: on AMD CPUs, where it
-    was measured faster (torch's MKL runs a generic code path there; on Intel it runs its own
-    AVX-512 code); ``$FASTLAYERS_LARGE_PRODUCTS`` (``native`` or ``torch``) or
+    of ``rows`` rows per direction run on the library's own kernel (``matmul.c``) instead of torch's
+    BLAS: on AMD CPUs from 1024 rows, where it was measured faster (torch's MKL runs a generic code
+    path there; on Intel it runs its own AVX-512 code; below 1024 rows packing the weight costs more
+    than the kernel gains); ``$FASTLAYERS_LARGE_PRODUCTS`` (``native`` or ``torch``, any size) or
     :func:`prefer_own_products` overrides. False where the library is unavailable."""
     lib = library()
-    return bool(lib is not None and lib.fl_matmul_preferred())
+    return bool(lib is not None and lib.fl_matmul_preferred(rows))
 
 
 def prefer_own_products(choice: bool | None) -> None:
-    """Force the choice of :func:`own_products` for this process (True: ``matmul.c``, False: torch's
-    BLAS, None: the CPU's choice); the C++ operators follow it too. A no-op without the library."""
+    """Force the choice of :func:`own_products` for this process (True: ``matmul.c`` at any size, False:
+    torch's BLAS, None: the CPU's choice); the C++ operators follow it too. A no-op without the library."""
     lib = library()
     if lib is not None:
         lib.fl_matmul_prefer(-1 if choice is None else int(choice))

@@ -4,9 +4,9 @@
  * Why our own: on AMD CPUs torch's BLAS (MKL) runs its generic code path; at the seed shape
  * ((25600 x 512) @ (512 x 1024), 2 threads, AMD EPYC Zen 4) it reached 171-180 GFLOP/s where
  * gemm.h's kernel in row blocks reached 188-211 (BENCHMARKS.md, issue 62). Which one runs is
- * chosen per CPU here (fl_matmul_preferred: on AMD CPUs, where it was measured faster; MKL keeps
- * Intel's, where it runs its own AVX-512 code) and can be forced from Python (fl_matmul_prefer:
- * fastlayers._native.large_products()).
+ * chosen here per CPU and size (fl_matmul_preferred: on AMD CPUs, where it was measured faster,
+ * for products of at least FL_MATMUL_MIN_ROWS rows; MKL keeps Intel's, where it runs its own AVX-512
+ * code) and can be forced from Python (fl_matmul_prefer: fastlayers._native.prefer_own_products).
  *
  * fl_matmul_SUFFIX(D, M, K, N, A, B, trans_b, bias, C, Bp, nthreads): for d < D,
  *   C_d (M x N) = A_d (M x K) @ op(B_d) (+ bias_d broadcast over the rows), where op(B_d) is B_d
@@ -23,16 +23,21 @@
 
 #include "gemm.h"
 
+#define FL_MATMUL_MIN_ROWS 1024
+
 static int fl_matmul_choice = -1; /* -1: by the CPU; 0: torch's BLAS; 1: this file's kernel */
 
 void fl_matmul_prefer(int choice) { fl_matmul_choice = choice; }
 
-int fl_matmul_preferred(void)
+/* whether a product of `rows` rows (per direction) runs here: forced, or on an AMD CPU from
+ * FL_MATMUL_MIN_ROWS rows (below, packing the weight costs more than the kernel gains: at K = 512,
+ * N = 1024 it was 1.59x torch's time at 32 rows, 1.04x at 512, 0.92x at 2048; Zen 4, 2 threads) */
+int fl_matmul_preferred(int64_t rows)
 {
     if (fl_matmul_choice >= 0) return fl_matmul_choice;
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX2__)
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? 1 : 0;
+    return __builtin_cpu_is("amd") && rows >= FL_MATMUL_MIN_ROWS ? 1 : 0;
 #else
     return 0; /* the default variant (no AVX2) and other architectures: not measured */
 #endif

@@ -46,7 +46,7 @@ FL_LC2D(float, f32)
 FL_LC2D(double, f64)
 FL_MATMUL(float, f32)
 FL_MATMUL(double, f64)
-int fl_matmul_preferred(void);
+int fl_matmul_preferred(int64_t rows);
 }
 
 

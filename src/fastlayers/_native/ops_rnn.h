@@ -193,12 +193,12 @@ at::Tensor gather_into(at::Tensor& out, const at::Tensor& x, const Plan& p) {
 }
 
 // The input projection xp = xs W_ih^T (+ bias: (D, G), added to every row): (D, N, F) x (D, G, F) ->
-// (D, N, G), every operand contiguous. matmul.c's kernel where it is the faster one on this CPU
-// (fl_matmul_preferred), else torch's BLAS.
+// (D, N, G), every operand contiguous. matmul.c's kernel where it is the faster one on this CPU and
+// at this size (fl_matmul_preferred), else torch's BLAS.
 template <typename T>
 void project(at::Tensor& xp, const at::Tensor& xs, const at::Tensor& w_ih, const at::Tensor& bias) {
   const int64_t dirs = w_ih.size(0), gsize = w_ih.size(1), width = w_ih.size(2);
-  if (fl_matmul_preferred()) {
+  if (fl_matmul_preferred(xs.size(1))) {
     auto packed = at::empty({dirs * width * ((gsize + 31) / 32 * 32)}, xp.options());
     Kernels<T>::matmul(dirs, xs.size(1), width, gsize, ptr<T>(xs), ptr<T>(w_ih), 1, ptr<T>(bias), ptr<T>(xp),
                        ptr<T>(packed), at::get_num_threads());

@@ -64,11 +64,11 @@ def _matmul_lib():
     return _typed("matmul", lambda real: {"fl_matmul": [I64] * 4 + [P, P, INT, P, P, P, INT]})
 
 
-def _own(mm: _precision.Products, *tensors: Tensor | None) -> bool:
-    """Whether a large product of these operands runs on ``_native/matmul.c`` (the CPU's choice,
-    :func:`fastlayers._native.own_products`): products in float32 / float64, every operand of that
-    dtype and contiguous."""
-    if mm.mixed or mm.acc not in _SUFFIX or not _native.own_products():
+def _own(mm: _precision.Products, rows: int, *tensors: Tensor | None) -> bool:
+    """Whether a large product of these operands, ``rows`` rows per direction, runs on
+    ``_native/matmul.c`` (the choice for this CPU and size, :func:`fastlayers._native.own_products`):
+    products in float32 / float64, every operand of that dtype and contiguous."""
+    if mm.mixed or mm.acc not in _SUFFIX or not _native.own_products(rows):
         return False
     return all(t is None or (t.dtype == mm.acc and t.is_contiguous()) for t in tensors)
 
@@ -76,7 +76,7 @@ def _own(mm: _precision.Products, *tensors: Tensor | None) -> bool:
 def _project(mm: _precision.Products, xs: Tensor, w_ih: Tensor, bias: Tensor | None, xp: Tensor) -> None:
     """The input projection into ``xp``: xp[d] = xs[d] W_ih[d]^T (+ bias[d] on every row);
     (D, N, F) x (D, G, F) -> (D, N, G)."""
-    if _own(mm, xs, w_ih, bias, xp):
+    if _own(mm, xs.size(1), xs, w_ih, bias, xp):
         dirs, gsize, width = w_ih.shape
         packed = torch.empty(_packed_weight(width, gsize, dirs), dtype=xp.dtype)
         getattr(_matmul_lib(), f"fl_matmul_{_SUFFIX[mm.acc]}")(
@@ -90,7 +90,7 @@ def _project(mm: _precision.Products, xs: Tensor, w_ih: Tensor, bias: Tensor | N
 
 def _input_grad(mm: _precision.Products, dpre: Tensor, w_ih: Tensor, dtype: torch.dtype) -> Tensor:
     """dX[d] = dpre[d] W_ih[d]: (D, N, G) x (D, G, F) -> (D, N, F) in ``dtype``."""
-    if not _own(mm, dpre, w_ih):
+    if not _own(mm, dpre.size(1), dpre, w_ih):
         return mm.bmm(dpre, w_ih, dtype=dtype)
     dirs, gsize, width = w_ih.shape
     out = dpre.new_empty(dirs, dpre.size(1), width)
