@@ -123,7 +123,8 @@ at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t ba
   if (p.identity()) return y.view({steps, batch, width});
   auto dst = (p.src * dirs + at::arange(dirs, at::kLong).unsqueeze(1)).flatten();
   // every row is written when every sequence runs all T steps: no zero fill first
-  return (p.full ? at::empty({steps * batch * dirs, width}, y.options()) : at::zeros({steps * batch * dirs, width}, y.options()))
+  const std::vector<int64_t> shape{steps * batch * dirs, width};
+  return (p.full ? at::empty(shape, y.options()) : at::zeros(shape, y.options()))
       .index_copy(0, dst, y.reshape({dirs * p.rows, width}))
       .view({steps, batch, dirs * width});
 }

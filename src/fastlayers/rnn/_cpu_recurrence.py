@@ -73,15 +73,23 @@ def _own(mm: _precision.Products, rows: int, *tensors: Tensor | None) -> bool:
     return all(t is None or (t.dtype == mm.acc and t.is_contiguous()) for t in tensors)
 
 
+def _native_matmul(a: Tensor, w: Tensor, trans: bool, bias: Tensor | None, out: Tensor) -> Tensor:
+    """out[d] = a[d] @ (w[d]^T if trans else w[d]) (+ bias[d] on every row) on matmul.c's kernel:
+    a (D, M, K), w (D, N, K) or (D, K, N), bias (D, N), out (D, M, N), all contiguous, one dtype."""
+    dirs, rows, k = a.shape
+    n = out.size(2)
+    packed = torch.empty(_packed_weight(k, n, dirs), dtype=out.dtype, device=out.device)
+    getattr(_matmul_lib(), f"fl_matmul_{_SUFFIX[out.dtype]}")(
+        dirs, rows, k, n, a.data_ptr(), w.data_ptr(), int(trans), address(bias), out.data_ptr(), packed.data_ptr(),
+        torch.get_num_threads())
+    return out
+
+
 def _project(mm: _precision.Products, xs: Tensor, w_ih: Tensor, bias: Tensor | None, xp: Tensor) -> None:
     """The input projection into ``xp``: xp[d] = xs[d] W_ih[d]^T (+ bias[d] on every row);
     (D, N, F) x (D, G, F) -> (D, N, G)."""
     if _own(mm, xs.size(1), xs, w_ih, bias, xp):
-        dirs, gsize, width = w_ih.shape
-        packed = torch.empty(_packed_weight(width, gsize, dirs), dtype=xp.dtype)
-        getattr(_matmul_lib(), f"fl_matmul_{_SUFFIX[mm.acc]}")(
-            dirs, xs.size(1), width, gsize, xs.data_ptr(), w_ih.data_ptr(), 1, address(bias), xp.data_ptr(),
-            packed.data_ptr(), torch.get_num_threads())
+        _native_matmul(xs, w_ih, True, bias, xp)
     elif bias is not None:
         mm.baddbmm(bias.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
     else:
@@ -92,13 +100,7 @@ def _input_grad(mm: _precision.Products, dpre: Tensor, w_ih: Tensor, dtype: torc
     """dX[d] = dpre[d] W_ih[d]: (D, N, G) x (D, G, F) -> (D, N, F) in ``dtype``."""
     if not _own(mm, dpre.size(1), dpre, w_ih):
         return mm.bmm(dpre, w_ih, dtype=dtype)
-    dirs, gsize, width = w_ih.shape
-    out = dpre.new_empty(dirs, dpre.size(1), width)
-    packed = torch.empty(_packed_weight(gsize, width, dirs), dtype=out.dtype)
-    getattr(_matmul_lib(), f"fl_matmul_{_SUFFIX[mm.acc]}")(
-        dirs, dpre.size(1), gsize, width, dpre.data_ptr(), w_ih.data_ptr(), 0, None, out.data_ptr(), packed.data_ptr(),
-        torch.get_num_threads())
-    return out.to(dtype)
+    return _native_matmul(dpre, w_ih, False, None, dpre.new_empty(*dpre.shape[:2], w_ih.size(2))).to(dtype)
 
 
 def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
