@@ -46,21 +46,6 @@ int fl_matmul_preferred(int64_t rows)
 #define FL_MATMUL_MC 96 /* rows per item: a multiple of both micro-kernel heights (6, 8) */
 
 #define FL_DEFINE_MATMUL(T, SUFFIX)                                                                  \
-/* panels [p0, p1) of the N x K row-major matrix Bt's transpose, as fl_gemm_pack lays them out */   \
-static void fl_pack_t_##SUFFIX(int64_t K, int64_t N, const T* Bt, T* Bp, int64_t p0, int64_t p1)    \
-{                                                                                                    \
-    const int64_t W = FL_W_##SUFFIX;                                                                 \
-    for (int64_t p = p0; p < p1; p++) {                                                              \
-        const int64_t j = p * W, cols = N - j < W ? N - j : W;                                       \
-        T* dst = Bp + p * K * W;                                                                     \
-        for (int64_t c = 0; c < W; c++) {                                                            \
-            const T* src = Bt + (j + c) * K;                                                         \
-            if (c < cols) for (int64_t k = 0; k < K; k++) dst[k * W + c] = src[k];                   \
-            else for (int64_t k = 0; k < K; k++) dst[k * W + c] = 0;                                 \
-        }                                                                                            \
-    }                                                                                                \
-}                                                                                                    \
-                                                                                                     \
 void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, const T* B,          \
                         int trans_b, const T* bias, T* C, T* Bp, int nthreads)                       \
 {                                                                                                    \
@@ -73,8 +58,8 @@ void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, 
         fl_share(D * np, tid, nt, &q0, &q1);                                                         \
         for (int64_t q = q0; q < q1; q++) {                                                          \
             const int64_t d = q / np, p = q % np;                                                    \
-            if (trans_b) fl_pack_t_##SUFFIX(K, N, B + d * K * N, Bp + d * np * K * W, p, p + 1);     \
-            else fl_gemm_pack_##SUFFIX(K, N, B + d * K * N, N, Bp + d * np * K * W, p, p + 1);       \
+            fl_gemm_pack_##SUFFIX(K, N, B + d * K * N, trans_b ? K : N, trans_b, Bp + d * np * K * W, p,  \
+                                  p + 1);                                                            \
         }                                                                                            \
         _Pragma("omp barrier")                                                                       \
         fl_share(D * blocks, tid, nt, &q0, &q1);                                                     \
