@@ -3,6 +3,8 @@ projection and its input gradient), chosen per CPU and size (:func:`fastlayers._
 the kernel against torch.bmm at sizes past its row blocks, panels and k blocks, and the layers
 with it against the layers on torch's BLAS."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -36,12 +38,36 @@ def test_kernel_matches_bmm(dtype, dirs, rows, k, n, trans, bias, threads):
     out = torch.full((dirs, rows, n), float("nan"), dtype=dtype)
     packed = torch.empty(_cpu_recurrence._packed_weight(k, n, dirs), dtype=dtype)
     suffix = "f32" if dtype == torch.float32 else "f64"
-    getattr(_cpu_recurrence._matmul_lib(), f"fl_matmul_{suffix}")(
-        dirs, rows, k, n, a.data_ptr(), b.data_ptr(), trans, c0.data_ptr() if bias else None, out.data_ptr(),
-        packed.data_ptr(), threads)
+    fn = getattr(_cpu_recurrence._matmul_lib(), f"fl_matmul_{suffix}")
+    fn(dirs, rows, k, n, a.data_ptr(), None, b.data_ptr(), trans, c0.data_ptr() if bias else None, out.data_ptr(),
+       packed.data_ptr(), None, threads)
     want = torch.bmm(a, b.transpose(1, 2) if trans else b)
     if bias:
         want = want + c0.unsqueeze(1)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dirs,rows,k,n,threads", [(2, 250, 130, 70, 2), (1, 97, 33, 40, 3), (2, 1, 5, 3, 1)])
+def test_kernel_reads_gathered_rows(dtype, dirs, rows, k, n, threads):
+    """With a row map (the C++ operators' packing): row i of A_d is row rows[d, i] of the shared A,
+    gathered block by block in the threads' scratch."""
+    torch.manual_seed(0)
+    src = torch.randn(300, k, dtype=dtype)
+    index = torch.randint(0, 300, (dirs, rows))
+    w = torch.randn(dirs, n, k, dtype=dtype)
+    bias = torch.randn(dirs, n, dtype=dtype)
+    out = torch.full((dirs, rows, n), float("nan"), dtype=dtype)
+    packed = torch.empty(_cpu_recurrence._packed_weight(k, n, dirs), dtype=dtype)
+    lib = _native.library()
+    lib.fl_matmul_scratch_rows.restype = ctypes.c_int64
+    scratch = torch.full((threads * lib.fl_matmul_scratch_rows() * k,), float("nan"), dtype=dtype)
+    suffix = "f32" if dtype == torch.float32 else "f64"
+    getattr(_cpu_recurrence._matmul_lib(), f"fl_matmul_{suffix}")(
+        dirs, rows, k, n, src.data_ptr(), index.data_ptr(), w.data_ptr(), 1, bias.data_ptr(), out.data_ptr(),
+        packed.data_ptr(), scratch.data_ptr(), threads)
+    want = torch.bmm(src[index], w.transpose(1, 2)) + bias.unsqueeze(1)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, want, **tol)
 
@@ -63,9 +89,9 @@ def test_choice_follows_the_cpu_and_can_be_forced(choice):
                                           ("LSTM", dict(bias=False, zoneout=0.1)), ("GRU", dict(layer_norm=True)),
                                           ("GRU", dict(recurrent_dropout=0.2))])
 def test_layers_match_torch_products(choice, cell, options):
-    """Training fwd+bwd (every gradient) and the eval no-grad call (the C++ operator) with the
-    products on matmul.c equal those on torch's BLAS, float64, two layers, lengths, more rows than
-    one block."""
+    """Training fwd+bwd (every gradient) and the eval no-grad call (the C++ operator, whose
+    projection gathers the packed rows itself on matmul.c) with the products on matmul.c equal those
+    on torch's BLAS, float64, two layers, lengths, more rows than one block."""
     torch.manual_seed(0)
     m = getattr(fastlayers, cell)(37, 45, num_layers=2, bidirectional=True, dtype=torch.float64, **options)
     x = torch.randn(41, 5, 37, dtype=torch.float64)

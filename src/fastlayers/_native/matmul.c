@@ -8,12 +8,15 @@
  * for products of at least FL_MATMUL_MIN_ROWS rows; MKL keeps Intel's, where it runs its own AVX-512
  * code) and can be forced from Python (fl_matmul_prefer: fastlayers._native.prefer_own_products).
  *
- * fl_matmul_SUFFIX(D, M, K, N, A, B, trans_b, bias, C, Bp, nthreads): for d < D,
+ * fl_matmul_SUFFIX(D, M, K, N, A, rows, B, trans_b, bias, C, Bp, scratch, nthreads): for d < D,
  *   C_d (M x N) = A_d (M x K) @ op(B_d) (+ bias_d broadcast over the rows), where op(B_d) is B_d
  *   (K x N, row-major) when trans_b == 0, or the transpose of B_d given as N x K row-major when
- *   trans_b == 1. A_d at A + d*M*K, B_d at B + d*K*N, bias_d at bias + d*N (bias may be NULL),
+ *   trans_b == 1. A_d at A + d*M*K, or with `rows` (D x M indices) row i of A_d is row
+ *   rows[d*M + i] of A (the packing's gather done block by block in cache: the C++ operators'
+ *   padded input, never copied whole); B_d at B + d*K*N, bias_d at bias + d*N (bias may be NULL),
  *   C_d at C + d*M*N, every matrix contiguous. Bp: work space of D * panels(N) * K * W values
- *   (fl_gemm_panels, W = the panel width: at most D * K * N rounded up to 32 columns).
+ *   (fl_gemm_panels, W = the panel width: at most D * K * N rounded up to 32 columns); scratch
+ *   (with rows only): nthreads * fl_matmul_scratch_rows() * K values.
  * The threads pack B's panels (a share each), then take a share of the (direction, block of
  * FL_MATMUL_MC rows) items: a thread keeps one direction's packed B while it can, and each block's
  * rows stay in L2 while gemm.h's k blocks stream the panels past them.
@@ -44,10 +47,11 @@ int fl_matmul_preferred(int64_t rows)
 }
 
 #define FL_MATMUL_MC 96 /* rows per item: a multiple of both micro-kernel heights (6, 8) */
+int64_t fl_matmul_scratch_rows(void) { return FL_MATMUL_MC; }
 
 #define FL_DEFINE_MATMUL(T, SUFFIX)                                                                  \
-void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, const T* B,          \
-                        int trans_b, const T* bias, T* C, T* Bp, int nthreads)                       \
+void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, const int64_t* rows,  \
+                        const T* B, int trans_b, const T* bias, T* C, T* Bp, T* scratch, int nthreads) \
 {                                                                                                    \
     const int64_t W = FL_W_##SUFFIX, np = fl_gemm_panels_##SUFFIX(N);                               \
     const int64_t blocks = (M + FL_MATMUL_MC - 1) / FL_MATMUL_MC;                                   \
@@ -67,10 +71,15 @@ void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, 
             const int64_t d = q / blocks, i = (q % blocks) * FL_MATMUL_MC;                           \
             const int64_t m = M - i < FL_MATMUL_MC ? M - i : FL_MATMUL_MC;                           \
             T* c = C + (d * M + i) * N;                                                              \
+            const T* a = A + (d * M + i) * K;                                                        \
+            if (rows) { /* the block's rows of A gathered into this thread's scratch (stays in L2) */ \
+                T* s = scratch + tid * FL_MATMUL_MC * K;                                             \
+                for (int64_t r = 0; r < m; r++) memcpy(s + r * K, A + rows[d * M + i + r] * K, sizeof(T) * K); \
+                a = s;                                                                               \
+            }                                                                                        \
             if (bias)                                                                                \
                 for (int64_t r = 0; r < m; r++) memcpy(c + r * N, bias + d * N, sizeof(T) * N);      \
-            fl_gemm_##SUFFIX(m, 0, np, K, N, A + (d * M + i) * K, K, Bp + d * np * K * W, c, N,        \
-                             bias != 0);                                                             \
+            fl_gemm_##SUFFIX(m, 0, np, K, N, a, K, Bp + d * np * K * W, c, N, bias != 0);             \
         }                                                                                            \
     }                                                                                                \
 }

@@ -35,7 +35,8 @@ extern "C" {
                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,       \
                                 int64_t, int64_t, int);
 #define FL_MATMUL(T, S)                                                                                \
-  void fl_matmul_##S(int64_t, int64_t, int64_t, int64_t, const T*, const T*, int, const T*, T*, T*, int);
+  void fl_matmul_##S(int64_t, int64_t, int64_t, int64_t, const T*, const int64_t*, const T*, int, const T*, T*, T*, \
+                     T*, int);
 FL_LSTM_FWD(float, f32)
 FL_LSTM_FWD(double, f64)
 FL_LSTM_LOOP(float, f32)
@@ -47,6 +48,7 @@ FL_LC2D(double, f64)
 FL_MATMUL(float, f32)
 FL_MATMUL(double, f64)
 int fl_matmul_preferred(int64_t rows);
+int64_t fl_matmul_scratch_rows(void);
 }
 
 

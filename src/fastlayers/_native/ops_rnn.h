@@ -193,16 +193,25 @@ at::Tensor gather_into(at::Tensor& out, const at::Tensor& x, const Plan& p) {
   return out;
 }
 
+// Whether the input projection of `p`'s packed rows runs on matmul.c (fl_matmul_preferred: the faster
+// one on this CPU and at this size) with the packing's gather inside it (a packing that is not the
+// identity): then the (D, N, F) packed input is never written.
+bool gathered_projection(const Plan& p) { return !p.identity() && fl_matmul_preferred(p.rows); }
+
 // The input projection xp = xs W_ih^T (+ bias: (D, G), added to every row): (D, N, F) x (D, G, F) ->
-// (D, N, G), every operand contiguous. matmul.c's kernel where it is the faster one on this CPU and
-// at this size (fl_matmul_preferred), else torch's BLAS.
+// (D, N, G), every operand contiguous; with `p` (gathered_projection), xs is the padded input x
+// (T, B, F) and the plan's rows of it are read. matmul.c's kernel where fl_matmul_preferred, else
+// torch's BLAS.
 template <typename T>
-void project(at::Tensor& xp, const at::Tensor& xs, const at::Tensor& w_ih, const at::Tensor& bias) {
-  const int64_t dirs = w_ih.size(0), gsize = w_ih.size(1), width = w_ih.size(2);
-  if (fl_matmul_preferred(xs.size(1))) {
+void project(at::Tensor& xp, const at::Tensor& xs, const at::Tensor& w_ih, const at::Tensor& bias,
+             const Plan* p = nullptr) {
+  const int64_t dirs = w_ih.size(0), gsize = w_ih.size(1), width = w_ih.size(2), rows = xp.size(1);
+  if (p || fl_matmul_preferred(rows)) {
+    const int threads = at::get_num_threads();
     auto packed = at::empty({dirs * width * ((gsize + 31) / 32 * 32)}, xp.options());
-    Kernels<T>::matmul(dirs, xs.size(1), width, gsize, ptr<T>(xs), ptr<T>(w_ih), 1, ptr<T>(bias), ptr<T>(xp),
-                       ptr<T>(packed), at::get_num_threads());
+    auto scratch = p ? at::empty({threads * fl_matmul_scratch_rows() * width}, xp.options()) : at::Tensor();
+    Kernels<T>::matmul(dirs, rows, width, gsize, ptr<T>(xs), p ? p->src.data_ptr<int64_t>() : nullptr,
+                       ptr<T>(w_ih), 1, ptr<T>(bias), ptr<T>(xp), ptr<T>(packed), ptr<T>(scratch), threads);
   } else if (bias.defined()) {
     at::baddbmm_out(xp, bias.view({dirs, 1, gsize}), xs, w_ih.transpose(1, 2));
   } else {
@@ -258,8 +267,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   auto saved3 = [&](int64_t width, bool use) {
     return Workspace::Region{use ? std::vector<int64_t>{dirs, srows, width} : std::vector<int64_t>{}, false};
   };
+  const bool gathered = gathered_projection(p);
   auto [ws, raw] = workspace().take(
-      {rows3(x_in.size(2), true, true), rows3(gsize, true, true), rows3(out, true, true),
+      {rows3(x_in.size(2), !gathered, true), rows3(gsize, true, true), rows3(out, true, true),
        rows3(out, !p.identity(), true),
        {{dirs * first * gsize}, true}, rows3(hidden, proj, true), saved3(gsize, true),
        saved3(hidden, true), saved3(2, gx.defined()), saved3(gsize, gh.defined()),
@@ -272,8 +282,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   T *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]), *cstat = reinterpret_cast<T*>(raw[11]);
   T* chist = reinterpret_cast<T*>(raw[12]);
   auto row = [](T* base, int64_t o, int64_t width) { return base ? base + o * width : nullptr; };
-  xs = gather_into(xs, as(x_in, dt), p);
-  project<T>(xp, xs, w_ih, gx.defined() ? at::Tensor() : bias);
+  if (gathered) project<T>(xp, as(x_in, dt), w_ih, gx.defined() ? at::Tensor() : bias, &p);
+  else project<T>(xp, gather_into(xs, as(x_in, dt), p), w_ih, gx.defined() ? at::Tensor() : bias);
   auto hk = proj ? at::zeros({dirs, batch, hidden}, opt) : h;
   const auto ybuf = proj ? y1 : y;
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
@@ -384,8 +394,9 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   auto saved3 = [&](int64_t width, bool use) {
     return Workspace::Region{use ? std::vector<int64_t>{dirs, batch, width} : std::vector<int64_t>{}, false};
   };
+  const bool gathered = gathered_projection(p);
   auto [ws, raw] = workspace().take(
-      {rows3(x_in.size(2), true, true), rows3(gsize, true, true), rows3(hidden, true, true),
+      {rows3(x_in.size(2), !gathered, true), rows3(gsize, true, true), rows3(hidden, true, true),
        rows3(hidden, !p.identity(), true), {{dirs * first * gsize}, true}, saved3(gsize, true),
        saved3(hidden, true), saved3(hidden, true), saved3(2, gx.defined()),
        saved3(gsize, gh.defined()), {gh.defined() ? std::vector<int64_t>{dirs, batch} : std::vector<int64_t>{},
@@ -393,8 +404,8 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   auto xs = ws[0], xp = ws[1], hd = ws[2], y = out_rows(ws[3], p, dirs, hidden, h.options()), r = ws[4];
   T *gates = reinterpret_cast<T*>(raw[5]), *hbn = reinterpret_cast<T*>(raw[6]), *hist = reinterpret_cast<T*>(raw[7]);
   T *xstat = reinterpret_cast<T*>(raw[8]), *rhat = reinterpret_cast<T*>(raw[9]), *rrstd = reinterpret_cast<T*>(raw[10]);
-  xs = gather_into(xs, as(x_in, dt), p);
-  project<T>(xp, xs, w_ih, gx.defined() ? at::Tensor() : b_ih);
+  if (gathered) project<T>(xp, as(x_in, dt), w_ih, gx.defined() ? at::Tensor() : b_ih, &p);
+  else project<T>(xp, gather_into(xs, as(x_in, dt), p), w_ih, gx.defined() ? at::Tensor() : b_ih);
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
   const auto w_hh_t = w_hh.transpose(1, 2).contiguous();
   const int threads = at::get_num_threads();

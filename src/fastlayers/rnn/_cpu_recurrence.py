@@ -61,7 +61,7 @@ def _gru_lib():
 
 
 def _matmul_lib():
-    return _typed("matmul", lambda real: {"fl_matmul": [I64] * 4 + [P, P, INT, P, P, P, INT]})
+    return _typed("matmul", lambda real: {"fl_matmul": [I64] * 4 + [P, P, P, INT, P, P, P, P, INT]})
 
 
 def _own(mm: _precision.Products, rows: int, *tensors: Tensor | None) -> bool:
@@ -80,8 +80,8 @@ def _native_matmul(a: Tensor, w: Tensor, trans: bool, bias: Tensor | None, out: 
     n = out.size(2)
     packed = torch.empty(_packed_weight(k, n, dirs), dtype=out.dtype, device=out.device)
     getattr(_matmul_lib(), f"fl_matmul_{_SUFFIX[out.dtype]}")(
-        dirs, rows, k, n, a.data_ptr(), w.data_ptr(), int(trans), address(bias), out.data_ptr(), packed.data_ptr(),
-        torch.get_num_threads())
+        dirs, rows, k, n, a.data_ptr(), None, w.data_ptr(), int(trans), address(bias), out.data_ptr(),
+        packed.data_ptr(), None, torch.get_num_threads())
     return out
 
 
