@@ -170,7 +170,9 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
         else:
             if dst is None:
                 dst = (src * dirs + torch.arange(dirs, device=dev).unsqueeze(1)).flatten()
-            x = y.new_zeros(num_rows * dirs, out_size).index_copy(0, dst, y.reshape(dirs * rows, out_size))
+            # (every padded row is written without lengths: no zero fill then)
+            x = (y.new_empty if identity else y.new_zeros)(num_rows * dirs, out_size).index_copy_(
+                0, dst, y.reshape(dirs * rows, out_size))
             x = x.view(num_rows, dirs * out_size) if varlen is not None else x.view(steps, batch, dirs * out_size)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)
