@@ -31,6 +31,17 @@ def keep_mask(shape, p: float, dtype: torch.dtype, device) -> Tensor:
     return (torch.rand(shape, device=device) < p).to(dtype)
 
 
+def draw_mask(key: str, options: CellOptions, shape, like: Tensor) -> Tensor:
+    """One training mask of ``shape`` in ``like``'s dtype and device (:func:`keep_mask`): ``"recurrent"``
+    the recurrent-dropout mask, kept with 1 - recurrent_dropout and scaled by its inverse; ``"zoneout_h"``
+    / ``"zoneout_c"`` the zoneout keep-mask of h / c (ones with probability z_h / z_c)."""
+    if key == "recurrent":
+        keep = 1 - options.recurrent_dropout
+        return keep_mask(shape, keep, like.dtype, like.device) / keep
+    z_h, z_c = options.zoneout
+    return keep_mask(shape, z_h if key == "zoneout_h" else z_c, like.dtype, like.device)
+
+
 def input_bias(cell: str, dir_params: list[dict[str, Tensor]], stack) -> tuple[bool, Tensor | None]:
     """(whether the layer has biases, the bias added with the input projection, (D, G) | None):
     LSTM: b_ih + b_hh; GRU: b_ih (b_hh stays inside r * (W_hh h + b_hh))."""
@@ -49,10 +60,9 @@ def drawn_masks(cell: str, options: CellOptions, training: bool, given: dict[str
     and :mod:`._remat` draws what the engine it runs would (the same calls, shapes and order)."""
     out: dict[str, Tensor] = {}
     if "recurrent" not in given and training and options.recurrent_dropout > 0:
-        keep = 1 - options.recurrent_dropout
-        out["recurrent"] = keep_mask(recurrent_shape, keep, like.dtype, like.device) / keep
+        out["recurrent"] = draw_mask("recurrent", options, recurrent_shape, like)
     z_h, z_c = options.zoneout
     for key, prob, width in (("zoneout_c", z_c if cell == "LSTM" else 0.0, hidden), ("zoneout_h", z_h, out_size)):
         if key not in given and training and prob > 0:
-            out[key] = keep_mask((*zoneout_rows, width), prob, like.dtype, like.device)
+            out[key] = draw_mask(key, options, (*zoneout_rows, width), like)
     return out

@@ -27,7 +27,7 @@ the engine's Python driver, which is what costs at small shapes (issue 42: the o
 small LSTM call in about torch.nn.LSTM's time, the Python driver in 5x; :func:`fastlayers._native.ops_lib.serves`).
 The first such call on a machine builds the library (about 15 s, once; then cached).
 
-Training masks (zoneout, recurrent dropout) are drawn with :func:`._common.keep_mask` and passed to the
+Training masks (zoneout, recurrent dropout) are drawn with :func:`._common.draw_mask` and passed to the
 operator: (D, T, B, width) zoneout keep-masks and a (D, B, P) recurrent mask.
 """
 
@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .._core import exporter
 from .._native import ops_lib
-from ._common import keep_mask
+from ._common import draw_mask
 from ._options import CellOptions
 
 _LSTM_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "ln_hh_weight", "ln_cell_weight",
@@ -133,18 +133,14 @@ def operator_masks(options: CellOptions, training: bool, like: Tensor, dirs: int
     order): recurrent dropout's scaled keep-mask (D, B, width), zoneout's h mask (D, *rows, width) and,
     for an LSTM (``hidden`` given), its c mask (D, *rows, hidden); None where none is drawn. ``rows``:
     (T, B) for the padded operators, (N,) for the varlen ones."""
-    def bernoulli(shape: tuple[int, ...], p: float) -> Tensor:
-        return keep_mask(shape, p, like.dtype, like.device)
-
     z_h, z_c = options.zoneout
     rmask = zc = zh = None
     if training and options.recurrent_dropout > 0:
-        keep = 1 - options.recurrent_dropout
-        rmask = bernoulli((dirs, batch, width), keep) / keep
+        rmask = draw_mask("recurrent", options, (dirs, batch, width), like)
     if training and z_h > 0:
-        zh = bernoulli((dirs, *rows, width), z_h)
+        zh = draw_mask("zoneout_h", options, (dirs, *rows, width), like)
     if training and hidden is not None and z_c > 0:
-        zc = bernoulli((dirs, *rows, hidden), z_c)
+        zc = draw_mask("zoneout_c", options, (dirs, *rows, hidden), like)
     return rmask, zc, zh
 
 

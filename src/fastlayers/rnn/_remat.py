@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._core import precision
-from ._common import drawn_masks, keep_mask
+from ._common import draw_mask, drawn_masks
 from ._cpu import given_layout, gru_engine, layer_plan, lstm_engine
 from ._gpu import gru_engine_gpu, lstm_engine_gpu
 from ._options import CellOptions
@@ -111,7 +111,7 @@ def _engine_draws(engine: Engine, cell: str, options: CellOptions, training: boo
                   x: Tensor, lengths: Tensor | None, sizes: tuple[int, int, int, int, int]) -> dict[str, Tensor] | None:
     """One layer's masks in the engines' given layout ((D, B, P); zoneout (D, T, B, width), original
     time and batch order): ``given``'s, and those it lacks drawn as ``engine`` draws them when it runs
-    the layer whole (the same :func:`._common.keep_mask` calls, shapes and order, :func:`._common.drawn_masks`),
+    the layer whole (the same :func:`._common.draw_mask` calls, shapes and order, :func:`._common.drawn_masks`),
     so that a training call with checkpoint_every sees the masks the same call without it sees
     from the same seed (the C and Triton engines; the reference draws per step, and its masks are
     drawn per direction by :func:`_direction_masks` instead)."""
@@ -150,12 +150,7 @@ def _direction_masks(given: dict[str, Tensor] | None, d: int, fmap: Tensor | Non
             if key != "recurrent" and fmap is not None:  # original time -> the direction's time
                 mask = take(mask[0].reshape(steps * batch, -1), fmap, False, 0, steps, None).unsqueeze(0)
         elif needed:
-            if key == "recurrent":
-                keep = 1 - options.recurrent_dropout
-                mask = keep_mask(shape, keep, like.dtype, like.device) / keep
-            else:
-                prob = z_h if key == "zoneout_h" else z_c
-                mask = keep_mask(shape, prob, like.dtype, like.device)
+            mask = draw_mask(key, options, shape, like)
         if mask is not None:
             out[key] = mask.contiguous()
     return out or None
