@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._core import jagged
+
 
 @dataclass(frozen=True)
 class LengthPlan:
@@ -93,3 +95,21 @@ def make_plan(lengths: Tensor, max_len: int, batch_first: bool, device: torch.de
         reverse_rows=rev.to(device),
         num_rows=max_len * batch,
     )
+
+
+def varlen_rows(backend: str, cu_seqlens: object, total: int, device: torch.device,
+                max_seqlen: object = None) -> tuple[Tensor, dict]:
+    """A varlen batch (``cu_seqlens`` over ``total`` value rows) validated for the engine of
+    ``backend`` that runs it on the value rows: (the lengths (B,), the engine's keyword for its rows:
+    ``{"varlen": jagged.Varlen}`` for the Triton engine, ``{"plan": LengthPlan}`` (:func:`make_plan`,
+    varlen=True) for the C engine).
+
+    Raises:
+        TypeError, ValueError: ``cu_seqlens`` or ``max_seqlen`` is invalid
+        (:func:`fastlayers._core.jagged.check_cu_seqlens`).
+    """
+    if backend == "triton":
+        varlen = jagged.varlen(cu_seqlens, total, device, batch_first=False, max_seqlen=max_seqlen)
+        return varlen.lengths, {"varlen": varlen}
+    lengths, longest = jagged.check_cu_seqlens(cu_seqlens, total, device, max_seqlen=max_seqlen)
+    return lengths, {"plan": make_plan(lengths, longest, False, device, varlen=True)}

@@ -25,7 +25,7 @@ from .._native import ops_lib
 from .._core.backend import select
 from ._cells import step
 from ._docs import COMMON_DOC, GRU_OPTIONS_DOC, OPTIONS_DOC
-from ._lengths import make_plan
+from ._lengths import varlen_rows
 from ._ops_export import operator_layers
 from ._ops_varlen import varlen_operator_layers
 from . import _gpu_graphs
@@ -390,14 +390,7 @@ class _CellOptionsMixin:
         if not (isinstance(values, Tensor) and values.dim() == 2 and values.size(0) > 0) \
                 or torch.compiler.is_compiling() or not on_engine or self._recomputes():
             return super()._forward_varlen(values, hx, cu_seqlens, max_seqlen)  # type: ignore[misc]
-        if backend == "triton":  # the Triton engine takes the validated varlen batch
-            varlen = jagged.varlen(cu_seqlens, values.size(0), values.device, batch_first=False,
-                                   max_seqlen=max_seqlen)
-            lengths, rows = varlen.lengths, {"varlen": varlen}
-        else:  # the C engine its plan of the rows
-            lengths, longest = jagged.check_cu_seqlens(cu_seqlens, values.size(0), values.device,
-                                                       max_seqlen=max_seqlen)
-            rows = {"plan": make_plan(lengths, longest, False, values.device, varlen=True)}
+        lengths, rows = varlen_rows(backend, cu_seqlens, values.size(0), values.device, max_seqlen)
         states = self._varlen_states(values, hx, lengths.numel())  # type: ignore[attr-defined]
         out, final = ENGINES[self.mode, backend](values, states, self._layer_parameters(), lengths, self.options,
                                                  dropout=self.dropout, training=self.training, **rows)

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .._core import jagged
 from .._core.backend import select
-from ._lengths import make_plan
+from ._lengths import varlen_rows
 from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _RNN_KEYS, _layer_args, _layer_eagerly, _rnn_eagerly, engine_masks,
                           operator_masks, vjp)
 from ._options import CellOptions
@@ -54,12 +54,7 @@ def _varlen_eagerly(cell: str, x: Tensor, cu_seqlens: Tensor, states: tuple[Tens
     the recomputation their autograd differentiates. ``cell``: "LSTM", "GRU", "RNN_TANH", "RNN_RELU"."""
     backend = select(cell.lower(), x) if cell in ("LSTM", "GRU") else None
     if backend in ("cpu", "triton"):  # the engines on the value rows (masks (D, N, width) as they are)
-        if backend == "triton":
-            varlen = jagged.varlen(cu_seqlens, x.size(0), x.device, batch_first=False)
-            lengths, rows = varlen.lengths, {"varlen": varlen}
-        else:
-            lengths, longest = jagged.check_cu_seqlens(cu_seqlens, x.size(0), x.device)
-            rows = {"plan": make_plan(lengths, longest, False, x.device, varlen=True)}
+        lengths, rows = varlen_rows(backend, cu_seqlens, x.size(0), x.device)
         layer, options = _layer_args(cell, w, consts)
         out, final = engine(cell, backend)(x, states, [layer], lengths, options, training=False,
                                            masks=[engine_masks(masks)], **rows)
