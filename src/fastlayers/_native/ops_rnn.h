@@ -125,7 +125,7 @@ at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t ba
   // every row is written when every sequence runs all T steps: no zero fill first
   const std::vector<int64_t> shape{steps * batch * dirs, width};
   return (p.full ? at::empty(shape, y.options()) : at::zeros(shape, y.options()))
-      .index_copy(0, dst, y.reshape({dirs * p.rows, width}))
+      .index_copy_(0, dst, y.reshape({dirs * p.rows, width}))
       .view({steps, batch, dirs * width});
 }
 
@@ -193,6 +193,12 @@ at::Tensor gather_into(at::Tensor& out, const at::Tensor& x, const Plan& p) {
   return out;
 }
 
+// Work space for gemm.h's packed copy of D weights of K x N (its panels: N rounded up to 32 columns), as
+// fastlayers/rnn/_cpu_recurrence.py's _packed_weight.
+at::Tensor packed_weight(int64_t k, int64_t n, int64_t dirs, const at::TensorOptions& opt) {
+  return at::empty({dirs * k * ((n + 31) / 32 * 32)}, opt);
+}
+
 // Whether the input projection of `p`'s packed rows runs on matmul.c (fl_matmul_preferred: the faster
 // one on this CPU and at this size) with the packing's gather inside it (a packing that is not the
 // identity): then the (D, N, F) packed input is never written.
@@ -208,7 +214,7 @@ void project(at::Tensor& xp, const at::Tensor& xs, const at::Tensor& w_ih, const
   const int64_t dirs = w_ih.size(0), gsize = w_ih.size(1), width = w_ih.size(2), rows = xp.size(1);
   if (p || fl_matmul_preferred(rows)) {
     const int threads = at::get_num_threads();
-    auto packed = at::empty({dirs * width * ((gsize + 31) / 32 * 32)}, xp.options());
+    auto packed = packed_weight(width, gsize, dirs, xp.options());
     auto scratch = p ? at::empty({threads * fl_matmul_scratch_rows() * width}, xp.options()) : at::Tensor();
     Kernels<T>::matmul(dirs, rows, width, gsize, ptr<T>(xs), p ? p->src.data_ptr<int64_t>() : nullptr,
                        ptr<T>(w_ih), 1, ptr<T>(bias), ptr<T>(xp), ptr<T>(packed), ptr<T>(scratch), threads);
@@ -293,7 +299,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
   if (!proj && last >= 0) {  // the whole time loop in one call, with its own step products (lstm.c)
     hd.narrow(1, 0, first).copy_(h_first);
-    auto wp = at::empty({dirs * hidden * ((gsize + 31) / 32 * 32)}, opt);  // packed W_hh^T (gemm.h)
+    auto wp = packed_weight(hidden, gsize, dirs, opt);  // packed W_hh^T
     Kernels<T>::lstm_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh_t), ptr<T>(wp),
                           ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(bias), ptr<T>(c), ptr<T>(h),
                           ptr<T>(rmask), ptr<T>(y), gates, c1, chist, ptr<T>(hd), rhat, rrstd, cstat, ptr<T>(gh),
@@ -412,7 +418,7 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
   if (last >= 0) {  // the whole time loop in one call, with its own step products (gru.c)
     hd.narrow(1, 0, first).copy_(h_first);
-    auto wp = at::empty({dirs * hidden * ((gsize + 31) / 32 * 32)}, h.options());  // packed W_hh^T (gemm.h)
+    auto wp = packed_weight(hidden, gsize, dirs, h.options());  // packed W_hh^T
     Kernels<T>::gru_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh_t), ptr<T>(wp),
                          ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(b_ih), ptr<T>(h), ptr<T>(rmask),
                          ptr<T>(b_hh), ptr<T>(y), gates, hbn, hist, ptr<T>(hd), rhat, rrstd, ptr<T>(gh),
