@@ -125,3 +125,167 @@ def test_a_request_no_free_slab_fits_drops_the_smaller_ones_of_its_kind():
     _pool.give(slab)
     again, _ = _pool.views({"a": (16,)}, torch.float32, torch.device("cpu"))  # the new slab serves smaller requests
     assert again is slab
+
+
+# The CPU block cache (_native/ops_cache.h through _pool.empty): the tensors that leave the engine.
+
+needs_cache = pytest.mark.skipif(not _pool._cache_on(), reason="the native library is unavailable")
+
+
+def _info():
+    return dict(zip(("idle", "used", "hits", "misses", "limit"), torch.ops.fastlayers.cache_info()))
+
+
+@needs_cache
+def test_cache_gives_a_dead_tensors_block_to_the_next_request_it_fits():
+    like = torch.empty(0)
+    t = _pool.empty((512, 1024), torch.float32, like)
+    assert t.shape == (512, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    address, before = t.data_ptr(), _info()
+    del t
+    assert _info()["idle"] >= before["idle"] + 512 * 1024 * 4
+    u = _pool.empty((500, 1024), torch.float32, like)  # smaller, within 1.5x: the same block
+    assert u.data_ptr() == address and _info()["hits"] == before["hits"] + 1
+    d = _pool.empty((256, 1024), torch.float64, like)  # another dtype of the same bytes: a new block
+    assert d.data_ptr() != address and d.dtype == torch.float64
+
+
+@needs_cache
+def test_cache_leaves_small_tensors_and_other_devices_to_torch():
+    before = _info()
+    small = _pool.empty((100,), torch.float32, torch.empty(0))
+    meta = _pool.empty((1024, 1024), torch.float32, torch.empty(0, device="meta"))
+    assert small.shape == (100,) and meta.device.type == "meta" and meta.shape == (1024, 1024)
+    assert _info()["misses"] == before["misses"] and _info()["hits"] == before["hits"]
+
+
+@needs_cache
+def test_cache_limit_and_empty_cache_release_idle_blocks():
+    limit = _info()["limit"]
+    try:
+        t = _pool.empty((1024, 1024), torch.float32, torch.empty(0))
+        torch.ops.fastlayers.cache_limit(0)  # keeps nothing: the block is freed when its tensor dies
+        del t
+        assert _info()["idle"] == 0
+        torch.ops.fastlayers.cache_limit(limit)
+        t = _pool.empty((1024, 1024), torch.float32, torch.empty(0))
+        del t
+        assert _info()["idle"] > 0
+        fastlayers.empty_cache()
+        assert _info()["idle"] == 0
+        with pytest.raises(RuntimeError, match="cache_limit: expected a number of bytes >= 0, got -1"):
+            torch.ops.fastlayers.cache_limit(-1)
+    finally:
+        torch.ops.fastlayers.cache_limit(limit)
+
+
+@needs_cache
+def test_cached_tensors_are_ordinary_tensors():
+    t = _pool.empty((512, 1024), torch.float32, torch.empty(0))
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32).view_as(t))
+    want = t.clone()
+    t.resize_(2048, 1024)  # resizable: a new block, the values kept
+    assert torch.equal(t[:512], want)
+    assert torch.equal(torch.load(_saved(t[:512])), want)
+
+
+def _saved(t):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+@needs_cache
+def test_cached_tensor_is_poisoned_like_fresh_memory(monkeypatch):
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert _pool.empty((512, 1024), torch.float32, torch.empty(0)).isnan().all()
+    assert (_pool.empty((512, 1024), torch.int64, torch.empty(0)) == 0).all()
+
+
+@needs_cache
+def test_profiler_sees_cached_blocks():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        t = _pool.empty((1024, 1024), torch.float32, torch.empty(0))
+        del t
+    grown = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    assert max(grown) >= 1024 * 1024 * 4
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("lengths", [None, [9, 3, 6, 9]])
+def test_engine_tensors_from_the_cache_are_never_shared(monkeypatch, cell, lengths):
+    """Every tensor of the engine through the cache (no size floor): a second call and its backward,
+    while the first call's outputs and gradients are alive, leave them as they were, and every result
+    equals the same calls with the cache off."""
+    monkeypatch.setattr(_pool, "CACHE_MIN_BYTES", 0)
+
+    def calls():
+        torch.manual_seed(0)
+        m = getattr(fastlayers, cell)(5, 6, num_layers=2, bidirectional=True, layer_norm=True)
+        results = []
+        for scale in (1.0, -2.0, 0.5):
+            x = (torch.randn(9, 4, 5) * scale).requires_grad_(True)
+            out, state = m(x, lengths=lengths)
+            state = state if isinstance(state, tuple) else (state,)
+            grads = torch.autograd.grad((out * out.detach().cos()).sum() + sum(s.sum() for s in state),
+                                        [x, *m.parameters()])
+            results.append((out.detach(), *state, *grads))
+        return results
+
+    fastlayers.empty_cache()
+    with_cache = calls()
+    copies = [[t.clone() for t in r] for r in with_cache]
+    if _pool._cache_on():
+        assert _info()["hits"] > 0
+    monkeypatch.setitem(_pool._cache, "on", False)
+    without = calls()
+    for got, kept, want in zip(with_cache, copies, without):
+        for a, b, c in zip(got, kept, want):
+            assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("covers", [True, False])
+def test_gather_and_scatter_rows_gradients(monkeypatch, covers):
+    from fastlayers.rnn._rows import gather, scatter
+
+    monkeypatch.setattr(_pool, "CACHE_MIN_BYTES", 0)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([3, 0, 4, 1, 2, 4, 0, 2] if covers else [3, 0, 4, 0, 2])
+    torch.autograd.gradcheck(lambda v: gather(v, index, covers), (x,))
+    torch.autograd.gradgradcheck(lambda v: gather(v, index, covers), (x,))
+    y = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    rows = torch.tensor([6, 1, 3, 0, 4]) if not covers else torch.tensor([2, 0, 4, 1, 3])
+    out = scatter(y, rows, 7 if not covers else 5, covers)
+    want = torch.zeros(7 if not covers else 5, 3, dtype=torch.float64).index_copy(0, rows, y.detach())
+    assert torch.equal(out.detach(), want)
+    torch.autograd.gradcheck(lambda v: scatter(v, rows, 7 if not covers else 5, covers), (y,))
+    torch.autograd.gradgradcheck(lambda v: scatter(v, rows, 7 if not covers else 5, covers), (y,))
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("value,limit,warns", [("0", 0, False), ("64", 64 << 20, False), ("many", 1024 << 20, True)])
+def test_cache_limit_from_the_environment(value, limit, warns):
+    import os
+    import subprocess
+    import sys
+
+    code = ("import warnings, torch, fastlayers\n"
+            "from fastlayers._core import pool\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    on = pool._cache_on()\n"
+            "print(torch.ops.fastlayers.cache_info()[4], on, pool.cache_info() is None,\n"
+            "      any('FASTLAYERS_CPU_CACHE_MB' in str(x.message) for x in w))\n"
+            "m = fastlayers.LSTM(64, 128, bidirectional=True, layer_norm=True)\n"
+            "out, _ = m(torch.randn(50, 32, 64, requires_grad=True)); out.sum().backward()\n")
+    env = {**os.environ, "FASTLAYERS_CPU_CACHE_MB": value}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got, on, off, warned = done.stdout.split()
+    assert int(got) == limit and on == str(limit > 0) and off == str(limit == 0) and warned == str(warns)

@@ -18,6 +18,7 @@ a fresh ``torch.empty``, so the poisoned test pass still sees reads of unwritten
 from __future__ import annotations
 
 import math
+import os
 import threading
 import weakref
 from typing import Any
@@ -25,7 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._native import ops_lib, warn_once
+
 CAPACITY = 8
+CACHE_MIN_BYTES = 1 << 20  # smaller tensors: torch.empty (malloc keeps such blocks mapped itself)
+_cache: dict[str, Any] = {}
 _ALIGN = 16  # elements between the starts of two views (64 bytes for float32)
 _free: list[Tensor] = []
 _lock = threading.Lock()
@@ -60,9 +65,50 @@ def give(slab: Tensor) -> None:
 
 def empty_cache() -> None:
     """Release every buffer the recurrent engine keeps for reuse between calls (it holds at most
-    a few calls' worth of saved activations; the next call allocates them again)."""
+    a few calls' worth of saved activations, and the idle blocks of the CPU block cache up to
+    ``$FASTLAYERS_CPU_CACHE_MB``; the next call allocates them again)."""
     with _lock:
         _free.clear()
+    if _cache.get("on"):
+        torch.ops.fastlayers.cache_release()
+
+
+def _cache_on() -> bool:
+    """Whether the native block cache serves :func:`empty`: the library loads and its limit
+    (``$FASTLAYERS_CPU_CACHE_MB``, read by the library) is not 0. Decided once per process."""
+    on = _cache.get("on")
+    if on is None:
+        raw = os.environ.get("FASTLAYERS_CPU_CACHE_MB", "").strip()
+        if raw and not raw.isdigit():  # (the library reads it, and takes the default then)
+            warn_once(f"fastlayers: FASTLAYERS_CPU_CACHE_MB={raw!r}: expected a whole number of MiB >= 0; "
+                      f"the default (1024) is used", stacklevel=4)
+        on = _cache["on"] = bool(ops_lib.load() and torch.ops.fastlayers.cache_info()[4] > 0)
+    return on
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, like: Tensor) -> Tensor:
+    """``torch.empty(shape, dtype=dtype, device=like.device)`` for a per-call tensor that leaves the
+    engine: from the native block cache where it serves (a plain CPU tensor ``like``, eager, at
+    least ``CACHE_MIN_BYTES``), else torch's allocator. Filled with NaN (0 for integers) under
+    ``torch.utils.deterministic.fill_uninitialized_memory`` with deterministic algorithms on, as
+    ``torch.empty`` is."""
+    numel = math.prod(shape)
+    if (numel * dtype.itemsize < CACHE_MIN_BYTES or like.device.type != "cpu"
+            or not (type(like) is torch.Tensor or type(like) is torch.nn.Parameter)  # not fake / functional
+            or torch.compiler.is_compiling() or not _cache_on()):
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    out = torch.ops.fastlayers.cached_empty(list(shape), dtype)
+    if torch.utils.deterministic.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled():
+        out.fill_(float("nan") if dtype.is_floating_point else 0)
+    return out
+
+
+def cache_info() -> dict[str, int] | None:
+    """The CPU block cache's counters (bytes idle, bytes in use, requests served by an idle block
+    ``hits`` or by a new one ``misses``, the limit in bytes); None where it is off."""
+    if not _cache_on():
+        return None
+    return dict(zip(("idle", "used", "hits", "misses", "limit"), torch.ops.fastlayers.cache_info()))
 
 
 Shape = tuple[int, ...]

@@ -117,14 +117,15 @@ at::Tensor pack_mask(const at::Tensor& m, const Plan& p, int64_t steps, int64_t 
 }
 
 // The packed output (D, N, P) -> padded (T, B, D*P), zeros at t >= len_b. With the identity
-// packing `y` is the caller's own fresh tensor (out_rows), returned as a view.
+// packing `y` is the caller's own fresh tensor (out_rows), returned as a view. Outputs come from the
+// block cache (ops_cache.h: no first-touch page faults on a repeated call).
 at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t batch) {
   const int64_t dirs = y.size(0), width = y.size(2);
   if (p.identity()) return y.view({steps, batch, width});
   auto dst = (p.src * dirs + at::arange(dirs, at::kLong).unsqueeze(1)).flatten();
   // every row is written when every sequence runs all T steps: no zero fill first
   const std::vector<int64_t> shape{steps * batch * dirs, width};
-  return (p.full ? at::empty(shape, y.options()) : at::zeros(shape, y.options()))
+  return (p.full ? output_empty(shape, y.options()) : output_empty(shape, y.options()).zero_())
       .index_copy_(0, dst, y.reshape({dirs * p.rows, width}))
       .view({steps, batch, dirs * width});
 }
@@ -133,7 +134,7 @@ at::Tensor scatter(const at::Tensor& y, const Plan& p, int64_t steps, int64_t ba
 // tensor that scatter() hands out as it is (no copy).
 at::Tensor out_rows(const at::Tensor& region, const Plan& p, int64_t dirs, int64_t width,
                     const at::TensorOptions& opt) {
-  return p.identity() ? at::empty({dirs, p.rows, width}, opt) : region;
+  return p.identity() ? output_empty({dirs, p.rows, width}, opt) : region;
 }
 
 // A per-thread work space reused across calls, as the eager engine's buffer pool (fastlayers/_pool.py):

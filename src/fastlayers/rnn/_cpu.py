@@ -15,7 +15,8 @@ input and weight gradients and the LayerNorm / peephole parameter gradients as l
 reductions after the loop. The output is scattered back to the padded (T, B, D*H) layout with
 one index_copy. Padding costs nothing: no GEMM, kernel or reduction touches a padded row. The
 per-row buffers saved for the backward come from :mod:`fastlayers._core.pool` and are reused by the
-next call.
+next call; the tensors that leave (the gathered rows, the output, their gradients: :mod:`._rows`)
+come from its CPU block cache.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ._lengths import LengthPlan, full_plan, make_plan
 from ._common import drawn_masks, input_bias
 from ._options import CellOptions
 from ._ops_compile import run_layer
+from ._rows import gather, scatter
 
 
 def lstm_engine(
@@ -149,7 +151,8 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
         if identity and dirs == 1:
             xs = x.reshape(1, rows, -1)
         else:
-            xs = x.reshape(num_rows, -1).index_select(0, src.flatten()).view(dirs, rows, -1)
+            # (every row of the input is one of the first direction's when all rows are valid)
+            xs = gather(x.reshape(num_rows, -1), src.flatten(), rows == num_rows).view(dirs, rows, -1)
         m = (masks[li] if masks is not None else None) or {}
         # drawn masks are used as drawn: the recurrent one in length-sorted batch order, zoneout on the
         # packed rows; given ones (original order, :func:`given_layout` makes drawn ones so) are moved there
@@ -170,9 +173,8 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
         else:
             if dst is None:
                 dst = (src * dirs + torch.arange(dirs, device=dev).unsqueeze(1)).flatten()
-            # (every padded row is written without lengths: no zero fill then)
-            x = (y.new_empty if identity else y.new_zeros)(num_rows * dirs, out_size).index_copy_(
-                0, dst, y.reshape(dirs * rows, out_size))
+            # (every row is written when all rows are valid: no zero fill then)
+            x = scatter(y.reshape(dirs * rows, out_size), dst, num_rows * dirs, rows == num_rows)
             x = x.view(num_rows, dirs * out_size) if varlen is not None else x.view(steps, batch, dirs * out_size)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)

@@ -100,7 +100,8 @@ def _input_grad(mm: _precision.Products, dpre: Tensor, w_ih: Tensor, dtype: torc
     """dX[d] = dpre[d] W_ih[d]: (D, N, G) x (D, G, F) -> (D, N, F) in ``dtype``."""
     if not _own(mm, dpre.size(1), dpre, w_ih):
         return mm.bmm(dpre, w_ih, dtype=dtype)
-    return _native_matmul(dpre, w_ih, False, None, dpre.new_empty(*dpre.shape[:2], w_ih.size(2))).to(dtype)
+    return _native_matmul(dpre, w_ih, False, None, pool.empty((*dpre.shape[:2], w_ih.size(2)), dpre.dtype, dpre)
+                          ).to(dtype)
 
 
 def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
@@ -237,7 +238,7 @@ class LSTMRecurrence(torch.autograd.Function):
                                          wp=_packed_weight(out_size, gsize, dirs) if in_c else None), acc, xs.device)
         xp, r = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"]
         # the output in acc; with a low output dtype only the converted copy leaves (the float32 one is pooled)
-        y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, out_size, dtype=acc)
+        y = tmp["y"] if mm.mixed else pool.empty((dirs, rows, out_size), acc, xs)
         xs_op = _into(buf.get("xs_low"), xs)
         # with LayerNorm the kernel normalises W_ih x, then adds the bias
         _project(mm, xs_op, w_ih, bias if gx is None else None, xp)
@@ -435,7 +436,7 @@ class GRURecurrence(torch.autograd.Function):
         tmp_slab, tmp = pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
                                          y=(dirs, rows, hidden) if mm.mixed else None,
                                          wp=_packed_weight(hidden, gsize, dirs) if in_c else None), acc, xs.device)
-        y = tmp["y"] if mm.mixed else xs.new_empty(dirs, rows, hidden, dtype=acc)  # as in LSTMRecurrence
+        y = tmp["y"] if mm.mixed else pool.empty((dirs, rows, hidden), acc, xs)  # as in LSTMRecurrence
         xp, r, hd, hd_low = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"], buf.get("hd_low")
         xs_op = _into(buf.get("xs_low"), xs)
         _project(mm, xs_op, w_ih, b_ih if gx is None else None, xp)  # (with LayerNorm: b_ih after it, in the kernel)
