@@ -30,7 +30,7 @@ from setuptools._distutils.sysconfig import customize_compiler
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 NATIVE = Path("src") / "fastlayers" / "_native"
-C_SOURCES = ("lstm.c", "gru.c", "local.c", "matmul.c")
+C_SOURCES = ("lstm.c", "gru.c", "local.c", "matmul.c", "masks.c")
 # -fno-trapping-math -fno-signed-zeros: lets GCC if-convert the clamps and selects of the pointwise
 # loops into vector compare + blend. No -ffinite-math-only: it lets GCC assume no NaN/inf (x * 0 -> 0,
 # min/max that drop NaN), and the step kernels then turned a NaN input into finite outputs.

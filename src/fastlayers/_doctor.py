@@ -113,6 +113,8 @@ def _native_library(load: bool) -> str:
 
 
 def _operators(load: bool) -> str:
+    import torch
+
     from ._native import ops_lib
 
     if not load:
@@ -121,7 +123,10 @@ def _operators(load: bool) -> str:
         warnings.simplefilter("always")
         loaded = ops_lib.load()
     if loaded:
-        return "registered (torch.ops.fastlayers: lstm_padded, gru_padded, rnn_padded, locally_connected2d)"
+        limit = torch.ops.fastlayers.cache_info()[4] >> 20
+        return ("registered (torch.ops.fastlayers: lstm_padded, gru_padded, rnn_padded, locally_connected2d); "
+                f"the CPU block cache of the layers' per-call tensors keeps up to {limit} MiB idle "
+                f"(FASTLAYERS_CPU_CACHE_MB{'; 0: off' if limit == 0 else ''})")
     return f"NOT available: {ops_lib._STATE.get('error') or 'unavailable'}"
 
 

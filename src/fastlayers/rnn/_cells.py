@@ -24,7 +24,7 @@ from .._core.backend import cpu_kernels, select
 from .._core.jit import NotScriptable
 from . import _gpu_cell
 from ._reference import gru_cell_step, lstm_cell_step
-from ._common import keep_mask
+from ._masks import keep_mask
 from ._options import CellOptions
 from ._validate import check_cell, check_mask
 

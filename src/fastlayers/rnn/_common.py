@@ -1,11 +1,12 @@
 """Helpers every recurrent engine uses (the C engine, the GPU engine, the reference twin's callers):
-the input bias, the masks drawn in training, dtype bookkeeping. Backend-neutral: plain PyTorch."""
+the input bias, the masks drawn in training (drawn by :mod:`._masks`), dtype bookkeeping."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ._masks import keep_mask
 from ._options import CellOptions
 
 
@@ -19,16 +20,6 @@ def as_dtype(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 def in_dtypes(grads, dtypes) -> tuple[Tensor | None, ...]:
     """Each gradient in the dtype of its input (they are computed in float32 for bf16 / fp16 inputs)."""
     return tuple(g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes))
-
-
-def keep_mask(shape, p: float, dtype: torch.dtype, device) -> Tensor:
-    """A mask of ones (probability ``p``) and zeros of ``shape``: ``torch.rand(shape) < p``, the uniforms
-    drawn in float32 whatever ``dtype`` (the same draws for every dtype). Every mask the recurrent layers
-    draw in training (zoneout keep-masks, recurrent-dropout masks before their 1 / keep scale) comes
-    from here: every engine, cell and operator of a device draws the same masks from the same seed.
-    (Why not torch.bernoulli: on CPU it took twice as long, 12 ms against 6 for a (2, 200, 32, 128)
-    mask on AMD Zen 4, a fifth of a zoneout LSTM's fwd+bwd there; issue 62.)"""
-    return (torch.rand(shape, device=device) < p).to(dtype)
 
 
 def draw_mask(key: str, options: CellOptions, shape, like: Tensor) -> Tensor:

@@ -33,7 +33,8 @@ from . import _gpu_graphs
 from ._gpu_layers import lengths_tensor, numbers_tensor
 from ._reference import gru_cell_step, layer_options, lstm_cell_step
 from ._options import CellOptions
-from ._common import as_dtype, keep_mask
+from ._common import as_dtype
+from ._masks import keep_mask
 
 _DTYPES = (torch.float32, torch.float64)
 

@@ -18,7 +18,7 @@ the eager engine and takes its gradient, as the padded export operators do (:mod
 compiled training step pays one extra forward per layer. Python operators: an exported program runs
 where fastlayers is imported (``ep.module()``), not in AOTInductor packages.
 
-Training masks are drawn by the caller (:func:`varlen_operator_layers`) with :func:`._common.keep_mask`:
+Training masks are drawn by the caller (:func:`varlen_operator_layers`) with :func:`._masks.keep_mask`:
 zoneout keep-masks (D, N, width) in the values' row order, the recurrent mask (D, B, P).
 """
 

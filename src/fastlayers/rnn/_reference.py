@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from .._core import precision as _precision, twice
-from ._common import keep_mask
+from ._masks import keep_mask
 from ._options import CellOptions
 from ._varlen import KERNELS
 
