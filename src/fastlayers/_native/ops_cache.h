@@ -9,12 +9,13 @@
 // of such tensors per call, 8-10 % of its time (BENCHMARKS.md, issue 62). A block whose tensor
 // dies comes back here instead, idle, and the next request it fits reuses it (mapped already).
 //
-// Policy: a new block has the size asked for plus 1/8, rounded up to 2 MiB (a slightly longer batch
-// next time fits); a request takes the smallest idle block of at least its size and at most 1.5
-// times it, or the size a new block for it would have. Idle blocks are kept up to the limit
-// (FASTLAYERS_CPU_CACHE_MB MiB, read once, default 1024; cache_limit sets it), the smallest leaving
-// first; a block larger than the limit is freed when its tensor dies (limit 0: the cache keeps
-// nothing); cache_release frees every idle block. Memory comes from c10::alloc_cpu
+// Policy: a new block has the size asked for rounded up to 2 MiB (no more: the profiler counts the
+// whole block: headroom of 1/8 showed as 3 % more peak memory in bench_gru_engine.py); a request
+// takes the smallest idle block of at least its size and at most 1.5 times it (a batch of another T
+// reuses the blocks of a longer one), or the size a new block for it would have. Idle blocks are
+// kept up to the limit (FASTLAYERS_CPU_CACHE_MB MiB, read once, default 1024; cache_limit sets it),
+// the smallest leaving first; a block larger than the limit is freed when its tensor dies (limit 0:
+// the cache keeps nothing); cache_release frees every idle block. Memory comes from c10::alloc_cpu
 // (torch's own alignment and huge-page settings). The tensors are ordinary CPU tensors (resizable:
 // a resize takes its new block from here too). Thread-safe: a tensor may die on any thread. The
 // torch profiler's memory records see a block as allocated while a tensor uses it and as freed when
@@ -68,7 +69,7 @@ inline State& state() {
 constexpr size_t kGrain = size_t(2) << 20;  // new blocks: whole 2 MiB
 
 // The size of a new block for a request of n bytes.
-inline size_t grown(size_t n) { return (n + n / 8 + kGrain - 1) / kGrain * kGrain; }
+inline size_t grown(size_t n) { return (n + kGrain - 1) / kGrain * kGrain; }
 
 // Frees `blocks` (outside the lock).
 inline void free_all(const std::vector<void*>& blocks) {
