@@ -289,3 +289,32 @@ def test_cache_limit_from_the_environment(value, limit, warns):
     assert done.returncode == 0, done.stderr
     got, on, off, warned = done.stdout.split()
     assert int(got) == limit and on == str(limit > 0) and off == str(limit == 0) and warned == str(warns)
+
+
+@needs_cache
+def test_cache_serves_threads_at_once():
+    """Blocks taken and given back from several threads at once: every tensor keeps its own values
+    and the cache's books balance (no block in use twice, none lost)."""
+    import threading
+
+    fastlayers.empty_cache()
+    used_before = _info()["used"]
+    errors = []
+
+    def work(seed):
+        live = []  # a few tensors alive at once, written, then read back after the others ran
+        for i in range(40):
+            t = _pool.empty((256 + (seed * 7 + i) % 64, 1024), torch.float32, torch.empty(0))
+            live.append((t.fill_(seed * 1000 + i), seed * 1000 + i))
+            if len(live) == 4:
+                errors.extend((seed, v) for t, v in live if not bool((t == v).all()))
+                live.clear()
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    info = _info()
+    assert info["used"] == used_before and info["idle"] <= info["limit"] and info["hits"] > 0
