@@ -282,3 +282,19 @@ def test_custom_operators_pass_opcheck():
                                                             r(d, 3 * h), r(d, 3 * h), None, None, None, None, 0.0))
     torch.library.opcheck(torch.ops.fastlayers.rnn_varlen, (r(n, f), cu, r(d, 4, h), r(d, h, f), r(d, h, h), None,
                                                             None, True))
+
+
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_inductor_compiles_training_masks():
+    """Inductor compiles a layer in training with zoneout and recurrent dropout: the masks come from
+    the fastlayers::counter_mask operator (Inductor's code for the counter hash's int64 products
+    corrupted the heap), with the eager call's draws under torch's fallback_random."""
+    torch.manual_seed(0)
+    m = fastlayers.LSTM(6, 5, zoneout=(0.2, 0.3), recurrent_dropout=0.25, bidirectional=True).train()
+    x = torch.randn(9, 3, 6)
+    torch.manual_seed(1)
+    want = m(x)[0]
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(1)
+        got = torch.compile(lambda v: m(v)[0], backend="inductor", fullgraph=True)(x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

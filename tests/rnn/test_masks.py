@@ -70,3 +70,12 @@ def test_masks_are_repeatable_from_a_seed_and_differ_between_draws():
     torch.manual_seed(1)
     torch.randint(0, (1 << 63) - 1, (), dtype=torch.int64)
     assert torch.equal(torch.rand(3), after_mask)
+
+
+def test_mask_operator_for_torch_compile():
+    """fastlayers::counter_mask (what a torch.compile graph calls): the eager masks, a fake that
+    matches (opcheck)."""
+    seed = torch.tensor(123456789, dtype=torch.int64)
+    got = _masks._counter_mask_op(seed, [3, 40], 0.4, torch.float32)
+    assert torch.equal(got, _masks.counter_mask((3, 40), 0.4, seed, torch.float32, "cpu"))
+    torch.library.opcheck(_masks._counter_mask_op, (seed, [3, 40], 0.4, torch.float64))

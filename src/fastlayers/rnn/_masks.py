@@ -3,7 +3,7 @@ before their 1 / keep scale): :func:`keep_mask`, which every engine, cell, opera
 reference twin call, so that they all draw the same masks from the same seed on a device.
 
 On CPU a mask comes from a counter-based generator (``_native/masks.c``; :func:`counter_mask` is
-the same function in torch ops, the fallback and the tests' oracle): one seed per mask drawn from
+the same function in torch ops, the fallback without the library and the tests' oracle): one seed per mask drawn from
 torch's CPU generator (``torch.manual_seed`` makes a run repeatable), element i kept when the top
 32 bits of splitmix64(seed + (i + 1) * golden ratio) are below round(p * 2^32). The elements are
 independent, so the native library's threads split them: torch.rand's CPU generator runs on one
@@ -63,22 +63,43 @@ def _lib():
         "fl_keep_mask": [ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int]})
 
 
+def _native_mask(shape: tuple[int, ...], p: float, seed: int, dtype: torch.dtype, like: Tensor) -> Tensor:
+    """:func:`counter_mask` of the integer ``seed`` on the native library's threads (its torch-ops
+    twin where the library is unavailable)."""
+    lib = _lib()
+    if lib is None:
+        return counter_mask(shape, p, seed, dtype, "cpu")
+    work = dtype if dtype in _SUFFIX else torch.float32
+    out = pool.empty(shape, work, like)
+    n = out.numel()
+    getattr(lib, f"fl_keep_mask_{_SUFFIX[work]}")(n, seed, threshold(p), out.data_ptr(),
+                                                   torch.get_num_threads() if n >= _PARALLEL_FROM else 1)
+    return out if work == dtype else out.to(dtype)
+
+
+@torch.library.custom_op("fastlayers::counter_mask", mutates_args=(), device_types="cpu")
+def _counter_mask_op(seed: Tensor, shape: list[int], p: float, dtype: torch.dtype) -> Tensor:
+    """The mask of a seed tensor as an operator, for torch.compile: its graph calls the kernel
+    instead of compiling the hash (Inductor's code for the twin's int64 products with the
+    golden-ratio constant corrupted the heap, torch 2.13 on CPU)."""
+    return _native_mask(tuple(shape), p, int(seed), dtype, seed)
+
+
+@_counter_mask_op.register_fake
+def _(seed: Tensor, shape: list[int], p: float, dtype: torch.dtype) -> Tensor:
+    return seed.new_empty(shape, dtype=dtype)
+
+
 def keep_mask(shape, p: float, dtype: torch.dtype, device) -> Tensor:
     """A mask of ones (probability ``p``) and zeros of ``shape`` in ``dtype`` on ``device``: on CPU the
     counter-based generator (module docstring; one seed from torch's CPU generator per mask; while
-    torch.compile traces, the torch-ops twin: the same masks), elsewhere and while torch.export traces
-    ``torch.rand(shape) < p``. Every mask the recurrent layers draw in training comes from here."""
+    torch.compile traces, the same kernel as the operator ``fastlayers::counter_mask``: the same
+    masks), elsewhere and while torch.export traces ``torch.rand(shape) < p``. Every mask the recurrent layers draw in training comes from here."""
     device = torch.device(device)
     shape = tuple(shape)
     if device.type != "cpu" or torch.compiler.is_exporting():  # (an exported program: ops export can translate)
         return (torch.rand(shape, device=device) < p).to(dtype)
     seed = torch.randint(0, _SEED_END, (), dtype=torch.int64)  # one draw of torch's CPU generator
-    lib = _lib()
-    if lib is None or type(seed) is not torch.Tensor or torch.compiler.is_compiling():  # (fake / traced: torch ops)
-        return counter_mask(shape, p, seed, dtype, device)
-    work = dtype if dtype in _SUFFIX else torch.float32
-    out = pool.empty(shape, work, seed)
-    n = out.numel()
-    getattr(lib, f"fl_keep_mask_{_SUFFIX[work]}")(n, int(seed), threshold(p), out.data_ptr(),
-                                                   torch.get_num_threads() if n >= _PARALLEL_FROM else 1)
-    return out if work == dtype else out.to(dtype)
+    if torch.compiler.is_compiling() or type(seed) is not torch.Tensor:  # traced, or fake tensors
+        return _counter_mask_op(seed, list(shape), p, dtype)
+    return _native_mask(shape, p, int(seed), dtype, seed)
