@@ -199,11 +199,17 @@ def _saved(t):
 
 
 @needs_cache
-def test_cached_tensor_is_poisoned_like_fresh_memory(monkeypatch):
-    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert _pool.empty((512, 1024), torch.float32, torch.empty(0)).isnan().all()
-    assert (_pool.empty((512, 1024), torch.int64, torch.empty(0)) == 0).all()
+def test_cached_tensor_is_poisoned_like_fresh_memory():
+    """The poisoning as torch sets it (the operator reads torch's own flags, in C++)."""
+    fill, deterministic = torch.utils.deterministic.fill_uninitialized_memory, torch.are_deterministic_algorithms_enabled()
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert _pool.empty((512, 1024), torch.float32, torch.empty(0)).isnan().all()
+        assert (_pool.empty((512, 1024), torch.int64, torch.empty(0)) == 0).all()
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(deterministic)
 
 
 @needs_cache

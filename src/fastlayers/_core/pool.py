@@ -89,18 +89,15 @@ def _cache_on() -> bool:
 def empty(shape: tuple[int, ...], dtype: torch.dtype, like: Tensor) -> Tensor:
     """``torch.empty(shape, dtype=dtype, device=like.device)`` for a per-call tensor that leaves the
     engine: from the native block cache where it serves (a plain CPU tensor ``like``, eager, at
-    least ``CACHE_MIN_BYTES``), else torch's allocator. Filled with NaN (0 for integers) under
-    ``torch.utils.deterministic.fill_uninitialized_memory`` with deterministic algorithms on, as
-    ``torch.empty`` is."""
+    least ``CACHE_MIN_BYTES``, the C++ operators' floor too), else torch's allocator. Poisoned as
+    ``torch.empty`` is under ``torch.utils.deterministic.fill_uninitialized_memory`` (the operator
+    fills its tensor then)."""
     numel = math.prod(shape)
     if (numel * dtype.itemsize < CACHE_MIN_BYTES or like.device.type != "cpu"
             or not (type(like) is torch.Tensor or type(like) is torch.nn.Parameter)  # not fake / functional
             or torch.compiler.is_compiling() or not _cache_on()):
         return torch.empty(shape, dtype=dtype, device=like.device)
-    out = torch.ops.fastlayers.cached_empty(list(shape), dtype)
-    if torch.utils.deterministic.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled():
-        out.fill_(float("nan") if dtype.is_floating_point else 0)
-    return out
+    return torch.ops.fastlayers.cached_empty(list(shape), dtype)
 
 
 def cache_info() -> dict[str, int] | None:

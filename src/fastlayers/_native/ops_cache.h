@@ -168,25 +168,26 @@ inline Allocator* allocator() {
 
 namespace {
 
-// An uninitialised contiguous CPU tensor whose memory comes from the cache (torch.empty's contract).
+// An uninitialised contiguous CPU tensor whose memory comes from the cache (torch.empty's contract:
+// filled with NaN, 0 for integers, under torch.utils.deterministic.fill_uninitialized_memory with
+// deterministic algorithms on, so the poisoned test pass sees reads of unwritten memory).
 at::Tensor cached_empty(at::IntArrayRef size, at::ScalarType dtype) {
-  return at::detail::empty_generic(size, fl_cache::allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
-                                   std::nullopt);
+  auto out = at::detail::empty_generic(size, fl_cache::allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                       dtype, std::nullopt);
+  auto& ctx = at::globalContext();
+  if (ctx.deterministicFillUninitializedMemory() && ctx.deterministicAlgorithms())
+    out.fill_(out.is_floating_point() ? std::numeric_limits<double>::quiet_NaN() : 0);
+  return out;
 }
 
 // at::empty(size, opt) for an operator's per-call output: from the cache for CPU tensors of at least
-// 1 MiB (smaller blocks malloc keeps mapped itself), filled as at::empty fills them under
-// torch.utils.deterministic.fill_uninitialized_memory with deterministic algorithms on.
+// 1 MiB (smaller blocks malloc keeps mapped itself; fastlayers/_core/pool.py CACHE_MIN_BYTES).
 at::Tensor output_empty(at::IntArrayRef size, const at::TensorOptions& opt) {
   int64_t numel = 1;
   for (int64_t d : size) numel *= d;
   if (opt.device().type() != c10::DeviceType::CPU || numel * int64_t(opt.dtype().itemsize()) < (int64_t(1) << 20))
     return at::empty(size, opt);
-  auto out = cached_empty(size, c10::typeMetaToScalarType(opt.dtype()));
-  auto& ctx = at::globalContext();
-  if (ctx.deterministicFillUninitializedMemory() && ctx.deterministicAlgorithms())
-    out.fill_(out.is_floating_point() ? std::numeric_limits<double>::quiet_NaN() : 0);
-  return out;
+  return cached_empty(size, c10::typeMetaToScalarType(opt.dtype()));
 }
 
 // Frees every idle block (tensors in use keep theirs; they come back later).

@@ -3,9 +3,9 @@ before their 1 / keep scale): :func:`keep_mask`, which every engine, cell, opera
 reference twin call, so that they all draw the same masks from the same seed on a device.
 
 On CPU a mask comes from a counter-based generator (``_native/masks.c``; :func:`counter_mask` is
-the same function in torch ops, the fallback without the library and the tests' oracle): one seed per mask drawn from
-torch's CPU generator (``torch.manual_seed`` makes a run repeatable), element i kept when the top
-32 bits of splitmix64(seed + (i + 1) * golden ratio) are below round(p * 2^32). The elements are
+the same function in torch ops, the fallback without the library and the tests' oracle): one seed
+per mask drawn from torch's CPU generator (``torch.manual_seed`` makes a run repeatable), element i
+kept when the top 32 bits of splitmix64(seed + (i + 1) * golden ratio) are below round(p * 2^32). The elements are
 independent, so the native library's threads split them: torch.rand's CPU generator runs on one
 thread, 1.2 ms for a (2, 1600, 128) mask on AMD Zen 4, a tenth of a zoneout LSTM's fwd+bwd at
 H = 128, B = 8 (issue 62). On other devices, and in programs torch.export traces (whose
@@ -94,7 +94,8 @@ def keep_mask(shape, p: float, dtype: torch.dtype, device) -> Tensor:
     """A mask of ones (probability ``p``) and zeros of ``shape`` in ``dtype`` on ``device``: on CPU the
     counter-based generator (module docstring; one seed from torch's CPU generator per mask; while
     torch.compile traces, the same kernel as the operator ``fastlayers::counter_mask``: the same
-    masks), elsewhere and while torch.export traces ``torch.rand(shape) < p``. Every mask the recurrent layers draw in training comes from here."""
+    masks), elsewhere and while torch.export traces ``torch.rand(shape) < p``. Every mask the
+    recurrent layers draw in training comes from here."""
     device = torch.device(device)
     shape = tuple(shape)
     if device.type != "cpu" or torch.compiler.is_exporting():  # (an exported program: ops export can translate)
