@@ -13,6 +13,12 @@ slabs (the smallest go first); a request that no free slab fits drops the free s
 and device (all smaller) before allocating; :func:`empty_cache` releases them all. With
 ``torch.utils.deterministic.fill_uninitialized_memory`` on, a reused slab is filled with NaN like
 a fresh ``torch.empty``, so the poisoned test pass still sees reads of unwritten memory.
+
+The tensors that leave the engine (its outputs, the input gradients, the packed input rows autograd
+keeps) cannot come from a slab, their lifetime is not the engine's: :func:`empty` takes their
+memory from the native library's block cache (``_native/ops_cache.h``), which gets a block back
+when its tensor dies, whoever held it. Its idle blocks are kept up to ``$FASTLAYERS_CPU_CACHE_MB``
+MiB (default 1024; 0 off); :func:`empty_cache` releases them too.
 """
 
 from __future__ import annotations

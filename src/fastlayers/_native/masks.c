@@ -4,8 +4,8 @@
  * Java's SplittableRandom) are below `threshold` (= round(p * 2^32): kept with probability p to
  * 2^-33). One seed per mask, drawn from torch's generator by the caller, so a seeded run draws the
  * same masks; every element is independent of the others, so the threads split the elements
- * (torch.rand's CPU generator runs on one thread: 1.2 ms for a (2, 1600, 128) mask on AMD Zen 4,
- * a tenth of a zoneout LSTM's fwd+bwd at H = 128, B = 8, T = 200; issue 62).
+ * (torch.rand's CPU generator runs on one thread: 1.4 ms for a (2, 1600, 128) mask on AMD Zen 4
+ * against 0.1 ms here; benchmarks/rnn/probe_page_faults.py, issue 62).
  * fastlayers/rnn/_masks.py has the same function in torch ops (its fallback and the tests' oracle).
  *
  * fl_keep_mask_SUFFIX(n, seed, threshold, out, nthreads): out[i] = 1 if kept, else 0, i < n.

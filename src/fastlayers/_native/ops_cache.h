@@ -5,9 +5,10 @@
 // Why: torch's CPU allocator returns a large block to the system when its tensor dies (glibc maps
 // every block of 32 MiB or more on its own), so the next call's tensor of that size is fresh memory
 // whose first touch costs a page fault per 4 KiB page, zeroed by the kernel. At the seed shape
-// (bidirectional LayerNorm LSTM 512 -> 256, T = 800, B = 32, fwd+bwd) the engine made about 425 MB
-// of such tensors per call, 8-10 % of its time (BENCHMARKS.md, issue 62). A block whose tensor
-// dies comes back here instead, idle, and the next request it fits reuses it (mapped already).
+// (bidirectional LayerNorm LSTM 512 -> 256, T = 800, B = 32, fwd+bwd) the engine made about 420 MB
+// of such tensors per call: 1.567 s a call, 1.418 s with this cache (AMD Zen 4,
+// benchmarks/rnn/probe_page_faults.py, issue 62). A block whose tensor dies comes back here
+// instead, idle, and the next request it fits reuses it (mapped already).
 //
 // Policy: a new block has the size asked for rounded up to 2 MiB (no more: the profiler counts the
 // whole block: headroom of 1/8 showed as 3 % more peak memory in bench_gru_engine.py); a request

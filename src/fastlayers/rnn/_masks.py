@@ -7,8 +7,8 @@ the same function in torch ops, the fallback without the library and the tests' 
 per mask drawn from torch's CPU generator (``torch.manual_seed`` makes a run repeatable), element i
 kept when the top 32 bits of splitmix64(seed + (i + 1) * golden ratio) are below round(p * 2^32). The elements are
 independent, so the native library's threads split them: torch.rand's CPU generator runs on one
-thread, 1.2 ms for a (2, 1600, 128) mask on AMD Zen 4, a tenth of a zoneout LSTM's fwd+bwd at
-H = 128, B = 8 (issue 62). On other devices, and in programs torch.export traces (whose
+thread: 1.4 ms for a (2, 1600, 128) mask on AMD Zen 4 against 0.1 ms here
+(benchmarks/rnn/probe_page_faults.py, issue 62). On other devices, and in programs torch.export traces (whose
 translations, ONNX's among them, know torch.rand): ``torch.rand(shape) < p`` (on CUDA it is fast).
 """
 
