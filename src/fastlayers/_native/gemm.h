@@ -51,8 +51,10 @@ static void fl_gemm_pack_##SUFFIX(int64_t K, int64_t N, const T* B, int64_t ldb,
         const int64_t j = p * W, cols = N - j < W ? N - j : W;                                       \
         T* dst = Bp + p * K * W;                                                                     \
         if (trans) { /* B given as its transpose, N x K: column c of the panel is row j + c */       \
-            for (int64_t c = 0; c < W; c++)                                                          \
-                for (int64_t k = 0; k < K; k++) dst[k * W + c] = c < cols ? B[(j + c) * ldb + k] : 0;  \
+            for (int64_t k = 0; k < K; k++) {                                                        \
+                for (int64_t c = 0; c < cols; c++) dst[k * W + c] = B[(j + c) * ldb + k];            \
+                for (int64_t c = cols; c < W; c++) dst[k * W + c] = 0;                               \
+            }                                                                                        \
             continue;                                                                                \
         }                                                                                            \
         for (int64_t k = 0; k < K; k++) {                                                            \
@@ -129,15 +131,15 @@ static void fl_gemm_##SUFFIX(int64_t m, int64_t p0, int64_t p1, int64_t K, int64
         }                                                                                            \
     }                                                                                                \
 }                                                                                                    \
-/* The step loops' use: the weights of D directions (direction d's K x N matrix at w + d*K*N) as    \
- * D * np panels, q = d * np + p; each thread packs and multiplies the same share [q0, q1) every   \
- * step (fl_share), so its panels stay in its caches. */                                             \
+/* The step loops' use: the weights of D directions (direction d's K x N matrix at w + d*K*N, or   \
+ * with trans its N x K transpose there) as D * np panels, q = d * np + p; each thread packs and     \
+ * multiplies the same share [q0, q1) every step (fl_share), so its panels stay in its caches. */   \
 static inline void fl_gemm_pack_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t K, int64_t N,   \
-                                        const T* w, T* wp)                                           \
+                                        const T* w, int trans, T* wp)                                \
 {                                                                                                    \
     for (int64_t q = q0; q < q1; q++)                                                                \
-        fl_gemm_pack_##SUFFIX(K, N, w + (q / np) * K * N, N, 0, wp + (q / np) * np * K * FL_W_##SUFFIX, \
-                              q % np, q % np + 1);                                                   \
+        fl_gemm_pack_##SUFFIX(K, N, w + (q / np) * K * N, trans ? K : N, trans,                      \
+                              wp + (q / np) * np * K * FL_W_##SUFFIX, q % np, q % np + 1);           \
 }                                                                                                    \
 /* C_d[:m] = A_d[:m] @ W_d (accumulate = 0) or += (1) for the share's panels: A_d rows at            \
  * A + d*a_ds*K (stride K), C_d rows at C + d*c_ds*N (stride N) */                                   \

@@ -204,13 +204,13 @@ void gru_step_backward_##SUFFIX(                                                
     }                                                                                                \
 }                                                                                                    \
                                                                                                      \
-/* The whole forward time loop of a layer, as lstm_forward_loop: w_t (D, H, G) contiguous (W_hh    \
- * transposed), wp of D * H * round_up(G, 32) values, r of D * active[0] * G; the caller fills hd's  \
+/* The whole forward time loop of a layer, as lstm_forward_loop: w (D, G, H) contiguous (W_hh as  \
+ * it is), wp of D * H * round_up(G, 32) values, r of D * active[0] * G; the caller fills hd's       \
  * first active[0] rows (h0 * rmask); the other buffers as gru_step_forward's, at packed row 0;     \
  * keep = 0: gates, hbn, hist and the statistics hold one step, (D, B, X), reused. */                \
 void gru_forward_loop_##SUFFIX(                                                                      \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
-    const T* w_t, T* wp, T* r,                                                                       \
+    const T* w, T* wp, T* r,                                                                         \
     const T* xp, T* xstat, const T* gx, const T* b_ih, T* h, const T* rmask, const T* b_hh,          \
     T* y, T* gates, T* hbn, T* hist, T* hd, T* rhat, T* rrstd,                                       \
     const T* gh, T eps, const T* zh, T zh_const, int keep, int nthreads)                             \
@@ -221,7 +221,7 @@ void gru_forward_loop_##SUFFIX(                                                 
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w_t, wp);                                      \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                      \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
@@ -259,7 +259,7 @@ void gru_backward_loop_##SUFFIX(                                                
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, wp);                                        \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                        \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \

@@ -295,15 +295,15 @@ void lstm_step_backward_##SUFFIX(                                               
 }                                                                                                    \
                                                                                                      \
 /* The whole forward time loop of a layer without a projection, in one call: per step t (n =        \
- * active[t] rows, starting at packed row o), r[d] = hd[d, o:o+n] @ w_t[d] (gemm.h, each thread its  \
- * panels of w_t, packed into wp once), then the step's rows, which write the next step's recurrent \
- * input hd[:, o+n : o+n+n_next]. The caller fills hd's first active[0] rows (h0 * rmask). w_t      \
- * (D, H, G) contiguous (W_hh transposed); wp work space of D * H * round_up(G, 32) values; r of    \
+ * active[t] rows, starting at packed row o), r[d] = hd[d, o:o+n] @ w[d]^T (gemm.h, each thread its \
+ * panels of w^T, packed into wp once), then the step's rows, which write the next step's recurrent \
+ * input hd[:, o+n : o+n+n_next]. The caller fills hd's first active[0] rows (h0 * rmask). w       \
+ * (D, G, H) contiguous (W_hh as it is); wp work space of D * H * round_up(G, 32) values; r of      \
  * D * active[0] * G; the other buffers as lstm_step_forward's, at packed row 0. keep = 0 (no      \
  * backward follows): gates, c1, chist and the statistics hold one step, (D, B, X), reused. */      \
 void lstm_forward_loop_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
-    const T* w_t, T* wp, T* r,                                                                       \
+    const T* w, T* wp, T* r,                                                                         \
     const T* xp, T* xstat, const T* gx, const T* bias, T* c, T* h, const T* rmask,                   \
     T* y, T* gates, T* c1, T* chist, T* hd, T* rhat, T* rrstd, T* cstat,                             \
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
@@ -315,7 +315,7 @@ void lstm_forward_loop_##SUFFIX(                                                
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1); /* this thread's panels, every step */                  \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w_t, wp);                                      \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                      \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
@@ -360,7 +360,7 @@ void lstm_backward_loop_##SUFFIX(                                               
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, wp);                                        \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                        \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \

@@ -294,14 +294,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   auto hk = proj ? at::zeros({dirs, batch, hidden}, opt) : h;
   const auto ybuf = proj ? y1 : y;
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
-  const auto w_hh_t = w_hh.transpose(1, 2).contiguous();  // contiguous: see _cpu_recurrence.py (issue 62)
+  // the projection's per-step products (ATen bmm) on contiguous transposes: see _cpu_recurrence.py
+  // (issue 62); lstm.c's loop packs W_hh as it is
+  const auto w_hh_t = proj ? w_hh.transpose(1, 2).contiguous() : at::Tensor();
   const auto w_hr_t = proj ? w_hr.transpose(1, 2).contiguous() : at::Tensor();
   const int threads = at::get_num_threads();
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
   if (!proj && last >= 0) {  // the whole time loop in one call, with its own step products (lstm.c)
     hd.narrow(1, 0, first).copy_(h_first);
     auto wp = packed_weight(hidden, gsize, dirs, opt);  // packed W_hh^T
-    Kernels<T>::lstm_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh_t), ptr<T>(wp),
+    Kernels<T>::lstm_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh), ptr<T>(wp),
                           ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(bias), ptr<T>(c), ptr<T>(h),
                           ptr<T>(rmask), ptr<T>(y), gates, c1, chist, ptr<T>(hd), rhat, rrstd, cstat, ptr<T>(gh),
                           ptr<T>(gc), ptr<T>(bc), ptr<T>(peep), static_cast<T>(clip), static_cast<T>(kEps),
@@ -414,13 +416,12 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   if (gathered) project<T>(xp, as(x_in, dt), w_ih, gx.defined() ? at::Tensor() : b_ih, &p);
   else project<T>(xp, gather_into(xs, as(x_in, dt), p), w_ih, gx.defined() ? at::Tensor() : b_ih);
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
-  const auto w_hh_t = w_hh.transpose(1, 2).contiguous();
   const int threads = at::get_num_threads();
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
-  if (last >= 0) {  // the whole time loop in one call, with its own step products (gru.c)
+  if (last >= 0) {  // the whole time loop in one call, with its own step products (gru.c; W_hh as it is)
     hd.narrow(1, 0, first).copy_(h_first);
     auto wp = packed_weight(hidden, gsize, dirs, h.options());  // packed W_hh^T
-    Kernels<T>::gru_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh_t), ptr<T>(wp),
+    Kernels<T>::gru_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh), ptr<T>(wp),
                          ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(b_ih), ptr<T>(h), ptr<T>(rmask),
                          ptr<T>(b_hh), ptr<T>(y), gates, hbn, hist, ptr<T>(hd), rhat, rrstd, ptr<T>(gh),
                          static_cast<T>(kEps), ptr<T>(zh), static_cast<T>(zh_const), 0, threads);

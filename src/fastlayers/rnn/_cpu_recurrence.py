@@ -247,14 +247,16 @@ class LSTMRecurrence(torch.autograd.Function):
         keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
         hd, hd_low = buf["hd"], buf.get("hd_low")
         hd[:, :first] = h * rmask if rmask is not None else h
-        # the step products' weights contiguous (one copy per call): a transposed view as the GEMM's
-        # right operand took 3.3x as long on an AMD Zen 5 (issue 62), 1.07x on Zen 3 (354 / 330 us)
-        w_t = mm.operand(w_hh.transpose(1, 2)).contiguous()
+        # torch's step products take the weights transposed and contiguous (one copy per call): a
+        # transposed view as the GEMM's right operand took 3.3x as long on an AMD Zen 5 (issue 62), 1.07x
+        # on Zen 3 (354 / 330 us); lstm.c's loop packs W_hh as it is
+        w_t = None if in_c else mm.operand(w_hh.transpose(1, 2)).contiguous()
         w_hr_t = mm.operand(w_hr.transpose(1, 2)).contiguous() if proj else None
         offsets = _offsets(active)
         if in_c:
+            w_hh = mm.operand(w_hh).contiguous()
             getattr(_lstm_lib(), f"lstm_forward_loop_{_SUFFIX[acc]}")(
-                dirs, batch, len(active), _active_array(active), hidden, rows, w_t.data_ptr(), tmp["wp"].data_ptr(),
+                dirs, batch, len(active), _active_array(active), hidden, rows, w_hh.data_ptr(), tmp["wp"].data_ptr(),
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(bias), c.data_ptr(),
                 h.data_ptr(), address(rmask), y.data_ptr(), buf["gates"].data_ptr(), buf["c1"].data_ptr(),
                 address(buf["chist"]), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
@@ -441,11 +443,12 @@ class GRURecurrence(torch.autograd.Function):
         xs_op = _into(buf.get("xs_low"), xs)
         _project(mm, xs_op, w_ih, b_ih if gx is None else None, xp)  # (with LayerNorm: b_ih after it, in the kernel)
         hd[:, :first] = h * rmask if rmask is not None else h
-        w_t = mm.operand(w_hh.transpose(1, 2)).contiguous()  # (as the LSTM's)
+        w_t = None if in_c else mm.operand(w_hh.transpose(1, 2)).contiguous()  # (as the LSTM's)
         offsets = _offsets(active)
         if in_c:
+            w_hh = mm.operand(w_hh).contiguous()
             getattr(_gru_lib(), f"gru_forward_loop_{_SUFFIX[acc]}")(
-                dirs, batch, len(active), _active_array(active), hidden, rows, w_t.data_ptr(), tmp["wp"].data_ptr(),
+                dirs, batch, len(active), _active_array(active), hidden, rows, w_hh.data_ptr(), tmp["wp"].data_ptr(),
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(b_ih), h.data_ptr(),
                 address(rmask), address(b_hh), y.data_ptr(), buf["gates"].data_ptr(), buf["hbn"].data_ptr(),
                 buf["hist"].data_ptr(), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]), address(gh), EPS,
