@@ -154,19 +154,20 @@ static inline void fl_gemm_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, in
     }                                                                                                \
 }                                                                                                    \
 /* a backward step's recurrent product: dh_d[:m] += (dr_d[:m] @ W_d) * mask_d[:m] for the share's    \
- * panels (dh and mask (D, B, N); without a mask added in place, else through g (D * m * N)) */       \
+ * panels (dh and mask (D, B, N); without a mask added in place, else through g, gs >= m rows of N  \
+ * per direction) */                                                                                 \
 static inline void fl_gemm_items_add_##SUFFIX(int64_t q0, int64_t q1, int64_t np, int64_t m, int64_t K,    \
                                        int64_t N, const T* dr, int64_t dr_ds, const T* wp, T* dh,    \
-                                       int64_t B, const T* mask, T* g)                               \
+                                       int64_t B, const T* mask, T* g, int64_t gs)                   \
 {                                                                                                    \
     if (!mask) { fl_gemm_items_##SUFFIX(q0, q1, np, m, K, N, dr, dr_ds, wp, dh, B, 1); return; }     \
-    fl_gemm_items_##SUFFIX(q0, q1, np, m, K, N, dr, dr_ds, wp, g, m, 0);                             \
+    fl_gemm_items_##SUFFIX(q0, q1, np, m, K, N, dr, dr_ds, wp, g, gs, 0);                            \
     for (int64_t q = q0; q < q1; q++) {                                                              \
         const int64_t d = q / np, j0 = (q % np) * FL_W_##SUFFIX;                                     \
         const int64_t j1 = j0 + FL_W_##SUFFIX < N ? j0 + FL_W_##SUFFIX : N;                          \
         for (int64_t b = 0; b < m; b++) {                                                            \
             T* dhr = dh + (d * B + b) * N; const T* mr = mask + (d * B + b) * N;                     \
-            const T* gr = g + (d * m + b) * N;                                                       \
+            const T* gr = g + (d * gs + b) * N;                                                      \
             for (int64_t j = j0; j < j1; j++) dhr[j] += gr[j] * mr[j];                               \
         }                                                                                            \
     }                                                                                                \

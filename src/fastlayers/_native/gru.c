@@ -32,9 +32,9 @@
 static inline T gsig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                                     \
                                                                                                      \
 /* one step's arguments; the per-row buffers point at (d = 0, the step's first packed row); the      \
- * buffers kept for the backward have ss rows per direction (as lstm.c's) */                         \
+ * buffers kept for the backward have ss rows per direction, r rs rows (as lstm.c's) */              \
 typedef struct {                                                                                     \
-    int64_t D, B, n, n_next, H, ds, ss;                                                              \
+    int64_t D, B, n, n_next, H, ds, ss, rs;                                                          \
     const T* xp; T* xstat; const T* gx; const T* b_ih;                                               \
     const T* r; T* h; const T* rmask; const T* b_hh;                                                 \
     T* y; T* gates; T* hbn; T* hist; T* hd_next; T* rhat; T* rrstd;                                  \
@@ -60,7 +60,7 @@ static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)   
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
     const int64_t v = d * a->ss + b; /* the row of the saved buffers (gates, hbn, hist, statistics) */ \
     const T* restrict xr = a->xp + row * G;                                                          \
-    const T* restrict rr = a->r + (d * n + b) * G;                                                   \
+    const T* restrict rr = a->r + (d * a->rs + b) * G;                                               \
     T* restrict gr = a->gates + v * G; T* restrict hbr = a->hbn + v * H;                         \
     T* restrict hr = a->h + srow * H; T* restrict yr = a->y + row * H;                               \
     T* restrict h0r = a->hist + v * H;                                                             \
@@ -104,7 +104,7 @@ void gru_step_forward_##SUFFIX(                                                 
     T* y, T* gates, T* hbn, T* hist, T* hd_next, T* rhat, T* rrstd,                                  \
     const T* gh, T eps, const T* zh, T zh_const, int nthreads)                                       \
 {                                                                                                    \
-    const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, xp, xstat, gx, b_ih, r, h, rmask, b_hh, y,   \
+    const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, b_ih, r, h, rmask, b_hh, y,   \
                                 gates, hbn, hist, hd_next, rhat, rrstd, gh, eps, zh, zh_const};      \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) gru_forward_row_##SUFFIX(&a, task);                 \
@@ -219,22 +219,25 @@ void gru_forward_loop_##SUFFIX(                                                 
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
+        /* nt dividing D: each thread owns whole directions in every pass below (fl_share of D equal \
+         * parts), so it reads only rows it wrote itself: no barrier between the passes */           \
+        const int sync = D % nt != 0;                                                                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
         fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                      \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
-            fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, n, 0);                \
-            _Pragma("omp barrier")                                                                   \
+            fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, active[0], 0);        \
+            if (sync) { _Pragma("omp barrier") }                                                     \
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */  \
-            const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, xp + o * G,           \
+            const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0], xp + o * G,          \
                 xstat ? xstat + 2 * sv : 0, gx, b_ih, r, h, rmask, b_hh, y + o * H, gates + sv * G,     \
                 hbn + sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0, rhat ? rhat + sv * G : 0,   \
                 rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0, zh_const};                     \
             fl_share(D * n, tid, nt, &t0, &t1);                                                      \
             for (int64_t task = t0; task < t1; task++) gru_forward_row_##SUFFIX(&a, task);           \
-            _Pragma("omp barrier")                                                                   \
+            if (sync) { _Pragma("omp barrier") }                                                     \
             o += n;                                                                                  \
         }                                                                                            \
     }                                                                                                \
@@ -257,6 +260,9 @@ void gru_backward_loop_##SUFFIX(                                                
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
+        /* nt dividing D: each thread owns whole directions in every pass below (fl_share of D equal \
+         * parts), so it reads only rows it wrote itself: no barrier between the passes */           \
+        const int sync = D % nt != 0;                                                                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
         fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                        \
@@ -270,19 +276,19 @@ void gru_backward_loop_##SUFFIX(                                                
                 dr + o * G, acc_gx, acc_b, acc_gh};                                                  \
             fl_share(D * n, tid, nt, &t0, &t1);                                                      \
             for (int64_t task = t0; task < t1; task++) gru_backward_row_##SUFFIX(&a, task);          \
-            _Pragma("omp barrier")                                                                   \
+            if (sync) { _Pragma("omp barrier") }                                                     \
             if (acc_gx || acc_gh) {                                                                  \
                 fl_share(D * nchunks, tid, nt, &t0, &t1);                                            \
                 for (int64_t task = t0; task < t1; task++) gru_backward_sums_##SUFFIX(&a, task);     \
-                _Pragma("omp barrier")                                                               \
+                if (sync) { _Pragma("omp barrier") }                                                 \
             }                                                                                        \
             if (xstat) { /* dpre only: dr (dhb or its own buffer) is not dpre */                     \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) gru_backward_input_norm_##SUFFIX(&a, task); \
             }                                                                                        \
             /* this thread's columns of dh */                                                        \
-            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g);          \
-            _Pragma("omp barrier")                                                                   \
+            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g, active[0]); \
+            if (sync) { _Pragma("omp barrier") }                                                     \
         }                                                                                            \
     }                                                                                                \
 }

@@ -49,9 +49,9 @@ static inline T sig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                 
                                                                                                      \
 /* one step's arguments; the per-row buffers point at (d = 0, the step's first packed row); the      \
  * buffers kept for the backward (gates, c1, chist, the statistics) have ss rows per direction (ds,  \
- * or B where a no-grad loop reuses one step's worth) */                                             \
+ * or B where a no-grad loop reuses one step's worth); r has rs rows per direction */                \
 typedef struct {                                                                                     \
-    int64_t D, B, n, n_next, H, ds, ss;                                                              \
+    int64_t D, B, n, n_next, H, ds, ss, rs;                                                          \
     const T* xp; T* xstat; const T* gx; const T* bias;                                               \
     const T* r; T* c; T* h; const T* rmask;                                                          \
     T* y; T* gates; T* c1; T* chist; T* hd_next;                                                     \
@@ -68,7 +68,7 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
     const int64_t v = d * a->ss + b; /* the row of the saved buffers (gates, c1, statistics) */       \
     const T* restrict xr = a->xp + row * G;                                                          \
-    const T* restrict rr = a->r + (d * n + b) * G;                                                   \
+    const T* restrict rr = a->r + (d * a->rs + b) * G;                                               \
     T* restrict gr = a->gates + v * G;                                                             \
     T* restrict cr = a->c + srow * H; /* c0 until the zoneout pass overwrites it with the new state */ \
     T* restrict hr = a->h + srow * H; T* restrict yr = a->y + row * H;                               \
@@ -131,7 +131,7 @@ void lstm_step_forward_##SUFFIX(                                                
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
     const T* zc, const T* zh, T zc_const, T zh_const, int nthreads)                                  \
 {                                                                                                    \
-    const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, xp, xstat, gx, bias, r, c, h, rmask, y, \
+    const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, bias, r, c, h, rmask, y, \
                                  gates, c1_out, chist, hd_next, rhat, rrstd, cstat, gh, gc, bc, peep, \
                                  clip, eps, zc, zh, zc_const, zh_const};                             \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
@@ -313,23 +313,26 @@ void lstm_forward_loop_##SUFFIX(                                                
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
+        /* nt dividing D: each thread owns whole directions in every pass below (fl_share of D equal \
+         * parts), so it reads only rows it wrote itself: no barrier between the passes */           \
+        const int sync = D % nt != 0;                                                                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1); /* this thread's panels, every step */                  \
         fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                      \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
-            fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, n, 0);                \
-            _Pragma("omp barrier")                                                                   \
+            fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, active[0], 0);        \
+            if (sync) { _Pragma("omp barrier") }                                                     \
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */  \
-            const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, xp + o * G,          \
+            const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0], xp + o * G,         \
                 xstat ? xstat + 2 * sv : 0, gx, bias, r, c, h, rmask, y + o * H, gates + sv * G,        \
                 c1 + sv * H, chist ? chist + sv * H : 0, n_next ? hd + (o + n) * H : 0,                 \
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, cstat ? cstat + 2 * sv : 0, gh, gc,   \
                 bc, peep, clip, eps, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const, zh_const};   \
             fl_share(D * n, tid, nt, &t0, &t1);                                                      \
             for (int64_t task = t0; task < t1; task++) lstm_forward_row_##SUFFIX(&a, task);          \
-            _Pragma("omp barrier")                                                                   \
+            if (sync) { _Pragma("omp barrier") }                                                     \
             o += n;                                                                                  \
         }                                                                                            \
     }                                                                                                \
@@ -358,6 +361,9 @@ void lstm_backward_loop_##SUFFIX(                                               
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
+        /* nt dividing D: each thread owns whole directions in every pass below (fl_share of D equal \
+         * parts), so it reads only rows it wrote itself: no barrier between the passes */           \
+        const int sync = D % nt != 0;                                                                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
         fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                        \
@@ -373,19 +379,19 @@ void lstm_backward_loop_##SUFFIX(                                               
                 dr + o * G, dn_scratch, acc_gx, acc_b, acc_gh, acc_gc, acc_bc, acc_peep};              \
             fl_share(D * n, tid, nt, &t0, &t1);                                                      \
             for (int64_t task = t0; task < t1; task++) lstm_backward_row_##SUFFIX(&a, task);         \
-            _Pragma("omp barrier")                                                                   \
+            if (sync) { _Pragma("omp barrier") }                                                     \
             if (lstm_has_sums_##SUFFIX(&a)) {                                                        \
                 fl_share(D * nchunks, tid, nt, &t0, &t1);                                            \
                 for (int64_t task = t0; task < t1; task++) lstm_backward_sums_##SUFFIX(&a, task);    \
-                _Pragma("omp barrier")                                                               \
+                if (sync) { _Pragma("omp barrier") }                                                 \
             }                                                                                        \
             if (xstat) { /* dpre only: dr, which the product below reads, is its own buffer here */  \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) lstm_backward_input_norm_##SUFFIX(&a, task); \
             }                                                                                        \
             /* this thread's columns of dh */                                                        \
-            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g);          \
-            _Pragma("omp barrier")                                                                   \
+            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g, active[0]); \
+            if (sync) { _Pragma("omp barrier") }                                                     \
         }                                                                                            \
     }                                                                                                \
 }
