@@ -104,8 +104,9 @@ void gru_step_forward_##SUFFIX(                                                 
     T* y, T* gates, T* hbn, T* hist, T* hd_next, T* rhat, T* rrstd,                                  \
     const T* gh, T eps, const T* zh, T zh_const, int nthreads)                                       \
 {                                                                                                    \
-    const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, b_ih, r, h, rmask, b_hh, y,   \
-                                gates, hbn, hist, hd_next, rhat, rrstd, gh, eps, zh, zh_const};      \
+    const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, b_ih, r, h, rmask,     \
+                                b_hh, y, gates, hbn, hist, hd_next, rhat, rrstd, gh, eps, zh,        \
+                                zh_const};                                                           \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) gru_forward_row_##SUFFIX(&a, task);                 \
 }                                                                                                    \
@@ -224,14 +225,15 @@ void gru_forward_loop_##SUFFIX(                                                 
         const int sync = D % nt != 0;                                                                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                      \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                     \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
             fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, active[0], 0);        \
             if (sync) { _Pragma("omp barrier") }                                                     \
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */  \
-            const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0], xp + o * G,          \
+            const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],            \
+                xp + o * G,                                                                          \
                 xstat ? xstat + 2 * sv : 0, gx, b_ih, r, h, rmask, b_hh, y + o * H, gates + sv * G,     \
                 hbn + sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0, rhat ? rhat + sv * G : 0,   \
                 rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0, zh_const};                     \
@@ -265,7 +267,7 @@ void gru_backward_loop_##SUFFIX(                                                
         const int sync = D % nt != 0;                                                                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                        \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                     \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
@@ -287,7 +289,8 @@ void gru_backward_loop_##SUFFIX(                                                
                 for (int64_t task = t0; task < t1; task++) gru_backward_input_norm_##SUFFIX(&a, task); \
             }                                                                                        \
             /* this thread's columns of dh */                                                        \
-            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g, active[0]); \
+            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g,           \
+                                       active[0]);                                                   \
             if (sync) { _Pragma("omp barrier") }                                                     \
         }                                                                                            \
     }                                                                                                \

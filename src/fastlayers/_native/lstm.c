@@ -131,9 +131,9 @@ void lstm_step_forward_##SUFFIX(                                                
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
     const T* zc, const T* zh, T zc_const, T zh_const, int nthreads)                                  \
 {                                                                                                    \
-    const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, bias, r, c, h, rmask, y, \
-                                 gates, c1_out, chist, hd_next, rhat, rrstd, cstat, gh, gc, bc, peep, \
-                                 clip, eps, zc, zh, zc_const, zh_const};                             \
+    const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, bias, r, c, h, rmask, \
+                                 y, gates, c1_out, chist, hd_next, rhat, rrstd, cstat, gh, gc, bc,   \
+                                 peep, clip, eps, zc, zh, zc_const, zh_const};                       \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) lstm_forward_row_##SUFFIX(&a, task);                \
 }                                                                                                    \
@@ -318,14 +318,15 @@ void lstm_forward_loop_##SUFFIX(                                                
         const int sync = D % nt != 0;                                                                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1); /* this thread's panels, every step */                  \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                      \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                     \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
             fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, active[0], 0);        \
             if (sync) { _Pragma("omp barrier") }                                                     \
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */  \
-            const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0], xp + o * G,         \
+            const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],           \
+                xp + o * G,                                                                          \
                 xstat ? xstat + 2 * sv : 0, gx, bias, r, c, h, rmask, y + o * H, gates + sv * G,        \
                 c1 + sv * H, chist ? chist + sv * H : 0, n_next ? hd + (o + n) * H : 0,                 \
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, cstat ? cstat + 2 * sv : 0, gh, gc,   \
@@ -366,7 +367,7 @@ void lstm_backward_loop_##SUFFIX(                                               
         const int sync = D % nt != 0;                                                                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                        \
+        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                     \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
@@ -390,7 +391,8 @@ void lstm_backward_loop_##SUFFIX(                                               
                 for (int64_t task = t0; task < t1; task++) lstm_backward_input_norm_##SUFFIX(&a, task); \
             }                                                                                        \
             /* this thread's columns of dh */                                                        \
-            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g, active[0]); \
+            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g,           \
+                                       active[0]);                                                   \
             if (sync) { _Pragma("omp barrier") }                                                     \
         }                                                                                            \
     }                                                                                                \
