@@ -1,6 +1,7 @@
 """Issue 62: the engine against torch.nn over hidden sizes and batches, each cell option alone.
 
-Shapes: T = 200 (--steps), bidirectional, input_size = hidden = H, H in --hidden, B in --batch,
+Shapes: T = 200 (--steps), bidirectional (one direction with --unidirectional), input_size =
+hidden = H, H in --hidden, B in --batch,
 fp32, fwd+bwd (the input and every parameter require grad), the module in training mode (zoneout
 and recurrent dropout draw their masks, as users train). For each cell type and option: the
 fastlayers layer with that option alone against the plain torch.nn.LSTM / GRU of the same shape
@@ -10,6 +11,7 @@ table of ratios (fastlayers / torch) per option, and the largest.
 
     python benchmarks/rnn/bench_cpu_sweep.py [--cells LSTM,GRU] [--options layer_norm,peephole,...]
         [--hidden 64,128,256,512] [--batch 8,32,128] [--steps 200] [--repeats 3] [--threads 2]
+        [--unidirectional]
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ def fwd_bwd(module, x) -> float:
     return time.perf_counter() - t0
 
 
-def ratio(cell: str, kwargs: dict, hidden: int, batch: int, steps: int, repeats: int) -> float:
+def ratio(cell: str, kwargs: dict, hidden: int, batch: int, steps: int, repeats: int,
+          bidirectional: bool = True) -> float:
     torch.manual_seed(0)
-    ours = getattr(fastlayers, cell)(hidden, hidden, bidirectional=True, **kwargs).train()
-    theirs = getattr(torch.nn, cell)(hidden, hidden, bidirectional=True).train()
+    ours = getattr(fastlayers, cell)(hidden, hidden, bidirectional=bidirectional, **kwargs).train()
+    theirs = getattr(torch.nn, cell)(hidden, hidden, bidirectional=bidirectional).train()
     x = torch.randn(steps, batch, hidden)
     times = {"ours": [], "theirs": []}
     for rep in range(-1, repeats):
@@ -63,11 +66,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--unidirectional", action="store_true", help="one direction instead of two")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     hiddens = [int(v) for v in args.hidden.split(",")]
     batches = [int(v) for v in args.batch.split(",")]
-    print(f"# {cpu_description()}; torch {torch.__version__}, {args.threads} threads; T={args.steps}, bidirectional, "
+    print(f"# {cpu_description()}; torch {torch.__version__}, {args.threads} threads; T={args.steps}, "
+          f"{'unidirectional' if args.unidirectional else 'bidirectional'}, "
           f"input = hidden = H, fwd+bwd, training mode; fastlayers / torch.nn, median of {args.repeats}")
     worst = (0.0, "")
     for cell in args.cells.split(","):
@@ -78,7 +83,8 @@ def main() -> int:
             print(f"\n{cell}, {option} (x torch.nn.{cell})\n| H \\ B | " + " | ".join(map(str, batches)) + " |\n|---|" +
                   "---:|" * len(batches))
             for hidden in hiddens:
-                row = [ratio(cell, kwargs, hidden, batch, args.steps, args.repeats) for batch in batches]
+                row = [ratio(cell, kwargs, hidden, batch, args.steps, args.repeats, not args.unidirectional)
+                       for batch in batches]
                 worst = max(worst, *((r, f"{cell} {option} H={hidden} B={b}") for r, b in zip(row, batches)))
                 print(f"| {hidden} | " + " | ".join(f"{r:.2f}" for r in row) + " |", flush=True)
     print(f"\nlargest: {worst[0]:.2f}x ({worst[1]})")
