@@ -27,6 +27,7 @@
 #define FASTLAYERS_GEMM_H
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__)
 #define FL_VBYTES 64
@@ -36,6 +37,32 @@
 #define FL_GEMM_R 6
 #endif
 #define FL_GEMM_KC (16384 / (2 * FL_VBYTES)) /* k per block: a panel slice of 16 KiB */
+/* The step loops split a step by rows instead of by panels and rows (two or three barriers per
+ * step) where the threads do not divide the directions, every thread has rows and the packed
+ * recurrent weight (every thread reads all of it each step) fits half of a core's L2 (this CPU's,
+ * from sysconf; 256 KiB where it does not say). */
+static inline int64_t fl_rows_weight_bytes(void)
+{
+    static int64_t bytes = 0;
+    if (!bytes) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        bytes = l2 > 0 ? l2 / 2 : 256 * 1024;
+    }
+    return bytes;
+}
+static inline int fl_by_rows(int64_t D, int64_t B, int nt, int64_t packed_bytes)
+{
+    return nt > 1 && D % nt != 0 && B >= nt && packed_bytes <= fl_rows_weight_bytes();
+}
+/* The step loops' split by rows (fl_by_rows): thread tid of nt owns the batch slots [lo, hi) =
+ * [B*tid/nt, B*(tid+1)/nt) for the whole loop (contiguous: the per-row statistics of two threads
+ * share a cache line only at the edge); at a step of n active rows it runs [lo, min(hi, n)). */
+static inline void fl_own_rows(int64_t B, int tid, int nt, int64_t n, int64_t* lo, int64_t* hi)
+{
+    *lo = B * tid / nt;
+    *hi = B * (tid + 1) / nt < n ? B * (tid + 1) / nt : n;
+    if (*hi < *lo) *hi = *lo;
+}
 
 #define FL_DEFINE_GEMM(T, SUFFIX)                                                                    \
 typedef T fl_vec_##SUFFIX __attribute__((vector_size(FL_VBYTES), aligned(sizeof(T)), may_alias));   \
@@ -151,6 +178,52 @@ static inline void fl_gemm_items_##SUFFIX(int64_t q0, int64_t q1, int64_t np, in
         const int64_t d = q / np, p = q % np;                                                        \
         fl_gemm_##SUFFIX(m, p, p + 1, K, N, A + d * a_ds * K, K, wp + d * np * K * FL_W_##SUFFIX,     \
                          C + d * c_ds * N, N, accumulate);                                           \
+    }                                                                                                \
+}                                                                                                    \
+/* C_d[b] = A_d[b] @ W_d (accumulate = 0) or += (1) for the rows b in [lo, hi) by the whole packed   \
+ * weight (all np panels); A_d rows at A + (d*a_ds + b)*K, C_d rows at C + (d*c_ds + b)*N. */        \
+static inline void fl_gemm_own_rows_##SUFFIX(int64_t lo, int64_t hi, int64_t D, int64_t np,          \
+                                             int64_t K, int64_t N, const T* A, int64_t a_ds,         \
+                                             const T* wp, T* C, int64_t c_ds, int accumulate)        \
+{                                                                                                    \
+    if (hi <= lo) return;                                                                            \
+    for (int64_t d = 0; d < D; d++)                                                                  \
+        fl_gemm_##SUFFIX(hi - lo, 0, np, K, N, A + (d * a_ds + lo) * K, K,                           \
+                         wp + d * np * K * FL_W_##SUFFIX, C + (d * c_ds + lo) * N, N, accumulate);   \
+}                                                                                                    \
+/* the backward step's recurrent product on the rows [lo, hi), as fl_gemm_items_add below */         \
+static inline void fl_gemm_own_rows_add_##SUFFIX(int64_t lo, int64_t hi, int64_t D, int64_t np,      \
+                                                 int64_t K, int64_t N, const T* dr, int64_t dr_ds,   \
+                                                 const T* wp, T* dh, int64_t B, const T* mask, T* g, \
+                                                 int64_t gs)                                         \
+{                                                                                                    \
+    if (!mask) {                                                                                     \
+        fl_gemm_own_rows_##SUFFIX(lo, hi, D, np, K, N, dr, dr_ds, wp, dh, B, 1);                     \
+        return;                                                                                      \
+    }                                                                                                \
+    fl_gemm_own_rows_##SUFFIX(lo, hi, D, np, K, N, dr, dr_ds, wp, g, gs, 0);                         \
+    for (int64_t d = 0; d < D; d++)                                                                  \
+        for (int64_t b = lo; b < hi; b++) {                                                          \
+            T* dhr = dh + (d * B + b) * N; const T* mr = mask + (d * B + b) * N;                     \
+            const T* gr = g + (d * gs + b) * N;                                                      \
+            for (int64_t j = 0; j < N; j++) dhr[j] += gr[j] * mr[j];                                 \
+        }                                                                                            \
+}                                                                                                    \
+/* Per-thread partial parameter sums of the split by rows: thread t's at parts + t * L hold count    \
+ * accumulators laid end to end (len[i] values each); acc[i] += part 0 + ... + part nt-1 (in this    \
+ * order) on the thread's share of each accumulator's values; acc[i] NULL: not summed. */            \
+static inline void fl_partials_reduce_##SUFFIX(const T* parts, int64_t L, int tid, int nt,           \
+                                               T* const* acc, const int64_t* len, int count)         \
+{                                                                                                    \
+    int64_t off = 0;                                                                                 \
+    for (int i = 0; i < count; off += len[i], i++) {                                                 \
+        if (!acc[i]) continue;                                                                       \
+        const int64_t j0 = len[i] * tid / nt, j1 = len[i] * (tid + 1) / nt;                          \
+        for (int64_t j = j0; j < j1; j++) {                                                          \
+            T v = acc[i][j];                                                                         \
+            for (int t = 0; t < nt; t++) v += parts[t * L + off + j];                                \
+            acc[i][j] = v;                                                                           \
+        }                                                                                            \
     }                                                                                                \
 }                                                                                                    \
 /* a backward step's recurrent product: dh_d[:m] += (dr_d[:m] @ W_d) * mask_d[:m] for the share's    \

@@ -23,6 +23,7 @@
  * float uses fastmath.h's vectorisable exp; double uses libm.
  */
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fastmath.h"
@@ -160,20 +161,24 @@ static void gru_backward_row_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)  
 }                                                                                                    \
                                                                                                      \
 enum { GRU_SUM_CHUNK_##SUFFIX = 64 };                                                                \
-static void gru_backward_sums_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                     \
+/* one row's share of the parameter-gradient sums, columns [k0, k1), into a's accumulators */        \
+static inline void gru_sum_row_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t d, int64_t b, int64_t k0, \
+                                        int64_t k1)                                                  \
 {                                                                                                    \
-    const int64_t G = 3 * a->H, nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;  \
+    const int64_t G = 3 * a->H, row = d * a->ds + b;                                                 \
+    if (a->acc_gx)                                                                                   \
+        fl_accumulate_norm_##SUFFIX(a->acc_gx + d * G, a->acc_b ? a->acc_b + d * G : 0,              \
+                                    a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row, k0, k1); \
+    if (a->acc_gh) { const T* db = a->dhb + row * G; const T* rh = a->rhat + row * G;                \
+        T* acc = a->acc_gh + d * G;                                                                  \
+        for (int64_t k = k0; k < k1; k++) acc[k] += db[k] * rh[k]; }                                 \
+}                                                                                                    \
+static void gru_backward_sums_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                      \
+{                                                                                                    \
+    const int64_t G = 3 * a->H, nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX; \
     const int64_t d = task / nchunks, k0 = (task % nchunks) * GRU_SUM_CHUNK_##SUFFIX;                \
-    const int64_t k1 = k0 + GRU_SUM_CHUNK_##SUFFIX < G ? k0 + GRU_SUM_CHUNK_##SUFFIX : G;             \
-    for (int64_t b = 0; b < a->n; b++) {                                                             \
-        const int64_t row = d * a->ds + b;                                                           \
-        if (a->acc_gx)                                                                               \
-            fl_accumulate_norm_##SUFFIX(a->acc_gx + d * G, a->acc_b ? a->acc_b + d * G : 0,          \
-                                        a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row, k0, k1); \
-        if (a->acc_gh) { const T* db = a->dhb + row * G; const T* rh = a->rhat + row * G;            \
-            T* acc = a->acc_gh + d * G;                                                              \
-            for (int64_t k = k0; k < k1; k++) acc[k] += db[k] * rh[k]; }                             \
-    }                                                                                                \
+    const int64_t k1 = k0 + GRU_SUM_CHUNK_##SUFFIX < G ? k0 + GRU_SUM_CHUNK_##SUFFIX : G;            \
+    for (int64_t b = 0; b < a->n; b++) gru_sum_row_##SUFFIX(a, d, b, k0, k1);                        \
 }                                                                                                    \
                                                                                                      \
 static void gru_backward_input_norm_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)               \
@@ -219,27 +224,39 @@ void gru_forward_loop_##SUFFIX(                                                 
     const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                                        \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
-        /* nt dividing D: each thread owns whole directions in every pass below (fl_share of D equal \
-         * parts), so it reads only rows it wrote itself: no barrier between the passes */           \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                            \
+        /* as lstm_forward_loop: no barrier where nt divides D or with the split by rows */          \
         const int sync = D % nt != 0;                                                                \
+        const int by_rows = fl_by_rows(D, B, nt, D * H * np * FL_W_##SUFFIX * (int64_t)sizeof(T));   \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
         fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                     \
+        if (by_rows) { _Pragma("omp barrier") } /* every thread reads every panel */                 \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
-            fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, active[0], 0);        \
-            if (sync) { _Pragma("omp barrier") }                                                     \
-            const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */  \
+            int64_t lo, hi;                                                                          \
+            fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
+            if (by_rows)                                                                             \
+                fl_gemm_own_rows_##SUFFIX(lo, hi, D, np, H, G, hd + o * H, ds, wp, r, active[0], 0); \
+            else                                                                                     \
+                fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, active[0], 0);    \
+            if (sync && !by_rows) { _Pragma("omp barrier") }                                         \
+            const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */   \
             const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],            \
                 xp + o * G,                                                                          \
-                xstat ? xstat + 2 * sv : 0, gx, b_ih, r, h, rmask, b_hh, y + o * H, gates + sv * G,     \
-                hbn + sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0, rhat ? rhat + sv * G : 0,   \
-                rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0, zh_const};                     \
-            fl_share(D * n, tid, nt, &t0, &t1);                                                      \
-            for (int64_t task = t0; task < t1; task++) gru_forward_row_##SUFFIX(&a, task);           \
-            if (sync) { _Pragma("omp barrier") }                                                     \
+                xstat ? xstat + 2 * sv : 0, gx, b_ih, r, h, rmask, b_hh, y + o * H, gates + sv * G,  \
+                hbn + sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0,                          \
+                rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0,      \
+                zh_const};                                                                           \
+            if (by_rows) {                                                                           \
+                for (int64_t d = 0; d < D; d++)                                                      \
+                    for (int64_t b = lo; b < hi; b++) gru_forward_row_##SUFFIX(&a, d * n + b);       \
+            } else {                                                                                 \
+                fl_share(D * n, tid, nt, &t0, &t1);                                                  \
+                for (int64_t task = t0; task < t1; task++) gru_forward_row_##SUFFIX(&a, task);       \
+                if (sync) { _Pragma("omp barrier") }                                                 \
+            }                                                                                        \
             o += n;                                                                                  \
         }                                                                                            \
     }                                                                                                \
@@ -258,24 +275,47 @@ void gru_backward_loop_##SUFFIX(                                                
     T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int nthreads)                            \
 {                                                                                                    \
     const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
-    const int64_t nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;                \
+    const int64_t nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;               \
+    /* the split by rows' partial sums, as lstm_backward_loop's (acc_gx, acc_b, acc_gh) */           \
+    T* const acc[3] = {acc_gx, acc_b, acc_gh};                                                       \
+    const int64_t len[3] = {D * G, D * G, D * G}, L = 3 * D * G;                                     \
+    T* parts = nthreads > 1 ? (T*)calloc(nthreads * L, sizeof(T)) : 0;                               \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
-        /* nt dividing D: each thread owns whole directions in every pass below (fl_share of D equal \
-         * parts), so it reads only rows it wrote itself: no barrier between the passes */           \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                            \
+        /* as lstm_forward_loop: no barrier where nt divides D or with the split by rows */          \
         const int sync = D % nt != 0;                                                                \
+        const int by_rows = parts && nt <= nthreads                                                  \
+            && fl_by_rows(D, B, nt, D * G * np * FL_W_##SUFFIX * (int64_t)sizeof(T));                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
         fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                     \
+        if (by_rows) { _Pragma("omp barrier") } /* every thread reads every panel */                 \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
             o -= n;                                                                                  \
-            const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy + o * H, dh, hist + o * H, gates + o * G,  \
-                hbn + o * H, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx, rhat ? rhat + o * G : 0, \
-                rrstd ? rrstd + o : 0, gh, zh ? zh + o * H : 0, zh_const, dpre + o * G, dhb + o * G,      \
-                dr + o * G, acc_gx, acc_b, acc_gh};                                                  \
+            gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy + o * H, dh, hist + o * H, gates + o * G,       \
+                hbn + o * H, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx,                     \
+                rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, gh, zh ? zh + o * H : 0, zh_const,   \
+                dpre + o * G, dhb + o * G, dr + o * G, acc_gx, acc_b, acc_gh};                       \
+            if (by_rows) { /* the three passes on this thread's rows, its partial sums */            \
+                T* q = parts + tid * L;                                                              \
+                a.acc_gx = acc_gx ? q : 0;                                                           \
+                a.acc_b = acc_b ? q + len[0] : 0;                                                    \
+                a.acc_gh = acc_gh ? q + len[0] + len[1] : 0;                                         \
+                int64_t lo, hi;                                                                      \
+                fl_own_rows(B, tid, nt, n, &lo, &hi);                                                \
+                for (int64_t d = 0; d < D; d++)                                                      \
+                    for (int64_t b = lo; b < hi; b++) {                                              \
+                        gru_backward_row_##SUFFIX(&a, d * n + b);                                    \
+                        if (acc_gx || acc_gh) gru_sum_row_##SUFFIX(&a, d, b, 0, G);                  \
+                        if (xstat) gru_backward_input_norm_##SUFFIX(&a, d * n + b);                  \
+                    }                                                                                \
+                fl_gemm_own_rows_add_##SUFFIX(lo, hi, D, np, G, H, a.dr, ds, wp, dh, B, rmask, g,    \
+                                              active[0]);                                            \
+                continue;                                                                            \
+            }                                                                                        \
             fl_share(D * n, tid, nt, &t0, &t1);                                                      \
             for (int64_t task = t0; task < t1; task++) gru_backward_row_##SUFFIX(&a, task);          \
             if (sync) { _Pragma("omp barrier") }                                                     \
@@ -286,14 +326,20 @@ void gru_backward_loop_##SUFFIX(                                                
             }                                                                                        \
             if (xstat) { /* dpre only: dr (dhb or its own buffer) is not dpre */                     \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
-                for (int64_t task = t0; task < t1; task++) gru_backward_input_norm_##SUFFIX(&a, task); \
+                for (int64_t task = t0; task < t1; task++)                                           \
+                    gru_backward_input_norm_##SUFFIX(&a, task);                                      \
             }                                                                                        \
             /* this thread's columns of dh */                                                        \
             fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g,           \
                                        active[0]);                                                   \
             if (sync) { _Pragma("omp barrier") }                                                     \
         }                                                                                            \
+        if (by_rows) {                                                                               \
+            _Pragma("omp barrier")                                                                   \
+            fl_partials_reduce_##SUFFIX(parts, L, tid, nt, acc, len, 3);                             \
+        }                                                                                            \
     }                                                                                                \
+    free(parts);                                                                                     \
 }
 
 DEFINE_GRU(float, f32, fl_exp_f32, fl_tanh_f32, sqrtf)

@@ -31,14 +31,18 @@
  * product between steps: the Python loop with a projection or bf16 products, the C++ no-grad
  * operator); lstm_forward_loop / lstm_backward_loop run a whole layer's time loop in one call and
  * one OpenMP region, with the recurrent product of each step on gemm.h's kernel (each thread owns
- * a fixed share of the weight's column panels, packed once per call), two barriers per step and
- * no return to the caller in between. Both run the same per-row functions.
+ * a fixed share of the weight's column panels, packed once per call), two barriers per step (three
+ * in the backward) and no return to the caller in between; no barrier where the threads divide the
+ * directions (each runs its own), nor where a small weight lets each thread multiply its own batch
+ * rows by all of it (gemm.h fl_by_rows; the parameter sums then per thread, added at the end).
+ * Both run the same per-row functions.
  *
  * float uses fastmath.h's vectorisable exp; double uses libm. Built with -fno-trapping-math
  * -fno-signed-zeros (see __init__.py) so that the clamps and selects vectorise; NaN propagates
  * (every clamp is written `v < lo ? lo : v`, which keeps a NaN v).
  */
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fastmath.h"
@@ -233,31 +237,37 @@ static inline int lstm_has_sums_##SUFFIX(const lstm_bwd_##SUFFIX* a)            
 {                                                                                                    \
     return a->acc_gx || a->acc_b || a->acc_gh || a->acc_gc || a->acc_peep;                           \
 }                                                                                                    \
-/* parameter-gradient sums over the step's rows; task = d * chunks + column block (a task owns its  \
- * columns of the accumulators) */                                                                   \
-static void lstm_backward_sums_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                   \
+/* one row's share of the parameter-gradient sums, columns [k0, k1) of the 4H-wide ones (the H-wide  \
+ * ones on k < H), into a's accumulators */                                                          \
+static inline void lstm_sum_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t d, int64_t b,           \
+                                         int64_t k0, int64_t k1)                                     \
 {                                                                                                    \
-    const int64_t H = a->H, G = 4 * H, nchunks = (G + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX; \
-    const int64_t d = task / nchunks, k0 = (task % nchunks) * LSTM_SUM_CHUNK_##SUFFIX;                \
-    const int64_t k1 = k0 + LSTM_SUM_CHUNK_##SUFFIX < G ? k0 + LSTM_SUM_CHUNK_##SUFFIX : G;           \
-    const int64_t h0 = k0 < H ? k0 : H, h1 = k1 < H ? k1 : H; /* H-sized sums on k < H */            \
-    for (int64_t b = 0; b < a->n; b++) {                                                             \
-        const int64_t row = d * a->ds + b, srow = d * a->B + b;                                      \
-        const T* dp = a->dpre + row * G;                                                             \
-        if (a->acc_gx || a->acc_b)                                                                   \
-            fl_accumulate_norm_##SUFFIX(a->acc_gx + d * G, a->acc_b ? a->acc_b + d * G : 0, dp,       \
-                                        a->xp + row * G, a->xstat + 2 * row, k0, k1);                \
-        if (a->acc_gh) { const T* rh = a->rhat + row * G; T* acc = a->acc_gh + d * G;                \
-            for (int64_t k = k0; k < k1; k++) acc[k] += dp[k] * rh[k]; }                             \
-        if (a->acc_gc && h0 < h1)                                                                    \
-            fl_accumulate_norm_##SUFFIX(a->acc_gc + d * H, a->acc_bc + d * H, a->dn + srow * H,       \
-                                        a->c1 + row * H, a->cstat + 2 * row, h0, h1);                \
-        if (a->acc_peep && h0 < h1) { const T* c0r = a->chist + (d * a->cds + b) * H;                \
-            const T* c1r = a->c1 + row * H; T* ap = a->acc_peep + d * 3 * H;                         \
-            for (int64_t k = h0; k < h1; k++) {                                                      \
-                ap[k] += dp[k] * c0r[k]; ap[H + k] += dp[H + k] * c0r[k];                            \
-                ap[2 * H + k] += dp[3 * H + k] * c1r[k]; } }                                         \
-    }                                                                                                \
+    const int64_t H = a->H, G = 4 * H, h0 = k0 < H ? k0 : H, h1 = k1 < H ? k1 : H;                   \
+    const int64_t row = d * a->ds + b, srow = d * a->B + b;                                          \
+    const T* dp = a->dpre + row * G;                                                                 \
+    if (a->acc_gx || a->acc_b)                                                                       \
+        fl_accumulate_norm_##SUFFIX(a->acc_gx + d * G, a->acc_b ? a->acc_b + d * G : 0, dp,          \
+                                    a->xp + row * G, a->xstat + 2 * row, k0, k1);                    \
+    if (a->acc_gh) { const T* rh = a->rhat + row * G; T* acc = a->acc_gh + d * G;                    \
+        for (int64_t k = k0; k < k1; k++) acc[k] += dp[k] * rh[k]; }                                 \
+    if (a->acc_gc && h0 < h1)                                                                        \
+        fl_accumulate_norm_##SUFFIX(a->acc_gc + d * H, a->acc_bc + d * H, a->dn + srow * H,          \
+                                    a->c1 + row * H, a->cstat + 2 * row, h0, h1);                    \
+    if (a->acc_peep && h0 < h1) { const T* c0r = a->chist + (d * a->cds + b) * H;                    \
+        const T* c1r = a->c1 + row * H; T* ap = a->acc_peep + d * 3 * H;                             \
+        for (int64_t k = h0; k < h1; k++) {                                                          \
+            ap[k] += dp[k] * c0r[k]; ap[H + k] += dp[H + k] * c0r[k];                                \
+            ap[2 * H + k] += dp[3 * H + k] * c1r[k]; } }                                             \
+}                                                                                                    \
+/* parameter-gradient sums over the step's rows; task = d * chunks + column block (a task owns its   \
+ * columns of the accumulators) */                                                                   \
+static void lstm_backward_sums_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                    \
+{                                                                                                    \
+    const int64_t G = 4 * a->H;                                                                      \
+    const int64_t nchunks = (G + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;             \
+    const int64_t d = task / nchunks, k0 = (task % nchunks) * LSTM_SUM_CHUNK_##SUFFIX;               \
+    const int64_t k1 = k0 + LSTM_SUM_CHUNK_##SUFFIX < G ? k0 + LSTM_SUM_CHUNK_##SUFFIX : G;          \
+    for (int64_t b = 0; b < a->n; b++) lstm_sum_row_##SUFFIX(a, d, b, k0, k1);                       \
 }                                                                                                    \
                                                                                                      \
 static void lstm_backward_input_norm_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)             \
@@ -312,28 +322,42 @@ void lstm_forward_loop_##SUFFIX(                                                
     const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                                        \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
-        /* nt dividing D: each thread owns whole directions in every pass below (fl_share of D equal \
-         * parts), so it reads only rows it wrote itself: no barrier between the passes */           \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                            \
+        /* nt dividing D: each thread owns whole directions in every pass below (fl_share of D       \
+         * equal parts), so it reads only rows it wrote itself: no barrier between the passes. Else, \
+         * for a small weight, the split by rows (fl_by_rows): each thread its rows, no barrier */   \
         const int sync = D % nt != 0;                                                                \
+        const int by_rows = fl_by_rows(D, B, nt, D * H * np * FL_W_##SUFFIX * (int64_t)sizeof(T));   \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1); /* this thread's panels, every step */                  \
         fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                     \
+        if (by_rows) { _Pragma("omp barrier") } /* every thread reads every panel */                 \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
-            fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, active[0], 0);        \
-            if (sync) { _Pragma("omp barrier") }                                                     \
-            const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */  \
+            int64_t lo, hi;                                                                          \
+            fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
+            if (by_rows)                                                                             \
+                fl_gemm_own_rows_##SUFFIX(lo, hi, D, np, H, G, hd + o * H, ds, wp, r, active[0], 0); \
+            else                                                                                     \
+                fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, active[0], 0);    \
+            if (sync && !by_rows) { _Pragma("omp barrier") }                                         \
+            const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */   \
             const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],           \
                 xp + o * G,                                                                          \
-                xstat ? xstat + 2 * sv : 0, gx, bias, r, c, h, rmask, y + o * H, gates + sv * G,        \
-                c1 + sv * H, chist ? chist + sv * H : 0, n_next ? hd + (o + n) * H : 0,                 \
-                rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, cstat ? cstat + 2 * sv : 0, gh, gc,   \
-                bc, peep, clip, eps, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const, zh_const};   \
-            fl_share(D * n, tid, nt, &t0, &t1);                                                      \
-            for (int64_t task = t0; task < t1; task++) lstm_forward_row_##SUFFIX(&a, task);          \
-            if (sync) { _Pragma("omp barrier") }                                                     \
+                xstat ? xstat + 2 * sv : 0, gx, bias, r, c, h, rmask, y + o * H, gates + sv * G,     \
+                c1 + sv * H, chist ? chist + sv * H : 0, n_next ? hd + (o + n) * H : 0,              \
+                rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, cstat ? cstat + 2 * sv : 0, gh,    \
+                gc, bc, peep, clip, eps, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const,         \
+                zh_const};                                                                           \
+            if (by_rows) {                                                                           \
+                for (int64_t d = 0; d < D; d++)                                                      \
+                    for (int64_t b = lo; b < hi; b++) lstm_forward_row_##SUFFIX(&a, d * n + b);      \
+            } else {                                                                                 \
+                fl_share(D * n, tid, nt, &t0, &t1);                                                  \
+                for (int64_t task = t0; task < t1; task++) lstm_forward_row_##SUFFIX(&a, task);      \
+                if (sync) { _Pragma("omp barrier") }                                                 \
+            }                                                                                        \
             o += n;                                                                                  \
         }                                                                                            \
     }                                                                                                \
@@ -358,26 +382,56 @@ void lstm_backward_loop_##SUFFIX(                                               
     T* acc_gx, T* acc_b, T* acc_gh, T* acc_gc, T* acc_bc, T* acc_peep, int nthreads)                 \
 {                                                                                                    \
     const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
-    const int64_t nchunks = (G + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;              \
+    const int64_t nchunks = (G + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;             \
+    /* the split by rows sums each thread's rows into its own partial accumulators (thread t's at    \
+     * parts + t * L: acc_gx, acc_b, acc_gh, acc_gc, acc_bc, acc_peep end to end), added up after    \
+     * the loop; without that memory, the split by panels */                                         \
+    T* const acc[6] = {acc_gx, acc_b, acc_gh, acc_gc, acc_bc, acc_peep};                             \
+    const int64_t len[6] = {D * G, D * G, D * G, D * H, D * H, D * 3 * H}, L = D * (3 * G + 5 * H);  \
+    T* parts = nthreads > 1 ? (T*)calloc(nthreads * L, sizeof(T)) : 0;                               \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
-        /* nt dividing D: each thread owns whole directions in every pass below (fl_share of D equal \
-         * parts), so it reads only rows it wrote itself: no barrier between the passes */           \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                            \
+        /* as lstm_forward_loop: no barrier where nt divides D or with the split by rows */          \
         const int sync = D % nt != 0;                                                                \
+        const int by_rows = parts && nt <= nthreads                                                  \
+            && fl_by_rows(D, B, nt, D * G * np * FL_W_##SUFFIX * (int64_t)sizeof(T));                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_share(D * np, tid, nt, &p0, &p1);                                                         \
         fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                     \
+        if (by_rows) { _Pragma("omp barrier") } /* every thread reads every panel */                 \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
             o -= n;                                                                                  \
             const T* c_before = chist ? chist + o * H : t > 0 ? c1 + (o - active[t - 1]) * H : c0;   \
-            const lstm_bwd_##SUFFIX a = {D, B, n, H, ds, chist || t > 0 ? ds : B, dy + o * H, dh, dc, \
-                c_before, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx, gates + o * G, c1 + o * H,        \
-                rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, cstat ? cstat + 2 * o : 0, gh, gc, bc,  \
-                peep, clip, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const, zh_const, dpre + o * G, \
-                dr + o * G, dn_scratch, acc_gx, acc_b, acc_gh, acc_gc, acc_bc, acc_peep};              \
+            lstm_bwd_##SUFFIX a = {D, B, n, H, ds, chist || t > 0 ? ds : B, dy + o * H, dh, dc,      \
+                c_before, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx, gates + o * G,         \
+                c1 + o * H, rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0,                          \
+                cstat ? cstat + 2 * o : 0, gh, gc, bc, peep, clip, zc ? zc + o * H : 0,              \
+                zh ? zh + o * H : 0, zc_const, zh_const, dpre + o * G, dr + o * G, dn_scratch,       \
+                acc_gx, acc_b, acc_gh, acc_gc, acc_bc, acc_peep};                                    \
+            if (by_rows) { /* the three passes on this thread's rows, its partial sums */            \
+                T* q = parts + tid * L;                                                              \
+                a.acc_gx = acc_gx ? q : 0; q += len[0];                                              \
+                a.acc_b = acc_b ? q : 0; q += len[1];                                                \
+                a.acc_gh = acc_gh ? q : 0; q += len[2];                                              \
+                a.acc_gc = acc_gc ? q : 0; q += len[3];                                              \
+                a.acc_bc = acc_bc ? q : 0; q += len[4];                                              \
+                a.acc_peep = acc_peep ? q : 0;                                                       \
+                const int sums = lstm_has_sums_##SUFFIX(&a);                                         \
+                int64_t lo, hi;                                                                      \
+                fl_own_rows(B, tid, nt, n, &lo, &hi);                                                \
+                for (int64_t d = 0; d < D; d++)                                                      \
+                    for (int64_t b = lo; b < hi; b++) {                                              \
+                        lstm_backward_row_##SUFFIX(&a, d * n + b);                                   \
+                        if (sums) lstm_sum_row_##SUFFIX(&a, d, b, 0, G);                             \
+                        if (xstat) lstm_backward_input_norm_##SUFFIX(&a, d * n + b);                 \
+                    }                                                                                \
+                fl_gemm_own_rows_add_##SUFFIX(lo, hi, D, np, G, H, a.dr, ds, wp, dh, B, rmask, g,    \
+                                              active[0]);                                            \
+                continue;                                                                            \
+            }                                                                                        \
             fl_share(D * n, tid, nt, &t0, &t1);                                                      \
             for (int64_t task = t0; task < t1; task++) lstm_backward_row_##SUFFIX(&a, task);         \
             if (sync) { _Pragma("omp barrier") }                                                     \
@@ -388,14 +442,20 @@ void lstm_backward_loop_##SUFFIX(                                               
             }                                                                                        \
             if (xstat) { /* dpre only: dr, which the product below reads, is its own buffer here */  \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
-                for (int64_t task = t0; task < t1; task++) lstm_backward_input_norm_##SUFFIX(&a, task); \
+                for (int64_t task = t0; task < t1; task++)                                           \
+                    lstm_backward_input_norm_##SUFFIX(&a, task);                                     \
             }                                                                                        \
             /* this thread's columns of dh */                                                        \
             fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g,           \
                                        active[0]);                                                   \
             if (sync) { _Pragma("omp barrier") }                                                     \
         }                                                                                            \
+        if (by_rows) {                                                                               \
+            _Pragma("omp barrier")                                                                   \
+            fl_partials_reduce_##SUFFIX(parts, L, tid, nt, acc, len, 6);                             \
+        }                                                                                            \
     }                                                                                                \
+    free(parts);                                                                                     \
 }
 
 DEFINE_LSTM(float, f32, fl_exp_f32, fl_tanh_f32, sqrtf)
