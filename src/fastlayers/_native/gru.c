@@ -229,19 +229,14 @@ void gru_forward_loop_##SUFFIX(                                                 
         const int sync = D % nt != 0;                                                                \
         const int by_rows = fl_by_rows(D, B, nt, D * H * np * FL_W_##SUFFIX * (int64_t)sizeof(T));   \
         int64_t p0, p1, t0, t1;                                                                      \
-        fl_share(D * np, tid, nt, &p0, &p1);                                                         \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, H, G, w, 1, wp);                                     \
-        if (by_rows) { _Pragma("omp barrier") } /* every thread reads every panel */                 \
+        fl_loop_pack_##SUFFIX(by_rows, tid, nt, D, np, H, G, w, 1, wp, &p0, &p1);                    \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
+            fl_loop_product_##SUFFIX(by_rows, sync, tid, nt, B, D, np, n, H, G, hd + o * H, ds, wp,  \
+                                     r, active[0], p0, p1);                                          \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
-            if (by_rows)                                                                             \
-                fl_gemm_own_rows_##SUFFIX(lo, hi, D, np, H, G, hd + o * H, ds, wp, r, active[0], 0); \
-            else                                                                                     \
-                fl_gemm_items_##SUFFIX(p0, p1, np, n, H, G, hd + o * H, ds, wp, r, active[0], 0);    \
-            if (sync && !by_rows) { _Pragma("omp barrier") }                                         \
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */   \
             const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],            \
                 xp + o * G,                                                                          \
@@ -288,9 +283,7 @@ void gru_backward_loop_##SUFFIX(                                                
         const int by_rows = parts && nt <= nthreads                                                  \
             && fl_by_rows(D, B, nt, D * G * np * FL_W_##SUFFIX * (int64_t)sizeof(T));                \
         int64_t p0, p1, t0, t1;                                                                      \
-        fl_share(D * np, tid, nt, &p0, &p1);                                                         \
-        fl_gemm_pack_items_##SUFFIX(p0, p1, np, G, H, w, 0, wp);                                     \
-        if (by_rows) { _Pragma("omp barrier") } /* every thread reads every panel */                 \
+        fl_loop_pack_##SUFFIX(by_rows, tid, nt, D, np, G, H, w, 0, wp, &p0, &p1);                    \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
@@ -312,8 +305,8 @@ void gru_backward_loop_##SUFFIX(                                                
                         if (acc_gx || acc_gh) gru_sum_row_##SUFFIX(&a, d, b, 0, G);                  \
                         if (xstat) gru_backward_input_norm_##SUFFIX(&a, d * n + b);                  \
                     }                                                                                \
-                fl_gemm_own_rows_add_##SUFFIX(lo, hi, D, np, G, H, a.dr, ds, wp, dh, B, rmask, g,    \
-                                              active[0]);                                            \
+                fl_loop_product_add_##SUFFIX(1, 0, tid, nt, B, D, np, n, G, H, a.dr, ds, wp, dh,     \
+                                             rmask, g, active[0], p0, p1);                           \
                 continue;                                                                            \
             }                                                                                        \
             fl_share(D * n, tid, nt, &t0, &t1);                                                      \
@@ -330,9 +323,8 @@ void gru_backward_loop_##SUFFIX(                                                
                     gru_backward_input_norm_##SUFFIX(&a, task);                                      \
             }                                                                                        \
             /* this thread's columns of dh */                                                        \
-            fl_gemm_items_add_##SUFFIX(p0, p1, np, n, G, H, a.dr, ds, wp, dh, B, rmask, g,           \
-                                       active[0]);                                                   \
-            if (sync) { _Pragma("omp barrier") }                                                     \
+            fl_loop_product_add_##SUFFIX(0, sync, tid, nt, B, D, np, n, G, H, a.dr, ds, wp, dh,      \
+                                         rmask, g, active[0], p0, p1);                               \
         }                                                                                            \
         if (by_rows) {                                                                               \
             _Pragma("omp barrier")                                                                   \
