@@ -39,14 +39,14 @@
 #define FL_GEMM_KC (16384 / (2 * FL_VBYTES)) /* k per block: a panel slice of 16 KiB */
 /* The step loops split a step by rows instead of by panels and rows (two or three barriers per
  * step) where the threads do not divide the directions, every thread has rows and the packed
- * recurrent weight (every thread reads all of it each step) fits half of a core's L2 (this CPU's,
- * from sysconf; 256 KiB where it does not say). */
+ * recurrent weight (every thread reads all of it each step) fits a core's L2 (this CPU's, from
+ * sysconf; 256 KiB where it does not say): BENCHMARKS.md, issue 62's third Zen 4 section. */
 static inline int64_t fl_rows_weight_bytes(void)
 {
     static int64_t bytes = 0;
     if (!bytes) {
         const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        bytes = l2 > 0 ? l2 / 2 : 256 * 1024;
+        bytes = l2 > 0 ? l2 : 256 * 1024;
     }
     return bytes;
 }
