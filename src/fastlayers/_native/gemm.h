@@ -257,38 +257,42 @@ static inline void fl_loop_pack_##SUFFIX(int by_rows, int tid, int nt, int64_t D
     if (by_rows) { _Pragma("omp barrier") }                                                          \
 }                                                                                                    \
 /* A forward step's recurrent product C_d[:n] = A_d[:n] @ W_d (A_d rows at A + d*a_ds*K, C_d rows    \
- * at C + d*c_ds*N): this thread's rows by every panel (by_rows), else its panels [p0, p1) for       \
- * every row, then (sync) a barrier before any thread reads the product. */                          \
-static inline void fl_loop_product_##SUFFIX(int by_rows, int sync, int tid, int nt, int64_t B,       \
-                                            int64_t D, int64_t np, int64_t n, int64_t K, int64_t N,  \
-                                            const T* A, int64_t a_ds, const T* wp, T* C,             \
-                                            int64_t c_ds, int64_t p0, int64_t p1)                    \
+ * at C + d*c_ds*N): this thread's rows [lo, hi) by every panel (by_rows), else its panels [p0, p1)  \
+ * for every row, then (sync) a barrier before any thread reads the product. */                      \
+static inline void fl_loop_product_##SUFFIX(int by_rows, int sync, int64_t lo, int64_t hi,           \
+                                            int64_t p0, int64_t p1, int64_t D, int64_t np,           \
+                                            int64_t n, int64_t K, int64_t N, const T* A,             \
+                                            int64_t a_ds, const T* wp, T* C, int64_t c_ds)           \
 {                                                                                                    \
     if (by_rows) {                                                                                   \
-        int64_t lo, hi;                                                                              \
-        fl_own_rows(B, tid, nt, n, &lo, &hi);                                                        \
         fl_gemm_own_rows_##SUFFIX(lo, hi, D, np, K, N, A, a_ds, wp, C, c_ds, 0);                     \
         return;                                                                                      \
     }                                                                                                \
     fl_gemm_items_##SUFFIX(p0, p1, np, n, K, N, A, a_ds, wp, C, c_ds, 0);                            \
     if (sync) { _Pragma("omp barrier") }                                                             \
 }                                                                                                    \
-/* A backward step's recurrent product dh_d[:n] += (dr_d[:n] @ W_d) (* mask_d[:n]), as               \
- * fl_loop_product's split, then (sync, panels) a barrier before the next step reads dh. */          \
-static inline void fl_loop_product_add_##SUFFIX(int by_rows, int sync, int tid, int nt, int64_t B,   \
-                                                int64_t D, int64_t np, int64_t n, int64_t K,         \
-                                                int64_t N, const T* dr, int64_t dr_ds,               \
-                                                const T* wp, T* dh, const T* mask, T* g, int64_t gs, \
-                                                int64_t p0, int64_t p1)                              \
+/* A backward step's recurrent product dh_d[:n] += (dr_d[:n] @ W_d) (* mask_d[:n]), split as         \
+ * fl_loop_product's, then (sync, panels) a barrier before the next step reads dh. */                \
+static inline void fl_loop_product_add_##SUFFIX(int by_rows, int sync, int64_t lo, int64_t hi,       \
+                                                int64_t p0, int64_t p1, int64_t D, int64_t np,       \
+                                                int64_t n, int64_t K, int64_t N, const T* dr,        \
+                                                int64_t dr_ds, const T* wp, T* dh, int64_t B,        \
+                                                const T* mask, T* g, int64_t gs)                     \
 {                                                                                                    \
     if (by_rows) {                                                                                   \
-        int64_t lo, hi;                                                                              \
-        fl_own_rows(B, tid, nt, n, &lo, &hi);                                                        \
         fl_gemm_own_rows_add_##SUFFIX(lo, hi, D, np, K, N, dr, dr_ds, wp, dh, B, mask, g, gs);       \
         return;                                                                                      \
     }                                                                                                \
     fl_gemm_items_add_##SUFFIX(p0, p1, np, n, K, N, dr, dr_ds, wp, dh, B, mask, g, gs);              \
     if (sync) { _Pragma("omp barrier") }                                                             \
+}                                                                                                    \
+/* The accumulators a thread adds to: with its partial sums `part` (the split by rows) its own       \
+ * (laid out as fl_partials_reduce's), else acc as given; NULL stays NULL. */                        \
+static inline void fl_partials_mine_##SUFFIX(T* part, T* const* acc, const int64_t* len, int count,  \
+                                             T** mine)                                               \
+{                                                                                                    \
+    int64_t off = 0;                                                                                 \
+    for (int i = 0; i < count; off += len[i], i++) mine[i] = acc[i] && part ? part + off : acc[i];   \
 }                                                                                                    \
 
 /* the share [*a, *b) of worker `tid` of `nt` in `count` items (contiguous, balanced) */

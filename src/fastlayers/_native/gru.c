@@ -233,10 +233,10 @@ void gru_forward_loop_##SUFFIX(                                                 
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
-            fl_loop_product_##SUFFIX(by_rows, sync, tid, nt, B, D, np, n, H, G, hd + o * H, ds, wp,  \
-                                     r, active[0], p0, p1);                                          \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
+            fl_loop_product_##SUFFIX(by_rows, sync, lo, hi, p0, p1, D, np, n, H, G, hd + o * H, ds,  \
+                                     wp, r, active[0]);                                              \
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */   \
             const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],            \
                 xp + o * G,                                                                          \
@@ -284,47 +284,42 @@ void gru_backward_loop_##SUFFIX(                                                
             && fl_by_rows(D, B, nt, D * G * np * FL_W_##SUFFIX * (int64_t)sizeof(T));                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_loop_pack_##SUFFIX(by_rows, tid, nt, D, np, G, H, w, 0, wp, &p0, &p1);                    \
+        T* mine[3]; /* the accumulators this thread adds to */                                       \
+        fl_partials_mine_##SUFFIX(by_rows ? parts + tid * L : 0, acc, len, 3, mine);                 \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
             o -= n;                                                                                  \
-            gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy + o * H, dh, hist + o * H, gates + o * G,       \
+            const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy + o * H, dh, hist + o * H, gates + o * G, \
                 hbn + o * H, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx,                     \
                 rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, gh, zh ? zh + o * H : 0, zh_const,   \
-                dpre + o * G, dhb + o * G, dr + o * G, acc_gx, acc_b, acc_gh};                       \
-            if (by_rows) { /* the three passes on this thread's rows, its partial sums */            \
-                T* q = parts + tid * L;                                                              \
-                a.acc_gx = acc_gx ? q : 0;                                                           \
-                a.acc_b = acc_b ? q + len[0] : 0;                                                    \
-                a.acc_gh = acc_gh ? q + len[0] + len[1] : 0;                                         \
-                int64_t lo, hi;                                                                      \
-                fl_own_rows(B, tid, nt, n, &lo, &hi);                                                \
+                dpre + o * G, dhb + o * G, dr + o * G, mine[0], mine[1], mine[2]};                   \
+            int64_t lo, hi;                                                                          \
+            fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
+            if (by_rows) { /* the three passes row by row on this thread's rows */                   \
                 for (int64_t d = 0; d < D; d++)                                                      \
                     for (int64_t b = lo; b < hi; b++) {                                              \
                         gru_backward_row_##SUFFIX(&a, d * n + b);                                    \
                         if (acc_gx || acc_gh) gru_sum_row_##SUFFIX(&a, d, b, 0, G);                  \
                         if (xstat) gru_backward_input_norm_##SUFFIX(&a, d * n + b);                  \
                     }                                                                                \
-                fl_loop_product_add_##SUFFIX(1, 0, tid, nt, B, D, np, n, G, H, a.dr, ds, wp, dh,     \
-                                             rmask, g, active[0], p0, p1);                           \
-                continue;                                                                            \
-            }                                                                                        \
-            fl_share(D * n, tid, nt, &t0, &t1);                                                      \
-            for (int64_t task = t0; task < t1; task++) gru_backward_row_##SUFFIX(&a, task);          \
-            if (sync) { _Pragma("omp barrier") }                                                     \
-            if (acc_gx || acc_gh) {                                                                  \
-                fl_share(D * nchunks, tid, nt, &t0, &t1);                                            \
-                for (int64_t task = t0; task < t1; task++) gru_backward_sums_##SUFFIX(&a, task);     \
-                if (sync) { _Pragma("omp barrier") }                                                 \
-            }                                                                                        \
-            if (xstat) { /* dpre only: dr (dhb or its own buffer) is not dpre */                     \
+            } else {                                                                                 \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
-                for (int64_t task = t0; task < t1; task++)                                           \
-                    gru_backward_input_norm_##SUFFIX(&a, task);                                      \
+                for (int64_t task = t0; task < t1; task++) gru_backward_row_##SUFFIX(&a, task);      \
+                if (sync) { _Pragma("omp barrier") }                                                 \
+                if (acc_gx || acc_gh) {                                                              \
+                    fl_share(D * nchunks, tid, nt, &t0, &t1);                                        \
+                    for (int64_t task = t0; task < t1; task++) gru_backward_sums_##SUFFIX(&a, task); \
+                    if (sync) { _Pragma("omp barrier") }                                             \
+                }                                                                                    \
+                if (xstat) { /* dpre only: dr (dhb or its own buffer) is not dpre */                 \
+                    fl_share(D * n, tid, nt, &t0, &t1);                                              \
+                    for (int64_t task = t0; task < t1; task++)                                       \
+                        gru_backward_input_norm_##SUFFIX(&a, task);                                  \
+                }                                                                                    \
             }                                                                                        \
-            /* this thread's columns of dh */                                                        \
-            fl_loop_product_add_##SUFFIX(0, sync, tid, nt, B, D, np, n, G, H, a.dr, ds, wp, dh,      \
-                                         rmask, g, active[0], p0, p1);                               \
+            fl_loop_product_add_##SUFFIX(by_rows, sync, lo, hi, p0, p1, D, np, n, G, H, a.dr, ds,    \
+                                         wp, dh, B, rmask, g, active[0]);                            \
         }                                                                                            \
         if (by_rows) {                                                                               \
             _Pragma("omp barrier")                                                                   \

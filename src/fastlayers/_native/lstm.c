@@ -333,10 +333,10 @@ void lstm_forward_loop_##SUFFIX(                                                
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
-            fl_loop_product_##SUFFIX(by_rows, sync, tid, nt, B, D, np, n, H, G, hd + o * H, ds, wp,  \
-                                     r, active[0], p0, p1);                                          \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
+            fl_loop_product_##SUFFIX(by_rows, sync, lo, hi, p0, p1, D, np, n, H, G, hd + o * H, ds,  \
+                                     wp, r, active[0]);                                              \
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */   \
             const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],           \
                 xp + o * G,                                                                          \
@@ -393,54 +393,47 @@ void lstm_backward_loop_##SUFFIX(                                               
             && fl_by_rows(D, B, nt, D * G * np * FL_W_##SUFFIX * (int64_t)sizeof(T));                \
         int64_t p0, p1, t0, t1;                                                                      \
         fl_loop_pack_##SUFFIX(by_rows, tid, nt, D, np, G, H, w, 0, wp, &p0, &p1);                    \
+        T* mine[6]; /* the accumulators this thread adds to */                                       \
+        fl_partials_mine_##SUFFIX(by_rows ? parts + tid * L : 0, acc, len, 6, mine);                 \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
             o -= n;                                                                                  \
             const T* c_before = chist ? chist + o * H : t > 0 ? c1 + (o - active[t - 1]) * H : c0;   \
-            lstm_bwd_##SUFFIX a = {D, B, n, H, ds, chist || t > 0 ? ds : B, dy + o * H, dh, dc,      \
-                c_before, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx, gates + o * G,         \
+            const lstm_bwd_##SUFFIX a = {D, B, n, H, ds, chist || t > 0 ? ds : B, dy + o * H, dh,    \
+                dc, c_before, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx, gates + o * G,     \
                 c1 + o * H, rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0,                          \
                 cstat ? cstat + 2 * o : 0, gh, gc, bc, peep, clip, zc ? zc + o * H : 0,              \
                 zh ? zh + o * H : 0, zc_const, zh_const, dpre + o * G, dr + o * G, dn_scratch,       \
-                acc_gx, acc_b, acc_gh, acc_gc, acc_bc, acc_peep};                                    \
-            if (by_rows) { /* the three passes on this thread's rows, its partial sums */            \
-                T* q = parts + tid * L;                                                              \
-                a.acc_gx = acc_gx ? q : 0; q += len[0];                                              \
-                a.acc_b = acc_b ? q : 0; q += len[1];                                                \
-                a.acc_gh = acc_gh ? q : 0; q += len[2];                                              \
-                a.acc_gc = acc_gc ? q : 0; q += len[3];                                              \
-                a.acc_bc = acc_bc ? q : 0; q += len[4];                                              \
-                a.acc_peep = acc_peep ? q : 0;                                                       \
-                const int sums = lstm_has_sums_##SUFFIX(&a);                                         \
-                int64_t lo, hi;                                                                      \
-                fl_own_rows(B, tid, nt, n, &lo, &hi);                                                \
+                mine[0], mine[1], mine[2], mine[3], mine[4], mine[5]};                               \
+            const int sums = lstm_has_sums_##SUFFIX(&a);                                             \
+            int64_t lo, hi;                                                                          \
+            fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
+            if (by_rows) { /* the three passes row by row on this thread's rows */                   \
                 for (int64_t d = 0; d < D; d++)                                                      \
                     for (int64_t b = lo; b < hi; b++) {                                              \
                         lstm_backward_row_##SUFFIX(&a, d * n + b);                                   \
                         if (sums) lstm_sum_row_##SUFFIX(&a, d, b, 0, G);                             \
                         if (xstat) lstm_backward_input_norm_##SUFFIX(&a, d * n + b);                 \
                     }                                                                                \
-                fl_loop_product_add_##SUFFIX(1, 0, tid, nt, B, D, np, n, G, H, a.dr, ds, wp, dh,     \
-                                             rmask, g, active[0], p0, p1);                           \
-                continue;                                                                            \
-            }                                                                                        \
-            fl_share(D * n, tid, nt, &t0, &t1);                                                      \
-            for (int64_t task = t0; task < t1; task++) lstm_backward_row_##SUFFIX(&a, task);         \
-            if (sync) { _Pragma("omp barrier") }                                                     \
-            if (lstm_has_sums_##SUFFIX(&a)) {                                                        \
-                fl_share(D * nchunks, tid, nt, &t0, &t1);                                            \
-                for (int64_t task = t0; task < t1; task++) lstm_backward_sums_##SUFFIX(&a, task);    \
-                if (sync) { _Pragma("omp barrier") }                                                 \
-            }                                                                                        \
-            if (xstat) { /* dpre only: dr, which the product below reads, is its own buffer here */  \
+            } else {                                                                                 \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
-                for (int64_t task = t0; task < t1; task++)                                           \
-                    lstm_backward_input_norm_##SUFFIX(&a, task);                                     \
+                for (int64_t task = t0; task < t1; task++) lstm_backward_row_##SUFFIX(&a, task);     \
+                if (sync) { _Pragma("omp barrier") }                                                 \
+                if (sums) {                                                                          \
+                    fl_share(D * nchunks, tid, nt, &t0, &t1);                                        \
+                    for (int64_t task = t0; task < t1; task++)                                       \
+                        lstm_backward_sums_##SUFFIX(&a, task);                                       \
+                    if (sync) { _Pragma("omp barrier") }                                             \
+                }                                                                                    \
+                if (xstat) { /* dpre only: dr, which the product reads, is its own buffer here */    \
+                    fl_share(D * n, tid, nt, &t0, &t1);                                              \
+                    for (int64_t task = t0; task < t1; task++)                                       \
+                        lstm_backward_input_norm_##SUFFIX(&a, task);                                 \
+                }                                                                                    \
             }                                                                                        \
-            /* this thread's columns of dh */                                                        \
-            fl_loop_product_add_##SUFFIX(0, sync, tid, nt, B, D, np, n, G, H, a.dr, ds, wp, dh,      \
-                                         rmask, g, active[0], p0, p1);                               \
+            fl_loop_product_add_##SUFFIX(by_rows, sync, lo, hi, p0, p1, D, np, n, G, H, a.dr, ds,    \
+                                         wp, dh, B, rmask, g, active[0]);                            \
         }                                                                                            \
         if (by_rows) {                                                                               \
             _Pragma("omp barrier")                                                                   \
