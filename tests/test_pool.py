@@ -201,7 +201,8 @@ def _saved(t):
 @needs_cache
 def test_cached_tensor_is_poisoned_like_fresh_memory():
     """The poisoning as torch sets it (the operator reads torch's own flags, in C++)."""
-    fill, deterministic = torch.utils.deterministic.fill_uninitialized_memory, torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.utils.deterministic.fill_uninitialized_memory = True
     torch.use_deterministic_algorithms(True)
     try:

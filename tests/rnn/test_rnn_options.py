@@ -244,6 +244,15 @@ def _run_threads(m, x, lengths, threads, seed):
         torch.set_num_threads(before)
 
 
+def _option_layer(mode, hidden, layer_norm, peephole, rd, z, training, dtype, seed, bidirectional):
+    """A fastlayers LSTM / GRU (input 4) with those options (peephole: LSTM only), seeded."""
+    opts = dict(layer_norm=layer_norm, recurrent_dropout=rd, zoneout=z or None)
+    if mode == "LSTM":
+        opts["peephole"] = peephole
+    torch.manual_seed(seed)
+    return getattr(fastlayers, mode)(4, hidden, bidirectional=bidirectional, dtype=dtype, **opts).train(training)
+
+
 @settings(max_examples=60, deadline=None)
 @given(mode=st.sampled_from(["LSTM", "GRU"]), hidden=st.sampled_from([5, 40, 64]), layer_norm=st.booleans(),
        peephole=st.booleans(), rd=st.sampled_from([0.0, 0.3]), z=st.sampled_from([0.0, 0.2]),
@@ -255,11 +264,7 @@ def test_time_loops_on_two_threads_equal_one_bitwise(mode, hidden, layer_norm, p
     for the other (lstm.c / gru.c: no barrier where the threads divide D): with lengths the two run
     steps of different sizes at the same time, so any buffer laid out by the step's row count would
     be shared between them. Same values and gradients as on 1 thread, bit for bit."""
-    opts = dict(layer_norm=layer_norm, recurrent_dropout=rd, zoneout=z or None)
-    if mode == "LSTM":
-        opts["peephole"] = peephole
-    torch.manual_seed(seed)
-    m = getattr(fastlayers, mode)(4, hidden, bidirectional=True, dtype=dtype, **opts).train(training)
+    m = _option_layer(mode, hidden, layer_norm, peephole, rd, z, training, dtype, seed, bidirectional=True)
     x = torch.randn(max(lengths) + padded, len(lengths), 4, dtype=dtype)
     lens = torch.tensor(lengths)
     for a, b in zip(_run_threads(m, x, lens, 1, seed), _run_threads(m, x, lens, 2, seed)):
@@ -277,14 +282,10 @@ def test_time_loops_one_direction_on_threads_match_one_thread(mode, hidden, laye
     """One direction on 2 or 3 threads: with a small weight the loops split each step by batch rows
     (each thread its rows by the whole weight, no barrier; gemm.h fl_by_rows) and sum the parameter
     gradients per thread; with a large one (H = 300) by panels and rows with barriers. Values and
-    every gradient agree with the 1-thread run to rounding (not bit
-    for bit: the partial sums add up in another order, and torch's BLAS products of one direction
-    round differently on 1 and 2 threads before this split existed)."""
-    opts = dict(layer_norm=layer_norm, recurrent_dropout=rd, zoneout=z or None)
-    if mode == "LSTM":
-        opts["peephole"] = peephole
-    torch.manual_seed(seed)
-    m = getattr(fastlayers, mode)(4, hidden, dtype=dtype, **opts).train(training)
+    every gradient agree with the 1-thread run to rounding (not bit for bit: the partial sums add up
+    in another order, and torch's BLAS products of one direction round differently on 1 and 2
+    threads before this split existed)."""
+    m = _option_layer(mode, hidden, layer_norm, peephole, rd, z, training, dtype, seed, bidirectional=False)
     x = torch.randn(max(lengths), len(lengths), 4, dtype=dtype)
     lens = torch.tensor(lengths)
     one, many = _run_threads(m, x, lens, 1, seed), _run_threads(m, x, lens, threads, seed)

@@ -5,11 +5,12 @@ reference twin call, so that they all draw the same masks from the same seed on 
 On CPU a mask comes from a counter-based generator (``_native/masks.c``; :func:`counter_mask` is
 the same function in torch ops, the fallback without the library and the tests' oracle): one seed
 per mask drawn from torch's CPU generator (``torch.manual_seed`` makes a run repeatable), element i
-kept when the top 32 bits of splitmix64(seed + (i + 1) * golden ratio) are below round(p * 2^32). The elements are
-independent, so the native library's threads split them: torch.rand's CPU generator runs on one
-thread: 1.4 ms for a (2, 1600, 128) mask on AMD Zen 4 against 0.1 ms here
-(benchmarks/rnn/probe_page_faults.py, issue 62). On other devices, and in programs torch.export traces (whose
-translations, ONNX's among them, know torch.rand): ``torch.rand(shape) < p`` (on CUDA it is fast).
+kept when the top 32 bits of splitmix64(seed + (i + 1) * golden ratio) are below round(p * 2^32).
+The elements are independent, so the native library's threads split them: torch.rand's CPU
+generator runs on one thread: 1.4 ms for a (2, 1600, 128) mask on AMD Zen 4 against 0.1 ms here
+(benchmarks/rnn/probe_page_faults.py, issue 62). On other devices, and in programs torch.export
+traces (whose translations, ONNX's among them, know torch.rand): ``torch.rand(shape) < p`` (on
+CUDA it is fast).
 """
 
 from __future__ import annotations

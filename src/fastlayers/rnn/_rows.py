@@ -4,8 +4,9 @@ per-call tensors come from the CPU block cache (:func:`fastlayers._core.pool.emp
 Legend: R rows of the padded (T*B, X) layout, K rows picked (D*N: every direction's packed rows).
 ``index_select`` / ``index_copy`` would do the same, but their outputs and gradients are fresh
 torch allocations, a first touch of every page on every call (at the seed shape about 250 MB of the
-420 MB per call, benchmarks/rnn/probe_page_faults.py); these take the cache's blocks. Under ``create_graph`` the backwards
-run differentiable torch ops (a second derivative goes through them as through index ops).
+420 MB per call, benchmarks/rnn/probe_page_faults.py); these take the cache's blocks. Under
+``create_graph`` the backwards run differentiable torch ops (a second derivative goes through them
+as through index ops).
 """
 
 from __future__ import annotations
