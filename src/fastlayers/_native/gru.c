@@ -296,9 +296,11 @@ void gru_backward_loop_##SUFFIX(                                                
                 dpre + o * G, dhb + o * G, dr + o * G, mine[0], mine[1], mine[2]};                   \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
-            if (by_rows) { /* the three passes row by row on this thread's rows */                   \
-                for (int64_t d = 0; d < D; d++)                                                      \
-                    for (int64_t b = lo; b < hi; b++) {                                              \
+            if (by_rows || !sync) { /* as lstm_backward_loop: the passes row by row */               \
+                int64_t d0 = 0, d1 = D, b0 = lo, b1 = hi;                                            \
+                if (!by_rows) { fl_share(D, tid, nt, &d0, &d1); b0 = 0; b1 = n; }                    \
+                for (int64_t d = d0; d < d1; d++)                                                    \
+                    for (int64_t b = b0; b < b1; b++) {                                              \
                         gru_backward_row_##SUFFIX(&a, d * n + b);                                    \
                         if (acc_gx || acc_gh) gru_sum_row_##SUFFIX(&a, d, b, 0, G);                  \
                         if (xstat) gru_backward_input_norm_##SUFFIX(&a, d * n + b);                  \
@@ -306,11 +308,11 @@ void gru_backward_loop_##SUFFIX(                                                
             } else {                                                                                 \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) gru_backward_row_##SUFFIX(&a, task);      \
-                if (sync) { _Pragma("omp barrier") }                                                 \
+                _Pragma("omp barrier")                                                               \
                 if (acc_gx || acc_gh) {                                                              \
                     fl_share(D * nchunks, tid, nt, &t0, &t1);                                        \
                     for (int64_t task = t0; task < t1; task++) gru_backward_sums_##SUFFIX(&a, task); \
-                    if (sync) { _Pragma("omp barrier") }                                             \
+                    _Pragma("omp barrier")                                                           \
                 }                                                                                    \
                 if (xstat) { /* dpre only: dr (dhb or its own buffer) is not dpre */                 \
                     fl_share(D * n, tid, nt, &t0, &t1);                                              \

@@ -409,22 +409,27 @@ void lstm_backward_loop_##SUFFIX(                                               
             const int sums = lstm_has_sums_##SUFFIX(&a);                                             \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
-            if (by_rows) { /* the three passes row by row on this thread's rows */                   \
-                for (int64_t d = 0; d < D; d++)                                                      \
-                    for (int64_t b = lo; b < hi; b++) {                                              \
+            if (by_rows || !sync) {                                                                  \
+                /* the three passes row by row, on this thread's rows (by_rows) or on its whole      \
+                 * directions (nt divides D: their accumulators are its own), each row's sums and    \
+                 * input LayerNorm while its buffers are in L1 */                                    \
+                int64_t d0 = 0, d1 = D, b0 = lo, b1 = hi;                                            \
+                if (!by_rows) { fl_share(D, tid, nt, &d0, &d1); b0 = 0; b1 = n; }                    \
+                for (int64_t d = d0; d < d1; d++)                                                    \
+                    for (int64_t b = b0; b < b1; b++) {                                              \
                         lstm_backward_row_##SUFFIX(&a, d * n + b);                                   \
                         if (sums) lstm_sum_row_##SUFFIX(&a, d, b, 0, G);                             \
                         if (xstat) lstm_backward_input_norm_##SUFFIX(&a, d * n + b);                 \
                     }                                                                                \
-            } else {                                                                                 \
+            } else { /* the passes split between the threads, a barrier after each */                \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) lstm_backward_row_##SUFFIX(&a, task);     \
-                if (sync) { _Pragma("omp barrier") }                                                 \
+                _Pragma("omp barrier")                                                               \
                 if (sums) {                                                                          \
                     fl_share(D * nchunks, tid, nt, &t0, &t1);                                        \
                     for (int64_t task = t0; task < t1; task++)                                       \
                         lstm_backward_sums_##SUFFIX(&a, task);                                       \
-                    if (sync) { _Pragma("omp barrier") }                                             \
+                    _Pragma("omp barrier")                                                           \
                 }                                                                                    \
                 if (xstat) { /* dpre only: dr, which the product reads, is its own buffer here */    \
                     fl_share(D * n, tid, nt, &t0, &t1);                                              \
