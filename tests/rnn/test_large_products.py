@@ -1,5 +1,6 @@
 """The recurrent layers' large products on the native kernel (``_native/matmul.c``: the input
-projection and its input gradient), chosen per CPU and size (:func:`fastlayers._native.own_products`):
+projection, its input gradient and the weight gradients), chosen per CPU and size
+(:func:`fastlayers._native.own_products`):
 the kernel against torch.bmm at sizes past its row blocks, panels and k blocks, and the layers
 with it against the layers on torch's BLAS."""
 
@@ -72,6 +73,31 @@ def test_kernel_reads_gathered_rows(dtype, dirs, rows, k, n, threads):
     torch.testing.assert_close(out, want, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dirs,k,m,n", [(1, 1, 1, 1), (2, 300, 97, 33), (1, 513, 270, 70), (2, 0, 8, 16),
+                                        (1, 40, 0, 5), (2, 7, 9, 0), (3, 260, 13, 129)])
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_transposed_kernel_matches_bmm(dtype, dirs, k, m, n, threads):
+    """C_d = P_d^T Q_d (the weight gradients): k over two blocks of 256 and a partial one, rows over a
+    sub-block of 256 and partial row blocks, partial panels, k = 0 (zeros), empty rows or columns,
+    more threads than row blocks; work space and output start as NaN, and the work space it asked
+    for is all it writes."""
+    torch.manual_seed(0)
+    p = torch.randn(dirs, k, m, dtype=dtype)
+    q = torch.randn(dirs, k, n, dtype=dtype)
+    suffix = "f32" if dtype == torch.float32 else "f64"
+    lib = _cpu_recurrence._matmul_lib()
+    values = ctypes.c_int64()
+    getattr(lib, f"fl_matmul_tn_scratch_{suffix}")(n, threads, ctypes.addressof(values))
+    scratch = torch.full((values.value + 4096,), float("nan"), dtype=dtype)  # + a tail it must not write
+    out = torch.full((dirs, m, n), float("nan"), dtype=dtype)
+    getattr(lib, f"fl_matmul_tn_{suffix}")(dirs, m, n, k, p.data_ptr(), q.data_ptr(), out.data_ptr(),
+                                           scratch.data_ptr(), threads)
+    assert scratch[values.value:].isnan().all()
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, torch.bmm(p.transpose(1, 2), q), **tol)
+
+
 def test_choice_follows_the_cpu_and_can_be_forced(choice):
     choice(None)
     with open("/proc/cpuinfo") as f:
@@ -89,9 +115,10 @@ def test_choice_follows_the_cpu_and_can_be_forced(choice):
                                           ("LSTM", dict(bias=False, zoneout=0.1)), ("GRU", dict(layer_norm=True)),
                                           ("GRU", dict(recurrent_dropout=0.2))])
 def test_layers_match_torch_products(choice, cell, options):
-    """Training fwd+bwd (every gradient) and the eval no-grad call (the C++ operator, whose
-    projection gathers the packed rows itself on matmul.c) with the products on matmul.c equal those
-    on torch's BLAS, float64, two layers, lengths, more rows than one block."""
+    """Training fwd+bwd (every gradient: dX and the weight gradients on matmul.c too) and the eval
+    no-grad call (the C++ operator, whose projection gathers the packed rows itself on matmul.c)
+    with the products on matmul.c equal those on torch's BLAS, float64, two layers, lengths, more
+    rows than one block."""
     torch.manual_seed(0)
     m = getattr(fastlayers, cell)(37, 45, num_layers=2, bidirectional=True, dtype=torch.float64, **options)
     x = torch.randn(41, 5, 37, dtype=torch.float64)

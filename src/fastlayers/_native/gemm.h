@@ -91,11 +91,13 @@ static void fl_gemm_pack_##SUFFIX(int64_t K, int64_t N, const T* B, int64_t ldb,
     }                                                                                                \
 }                                                                                                    \
                                                                                                      \
-/* rows [0, R) of one panel's columns, over k in [0, K) of the panel slice Bp (K x W); added to     \
- * C's values when ADD (a later block of k), else overwriting them; `cols` < W: a partial panel */  \
-static inline __attribute__((always_inline)) void fl_gemm_tile_##SUFFIX(                           \
-    const int R, int64_t K, const T* restrict A, int64_t lda, const T* restrict Bp, T* restrict C,  \
-    int64_t ldc, int add, int64_t cols)                                                              \
+/* rows [0, R) of one panel's columns, over k in [0, K) of the panel slice Bp (K x W); A[r, k] at    \
+ * A + r*lda + k*ldk (ldk 1: A row-major; matmul.c's transposed products pass packed A, lda 1);      \
+ * added to C's values when ADD (a later block of k), else overwriting them; `cols` < W: a partial   \
+ * panel */                                                                                          \
+static inline __attribute__((always_inline)) void fl_gemm_tile_##SUFFIX(                             \
+    const int R, int64_t K, const T* restrict A, int64_t lda, int64_t ldk, const T* restrict Bp,     \
+    T* restrict C, int64_t ldc, int add, int64_t cols)                                               \
 {                                                                                                    \
     const int V = FL_W_##SUFFIX / 2;                                                                 \
     fl_vec_##SUFFIX acc0[8], acc1[8];                                                                \
@@ -104,7 +106,7 @@ static inline __attribute__((always_inline)) void fl_gemm_tile_##SUFFIX(        
         const fl_vec_##SUFFIX b0 = *(const fl_vec_##SUFFIX*)(Bp + k * 2 * V);                       \
         const fl_vec_##SUFFIX b1 = *(const fl_vec_##SUFFIX*)(Bp + k * 2 * V + V);                   \
         for (int r = 0; r < R; r++) {                                                                \
-            const T a = A[r * lda + k];                                                              \
+            const T a = A[r * lda + k * ldk];                                                        \
             acc0[r] += a * b0;                                                                       \
             acc1[r] += a * b1;                                                                       \
         }                                                                                            \
@@ -122,7 +124,24 @@ static inline __attribute__((always_inline)) void fl_gemm_tile_##SUFFIX(        
     }                                                                                                \
 }                                                                                                    \
                                                                                                      \
-static void fl_gemm_##SUFFIX(int64_t m, int64_t p0, int64_t p1, int64_t K, int64_t N, const T* A,     \
+/* fl_gemm_tile with R = rows (1 .. FL_GEMM_R), each height its own unrolled copy */                 \
+static inline __attribute__((always_inline)) void fl_gemm_rows_##SUFFIX(                             \
+    int64_t rows, int64_t K, const T* A, int64_t lda, int64_t ldk, const T* Bp, T* C, int64_t ldc,   \
+    int add, int64_t cols)                                                                           \
+{                                                                                                    \
+    switch (rows) {                                                                                  \
+    case 8: fl_gemm_tile_##SUFFIX(8, K, A, lda, ldk, Bp, C, ldc, add, cols); break;                  \
+    case 7: fl_gemm_tile_##SUFFIX(7, K, A, lda, ldk, Bp, C, ldc, add, cols); break;                  \
+    case 6: fl_gemm_tile_##SUFFIX(6, K, A, lda, ldk, Bp, C, ldc, add, cols); break;                  \
+    case 5: fl_gemm_tile_##SUFFIX(5, K, A, lda, ldk, Bp, C, ldc, add, cols); break;                  \
+    case 4: fl_gemm_tile_##SUFFIX(4, K, A, lda, ldk, Bp, C, ldc, add, cols); break;                  \
+    case 3: fl_gemm_tile_##SUFFIX(3, K, A, lda, ldk, Bp, C, ldc, add, cols); break;                  \
+    case 2: fl_gemm_tile_##SUFFIX(2, K, A, lda, ldk, Bp, C, ldc, add, cols); break;                  \
+    default: fl_gemm_tile_##SUFFIX(1, K, A, lda, ldk, Bp, C, ldc, add, cols); break;                 \
+    }                                                                                                \
+}                                                                                                    \
+                                                                                                      \
+static void fl_gemm_##SUFFIX(int64_t m, int64_t p0, int64_t p1, int64_t K, int64_t N, const T* A,    \
                              int64_t lda, const T* Bp, T* C, int64_t ldc, int accumulate)            \
 {                                                                                                    \
     const int64_t W = FL_W_##SUFFIX, blocks = (m + FL_GEMM_R - 1) / FL_GEMM_R;                       \
@@ -143,16 +162,7 @@ static void fl_gemm_##SUFFIX(int64_t m, int64_t p0, int64_t p1, int64_t K, int64
                 const int64_t rows = m / blocks + (q < m % blocks);                                  \
                 const T* a = A + i * lda + k0; T* c = C + i * ldc + j;                               \
                 const int add = accumulate || k0 > 0;                                                              \
-                switch (rows) {                                                                      \
-                case 8: fl_gemm_tile_##SUFFIX(8, kc, a, lda, bp, c, ldc, add, cols); break;         \
-                case 7: fl_gemm_tile_##SUFFIX(7, kc, a, lda, bp, c, ldc, add, cols); break;         \
-                case 6: fl_gemm_tile_##SUFFIX(6, kc, a, lda, bp, c, ldc, add, cols); break;         \
-                case 5: fl_gemm_tile_##SUFFIX(5, kc, a, lda, bp, c, ldc, add, cols); break;         \
-                case 4: fl_gemm_tile_##SUFFIX(4, kc, a, lda, bp, c, ldc, add, cols); break;         \
-                case 3: fl_gemm_tile_##SUFFIX(3, kc, a, lda, bp, c, ldc, add, cols); break;         \
-                case 2: fl_gemm_tile_##SUFFIX(2, kc, a, lda, bp, c, ldc, add, cols); break;         \
-                default: fl_gemm_tile_##SUFFIX(1, kc, a, lda, bp, c, ldc, add, cols); break;        \
-                }                                                                                    \
+                fl_gemm_rows_##SUFFIX(rows, kc, a, lda, 1, bp, c, ldc, add, cols);                   \
                 i += rows;                                                                           \
             }                                                                                        \
         }                                                                                            \

@@ -1,5 +1,6 @@
 /* The recurrent layers' large products on gemm.h's kernel: the input projection (xp = X W_ih^T + b)
- * and its input gradient (dX = dpre W_ih), D directions at once.
+ * and its input gradient (dX = dpre W_ih), D directions at once; the weight gradients (dW = dpre^T X)
+ * with fl_matmul_tn below.
  *
  * Why our own: on AMD CPUs torch's BLAS (MKL) runs its generic code path; at the seed shape
  * ((25600 x 512) @ (512 x 1024), 2 threads, AMD EPYC Zen 4) it reached 171-180 GFLOP/s where
@@ -86,3 +87,81 @@ void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, 
 
 FL_DEFINE_MATMUL(float, f32)
 FL_DEFINE_MATMUL(double, f64)
+
+/* fl_matmul_tn_SUFFIX(D, M, N, K, P, Q, C, scratch, nthreads): for d < D, C_d (M x N) = P_d^T Q_d,
+ * with P_d (K x M) at P + d*K*M, Q_d (K x N) at Q + d*K*N and C_d at C + d*M*N (overwritten), every
+ * matrix contiguous: the weight gradients dW_d = dpre_d^T X_d over all packed rows (K of them).
+ * scratch: the values fl_matmul_tn_scratch_SUFFIX(N, nthreads, &values) writes.
+ * The threads split the D * M rows of C into contiguous shares. Per block of FL_TN_KC values of k,
+ * a thread packs Q_d's slice into column panels (all N columns; it stays in L2), then, per
+ * FL_TN_MC of its rows, P_d's slice into blocks of FL_GEMM_R rows, each k's values of a block side
+ * by side (the micro-kernel's A values are contiguous: a block of P_d^T read in place would step
+ * M values per k); each block then runs gemm.h's tile against every panel while it stays in L1.
+ * On AMD Zen 4 (2 threads), at the seed shape's dW_ih (2 x 1024 x 512 over 25600 rows) this ran at
+ * 197-203 GFLOP/s against torch.bmm's (MKL) 188-195 (BENCHMARKS.md, issue 62). */
+#define FL_TN_KC 256
+#define FL_TN_MC 256
+#define FL_DEFINE_MATMUL_TN(T, SUFFIX)                                                               \
+static inline int64_t fl_matmul_tn_thread_scratch_##SUFFIX(int64_t N)                                \
+{                                                                                                    \
+    /* Q's panels, then P's row blocks (whole blocks of FL_GEMM_R: FL_TN_MC rounded up) */           \
+    const int64_t blocks = (FL_TN_MC + FL_GEMM_R - 1) / FL_GEMM_R;                                   \
+    return (fl_gemm_panels_##SUFFIX(N) * FL_W_##SUFFIX + blocks * FL_GEMM_R) * FL_TN_KC;             \
+}                                                                                                    \
+void fl_matmul_tn_scratch_##SUFFIX(int64_t N, int64_t nthreads, int64_t* values)                     \
+{                                                                                                    \
+    *values = nthreads * fl_matmul_tn_thread_scratch_##SUFFIX(N);                                    \
+}                                                                                                    \
+void fl_matmul_tn_##SUFFIX(int64_t D, int64_t M, int64_t N, int64_t K, const T* P, const T* Q, T* C, \
+                           T* scratch, int nthreads)                                                 \
+{                                                                                                    \
+    const int64_t W = FL_W_##SUFFIX, R = FL_GEMM_R, np = fl_gemm_panels_##SUFFIX(N);                 \
+    const int64_t units = (M + R - 1) / R; /* a share is whole blocks of R rows */                   \
+    _Pragma("omp parallel num_threads(nthreads)")                                                    \
+    {                                                                                                \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                            \
+        T* const qp = scratch + tid * fl_matmul_tn_thread_scratch_##SUFFIX(N);                       \
+        T* const ap = qp + np * FL_TN_KC * W;                                                        \
+        int64_t u0, u1;                                                                              \
+        fl_share(D * units, tid, nt, &u0, &u1);                                                      \
+        while (u0 < u1) { /* the share's rows [r0, r1) of direction d */                             \
+            const int64_t d = u0 / units, ue = u1 < (d + 1) * units ? u1 : (d + 1) * units;          \
+            const int64_t r0 = (u0 - d * units) * R, re = (ue - d * units) * R, r1 = re < M ? re : M; \
+            u0 = ue;                                                                                 \
+            const T* pd = P + d * K * M; const T* qd = Q + d * K * N; T* cd = C + d * M * N;         \
+            if (K == 0)                                                                              \
+                for (int64_t i = r0; i < r1; i++) memset(cd + i * N, 0, sizeof(T) * N);              \
+            for (int64_t k0 = 0; k0 < K; k0 += FL_TN_KC) {                                           \
+                const int64_t kc = K - k0 < FL_TN_KC ? K - k0 : FL_TN_KC;                            \
+                fl_gemm_pack_##SUFFIX(kc, N, qd + k0 * N, N, 0, qp, 0, np);                          \
+                for (int64_t s0 = r0; s0 < r1; s0 += FL_TN_MC) {                                     \
+                    const int64_t m = r1 - s0 < FL_TN_MC ? r1 - s0 : FL_TN_MC;                       \
+                    const int64_t blocks = (m + R - 1) / R;                                          \
+                    /* block q: rows s0 + i .. s0 + i + rows, value (r, k) at ap + q*kc*R + k*R + r */ \
+                    for (int64_t q = 0, i = 0; q < blocks; q++) {                                    \
+                        const int64_t rows = m / blocks + (q < m % blocks);                          \
+                        const T* src = pd + k0 * M + s0 + i; T* dst = ap + q * kc * R;               \
+                        if (rows == R) /* one vector move per k */                                   \
+                            for (int64_t k = 0; k < kc; k++)                                         \
+                                memcpy(dst + k * R, src + k * M, sizeof(T) * R);                     \
+                        else                                                                         \
+                            for (int64_t k = 0; k < kc; k++)                                         \
+                                for (int64_t r = 0; r < rows; r++) dst[k * R + r] = src[k * M + r];  \
+                        i += rows;                                                                   \
+                    }                                                                                \
+                    for (int64_t q = 0, i = 0; q < blocks; q++) {                                    \
+                        const int64_t rows = m / blocks + (q < m % blocks);                          \
+                        for (int64_t p = 0; p < np; p++)                                             \
+                            fl_gemm_rows_##SUFFIX(rows, kc, ap + q * kc * R, 1, R, qp + p * kc * W,  \
+                                                  cd + (s0 + i) * N + p * W, N, k0 > 0,              \
+                                                  N - p * W < W ? N - p * W : W);                    \
+                        i += rows;                                                                   \
+                    }                                                                                \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+FL_DEFINE_MATMUL_TN(float, f32)
+FL_DEFINE_MATMUL_TN(double, f64)

@@ -61,7 +61,9 @@ def _gru_lib():
 
 
 def _matmul_lib():
-    return _typed("matmul", lambda real: {"fl_matmul": [I64] * 4 + [P, P, P, INT, P, P, P, P, INT]})
+    return _typed("matmul", lambda real: {"fl_matmul": [I64] * 4 + [P, P, P, INT, P, P, P, P, INT],
+                                          "fl_matmul_tn": [I64] * 4 + [P] * 4 + [INT],
+                                          "fl_matmul_tn_scratch": [I64, I64, P]})
 
 
 def _own(mm: _precision.Products, rows: int, *tensors: Tensor | None) -> bool:
@@ -102,6 +104,23 @@ def _input_grad(mm: _precision.Products, dpre: Tensor, w_ih: Tensor, dtype: torc
         return mm.bmm(dpre, w_ih, dtype=dtype)
     return _native_matmul(dpre, w_ih, False, None, pool.empty((*dpre.shape[:2], w_ih.size(2)), dpre.dtype, dpre)
                           ).to(dtype)
+
+
+def _weight_grad(mm: _precision.Products, p: Tensor, q: Tensor, dtype: torch.dtype) -> Tensor:
+    """dW[d] = p[d]^T q[d] summed over all packed rows: (D, N, G) x (D, N, F) -> (D, G, F) in
+    ``dtype``, on matmul.c's transposed product where :func:`_own` chooses it, else torch's bmm."""
+    if not _own(mm, p.size(1), p, q):
+        return mm.bmm(p.transpose(1, 2), q, dtype=dtype)
+    dirs, rows, m = p.shape
+    n, threads = q.size(2), torch.get_num_threads()
+    lib, suffix = _matmul_lib(), _SUFFIX[p.dtype]
+    values = ctypes.c_int64()
+    getattr(lib, f"fl_matmul_tn_scratch_{suffix}")(n, threads, ctypes.addressof(values))
+    out = torch.empty((dirs, m, n), dtype=p.dtype)
+    scratch = pool.empty((values.value,), p.dtype, p)
+    getattr(lib, f"fl_matmul_tn_{suffix}")(dirs, m, n, rows, p.data_ptr(), q.data_ptr(), out.data_ptr(),
+                                           scratch.data_ptr(), threads)
+    return out.to(dtype)
 
 
 def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
@@ -382,9 +401,9 @@ class LSTMRecurrence(torch.autograd.Function):
         # dW_hh[d] = dr[d]^T hd[d], dW_hr[d] = dhp[d]^T y1[d]
         dp_op = _into(tmp["dpre_low"], dpre) if separate_dr else _either(dr_low, dpre)  # (dr_low: dpre's copy)
         d_xs = _input_grad(mm, dp_op, w_ih, ctx.dtypes[0]) if need[0] else None
-        d_w_ih = mm.bmm(dp_op.transpose(1, 2), _either(buf.get("xs_low"), xs), dtype=ctx.dtypes[1]) if need[1] else None
+        d_w_ih = _weight_grad(mm, dp_op, _either(buf.get("xs_low"), xs), ctx.dtypes[1]) if need[1] else None
         d_bias = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias and need[3] else None
-        d_w_hh = mm.bmm(_either(dr_low, dr).transpose(1, 2), _either(buf.get("hd_low"), hd)) if need[6] else None
+        d_w_hh = _weight_grad(mm, _either(dr_low, dr), _either(buf.get("hd_low"), hd), mm.acc) if need[6] else None
         d_w_hr = mm.bmm(dhp.transpose(1, 2), y1) if proj and need[11] else None
         pool.give(slab)
         if not getattr(ctx, "fresh", False) and pool.graph_freed_after_this_backward():
@@ -525,9 +544,9 @@ class GRURecurrence(torch.autograd.Function):
         # one GEMM each over all packed rows: dX, dW_ih, dW_hh = dr^T hd
         dp_op = _into(tmp["dpre_low"], dpre)
         d_xs = _input_grad(mm, dp_op, w_ih, ctx.dtypes[0]) if need[0] else None
-        d_w_ih = mm.bmm(dp_op.transpose(1, 2), _either(buf.get("xs_low"), xs), dtype=ctx.dtypes[1]) if need[1] else None
+        d_w_ih = _weight_grad(mm, dp_op, _either(buf.get("xs_low"), xs), ctx.dtypes[1]) if need[1] else None
         d_b_ih = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias[0] and need[3] else None
-        d_w_hh = mm.bmm(_either(dr_low, dr).transpose(1, 2), _either(buf.get("hd_low"), hd)) if need[5] else None
+        d_w_hh = _weight_grad(mm, _either(dr_low, dr), _either(buf.get("hd_low"), hd), mm.acc) if need[5] else None
         d_b_hh = dhb.sum(1) if ctx.has_bias[1] and need[6] else None
         pool.give(slab)
         if not getattr(ctx, "fresh", False) and pool.graph_freed_after_this_backward():
