@@ -98,7 +98,8 @@ FL_DEFINE_MATMUL(double, f64)
  * by side (the micro-kernel's A values are contiguous: a block of P_d^T read in place would step
  * M values per k); each block then runs gemm.h's tile against every panel while it stays in L1.
  * On AMD Zen 4 (2 threads), at the seed shape's dW_ih (2 x 1024 x 512 over 25600 rows) this ran at
- * 197-203 GFLOP/s against torch.bmm's (MKL) 188-195 (BENCHMARKS.md, issue 62). */
+ * 207 GFLOP/s against torch.bmm's (MKL) 193 (benchmarks/rnn/bench_large_products.py; BENCHMARKS.md,
+ * issue 62's fourth Zen 4 section). */
 #define FL_TN_KC 256
 #define FL_TN_MC 256
 #define FL_DEFINE_MATMUL_TN(T, SUFFIX)                                                               \
