@@ -8,7 +8,7 @@ TRITON_NEWEST_DIR := $(VENV)/triton-$(TRITON_NEWEST)
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 PYTEST := $(BIN)/python -m pytest -n $(JOBS)
 
-.PHONY: setup demo test docs bench gpu-static gpu-check clean
+.PHONY: setup demo test docs bench cpu-rows gpu-static gpu-check clean
 
 # the native library, built in place by the editable install, and again when its sources change
 NATIVE := src/fastlayers/_native/.built
@@ -104,6 +104,11 @@ gpu-check:
 
 bench: setup
 	$(BIN)/python benchmarks/rnn/bench_rnn_lengths.py
+
+# Issue 62's per-CPU rows (BENCHMARKS.md's table for every CPU, about 25 minutes on 2 cores), logs in
+# OUT (make cpu-rows OUT=...).
+cpu-rows: setup
+	PYTHON=$(BIN)/python bash benchmarks/rnn/cpu_rows.sh $(or $(OUT),cpu-rows)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build src/fastlayers/_native/*.so $(NATIVE)
