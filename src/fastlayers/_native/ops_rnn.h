@@ -295,12 +295,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   const auto ybuf = proj ? y1 : y;
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
   // the projection's per-step products (ATen bmm) on contiguous transposes: see _cpu_recurrence.py
-  // (issue 62); lstm.c's loop packs W_hh as it is
-  const auto w_hh_t = proj ? w_hh.transpose(1, 2).contiguous() : at::Tensor();
+  // (issue 62); lstm.c's loop packs W_hh as it is. One step of a small weight (a cell's call: at most
+  // 64K values of W_hh) runs the per-step path too, its one product on W_hh's transposed view, where
+  // packing the weight costs more than the product (bench_overhead.py's LSTMCell rows, 1 thread);
+  // larger weights keep the loop (one step of the seed's layer was slower on 2 threads without it)
+  const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
+  const bool stepwise = proj || (last == 0 && dirs * gsize * w_hh.size(2) <= 65536);
+  const auto w_hh_t = proj ? w_hh.transpose(1, 2).contiguous() : w_hh.transpose(1, 2);
   const auto w_hr_t = proj ? w_hr.transpose(1, 2).contiguous() : at::Tensor();
   const int threads = at::get_num_threads();
-  const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
-  if (!proj && last >= 0) {  // the whole time loop in one call, with its own step products (lstm.c)
+  if (!stepwise && last >= 0) {  // the whole time loop in one call, with its own step products (lstm.c)
     hd.narrow(1, 0, first).copy_(h_first);
     auto wp = packed_weight(hidden, gsize, dirs, opt);  // packed W_hh^T
     Kernels<T>::lstm_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh), ptr<T>(wp),
@@ -309,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
                           ptr<T>(gc), ptr<T>(bc), ptr<T>(peep), static_cast<T>(clip), static_cast<T>(kEps),
                           ptr<T>(zc), ptr<T>(zh), static_cast<T>(zc_const), static_cast<T>(zh_const), 0, threads);
   }
-  for (int64_t t = 0; t <= (proj ? last : -1); t++) {
+  for (int64_t t = 0; t <= (stepwise ? last : -1); t++) {
     const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
     auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
     at::bmm_out(rt, (t == 0 ? h_first : hd).narrow(1, o, n), w_hh_t);
