@@ -116,7 +116,7 @@ def _weight_grad(mm: _precision.Products, p: Tensor, q: Tensor, dtype: torch.dty
     lib, suffix = _matmul_lib(), _SUFFIX[p.dtype]
     values = ctypes.c_int64()
     getattr(lib, f"fl_matmul_tn_scratch_{suffix}")(n, threads, ctypes.addressof(values))
-    out = torch.empty((dirs, m, n), dtype=p.dtype)
+    out = torch.empty((dirs, m, n), dtype=p.dtype, device=p.device)
     scratch = pool.empty((values.value,), p.dtype, p)
     getattr(lib, f"fl_matmul_tn_{suffix}")(dirs, m, n, rows, p.data_ptr(), q.data_ptr(), out.data_ptr(),
                                            scratch.data_ptr(), threads)
