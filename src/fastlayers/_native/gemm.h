@@ -311,6 +311,20 @@ static inline void fl_share(int64_t count, int tid, int nt, int64_t* a, int64_t*
     *a = count * tid / nt;
     *b = count * (tid + 1) / nt;
 }
+/* The rows a step loop's thread runs one after another at a step of n active rows, with no barrier
+ * between its passes, as directions [d0, d1) by batch slots [b0, b1): with the split by rows its
+ * slots [lo, hi) (fl_own_rows) of every direction, else (the thread count divides D) every row of
+ * its share of the directions */
+static inline void fl_row_block(int by_rows, int64_t D, int tid, int nt, int64_t n, int64_t lo,
+                                int64_t hi, int64_t* d0, int64_t* d1, int64_t* b0, int64_t* b1)
+{
+    if (by_rows) {
+        *d0 = 0; *d1 = D; *b0 = lo; *b1 = hi;
+        return;
+    }
+    fl_share(D, tid, nt, d0, d1);
+    *b0 = 0; *b1 = n;
+}
 
 FL_DEFINE_GEMM(float, f32)
 FL_DEFINE_GEMM(double, f64)

@@ -244,13 +244,15 @@ void gru_forward_loop_##SUFFIX(                                                 
                 hbn + sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0,                          \
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0,      \
                 zh_const};                                                                           \
-            if (by_rows) {                                                                           \
-                for (int64_t d = 0; d < D; d++)                                                      \
-                    for (int64_t b = lo; b < hi; b++) gru_forward_row_##SUFFIX(&a, d * n + b);       \
+            if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
+                int64_t d0, d1, b0, b1;                                                              \
+                fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
+                for (int64_t d = d0; d < d1; d++)                                                    \
+                    for (int64_t b = b0; b < b1; b++) gru_forward_row_##SUFFIX(&a, d * n + b);       \
             } else {                                                                                 \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) gru_forward_row_##SUFFIX(&a, task);       \
-                if (sync) { _Pragma("omp barrier") }                                                 \
+                _Pragma("omp barrier")                                                               \
             }                                                                                        \
             o += n;                                                                                  \
         }                                                                                            \
@@ -297,8 +299,8 @@ void gru_backward_loop_##SUFFIX(                                                
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
             if (by_rows || !sync) { /* as lstm_backward_loop: the passes row by row */               \
-                int64_t d0 = 0, d1 = D, b0 = lo, b1 = hi;                                            \
-                if (!by_rows) { fl_share(D, tid, nt, &d0, &d1); b0 = 0; b1 = n; }                    \
+                int64_t d0, d1, b0, b1;                                                              \
+                fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
                         gru_backward_row_##SUFFIX(&a, d * n + b);                                    \

@@ -345,13 +345,15 @@ void lstm_forward_loop_##SUFFIX(                                                
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, cstat ? cstat + 2 * sv : 0, gh,    \
                 gc, bc, peep, clip, eps, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const,         \
                 zh_const};                                                                           \
-            if (by_rows) {                                                                           \
-                for (int64_t d = 0; d < D; d++)                                                      \
-                    for (int64_t b = lo; b < hi; b++) lstm_forward_row_##SUFFIX(&a, d * n + b);      \
+            if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
+                int64_t d0, d1, b0, b1;                                                              \
+                fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
+                for (int64_t d = d0; d < d1; d++)                                                    \
+                    for (int64_t b = b0; b < b1; b++) lstm_forward_row_##SUFFIX(&a, d * n + b);      \
             } else {                                                                                 \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) lstm_forward_row_##SUFFIX(&a, task);      \
-                if (sync) { _Pragma("omp barrier") }                                                 \
+                _Pragma("omp barrier")                                                               \
             }                                                                                        \
             o += n;                                                                                  \
         }                                                                                            \
@@ -413,8 +415,8 @@ void lstm_backward_loop_##SUFFIX(                                               
                 /* the three passes row by row, on this thread's rows (by_rows) or on its whole      \
                  * directions (nt divides D: their accumulators are its own), each row's sums and    \
                  * input LayerNorm while its buffers are in L1 */                                    \
-                int64_t d0 = 0, d1 = D, b0 = lo, b1 = hi;                                            \
-                if (!by_rows) { fl_share(D, tid, nt, &d0, &d1); b0 = 0; b1 = n; }                    \
+                int64_t d0, d1, b0, b1;                                                              \
+                fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
                         lstm_backward_row_##SUFFIX(&a, d * n + b);                                   \
