@@ -325,6 +325,36 @@ static inline void fl_row_block(int by_rows, int64_t D, int tid, int nt, int64_t
     fl_share(D, tid, nt, d0, d1);
     *b0 = 0; *b1 = n;
 }
+/* A thread's row block of the next step (fl_row_block's), walked one row at a time: the time loops
+ * prefetch that row's saved buffers into L2 after each row they finish, so the next step's rows
+ * (read from memory: the saved buffers of a layer are larger than the caches) arrive while this
+ * step's work runs; a step's work is the distance. fl_cursor_next gives (d, b) until the block is
+ * done; fl_prefetch touches [p, p + bytes) with prefetcht1 (always inlined, as its callers must be:
+ * GCC takes a function that only prefetches for one without effects and drops its calls). */
+typedef struct { int64_t d, b, d1, b0, b1; } fl_cursor;
+static inline fl_cursor fl_next_block(int by_rows, int64_t D, int64_t B, int tid, int nt, int64_t n)
+{
+    fl_cursor c = {0, 0, 0, 0, 0};
+    if (n > 0) {
+        int64_t lo, hi;
+        fl_own_rows(B, tid, nt, n, &lo, &hi);
+        fl_row_block(by_rows, D, tid, nt, n, lo, hi, &c.d, &c.d1, &c.b0, &c.b1);
+        c.b = c.b0;
+        if (c.b1 <= c.b0) c.d1 = c.d;
+    }
+    return c;
+}
+static inline int fl_cursor_next(fl_cursor* c, int64_t* d, int64_t* b)
+{
+    if (c->d >= c->d1) return 0;
+    *d = c->d; *b = c->b;
+    if (++c->b >= c->b1) { c->b = c->b0; c->d++; }
+    return 1;
+}
+static inline __attribute__((always_inline)) void fl_prefetch(const void* p, int64_t bytes)
+{
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 2);
+}
 
 FL_DEFINE_GEMM(float, f32)
 FL_DEFINE_GEMM(double, f64)

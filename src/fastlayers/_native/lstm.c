@@ -126,6 +126,20 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
         fl_next_input_##SUFFIX(a->hd_next + row * H, hr, a->rmask ? a->rmask + srow * H : 0, H);     \
 }                                                                                                    \
                                                                                                      \
+/* fl_cursor's next row (d, b), at the step `shift` packed rows from a's: the input rows a forward   \
+ * row reads, prefetched; 0 (nothing) when the cursor is done */                                     \
+static inline __attribute__((always_inline)) int lstm_forward_prefetch_##SUFFIX(                     \
+    const lstm_fwd_##SUFFIX* a, fl_cursor* next, int64_t shift)                                      \
+{                                                                                                    \
+    int64_t d, b;                                                                                    \
+    if (!fl_cursor_next(next, &d, &b)) return 0;                                                     \
+    const int64_t H = a->H, row = shift + d * a->ds + b;                                             \
+    fl_prefetch(a->xp + row * 4 * H, 4 * H * sizeof(T));                                             \
+    if (a->zc) fl_prefetch(a->zc + row * H, H * sizeof(T));                                          \
+    if (a->zh) fl_prefetch(a->zh + row * H, H * sizeof(T));                                          \
+    return 1;                                                                                        \
+}                                                                                                    \
+                                                                                                     \
 void lstm_step_forward_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t n, int64_t n_next, int64_t H, int64_t ds,                          \
     const T* xp, T* xstat, const T* gx, const T* bias,                                               \
@@ -214,6 +228,10 @@ static void lstm_backward_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)
     if (clip > 0) for (int64_t k = 0; k < H; k++) {                                                  \
         const T v = gr[H + k] * c0r[k] + gr[k] * gr[2 * H + k];                                      \
         dc1[k] = v > clip || v < -clip ? 0 : dc1[k]; }                                               \
+    /* ivdep: GCC does not use the block-scope restricts and needs more run-time alias checks than   \
+     * it allows (--param vect-max-version-for-alias-checks) to vectorise this loop; its iterations  \
+     * are independent (dp's quarters and dc are disjoint, dc1 is dp's first quarter) */             \
+    _Pragma("GCC ivdep")                                                                             \
     for (int64_t k = 0; k < H; k++) {                                                                \
         const T i = gr[k], f = gr[H + k], g = gr[2 * H + k], dc1k = dc1[k];                          \
         const T di = dc1k * g * i * (1 - i);                                                         \
@@ -255,6 +273,7 @@ static inline void lstm_sum_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t d, 
                                     a->c1 + row * H, a->cstat + 2 * row, h0, h1);                    \
     if (a->acc_peep && h0 < h1) { const T* c0r = a->chist + (d * a->cds + b) * H;                    \
         const T* c1r = a->c1 + row * H; T* ap = a->acc_peep + d * 3 * H;                             \
+        _Pragma("GCC ivdep") /* (as the gate pass's loop: ap's thirds are disjoint) */               \
         for (int64_t k = h0; k < h1; k++) {                                                          \
             ap[k] += dp[k] * c0r[k]; ap[H + k] += dp[H + k] * c0r[k];                                \
             ap[2 * H + k] += dp[3 * H + k] * c1r[k]; } }                                             \
@@ -270,11 +289,27 @@ static void lstm_backward_sums_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task
     for (int64_t b = 0; b < a->n; b++) lstm_sum_row_##SUFFIX(a, d, b, k0, k1);                       \
 }                                                                                                    \
                                                                                                      \
-static void lstm_backward_input_norm_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)             \
+static void lstm_backward_input_norm_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)              \
 {                                                                                                    \
     const int64_t G = 4 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
-    fl_input_norm_backward_row_##SUFFIX(a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row,     \
+    fl_input_norm_backward_row_##SUFFIX(a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row,      \
                                         a->gx + d * G, G);                                           \
+}                                                                                                    \
+/* as lstm_forward_prefetch: the saved rows a backward row reads */                                  \
+static inline __attribute__((always_inline)) int lstm_backward_prefetch_##SUFFIX(                    \
+    const lstm_bwd_##SUFFIX* a, fl_cursor* next, int64_t shift)                                      \
+{                                                                                                    \
+    int64_t d, b;                                                                                    \
+    if (!fl_cursor_next(next, &d, &b)) return 0;                                                     \
+    const int64_t H = a->H, G = 4 * H, row = shift + d * a->ds + b;                                  \
+    const int64_t g = G * sizeof(T), h = H * sizeof(T);                                              \
+    fl_prefetch(a->gates + row * G, g); fl_prefetch(a->c1 + row * H, h);                             \
+    fl_prefetch(a->dy + row * H, h);                                                                 \
+    if (a->rhat) fl_prefetch(a->rhat + row * G, g);                                                  \
+    if (a->xstat) fl_prefetch(a->xp + row * G, g);                                                   \
+    if (a->zc) fl_prefetch(a->zc + row * H, h);                                                      \
+    if (a->zh) fl_prefetch(a->zh + row * H, h);                                                      \
+    return 1;                                                                                        \
 }                                                                                                    \
                                                                                                      \
 void lstm_step_backward_##SUFFIX(                                                                    \
@@ -348,8 +383,14 @@ void lstm_forward_loop_##SUFFIX(                                                
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
                 int64_t d0, d1, b0, b1;                                                              \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
+                /* the next step's input rows of this thread, one per row done (fl_cursor) */        \
+                fl_cursor next = fl_next_block(by_rows, D, B, tid, nt, n_next);                      \
                 for (int64_t d = d0; d < d1; d++)                                                    \
-                    for (int64_t b = b0; b < b1; b++) lstm_forward_row_##SUFFIX(&a, d * n + b);      \
+                    for (int64_t b = b0; b < b1; b++) {                                              \
+                        lstm_forward_row_##SUFFIX(&a, d * n + b);                                    \
+                        lstm_forward_prefetch_##SUFFIX(&a, &next, n);                                \
+                    }                                                                                \
+                while (lstm_forward_prefetch_##SUFFIX(&a, &next, n)) continue;                       \
             } else {                                                                                 \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) lstm_forward_row_##SUFFIX(&a, task);      \
@@ -417,12 +458,17 @@ void lstm_backward_loop_##SUFFIX(                                               
                  * input LayerNorm while its buffers are in L1 */                                    \
                 int64_t d0, d1, b0, b1;                                                              \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
+                /* the next step's rows (t - 1) of this thread, one per row done (fl_cursor) */      \
+                const int64_t nn = t > 0 ? active[t - 1] : 0;                                        \
+                fl_cursor next = fl_next_block(by_rows, D, B, tid, nt, nn);                          \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
                         lstm_backward_row_##SUFFIX(&a, d * n + b);                                   \
                         if (sums) lstm_sum_row_##SUFFIX(&a, d, b, 0, G);                             \
                         if (xstat) lstm_backward_input_norm_##SUFFIX(&a, d * n + b);                 \
+                        lstm_backward_prefetch_##SUFFIX(&a, &next, -nn);                             \
                     }                                                                                \
+                while (lstm_backward_prefetch_##SUFFIX(&a, &next, -nn)) continue;                    \
             } else { /* the passes split between the threads, a barrier after each */                \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) lstm_backward_row_##SUFFIX(&a, task);     \
