@@ -25,13 +25,14 @@ def choice():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("dirs,rows,k,n", [(1, 1, 1, 1), (2, 97, 130, 33), (1, 250, 300, 70), (2, 0, 8, 16),
-                                           (2, 5, 0, 40), (1, 193, 257, 128)])
+                                           (2, 5, 0, 40), (1, 193, 257, 128), (2, 19, 4500, 40)])
 @pytest.mark.parametrize("trans", [0, 1])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_kernel_matches_bmm(dtype, dirs, rows, k, n, trans, bias, threads):
-    """C_d = A_d @ op(B_d) (+ bias_d): rows over one block of 96, k over one block of the panel
-    slice (128 / 256), partial panels, empty rows, k = 0; more threads than items."""
+    """C_d = A_d @ op(B_d) (+ bias_d): rows over one block of 96, k over several blocks of the
+    panel slice (2048 values of k with AVX-512, 4096 with AVX2 / without: gemm.h FL_GEMM_KC), partial
+    panels, empty rows, k = 0; more threads than items."""
     torch.manual_seed(0)
     a = torch.randn(dirs, rows, k, dtype=dtype)
     b = torch.randn(dirs, n, k, dtype=dtype) if trans else torch.randn(dirs, k, n, dtype=dtype)
@@ -45,7 +46,8 @@ def test_kernel_matches_bmm(dtype, dirs, rows, k, n, trans, bias, threads):
     want = torch.bmm(a, b.transpose(1, 2) if trans else b)
     if bias:
         want = want + c0.unsqueeze(1)
-    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    # (float32 sums of k products of N(0, 1) values: their rounding grows about as sqrt(k))
+    tol = dict(rtol=1e-5, atol=max(1e-4, 1e-5 * k ** 0.5)) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, want, **tol)
 
 

@@ -20,8 +20,12 @@
  * The micro-kernel keeps an R x 2 block of vectors of C in registers, broadcasting one A value
  * per row and loading two B vectors per k (6 x 16 floats with AVX2, 8 x 32 with AVX-512: the
  * vector width follows the variant's target flags, setup.py); m rows run in balanced blocks of
- * at most R (8 rows as 4 + 4: a block of few rows loads B as often for less work); k runs in
- * blocks whose panel slice (16 KiB) stays in L1 while the row blocks reuse it.
+ * at most R (8 rows as 4 + 4: a block of few rows loads B as often for less work); each tile
+ * runs all of k with its C block in registers (k in blocks only past a panel slice of 256 KiB:
+ * 2048 values of k with AVX-512). Blocks of 16 KiB that stay in L1 while the row blocks reuse
+ * them were slower: reloading C per block cost more than streaming the panel from L2 (1 thread,
+ * Zen 4, an ad-hoc C timing: 105 against 112 GFLOP/s for 25600 x 512 @ 512 x 1024, 110 against
+ * 113 for a 32-row step product with K = 256; BENCHMARKS.md, issue 62's fifth Zen 4 section).
  */
 #ifndef FASTLAYERS_GEMM_H
 #define FASTLAYERS_GEMM_H
@@ -36,7 +40,7 @@
 #define FL_VBYTES 32
 #define FL_GEMM_R 6
 #endif
-#define FL_GEMM_KC (16384 / (2 * FL_VBYTES)) /* k per block: a panel slice of 16 KiB */
+#define FL_GEMM_KC (262144 / (2 * FL_VBYTES)) /* k per block: a panel slice of 256 KiB */
 /* The step loops split a step by rows instead of by panels and rows (two or three barriers per
  * step) where the threads do not divide the directions, every thread has rows and the packed
  * recurrent weight (every thread reads all of it each step) fits a core's L2 (this CPU's, from
