@@ -329,35 +329,34 @@ static inline void fl_row_block(int by_rows, int64_t D, int tid, int nt, int64_t
     fl_share(D, tid, nt, d0, d1);
     *b0 = 0; *b1 = n;
 }
-/* A thread's row block of the next step (fl_row_block's), walked one row at a time: the time loops
- * prefetch that row's saved buffers into L2 after each row they finish, so the next step's rows
- * (read from memory: the saved buffers of a layer are larger than the caches) arrive while this
- * step's work runs; a step's work is the distance. fl_cursor_next gives (d, b) until the block is
- * done; fl_prefetch touches [p, p + bytes) with prefetcht1 (always inlined, as its callers must be:
- * GCC takes a function that only prefetches for one without effects and drops its calls). */
-typedef struct { int64_t d, b, d1, b0, b1; } fl_cursor;
-static inline fl_cursor fl_next_block(int by_rows, int64_t D, int64_t B, int tid, int nt, int64_t n)
+/* The time loops prefetch, before each row they run, the saved or input rows of the row they run
+ * after it (those buffers are larger than the caches; one row's work hides the memory's latency):
+ * fl_block_next gives the next (d, b) of the block [d0, d1) x [b0, b1) in the loops' order (0 after
+ * the last), fl_first_row the first row of a thread's block (fl_row_block's) at a step of n rows
+ * (0: none), for the step after; fl_prefetch touches [p, p + bytes) with prefetcht0 (always inlined,
+ * as its callers must be: GCC takes a function that only prefetches for one without effects and
+ * drops its calls). (A whole step ahead, into L2, measured the same at H = 64 and at the seed shape;
+ * a row ahead does not rely on the step's product, which streams the weight through L2, leaving
+ * them there.) */
+static inline int fl_block_next(int64_t d, int64_t b, int64_t d1, int64_t b0, int64_t b1, int64_t* pd,
+                                int64_t* pb)
 {
-    fl_cursor c = {0, 0, 0, 0, 0};
-    if (n > 0) {
-        int64_t lo, hi;
-        fl_own_rows(B, tid, nt, n, &lo, &hi);
-        fl_row_block(by_rows, D, tid, nt, n, lo, hi, &c.d, &c.d1, &c.b0, &c.b1);
-        c.b = c.b0;
-        if (c.b1 <= c.b0) c.d1 = c.d;
-    }
-    return c;
+    if (b + 1 < b1) { *pd = d; *pb = b + 1; return 1; }
+    if (d + 1 < d1 && b0 < b1) { *pd = d + 1; *pb = b0; return 1; }
+    return 0;
 }
-static inline int fl_cursor_next(fl_cursor* c, int64_t* d, int64_t* b)
+static inline int fl_first_row(int by_rows, int64_t D, int64_t B, int tid, int nt, int64_t n, int64_t* d,
+                               int64_t* b)
 {
-    if (c->d >= c->d1) return 0;
-    *d = c->d; *b = c->b;
-    if (++c->b >= c->b1) { c->b = c->b0; c->d++; }
-    return 1;
+    int64_t lo, hi, d1, b1;
+    if (n <= 0) return 0;
+    fl_own_rows(B, tid, nt, n, &lo, &hi);
+    fl_row_block(by_rows, D, tid, nt, n, lo, hi, d, &d1, b, &b1);
+    return *d < d1 && *b < b1;
 }
 static inline __attribute__((always_inline)) void fl_prefetch(const void* p, int64_t bytes)
 {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 2);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)p + o, 0, 3);
 }
 
 FL_DEFINE_GEMM(float, f32)

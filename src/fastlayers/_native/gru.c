@@ -98,17 +98,14 @@ static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)   
         fl_next_input_##SUFFIX(a->hd_next + row * H, hr, a->rmask ? a->rmask + srow * H : 0, H);     \
 }                                                                                                    \
                                                                                                      \
-/* fl_cursor's next row (d, b), at the step `shift` packed rows from a's: the input rows a forward   \
- * row reads, prefetched; 0 (nothing) when the cursor is done (as lstm.c's) */                       \
-static inline __attribute__((always_inline)) int gru_forward_prefetch_##SUFFIX(                      \
-    const gru_fwd_##SUFFIX* a, fl_cursor* next, int64_t shift)                                       \
+/* the input rows a forward row reads, of row (d, b) of the step `shift` packed rows from a's,       \
+ * prefetched (as lstm.c's) */                                                                       \
+static inline __attribute__((always_inline)) void gru_forward_prefetch_##SUFFIX(                     \
+    const gru_fwd_##SUFFIX* a, int64_t shift, int64_t d, int64_t b)                                  \
 {                                                                                                    \
-    int64_t d, b;                                                                                    \
-    if (!fl_cursor_next(next, &d, &b)) return 0;                                                     \
     const int64_t H = a->H, row = shift + d * a->ds + b;                                             \
     fl_prefetch(a->xp + row * 3 * H, 3 * H * sizeof(T));                                             \
     if (a->zh) fl_prefetch(a->zh + row * H, H * sizeof(T));                                          \
-    return 1;                                                                                        \
 }                                                                                                    \
                                                                                                      \
 void gru_step_forward_##SUFFIX(                                                                      \
@@ -201,11 +198,9 @@ static void gru_backward_input_norm_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t 
                                         a->gx + d * G, G);                                           \
 }                                                                                                    \
 /* as gru_forward_prefetch: the saved rows a backward row reads */                                   \
-static inline __attribute__((always_inline)) int gru_backward_prefetch_##SUFFIX(                     \
-    const gru_bwd_##SUFFIX* a, fl_cursor* next, int64_t shift)                                       \
+static inline __attribute__((always_inline)) void gru_backward_prefetch_##SUFFIX(                    \
+    const gru_bwd_##SUFFIX* a, int64_t shift, int64_t d, int64_t b)                                  \
 {                                                                                                    \
-    int64_t d, b;                                                                                    \
-    if (!fl_cursor_next(next, &d, &b)) return 0;                                                     \
     const int64_t H = a->H, G = 3 * H, row = shift + d * a->ds + b;                                  \
     const int64_t g = G * sizeof(T), h = H * sizeof(T);                                              \
     fl_prefetch(a->gates + row * G, g); fl_prefetch(a->hbn + row * H, h);                            \
@@ -213,7 +208,6 @@ static inline __attribute__((always_inline)) int gru_backward_prefetch_##SUFFIX(
     if (a->rhat) fl_prefetch(a->rhat + row * G, g);                                                  \
     if (a->xstat) fl_prefetch(a->xp + row * G, g);                                                   \
     if (a->zh) fl_prefetch(a->zh + row * H, h);                                                      \
-    return 1;                                                                                        \
 }                                                                                                    \
                                                                                                      \
 void gru_step_backward_##SUFFIX(                                                                     \
@@ -273,16 +267,16 @@ void gru_forward_loop_##SUFFIX(                                                 
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0,      \
                 zh_const};                                                                           \
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
-                int64_t d0, d1, b0, b1;                                                              \
+                int64_t d0, d1, b0, b1, pd, pb;                                                      \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
-                /* the next step's input rows of this thread, one per row done (fl_cursor) */        \
-                fl_cursor next = fl_next_block(by_rows, D, B, tid, nt, n_next);                      \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
+                        if (fl_block_next(d, b, d1, b0, b1, &pd, &pb)) /* the row after it */        \
+                            gru_forward_prefetch_##SUFFIX(&a, 0, pd, pb);                            \
+                        else if (fl_first_row(by_rows, D, B, tid, nt, n_next, &pd, &pb))             \
+                            gru_forward_prefetch_##SUFFIX(&a, n, pd, pb);                            \
                         gru_forward_row_##SUFFIX(&a, d * n + b);                                     \
-                        gru_forward_prefetch_##SUFFIX(&a, &next, n);                                 \
                     }                                                                                \
-                while (gru_forward_prefetch_##SUFFIX(&a, &next, n)) continue;                        \
             } else {                                                                                 \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) gru_forward_row_##SUFFIX(&a, task);       \
@@ -333,19 +327,19 @@ void gru_backward_loop_##SUFFIX(                                                
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
             if (by_rows || !sync) { /* as lstm_backward_loop: the passes row by row */               \
-                int64_t d0, d1, b0, b1;                                                              \
+                int64_t d0, d1, b0, b1, pd, pb;                                                      \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
-                /* the next step's rows (t - 1) of this thread, one per row done (fl_cursor) */      \
-                const int64_t nn = t > 0 ? active[t - 1] : 0;                                        \
-                fl_cursor next = fl_next_block(by_rows, D, B, tid, nt, nn);                          \
+                const int64_t nn = t > 0 ? active[t - 1] : 0; /* the next step's rows (t - 1) */     \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
+                        if (fl_block_next(d, b, d1, b0, b1, &pd, &pb)) /* the row after it */        \
+                            gru_backward_prefetch_##SUFFIX(&a, 0, pd, pb);                           \
+                        else if (fl_first_row(by_rows, D, B, tid, nt, nn, &pd, &pb))                 \
+                            gru_backward_prefetch_##SUFFIX(&a, -nn, pd, pb);                         \
                         gru_backward_row_##SUFFIX(&a, d * n + b);                                    \
                         if (acc_gx || acc_gh) gru_sum_row_##SUFFIX(&a, d, b, 0, G);                  \
                         if (xstat) gru_backward_input_norm_##SUFFIX(&a, d * n + b);                  \
-                        gru_backward_prefetch_##SUFFIX(&a, &next, -nn);                              \
                     }                                                                                \
-                while (gru_backward_prefetch_##SUFFIX(&a, &next, -nn)) continue;                     \
             } else {                                                                                 \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) gru_backward_row_##SUFFIX(&a, task);      \

@@ -126,18 +126,15 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
         fl_next_input_##SUFFIX(a->hd_next + row * H, hr, a->rmask ? a->rmask + srow * H : 0, H);     \
 }                                                                                                    \
                                                                                                      \
-/* fl_cursor's next row (d, b), at the step `shift` packed rows from a's: the input rows a forward   \
- * row reads, prefetched; 0 (nothing) when the cursor is done */                                     \
-static inline __attribute__((always_inline)) int lstm_forward_prefetch_##SUFFIX(                     \
-    const lstm_fwd_##SUFFIX* a, fl_cursor* next, int64_t shift)                                      \
+/* the input rows a forward row reads, of row (d, b) of the step `shift` packed rows from a's,       \
+ * prefetched (gemm.h fl_block_next) */                                                              \
+static inline __attribute__((always_inline)) void lstm_forward_prefetch_##SUFFIX(                    \
+    const lstm_fwd_##SUFFIX* a, int64_t shift, int64_t d, int64_t b)                                 \
 {                                                                                                    \
-    int64_t d, b;                                                                                    \
-    if (!fl_cursor_next(next, &d, &b)) return 0;                                                     \
     const int64_t H = a->H, row = shift + d * a->ds + b;                                             \
     fl_prefetch(a->xp + row * 4 * H, 4 * H * sizeof(T));                                             \
     if (a->zc) fl_prefetch(a->zc + row * H, H * sizeof(T));                                          \
     if (a->zh) fl_prefetch(a->zh + row * H, H * sizeof(T));                                          \
-    return 1;                                                                                        \
 }                                                                                                    \
                                                                                                      \
 void lstm_step_forward_##SUFFIX(                                                                     \
@@ -296,11 +293,9 @@ static void lstm_backward_input_norm_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_
                                         a->gx + d * G, G);                                           \
 }                                                                                                    \
 /* as lstm_forward_prefetch: the saved rows a backward row reads */                                  \
-static inline __attribute__((always_inline)) int lstm_backward_prefetch_##SUFFIX(                    \
-    const lstm_bwd_##SUFFIX* a, fl_cursor* next, int64_t shift)                                      \
+static inline __attribute__((always_inline)) void lstm_backward_prefetch_##SUFFIX(                   \
+    const lstm_bwd_##SUFFIX* a, int64_t shift, int64_t d, int64_t b)                                 \
 {                                                                                                    \
-    int64_t d, b;                                                                                    \
-    if (!fl_cursor_next(next, &d, &b)) return 0;                                                     \
     const int64_t H = a->H, G = 4 * H, row = shift + d * a->ds + b;                                  \
     const int64_t g = G * sizeof(T), h = H * sizeof(T);                                              \
     fl_prefetch(a->gates + row * G, g); fl_prefetch(a->c1 + row * H, h);                             \
@@ -309,7 +304,6 @@ static inline __attribute__((always_inline)) int lstm_backward_prefetch_##SUFFIX
     if (a->xstat) fl_prefetch(a->xp + row * G, g);                                                   \
     if (a->zc) fl_prefetch(a->zc + row * H, h);                                                      \
     if (a->zh) fl_prefetch(a->zh + row * H, h);                                                      \
-    return 1;                                                                                        \
 }                                                                                                    \
                                                                                                      \
 void lstm_step_backward_##SUFFIX(                                                                    \
@@ -381,16 +375,16 @@ void lstm_forward_loop_##SUFFIX(                                                
                 gc, bc, peep, clip, eps, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const,         \
                 zh_const};                                                                           \
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
-                int64_t d0, d1, b0, b1;                                                              \
+                int64_t d0, d1, b0, b1, pd, pb;                                                      \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
-                /* the next step's input rows of this thread, one per row done (fl_cursor) */        \
-                fl_cursor next = fl_next_block(by_rows, D, B, tid, nt, n_next);                      \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
+                        if (fl_block_next(d, b, d1, b0, b1, &pd, &pb)) /* the row after it */        \
+                            lstm_forward_prefetch_##SUFFIX(&a, 0, pd, pb);                           \
+                        else if (fl_first_row(by_rows, D, B, tid, nt, n_next, &pd, &pb))             \
+                            lstm_forward_prefetch_##SUFFIX(&a, n, pd, pb);                           \
                         lstm_forward_row_##SUFFIX(&a, d * n + b);                                    \
-                        lstm_forward_prefetch_##SUFFIX(&a, &next, n);                                \
                     }                                                                                \
-                while (lstm_forward_prefetch_##SUFFIX(&a, &next, n)) continue;                       \
             } else {                                                                                 \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) lstm_forward_row_##SUFFIX(&a, task);      \
@@ -456,19 +450,19 @@ void lstm_backward_loop_##SUFFIX(                                               
                 /* the three passes row by row, on this thread's rows (by_rows) or on its whole      \
                  * directions (nt divides D: their accumulators are its own), each row's sums and    \
                  * input LayerNorm while its buffers are in L1 */                                    \
-                int64_t d0, d1, b0, b1;                                                              \
+                int64_t d0, d1, b0, b1, pd, pb;                                                      \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
-                /* the next step's rows (t - 1) of this thread, one per row done (fl_cursor) */      \
-                const int64_t nn = t > 0 ? active[t - 1] : 0;                                        \
-                fl_cursor next = fl_next_block(by_rows, D, B, tid, nt, nn);                          \
+                const int64_t nn = t > 0 ? active[t - 1] : 0; /* the next step's rows (t - 1) */     \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
+                        if (fl_block_next(d, b, d1, b0, b1, &pd, &pb)) /* the row after it */        \
+                            lstm_backward_prefetch_##SUFFIX(&a, 0, pd, pb);                          \
+                        else if (fl_first_row(by_rows, D, B, tid, nt, nn, &pd, &pb))                 \
+                            lstm_backward_prefetch_##SUFFIX(&a, -nn, pd, pb);                        \
                         lstm_backward_row_##SUFFIX(&a, d * n + b);                                   \
                         if (sums) lstm_sum_row_##SUFFIX(&a, d, b, 0, G);                             \
                         if (xstat) lstm_backward_input_norm_##SUFFIX(&a, d * n + b);                 \
-                        lstm_backward_prefetch_##SUFFIX(&a, &next, -nn);                             \
                     }                                                                                \
-                while (lstm_backward_prefetch_##SUFFIX(&a, &next, -nn)) continue;                    \
             } else { /* the passes split between the threads, a barrier after each */                \
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) lstm_backward_row_##SUFFIX(&a, task);     \
