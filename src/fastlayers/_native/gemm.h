@@ -23,9 +23,9 @@
  * at most R (8 rows as 4 + 4: a block of few rows loads B as often for less work); each tile
  * runs all of k with its C block in registers (k in blocks only past a panel slice of 256 KiB:
  * 2048 values of k with AVX-512). Blocks of 16 KiB that stay in L1 while the row blocks reuse
- * them were slower: reloading C per block cost more than streaming the panel from L2 (1 thread,
- * Zen 4, an ad-hoc C timing: 105 against 112 GFLOP/s for 25600 x 512 @ 512 x 1024, 110 against
- * 113 for a 32-row step product with K = 256; BENCHMARKS.md, issue 62's fifth Zen 4 section).
+ * them were slower: C reloaded per block cost more than the panel streamed from L2 (the seed's
+ * projection 193-195 against 215-218 GFLOP/s on 2 threads of a Zen 4, bench_large_products.py;
+ * BENCHMARKS.md, issue 62's fifth Zen 4 section).
  */
 #ifndef FASTLAYERS_GEMM_H
 #define FASTLAYERS_GEMM_H
