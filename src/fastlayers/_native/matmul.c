@@ -20,7 +20,7 @@
  *   (with rows only): nthreads * fl_matmul_scratch_rows() * K values.
  * The threads pack B's panels (a share each), then take a share of the (direction, block of
  * FL_MATMUL_MC rows) items: a thread keeps one direction's packed B while it can, and each block's
- * rows stay in L2 while gemm.h's k blocks stream the panels past them.
+ * rows stay in L2 while gemm.h's tiles stream the panels past them.
  */
 #include <omp.h>
 #include <string.h>
