@@ -329,8 +329,9 @@ static inline void fl_row_block(int by_rows, int64_t D, int tid, int nt, int64_t
     fl_share(D, tid, nt, d0, d1);
     *b0 = 0; *b1 = n;
 }
-/* The time loops prefetch, before each row they run, the saved or input rows of the row they run
- * after it (those buffers are larger than the caches; one row's work hides the memory's latency):
+/* The time loops, where a thread runs its rows one after another (fl_row_block), prefetch before
+ * each row the saved or input rows of the row they run after it (those buffers are larger than
+ * the caches; one row's work hides the memory's latency; the steps split into tasks do not):
  * fl_block_next gives the next (d, b) of the block [d0, d1) x [b0, b1) in the loops' order (0 after
  * the last), fl_first_row the first row of a thread's block (fl_row_block's) at a step of n rows
  * (0: none), for the step after; fl_prefetch touches [p, p + bytes) with prefetcht0 (always inlined,
