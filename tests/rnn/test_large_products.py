@@ -93,11 +93,66 @@ def test_transposed_kernel_matches_bmm(dtype, dirs, k, m, n, threads):
     getattr(lib, f"fl_matmul_tn_scratch_{suffix}")(n, threads, ctypes.addressof(values))
     scratch = torch.full((values.value + 4096,), float("nan"), dtype=dtype)  # + a tail it must not write
     out = torch.full((dirs, m, n), float("nan"), dtype=dtype)
-    getattr(lib, f"fl_matmul_tn_{suffix}")(dirs, m, n, k, p.data_ptr(), q.data_ptr(), out.data_ptr(),
+    getattr(lib, f"fl_matmul_tn_{suffix}")(dirs, m, n, k, p.data_ptr(), q.data_ptr(), None, out.data_ptr(),
                                            scratch.data_ptr(), threads)
     assert scratch[values.value:].isnan().all()
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, torch.bmm(p.transpose(1, 2), q), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dirs,k,m,n,threads", [(2, 300, 97, 33, 2), (1, 513, 20, 70, 3), (2, 1, 5, 3, 1)])
+def test_transposed_kernel_reads_rows_through_an_index(dtype, dirs, k, m, n, threads):
+    """With qrows (the layers' weight gradient dW_ih without a packed copy of the input): row k of
+    Q_d is row qrows[d, k] of the shared Q."""
+    torch.manual_seed(0)
+    p = torch.randn(dirs, k, m, dtype=dtype)
+    q = torch.randn(400, n, dtype=dtype)
+    index = torch.randint(0, 400, (dirs, k))
+    suffix = "f32" if dtype == torch.float32 else "f64"
+    lib = _cpu_recurrence._matmul_lib()
+    values = ctypes.c_int64()
+    getattr(lib, f"fl_matmul_tn_scratch_{suffix}")(n, threads, ctypes.addressof(values))
+    scratch = torch.full((values.value,), float("nan"), dtype=dtype)
+    out = torch.full((dirs, m, n), float("nan"), dtype=dtype)
+    getattr(lib, f"fl_matmul_tn_{suffix}")(dirs, m, n, k, p.data_ptr(), q.data_ptr(), index.data_ptr(),
+                                           out.data_ptr(), scratch.data_ptr(), threads)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, torch.bmm(p.transpose(1, 2), q[index]), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dirs,rows,pad,k,n,trans,threads", [(2, 250, 0, 130, 70, 0, 2), (2, 200, 31, 33, 40, 1, 3),
+                                                              (1, 97, 5, 64, 33, 0, 1), (3, 1, 2, 5, 3, 1, 2),
+                                                              (2, 0, 4, 8, 5, 0, 2)])
+@pytest.mark.parametrize("order", ["identity", "shuffled"])
+def test_sum_kernel_adds_every_direction_into_the_padded_rows(dtype, dirs, rows, pad, k, n, trans, threads, order):
+    """fl_matmul_sum (the layers' dX without a per-direction copy): output row crows[i] = sum_d
+    A_d[arows[d, i]] @ op(B_d); rows in consecutive runs read and written in place, the others
+    through the scratch (a shuffled order); the padded rows no index names stay as they were."""
+    torch.manual_seed(0)
+    total = rows + pad
+    crows = torch.arange(rows) if order == "identity" else torch.randperm(total)[:rows]
+    arows = torch.stack([torch.arange(rows) if d == 0 and order == "identity" else torch.randperm(rows)
+                         for d in range(dirs)])
+    a = torch.randn(dirs, rows, k, dtype=dtype)
+    b = torch.randn(dirs, n, k, dtype=dtype) if trans else torch.randn(dirs, k, n, dtype=dtype)
+    out = torch.full((total, n), 7.0, dtype=dtype)
+    suffix = "f32" if dtype == torch.float32 else "f64"
+    lib = _cpu_recurrence._matmul_lib()
+    values = ctypes.c_int64()
+    getattr(lib, f"fl_matmul_sum_scratch_{suffix}")(k, n, threads, ctypes.addressof(values))
+    scratch = torch.full((values.value,), float("nan"), dtype=dtype)
+    packed = torch.empty(_cpu_recurrence._packed_weight(k, n, dirs), dtype=dtype)
+    getattr(lib, f"fl_matmul_sum_{suffix}")(dirs, rows, k, n, a.data_ptr(), rows, arows.data_ptr(), b.data_ptr(),
+                                            trans, out.data_ptr(), crows.data_ptr(), packed.data_ptr(),
+                                            scratch.data_ptr(), threads)
+    want = torch.full((total, n), 7.0, dtype=dtype)
+    if rows:
+        op = b.transpose(1, 2) if trans else b
+        want[crows] = sum(a[d][arows[d]] @ op[d] for d in range(dirs))
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, want, **tol)
 
 
 def test_choice_follows_the_cpu_and_can_be_forced(choice):
@@ -143,3 +198,33 @@ def test_layers_match_torch_products(choice, cell, options):
     torch.testing.assert_close(e1, e2, rtol=1e-10, atol=1e-10)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("bidirectional,lengths", [(True, None), (False, [9, 3, 7]), (True, [9, 9, 9])])
+def test_layers_reading_the_padded_rows_match_torch_products(choice, cell, bidirectional, lengths):
+    """The Functions read the packed rows from the padded input through their index where the
+    products run on matmul.c (no gathered copy; dX summed over the directions into the padded rows,
+    zero on the padding): values and every gradient as on torch's BLAS (which gathers), without
+    lengths, one direction with lengths, and all sequences full; float64 gradcheck and gradgradcheck
+    (the recorded backward gathers the rows differentiably)."""
+    torch.manual_seed(0)
+    m = getattr(fastlayers, cell)(6, 5, bidirectional=bidirectional, layer_norm=True, dtype=torch.float64)
+    x = torch.randn(9, 3, 6, dtype=torch.float64)
+    kw = {} if lengths is None else dict(lengths=torch.tensor(lengths))
+    results = []
+    for own in (True, False):
+        choice(own)
+        xi = x.clone().requires_grad_()
+        y = m(xi, **kw)[0]
+        results.append((y.detach(), torch.autograd.grad((y * torch.linspace(-1, 1, y.size(-1), dtype=y.dtype)).sum(),
+                                                        [xi, *m.parameters()])))
+    (y1, g1), (y2, g2) = results
+    torch.testing.assert_close(y1, y2, rtol=1e-10, atol=1e-10)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    choice(True)
+    xi = x[:4].clone().requires_grad_()
+    kw = {} if lengths is None else dict(lengths=torch.tensor(lengths).clamp(max=4))
+    torch.autograd.gradcheck(lambda v: m(v, **kw)[0], (xi,))
+    torch.autograd.gradgradcheck(lambda v: m(v, **kw)[0], (xi,))

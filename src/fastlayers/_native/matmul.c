@@ -1,6 +1,7 @@
 /* The recurrent layers' large products on gemm.h's kernel: the input projection (xp = X W_ih^T + b)
- * and its input gradient (dX = dpre W_ih), D directions at once; the weight gradients (dW = dpre^T X)
- * with fl_matmul_tn below.
+ * and its input gradient (dX = dpre W_ih), D directions at once; the input gradient summed over the
+ * directions into the padded rows with fl_matmul_sum, the weight gradients (dW = dpre^T X) with
+ * fl_matmul_tn below (both read the padded input's rows through an index: no packed copy of them).
  *
  * Why our own: on AMD CPUs torch's BLAS (MKL) runs its generic code path; at the seed shape
  * ((25600 x 512) @ (512 x 1024), 2 threads, AMD EPYC Zen 4) it reached 171-180 GFLOP/s where
@@ -88,9 +89,71 @@ void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, 
 FL_DEFINE_MATMUL(float, f32)
 FL_DEFINE_MATMUL(double, f64)
 
-/* fl_matmul_tn_SUFFIX(D, M, N, K, P, Q, C, scratch, nthreads): for d < D, C_d (M x N) = P_d^T Q_d,
- * with P_d (K x M) at P + d*K*M, Q_d (K x N) at Q + d*K*N and C_d at C + d*M*N (overwritten), every
- * matrix contiguous: the weight gradients dW_d = dpre_d^T X_d over all packed rows (K of them).
+/* fl_matmul_sum_SUFFIX(D, M, K, N, A, NA, arows, B, trans_b, C, crows, Bp, scratch, nthreads): for
+ * i < M, row crows[i] of C = sum over d < D of A_d[arows[d*M + i]] @ op(B_d): the input gradient of
+ * every direction's packed rows added into the rows of the padded input they read (dX = sum_d dpre_d
+ * W_ih_d), never laid out per direction first. A_d (NA x K) at A + d*NA*K; B_d, op(B_d) and Bp as
+ * fl_matmul's; C's rows at C + crows[i]*N, the others untouched; scratch: the values
+ * fl_matmul_sum_scratch_SUFFIX(K, N, nthreads, &values) writes. The threads pack B's panels, then take
+ * blocks of FL_MATMUL_MC of the M rows: per direction the block's rows of A_d (read in place where
+ * their indices run consecutively, else gathered into the thread's scratch), the products of the
+ * directions added up in the block's rows of C (in place where consecutive, else in the scratch,
+ * then copied out). */
+static inline int fl_consecutive(const int64_t* index, int64_t m)
+{
+    for (int64_t r = 1; r < m; r++)
+        if (index[r] != index[0] + r) return 0;
+    return m > 0;
+}
+#define FL_DEFINE_MATMUL_SUM(T, SUFFIX)                                                              \
+void fl_matmul_sum_scratch_##SUFFIX(int64_t K, int64_t N, int64_t nthreads, int64_t* values)         \
+{                                                                                                    \
+    *values = nthreads * FL_MATMUL_MC * (K + N);                                                     \
+}                                                                                                    \
+void fl_matmul_sum_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, int64_t NA,      \
+                            const int64_t* arows, const T* B, int trans_b, T* C, const int64_t* crows, \
+                            T* Bp, T* scratch, int nthreads)                                         \
+{                                                                                                    \
+    const int64_t W = FL_W_##SUFFIX, np = fl_gemm_panels_##SUFFIX(N);                                \
+    const int64_t blocks = (M + FL_MATMUL_MC - 1) / FL_MATMUL_MC;                                    \
+    _Pragma("omp parallel num_threads(nthreads)")                                                    \
+    {                                                                                                \
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                            \
+        int64_t q0, q1;                                                                              \
+        fl_share(D * np, tid, nt, &q0, &q1);                                                         \
+        fl_gemm_pack_items_##SUFFIX(q0, q1, np, K, N, B, trans_b, Bp);                               \
+        _Pragma("omp barrier")                                                                       \
+        T* const sa = scratch + tid * FL_MATMUL_MC * (K + N);                                        \
+        T* const sc = sa + FL_MATMUL_MC * K;                                                         \
+        fl_share(blocks, tid, nt, &q0, &q1);                                                         \
+        for (int64_t q = q0; q < q1; q++) {                                                          \
+            const int64_t i = q * FL_MATMUL_MC, m = M - i < FL_MATMUL_MC ? M - i : FL_MATMUL_MC;     \
+            const int direct = fl_consecutive(crows + i, m);                                         \
+            T* c = direct ? C + crows[i] * N : sc;                                                   \
+            for (int64_t d = 0; d < D; d++) {                                                        \
+                const int64_t* ar = arows + d * M + i;                                               \
+                const T* ad = A + d * NA * K;                                                        \
+                const T* a = sa;                                                                     \
+                if (fl_consecutive(ar, m))                                                           \
+                    a = ad + ar[0] * K;                                                              \
+                else                                                                                 \
+                    for (int64_t r = 0; r < m; r++) memcpy(sa + r * K, ad + ar[r] * K, sizeof(T) * K); \
+                fl_gemm_##SUFFIX(m, 0, np, K, N, a, K, Bp + d * np * K * W, c, N, d > 0);            \
+            }                                                                                        \
+            if (!direct)                                                                             \
+                for (int64_t r = 0; r < m; r++) memcpy(C + crows[i + r] * N, sc + r * N, sizeof(T) * N); \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+FL_DEFINE_MATMUL_SUM(float, f32)
+FL_DEFINE_MATMUL_SUM(double, f64)
+
+/* fl_matmul_tn_SUFFIX(D, M, N, K, P, Q, qrows, C, scratch, nthreads): for d < D, C_d (M x N) =
+ * P_d^T Q_d, with P_d (K x M) at P + d*K*M, Q_d (K x N) at Q + d*K*N (or with qrows, D x K indices:
+ * row k of Q_d is row qrows[d*K + k] of Q, the padded input's rows the packed rows read) and C_d at
+ * C + d*M*N (overwritten), every matrix contiguous: the weight gradients dW_d = dpre_d^T X_d over
+ * all packed rows (K of them).
  * scratch: the values fl_matmul_tn_scratch_SUFFIX(N, nthreads, &values) writes.
  * The threads split the D * M rows of C into contiguous shares. Per block of FL_TN_KC values of k,
  * a thread packs Q_d's slice into column panels (all N columns; it stays in L2), then, per
@@ -113,8 +176,8 @@ void fl_matmul_tn_scratch_##SUFFIX(int64_t N, int64_t nthreads, int64_t* values)
 {                                                                                                    \
     *values = nthreads * fl_matmul_tn_thread_scratch_##SUFFIX(N);                                    \
 }                                                                                                    \
-void fl_matmul_tn_##SUFFIX(int64_t D, int64_t M, int64_t N, int64_t K, const T* P, const T* Q, T* C, \
-                           T* scratch, int nthreads)                                                 \
+void fl_matmul_tn_##SUFFIX(int64_t D, int64_t M, int64_t N, int64_t K, const T* P, const T* Q,       \
+                           const int64_t* qrows, T* C, T* scratch, int nthreads)                     \
 {                                                                                                    \
     const int64_t W = FL_W_##SUFFIX, R = FL_GEMM_R, np = fl_gemm_panels_##SUFFIX(N);                 \
     const int64_t units = (M + R - 1) / R; /* a share is whole blocks of R rows */                   \
@@ -129,12 +192,22 @@ void fl_matmul_tn_##SUFFIX(int64_t D, int64_t M, int64_t N, int64_t K, const T* 
             const int64_t d = u0 / units, ue = u1 < (d + 1) * units ? u1 : (d + 1) * units;          \
             const int64_t r0 = (u0 - d * units) * R, re = (ue - d * units) * R, r1 = re < M ? re : M; \
             u0 = ue;                                                                                 \
-            const T* pd = P + d * K * M; const T* qd = Q + d * K * N; T* cd = C + d * M * N;         \
+            const T* pd = P + d * K * M; T* cd = C + d * M * N;                                      \
+            const T* qd = qrows ? Q : Q + d * K * N; const int64_t* qr = qrows ? qrows + d * K : 0;  \
             if (K == 0)                                                                              \
                 for (int64_t i = r0; i < r1; i++) memset(cd + i * N, 0, sizeof(T) * N);              \
             for (int64_t k0 = 0; k0 < K; k0 += FL_TN_KC) {                                           \
                 const int64_t kc = K - k0 < FL_TN_KC ? K - k0 : FL_TN_KC;                            \
-                fl_gemm_pack_##SUFFIX(kc, N, qd + k0 * N, N, 0, qp, 0, np);                          \
+                if (qr) /* row k of Q_d is row qr[k] of Q */                                         \
+                    for (int64_t p = 0; p < np; p++) {                                               \
+                        const int64_t j = p * W, cols = N - j < W ? N - j : W;                       \
+                        for (int64_t k = 0; k < kc; k++) {                                           \
+                            memcpy(qp + (p * kc + k) * W, qd + qr[k0 + k] * N + j, sizeof(T) * cols); \
+                            for (int64_t c = cols; c < W; c++) qp[(p * kc + k) * W + c] = 0;         \
+                        }                                                                            \
+                    }                                                                                \
+                else                                                                                 \
+                    fl_gemm_pack_##SUFFIX(kc, N, qd + k0 * N, N, 0, qp, 0, np);                      \
                 for (int64_t s0 = r0; s0 < r1; s0 += FL_TN_MC) {                                     \
                     const int64_t m = r1 - s0 < FL_TN_MC ? r1 - s0 : FL_TN_MC;                       \
                     const int64_t blocks = (m + R - 1) / R;                                          \

@@ -6,9 +6,12 @@ D directions, L layers, N = sum of the lengths (the valid rows of one direction)
 Everything runs on *packed* rows (:mod:`._lengths`): the valid (t, b) of the length-sorted batch,
 step after step, so step t's rows are a contiguous block of the still-active prefix, as in a
 PackedSequence; the reverse direction's rows read each sequence back to front from its own last
-step. Per layer: one gather of the valid input rows of both directions; :class:`LSTMRecurrence`
-(:class:`GRURecurrence`) then projects all of them with one batched GEMM and runs the time loop
-with one batched recurrent GEMM (both directions) and one fused C pointwise kernel per step
+step. Per layer: the valid input rows of both directions, read from the padded input through
+their index where the large products run on ``_native/matmul.c`` (the projection, dX and dW_ih
+take the rows block by block; no packed copy is made or saved), else one gather;
+:class:`LSTMRecurrence` (:class:`GRURecurrence`) then projects all of them with one batched
+GEMM and runs the time loop with one batched recurrent GEMM (both directions) and one fused C
+pointwise kernel per step
 (``_native/lstm.c``, ``gru.c``; the kernel also applies the input LayerNorm, its gain and the
 bias). Its backward runs the per-step kernel and recurrent GEMM in reverse, and computes the
 input and weight gradients and the LayerNorm / peephole parameter gradients as large GEMMs and
@@ -29,6 +32,7 @@ from .._core import precision
 from ._lengths import LengthPlan, full_plan, make_plan
 from ._common import drawn_masks, input_bias
 from ._options import CellOptions
+from ._cpu_recurrence import reads_rows
 from ._ops_compile import run_layer
 from ._rows import gather, scatter
 
@@ -147,12 +151,9 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
     if mm.lowered and x.dtype != mm.low:  # float32 under autocast with hardware bf16/fp16 GEMMs: convert
         x = x.to(mm.low)  # once, before the gather (half the bytes gathered; later layers get low inputs)
     for li, dir_params in enumerate(layers):
-        # the valid rows of both directions (one gather); the Function projects them (one batched GEMM)
-        if identity and dirs == 1:
-            xs = x.reshape(1, rows, -1)
-        else:
-            # (every row of the input is one of the first direction's when all rows are valid)
-            xs = gather(x.reshape(num_rows, -1), src.flatten(), rows == num_rows).view(dirs, rows, -1)
+        # the valid rows of both directions: the padded rows and their index (packed_layer gathers
+        # them where the Function does not read them itself); the Function projects them (one GEMM)
+        xs, rows_of = (x.reshape(1, rows, -1), None) if identity and dirs == 1 else (x.reshape(num_rows, -1), src)
         m = (masks[li] if masks is not None else None) or {}
         # drawn masks are used as drawn: the recurrent one in length-sorted batch order, zoneout on the
         # packed rows; given ones (original order, :func:`given_layout` makes drawn ones so) are moved there
@@ -166,7 +167,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
             zmasks.append(zm if zm is not None else drawn.get(key))
         k = slice(li * dirs, (li + 1) * dirs)
         y, last = packed_layer(cell, xs, dir_params, tuple(s[k] for s in states), rmask, zmasks[0], zmasks[1], active,
-                               options, training)
+                               options, training, rows_of)
         # back to the padded layout: one scatter of both directions, zeros at t >= len_b
         if identity and dirs == 1:
             x = y.view(steps, batch, out_size)
@@ -186,11 +187,13 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
 
 def packed_layer(cell: str, xs: Tensor, dir_params: list[dict[str, Tensor]], states: tuple[Tensor, ...],
                  rmask: Tensor | None, zc: Tensor | None, zh: Tensor | None, active: tuple[int, ...],
-                 options: CellOptions, training: bool) -> tuple[Tensor, tuple[Tensor, ...]]:
+                 options: CellOptions, training: bool, src: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
     """One layer, every direction, on packed rows (:class:`LSTMRecurrence` / :class:`GRURecurrence`).
 
     xs (D, N, F_l) the packed input rows (step after step, each step's rows the active prefix of the
-    length-sorted batch); ``dir_params`` per direction as :func:`lstm_engine`'s; states (h (D, B, P),
+    length-sorted batch), or with ``src`` (D, N) int64 the padded rows (R, F_l) whose rows src[d] they
+    are (gathered here unless the Function reads them itself: :func:`._cpu_recurrence.reads_rows`);
+    ``dir_params`` per direction as :func:`lstm_engine`'s; states (h (D, B, P),
     c (D, B, H)) or (h (D, B, H),) in the sorted batch; rmask (D, B, P) sorted, zc (D, N, H), zh (D,
     N, P) packed keep-masks, or None; ``active`` the T active-prefix sizes (sum N). Returns y (D, N,
     P) and the final states (D, B, width), sorted. Each direction runs forward over its rows: the
@@ -200,17 +203,21 @@ def packed_layer(cell: str, xs: Tensor, dir_params: list[dict[str, Tensor]], sta
         return torch.stack([p[name] for p in dir_params]) if use else None
 
     has_bias, bias = input_bias(cell, dir_params, stack)
+    w_ih = stack("weight_ih")
+    if src is not None and not reads_rows(precision.Products.of(xs), src, xs, w_ih, bias):
+        # one gather (every row of the input is one of the first direction's when all rows are valid)
+        xs, src = gather(xs, src.flatten(), src.size(1) == xs.size(0)).view(*src.shape, -1), None
     ln, peep, proj = options.layer_norm, options.peephole, "weight_hr" in dir_params[0]
     z_h, z_c = options.zoneout
     if cell == "LSTM":
         consts = (options.cell_clip or 0.0, 0.0 if training else z_c, 0.0 if training else z_h,
                   options.proj_clip or 0.0)
         y, *last = run_layer(
-            "LSTM", xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0], states[1],
+            "LSTM", xs, w_ih, stack("ln_ih_weight", ln), bias, states[0], states[1],
             stack("weight_hh"), stack("ln_hh_weight", ln), stack("ln_cell_weight", ln), stack("ln_cell_bias", ln),
-            stack("weight_peephole", peep), stack("weight_hr", proj), rmask, zc, zh, active, consts)
+            stack("weight_peephole", peep), stack("weight_hr", proj), rmask, zc, zh, active, consts, src=src)
     else:
-        y, *last = run_layer("GRU", xs, stack("weight_ih"), stack("ln_ih_weight", ln), bias, states[0],
+        y, *last = run_layer("GRU", xs, w_ih, stack("ln_ih_weight", ln), bias, states[0],
                              stack("weight_hh"), stack("bias_hh", has_bias), stack("ln_hh_weight", ln), rmask,
-                             zh, active, (0.0 if training else z_h,))
+                             zh, active, (0.0 if training else z_h,), src=src)
     return y, tuple(last)

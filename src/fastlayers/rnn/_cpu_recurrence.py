@@ -62,7 +62,9 @@ def _gru_lib():
 
 def _matmul_lib():
     return _typed("matmul", lambda real: {"fl_matmul": [I64] * 4 + [P, P, P, INT, P, P, P, P, INT],
-                                          "fl_matmul_tn": [I64] * 4 + [P] * 4 + [INT],
+                                          "fl_matmul_sum": [I64] * 4 + [P, I64, P, P, INT, P, P, P, P, INT],
+                                          "fl_matmul_sum_scratch": [I64, I64, I64, P],
+                                          "fl_matmul_tn": [I64] * 4 + [P] * 5 + [INT],
                                           "fl_matmul_tn_scratch": [I64, I64, P]})
 
 
@@ -75,22 +77,44 @@ def _own(mm: _precision.Products, rows: int, *tensors: Tensor | None) -> bool:
     return all(t is None or (t.dtype == mm.acc and t.is_contiguous()) for t in tensors)
 
 
-def _native_matmul(a: Tensor, w: Tensor, trans: bool, bias: Tensor | None, out: Tensor) -> Tensor:
+def reads_rows(mm: _precision.Products, src: Tensor, x: Tensor, w_ih: Tensor, bias: Tensor | None) -> bool:
+    """Whether a layer's Function reads its packed rows from the padded input ``x`` (R, F) through
+    the index ``src`` (D, N) itself: where :func:`_own` puts its products on matmul.c (the
+    projection gathers the rows block by block in cache, dX adds every direction's rows into the
+    padded rows, dW_ih packs them; no (D, N, F) copy made or saved), outside torch.compile."""
+    return not torch.compiler.is_compiling() and _own(mm, src.size(1), x, w_ih, bias)
+
+
+def _native_matmul(a: Tensor, w: Tensor, trans: bool, bias: Tensor | None, out: Tensor,
+                   src: Tensor | None = None) -> Tensor:
     """out[d] = a[d] @ (w[d]^T if trans else w[d]) (+ bias[d] on every row) on matmul.c's kernel:
-    a (D, M, K), w (D, N, K) or (D, K, N), bias (D, N), out (D, M, N), all contiguous, one dtype."""
-    dirs, rows, k = a.shape
-    n = out.size(2)
+    a (D, M, K), w (D, N, K) or (D, K, N), bias (D, N), out (D, M, N), all contiguous, one dtype;
+    with ``src`` (D, M) int64, a (R, K) and row i of a[d] is row src[d, i] of a."""
+    dirs, rows = src.shape if src is not None else a.shape[:2]
+    k, n, threads = a.size(-1), out.size(2), torch.get_num_threads()
     packed = torch.empty(_packed_weight(k, n, dirs), dtype=out.dtype, device=out.device)
+    scratch = pool.empty((threads * _scratch_rows() * k,), a.dtype, a) if src is not None else None
     getattr(_matmul_lib(), f"fl_matmul_{_SUFFIX[out.dtype]}")(
-        dirs, rows, k, n, a.data_ptr(), None, w.data_ptr(), int(trans), address(bias), out.data_ptr(),
-        packed.data_ptr(), None, torch.get_num_threads())
+        dirs, rows, k, n, a.data_ptr(), address(src), w.data_ptr(), int(trans), address(bias), out.data_ptr(),
+        packed.data_ptr(), address(scratch), threads)
     return out
 
 
-def _project(mm: _precision.Products, xs: Tensor, w_ih: Tensor, bias: Tensor | None, xp: Tensor) -> None:
+def _scratch_rows() -> int:
+    """The rows of matmul.c's per-thread scratch for gathered rows (fl_matmul_scratch_rows)."""
+    lib = _native.library()
+    lib.fl_matmul_scratch_rows.restype = ctypes.c_int64
+    return lib.fl_matmul_scratch_rows()
+
+
+def _project(mm: _precision.Products, xs: Tensor, w_ih: Tensor, bias: Tensor | None, xp: Tensor,
+             src: Tensor | None = None) -> None:
     """The input projection into ``xp``: xp[d] = xs[d] W_ih[d]^T (+ bias[d] on every row);
-    (D, N, F) x (D, G, F) -> (D, N, G)."""
-    if _own(mm, xs.size(1), xs, w_ih, bias, xp):
+    (D, N, F) x (D, G, F) -> (D, N, G); with ``src`` (:func:`reads_rows`) xs is the padded (R, F)
+    and xs[d] its rows src[d]."""
+    if src is not None:
+        _native_matmul(xs, w_ih, True, bias, xp, src)
+    elif _own(mm, xs.size(1), xs, w_ih, bias, xp):
         _native_matmul(xs, w_ih, True, bias, xp)
     elif bias is not None:
         mm.baddbmm(bias.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
@@ -98,29 +122,63 @@ def _project(mm: _precision.Products, xs: Tensor, w_ih: Tensor, bias: Tensor | N
         mm.bmm(xs, w_ih.transpose(1, 2), out=xp)
 
 
-def _input_grad(mm: _precision.Products, dpre: Tensor, w_ih: Tensor, dtype: torch.dtype) -> Tensor:
-    """dX[d] = dpre[d] W_ih[d]: (D, N, G) x (D, G, F) -> (D, N, F) in ``dtype``."""
+def _input_grad(mm: _precision.Products, dpre: Tensor, w_ih: Tensor, dtype: torch.dtype, src: Tensor | None = None,
+                num_rows: int = 0) -> Tensor:
+    """dX[d] = dpre[d] W_ih[d]: (D, N, G) x (D, G, F) -> (D, N, F) in ``dtype``; with ``src``
+    (:func:`reads_rows`) the padded input's gradient (num_rows, F): each row the sum of the rows of
+    every direction that read it (zero where none did), one product on matmul.c (fl_matmul_sum)."""
+    if src is not None:
+        return _input_grad_rows(dpre, w_ih, src, num_rows).to(dtype)
     if not _own(mm, dpre.size(1), dpre, w_ih):
         return mm.bmm(dpre, w_ih, dtype=dtype)
     return _native_matmul(dpre, w_ih, False, None, pool.empty((*dpre.shape[:2], w_ih.size(2)), dpre.dtype, dpre)
                           ).to(dtype)
 
 
-def _weight_grad(mm: _precision.Products, p: Tensor, q: Tensor, dtype: torch.dtype) -> Tensor:
+def _weight_grad(mm: _precision.Products, p: Tensor, q: Tensor, dtype: torch.dtype, src: Tensor | None = None) -> Tensor:
     """dW[d] = p[d]^T q[d] summed over all packed rows: (D, N, G) x (D, N, F) -> (D, G, F) in
-    ``dtype``, on matmul.c's transposed product where :func:`_own` chooses it, else torch's bmm."""
-    if not _own(mm, p.size(1), p, q):
+    ``dtype``, on matmul.c's transposed product where :func:`_own` chooses it, else torch's bmm; with
+    ``src`` (:func:`reads_rows`) q is the padded (R, F) and q[d] its rows src[d]."""
+    if src is None and not _own(mm, p.size(1), p, q):
         return mm.bmm(p.transpose(1, 2), q, dtype=dtype)
     dirs, rows, m = p.shape
-    n, threads = q.size(2), torch.get_num_threads()
+    n, threads = q.size(-1), torch.get_num_threads()
     lib, suffix = _matmul_lib(), _SUFFIX[p.dtype]
     values = ctypes.c_int64()
     getattr(lib, f"fl_matmul_tn_scratch_{suffix}")(n, threads, ctypes.addressof(values))
     out = torch.empty((dirs, m, n), dtype=p.dtype, device=p.device)
     scratch = pool.empty((values.value,), p.dtype, p)
-    getattr(lib, f"fl_matmul_tn_{suffix}")(dirs, m, n, rows, p.data_ptr(), q.data_ptr(), out.data_ptr(),
-                                           scratch.data_ptr(), threads)
+    getattr(lib, f"fl_matmul_tn_{suffix}")(dirs, m, n, rows, p.data_ptr(), q.data_ptr(), address(src),
+                                           out.data_ptr(), scratch.data_ptr(), threads)
     return out.to(dtype)
+
+
+def _input_grad_rows(dpre: Tensor, w_ih: Tensor, src: Tensor, num_rows: int) -> Tensor:
+    """:func:`_input_grad` with ``src``: dX (num_rows, F) from the block cache. The rows run in the
+    first direction's packed order (src[0]: every valid row once); direction d's packed row for each
+    is found through the inverse of src[d]."""
+    dirs, rows = src.shape
+    crows = src[0].contiguous()
+    if dirs == 1:
+        arows = torch.arange(rows, device=src.device).unsqueeze(0)
+    else:
+        inverse = torch.empty((dirs, num_rows), dtype=torch.int64, device=src.device)
+        inverse.scatter_(1, src, torch.arange(rows, device=src.device).expand(dirs, rows))
+        arows = inverse.gather(1, crows.expand(dirs, rows)).contiguous()
+    f, threads = w_ih.size(2), torch.get_num_threads()
+    dx = pool.empty((num_rows, f), dpre.dtype, dpre)
+    if rows < num_rows:  # the padded rows no direction reads
+        unread = torch.ones(num_rows, dtype=torch.bool, device=src.device)
+        unread[crows] = False
+        dx[unread] = 0
+    lib, suffix, values = _matmul_lib(), _SUFFIX[dpre.dtype], ctypes.c_int64()
+    getattr(lib, f"fl_matmul_sum_scratch_{suffix}")(w_ih.size(1), f, threads, ctypes.addressof(values))
+    scratch = pool.empty((values.value,), dpre.dtype, dpre)
+    packed = torch.empty(_packed_weight(w_ih.size(1), f, dirs), dtype=dpre.dtype, device=dpre.device)
+    getattr(lib, f"fl_matmul_sum_{suffix}")(dirs, rows, w_ih.size(1), f, dpre.data_ptr(), rows, arows.data_ptr(),
+                                            w_ih.data_ptr(), 0, dx.data_ptr(), crows.data_ptr(), packed.data_ptr(),
+                                            scratch.data_ptr(), threads)
+    return dx
 
 
 def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
@@ -201,7 +259,9 @@ class LSTMRecurrence(torch.autograd.Function):
     (D, P, H) | None projection (P = H without); rmask (D, B, P) | None recurrent-dropout mask
     (scaled); zc (D, N, H), zh (D, N, P) | None zoneout keep-masks; active: tuple of the T
     active-prefix sizes (sum N); consts: (cell_clip or 0, z_c, z_h, proj_clip or 0) (the z are
-    used where the masks are None). Returns y (D, N, P), h_n (D, B, P), c_n (D, B, H).
+    used where the masks are None); src (D, N) int64 | None: where given (:func:`reads_rows`), xs is
+    the padded input's rows (R, F_l) and xs[d] its rows src[d] (the projection and dW_ih read them
+    there, dX comes back as (R, F_l)). Returns y (D, N, P), h_n (D, B, P), c_n (D, B, H).
 
     The input projection is one batched GEMM before the loop, its gradients (dX, dW_ih) two after
     the backward loop, dW_hh (and dW_hr) one each. Saved per packed row, in buffers from
@@ -214,19 +274,21 @@ class LSTMRecurrence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
+    def forward(ctx, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts,
+                src=None):
         ctx.dtypes = [t.dtype if t is not None else None for t in (xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep,
                                                                     w_hr)]
         mm = _precision.Products.of(xs)  # GEMM operands in mm.low, the rest in mm.acc (read autocast first)
         with torch.autocast(xs.device.type, enabled=False):
             return LSTMRecurrence._forward(ctx, mm, xs, w_ih, gx, bias, h0, c0,
-                                           w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts)
+                                           w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts, src)
 
     @staticmethod
-    def _forward(ctx, mm, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts):
+    def _forward(ctx, mm, xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, active, consts,
+                 src=None):
         acc = mm.acc
         originals = (xs, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh)  # for the backward
-        dirs, rows, _ = xs.shape
+        dirs, rows = src.shape if src is not None else xs.shape[:2]
         gsize = w_ih.size(1)
         hidden = gsize // 4
         batch, out_size = h0.shape[1:]
@@ -260,7 +322,7 @@ class LSTMRecurrence(torch.autograd.Function):
         y = tmp["y"] if mm.mixed else pool.empty((dirs, rows, out_size), acc, xs)
         xs_op = _into(buf.get("xs_low"), xs)
         # with LayerNorm the kernel normalises W_ih x, then adds the bias
-        _project(mm, xs_op, w_ih, bias if gx is None else None, xp)
+        _project(mm, xs_op, w_ih, bias if gx is None else None, xp, src)
         # with a projection the kernel writes h1 into y1 and keeps scratch state hk
         y1, hk = (buf["y1"], xs.new_zeros(dirs, batch, hidden)) if proj else (y, h)
         keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
@@ -308,7 +370,7 @@ class LSTMRecurrence(torch.autograd.Function):
         y = y.to(mm.low)
         pool.give(tmp_slab)
         ctx.save_for_backward(*originals, keep)
-        ctx.buf, ctx.release, ctx.mm = buf, pool.hold(ctx, slab), mm
+        ctx.buf, ctx.release, ctx.mm, ctx.src = buf, pool.hold(ctx, slab), mm, src
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = bias is not None
         # outputs in the low precision (mm.low: the input's dtype unless mixed), as torch's RNNs under autocast
@@ -400,8 +462,8 @@ class LSTMRecurrence(torch.autograd.Function):
         # one GEMM each over all packed rows: dX[d] = dpre[d] W_ih[d], dW_ih[d] = dpre[d]^T X[d],
         # dW_hh[d] = dr[d]^T hd[d], dW_hr[d] = dhp[d]^T y1[d]
         dp_op = _into(tmp["dpre_low"], dpre) if separate_dr else _either(dr_low, dpre)  # (dr_low: dpre's copy)
-        d_xs = _input_grad(mm, dp_op, w_ih, ctx.dtypes[0]) if need[0] else None
-        d_w_ih = _weight_grad(mm, dp_op, _either(buf.get("xs_low"), xs), ctx.dtypes[1]) if need[1] else None
+        d_xs = _input_grad(mm, dp_op, w_ih, ctx.dtypes[0], ctx.src, xs.size(0)) if need[0] else None
+        d_w_ih = _weight_grad(mm, dp_op, _either(buf.get("xs_low"), xs), ctx.dtypes[1], ctx.src) if need[1] else None
         d_bias = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias and need[3] else None
         d_w_hh = _weight_grad(mm, _either(dr_low, dr), _either(buf.get("hd_low"), hd), mm.acc) if need[6] else None
         d_w_hr = mm.bmm(dhp.transpose(1, 2), y1) if proj and need[11] else None
@@ -411,7 +473,7 @@ class LSTMRecurrence(torch.autograd.Function):
             del ctx.buf
         grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_bias, dh if need[4] else None, dc if need[5] else None,
                  d_w_hh, acc_gh, acc_gc if need[8] else None, acc_bc if need[9] else None, acc_peep, d_w_hr)
-        return (*in_dtypes(grads, ctx.dtypes), None, None, None, None, None)
+        return (*in_dtypes(grads, ctx.dtypes), None, None, None, None, None, None)
 
 
 class GRURecurrence(torch.autograd.Function):
@@ -423,22 +485,22 @@ class GRURecurrence(torch.autograd.Function):
     (D, G, H); b_hh (D, G) | None (added after the recurrent LayerNorm, inside r * (.) for the n
     gate, as torch.nn.GRU); gh (D, G) | None recurrent LayerNorm gain; rmask (D, B, H) | None;
     zh (D, N, H) | None zoneout keep-mask; active: the T active-prefix sizes; consts: (z_h,) used
-    where the mask is None. Returns y (D, N, H), h_n (D, B, H).
+    where the mask is None; src as :class:`LSTMRecurrence`'s. Returns y (D, N, H), h_n (D, B, H).
     """
 
     @staticmethod
-    def forward(ctx, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
+    def forward(ctx, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts, src=None):
         ctx.dtypes = [t.dtype if t is not None else None for t in (xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh)]
         mm = _precision.Products.of(xs)  # GEMM operands in mm.low, the rest in mm.acc (read autocast first)
         with torch.autocast(xs.device.type, enabled=False):
             return GRURecurrence._forward(ctx, mm, xs, w_ih, gx, b_ih, h0, w_hh,
-                                          b_hh, gh, rmask, zh, active, consts)
+                                          b_hh, gh, rmask, zh, active, consts, src)
 
     @staticmethod
-    def _forward(ctx, mm, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts):
+    def _forward(ctx, mm, xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, active, consts, src=None):
         acc = mm.acc
         originals = (xs, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh)  # for the backward
-        dirs, rows, _ = xs.shape
+        dirs, rows = src.shape if src is not None else xs.shape[:2]
         gsize = w_ih.size(1)
         hidden, batch, first = gsize // 3, h0.size(1), active[0]
         (zh_const,) = consts
@@ -460,7 +522,7 @@ class GRURecurrence(torch.autograd.Function):
         y = tmp["y"] if mm.mixed else pool.empty((dirs, rows, hidden), acc, xs)  # as in LSTMRecurrence
         xp, r, hd, hd_low = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"], buf.get("hd_low")
         xs_op = _into(buf.get("xs_low"), xs)
-        _project(mm, xs_op, w_ih, b_ih if gx is None else None, xp)  # (with LayerNorm: b_ih after it, in the kernel)
+        _project(mm, xs_op, w_ih, b_ih if gx is None else None, xp, src)  # (with LayerNorm: b_ih after it, in the kernel)
         hd[:, :first] = h * rmask if rmask is not None else h
         w_t = None if in_c else mm.operand(w_hh.transpose(1, 2)).contiguous()  # (as the LSTM's)
         offsets = _offsets(active)
@@ -485,7 +547,7 @@ class GRURecurrence(torch.autograd.Function):
         y = y.to(mm.low)
         pool.give(tmp_slab)
         ctx.save_for_backward(*originals)
-        ctx.buf, ctx.release, ctx.mm = buf, pool.hold(ctx, slab), mm
+        ctx.buf, ctx.release, ctx.mm, ctx.src = buf, pool.hold(ctx, slab), mm, src
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = (b_ih is not None, b_hh is not None)
         return y, h.to(mm.low)
@@ -543,8 +605,8 @@ class GRURecurrence(torch.autograd.Function):
             dh[:, :n] += gn
         # one GEMM each over all packed rows: dX, dW_ih, dW_hh = dr^T hd
         dp_op = _into(tmp["dpre_low"], dpre)
-        d_xs = _input_grad(mm, dp_op, w_ih, ctx.dtypes[0]) if need[0] else None
-        d_w_ih = _weight_grad(mm, dp_op, _either(buf.get("xs_low"), xs), ctx.dtypes[1]) if need[1] else None
+        d_xs = _input_grad(mm, dp_op, w_ih, ctx.dtypes[0], ctx.src, xs.size(0)) if need[0] else None
+        d_w_ih = _weight_grad(mm, dp_op, _either(buf.get("xs_low"), xs), ctx.dtypes[1], ctx.src) if need[1] else None
         d_b_ih = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias[0] and need[3] else None
         d_w_hh = _weight_grad(mm, _either(dr_low, dr), _either(buf.get("hd_low"), hd), mm.acc) if need[5] else None
         d_b_hh = dhb.sum(1) if ctx.has_bias[1] and need[6] else None
@@ -553,15 +615,18 @@ class GRURecurrence(torch.autograd.Function):
             ctx.release()
             del ctx.buf
         grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh, acc_gh)
-        return (*in_dtypes(grads, ctx.dtypes), None, None, None, None)
+        return (*in_dtypes(grads, ctx.dtypes), None, None, None, None, None)
 
 
 def _recorded_backward(cell: str, ctx, grads: tuple) -> tuple[Tensor | None, ...]:
     """The backward of a layer while it is being recorded (create_graph): the vector-Jacobian product
     of :func:`~._reference.packed_layer_reference` on the saved inputs (:mod:`fastlayers._core.twice`)."""
     inputs = ctx.saved_tensors[:15 if cell == "LSTM" else 10]
+    src = getattr(ctx, "src", None)
 
     def layout(xs, params, states, options, masks):
+        if src is not None:  # the padded input's rows of every direction (differentiably)
+            xs = xs.index_select(0, src.flatten()).view(*src.shape, xs.size(-1))
         return packed_layer_reference(cell, xs, params, states, ctx.active, options, masks)
 
-    return (*recorded_layer_backward(cell, ctx, grads, inputs, layout), None, None)
+    return (*recorded_layer_backward(cell, ctx, grads, inputs, layout), None, None, None)
