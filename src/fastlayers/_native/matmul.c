@@ -60,14 +60,8 @@ void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, 
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                           \
-        int64_t q0, q1;                                                                              \
-        fl_share(D * np, tid, nt, &q0, &q1);                                                         \
-        for (int64_t q = q0; q < q1; q++) {                                                          \
-            const int64_t d = q / np, p = q % np;                                                    \
-            fl_gemm_pack_##SUFFIX(K, N, B + d * K * N, trans_b ? K : N, trans_b, Bp + d * np * K * W, p,  \
-                                  p + 1);                                                            \
-        }                                                                                            \
-        _Pragma("omp barrier")                                                                       \
+        int64_t q0, q1; /* the thread's share of B's panels packed, then a barrier (gemm.h) */       \
+        fl_loop_pack_##SUFFIX(1, tid, nt, D, np, K, N, B, trans_b, Bp, &q0, &q1);                    \
         fl_share(D * blocks, tid, nt, &q0, &q1);                                                     \
         for (int64_t q = q0; q < q1; q++) {                                                          \
             const int64_t d = q / blocks, i = (q % blocks) * FL_MATMUL_MC;                           \
@@ -119,10 +113,8 @@ void fl_matmul_sum_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T*
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                            \
-        int64_t q0, q1;                                                                              \
-        fl_share(D * np, tid, nt, &q0, &q1);                                                         \
-        fl_gemm_pack_items_##SUFFIX(q0, q1, np, K, N, B, trans_b, Bp);                               \
-        _Pragma("omp barrier")                                                                       \
+        int64_t q0, q1; /* as fl_matmul's */                                                         \
+        fl_loop_pack_##SUFFIX(1, tid, nt, D, np, K, N, B, trans_b, Bp, &q0, &q1);                    \
         T* const sa = scratch + tid * FL_MATMUL_MC * (K + N);                                        \
         T* const sc = sa + FL_MATMUL_MC * K;                                                         \
         fl_share(blocks, tid, nt, &q0, &q1);                                                         \
