@@ -32,9 +32,11 @@ _GRADS = {"lstm": 12, "gru": 8}  # inputs with gradients: all tensors but the ma
 
 class _Context:
     """What the Functions' forward and backward read and write on ``ctx``, for an operator call:
-    buffers are fresh tensors (``fresh``), never the pool's."""
+    buffers are fresh tensors (``fresh``), never the pool's; the operators take packed rows (no
+    ``src`` index)."""
 
     fresh = True
+    src = None
 
     def __init__(self, **attributes: Any) -> None:
         self.saved_tensors: tuple = ()
