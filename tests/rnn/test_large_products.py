@@ -63,8 +63,7 @@ def test_kernel_reads_gathered_rows(dtype, dirs, rows, k, n, threads):
     bias = torch.randn(dirs, n, dtype=dtype)
     out = torch.full((dirs, rows, n), float("nan"), dtype=dtype)
     packed = torch.empty(_cpu_recurrence._packed_weight(k, n, dirs), dtype=dtype)
-    lib = _native.library()
-    lib.fl_matmul_scratch_rows.restype = ctypes.c_int64
+    lib = _native.library()  # (fl_matmul_scratch_rows's int64 result declared where it loads)
     scratch = torch.full((threads * lib.fl_matmul_scratch_rows() * k,), float("nan"), dtype=dtype)
     suffix = "f32" if dtype == torch.float32 else "f64"
     getattr(_cpu_recurrence._matmul_lib(), f"fl_matmul_{suffix}")(

@@ -121,6 +121,7 @@ def _open() -> ctypes.CDLL | None:
     _STATE["path"] = path
     lib.fl_matmul_preferred.argtypes, lib.fl_matmul_preferred.restype = [ctypes.c_int64], ctypes.c_int
     lib.fl_matmul_prefer.argtypes, lib.fl_matmul_prefer.restype = [ctypes.c_int], None
+    lib.fl_matmul_scratch_rows.argtypes, lib.fl_matmul_scratch_rows.restype = [], ctypes.c_int64
     choice = os.environ.get(PRODUCTS_ENV, "").strip().lower()
     if choice in ("native", "torch"):
         lib.fl_matmul_prefer(int(choice == "native"))

@@ -10,9 +10,10 @@
  * so the micro-kernel streams it front to back (a row-major B read W columns at a time jumps a
  * whole row between loads, out of reach of the prefetcher once N*sizeof(T) > 4 KiB).
  *
- * fl_gemm_panels_SUFFIX(N): the number of panels; fl_gemm_pack_SUFFIX(K, N, B, ldb, trans, Bp, p0, p1):
- *   packs panels [p0, p1) of B (K x N, row stride ldb; trans: B given as its N x K transpose,
- *   row stride ldb) into Bp (panels * K * W values);
+ * fl_gemm_panels_SUFFIX(N): the number of panels;
+ * fl_gemm_pack_SUFFIX(K, N, B, ldb, rows, trans, Bp, p0, p1): packs panels [p0, p1) of B (K x N,
+ *   row stride ldb; with rows, K indices: row k of B is row rows[k] there; trans: B given as its
+ *   N x K transpose, row stride ldb) into Bp (panels * K * W values);
  * fl_gemm_SUFFIX(m, p0, p1, K, N, A, lda, Bp, C, ldc): C[i, j] = sum_k A[i, k] * B[k, j] for
  *   i < m and the columns j < N of panels [p0, p1); A is m x K (row stride lda), C has row
  *   stride ldc and is overwritten (accumulate = 0) or added to (accumulate = 1). Single-threaded: the loops give each thread its panels
@@ -74,8 +75,8 @@ enum { FL_W_##SUFFIX = 2 * FL_VBYTES / (int)sizeof(T) };                        
                                                                                                      \
 static inline int64_t fl_gemm_panels_##SUFFIX(int64_t N) { return (N + FL_W_##SUFFIX - 1) / FL_W_##SUFFIX; } \
                                                                                                      \
-static void fl_gemm_pack_##SUFFIX(int64_t K, int64_t N, const T* B, int64_t ldb, int trans, T* Bp,  \
-                                  int64_t p0, int64_t p1)                                            \
+static void fl_gemm_pack_##SUFFIX(int64_t K, int64_t N, const T* B, int64_t ldb,                   \
+                                  const int64_t* rows, int trans, T* Bp, int64_t p0, int64_t p1)     \
 {                                                                                                    \
     const int64_t W = FL_W_##SUFFIX;                                                                 \
     for (int64_t p = p0; p < p1; p++) {                                                              \
@@ -89,7 +90,7 @@ static void fl_gemm_pack_##SUFFIX(int64_t K, int64_t N, const T* B, int64_t ldb,
             continue;                                                                                \
         }                                                                                            \
         for (int64_t k = 0; k < K; k++) {                                                            \
-            memcpy(dst + k * W, B + k * ldb + j, sizeof(T) * cols);                                  \
+            memcpy(dst + k * W, B + (rows ? rows[k] : k) * ldb + j, sizeof(T) * cols);               \
             for (int64_t c = cols; c < W; c++) dst[k * W + c] = 0;                                   \
         }                                                                                            \
     }                                                                                                \
@@ -179,7 +180,7 @@ static inline void fl_gemm_pack_items_##SUFFIX(int64_t q0, int64_t q1, int64_t n
                                         const T* w, int trans, T* wp)                                \
 {                                                                                                    \
     for (int64_t q = q0; q < q1; q++)                                                                \
-        fl_gemm_pack_##SUFFIX(K, N, w + (q / np) * K * N, trans ? K : N, trans,                      \
+        fl_gemm_pack_##SUFFIX(K, N, w + (q / np) * K * N, trans ? K : N, 0, trans,                   \
                               wp + (q / np) * np * K * FL_W_##SUFFIX, q % np, q % np + 1);           \
 }                                                                                                    \
 /* C_d[:m] = A_d[:m] @ W_d (accumulate = 0) or += (1) for the share's panels: A_d rows at            \

@@ -14,9 +14,10 @@
  *   C_d (M x N) = A_d (M x K) @ op(B_d) (+ bias_d broadcast over the rows), where op(B_d) is B_d
  *   (K x N, row-major) when trans_b == 0, or the transpose of B_d given as N x K row-major when
  *   trans_b == 1. A_d at A + d*M*K, or with `rows` (D x M indices) row i of A_d is row
- *   rows[d*M + i] of A (the packing's gather done block by block in cache: the C++ operators'
- *   padded input, never copied whole); B_d at B + d*K*N, bias_d at bias + d*N (bias may be NULL),
- *   C_d at C + d*M*N, every matrix contiguous. Bp: work space of D * panels(N) * K * W values
+ *   rows[d*M + i] of A (the packing's gather done block by block in cache, or read in place where
+ *   the indices run consecutively: the padded input, never copied whole); B_d at B + d*K*N, bias_d
+ *   at bias + d*N (bias may be NULL), C_d at C + d*M*N, every matrix contiguous. Bp: work space of
+ *   D * panels(N) * K * W values
  *   (fl_gemm_panels, W = the panel width: at most D * K * N rounded up to 32 columns); scratch
  *   (with rows only): nthreads * fl_matmul_scratch_rows() * K values.
  * The threads pack B's panels (a share each), then take a share of the (direction, block of
@@ -51,6 +52,25 @@ int fl_matmul_preferred(int64_t rows)
 #define FL_MATMUL_MC 96 /* rows per item: a multiple of both micro-kernel heights (6, 8) */
 int64_t fl_matmul_scratch_rows(void) { return FL_MATMUL_MC; }
 
+static inline int fl_consecutive(const int64_t* index, int64_t m)
+{
+    for (int64_t r = 1; r < m; r++)
+        if (index[r] != index[0] + r) return 0;
+    return m > 0;
+}
+/* rows index[0..m) of A (row stride K) as a block: in place where the indices run consecutively,
+ * else gathered into scratch (m x K; it stays in L2) */
+#define FL_DEFINE_BLOCK_ROWS(T, SUFFIX)                                                              \
+static inline const T* fl_block_rows_##SUFFIX(const T* A, const int64_t* index, int64_t m,         \
+                                              int64_t K, T* scratch)                                 \
+{                                                                                                    \
+    if (fl_consecutive(index, m)) return A + index[0] * K;                                           \
+    for (int64_t r = 0; r < m; r++) memcpy(scratch + r * K, A + index[r] * K, sizeof(T) * K);        \
+    return scratch;                                                                                  \
+}
+FL_DEFINE_BLOCK_ROWS(float, f32)
+FL_DEFINE_BLOCK_ROWS(double, f64)
+
 #define FL_DEFINE_MATMUL(T, SUFFIX)                                                                  \
 void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, const int64_t* rows,  \
                         const T* B, int trans_b, const T* bias, T* C, T* Bp, T* scratch, int nthreads) \
@@ -67,12 +87,9 @@ void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, 
             const int64_t d = q / blocks, i = (q % blocks) * FL_MATMUL_MC;                           \
             const int64_t m = M - i < FL_MATMUL_MC ? M - i : FL_MATMUL_MC;                           \
             T* c = C + (d * M + i) * N;                                                              \
-            const T* a = A + (d * M + i) * K;                                                        \
-            if (rows) { /* the block's rows of A gathered into this thread's scratch (stays in L2) */ \
-                T* s = scratch + tid * FL_MATMUL_MC * K;                                             \
-                for (int64_t r = 0; r < m; r++) memcpy(s + r * K, A + rows[d * M + i + r] * K, sizeof(T) * K); \
-                a = s;                                                                               \
-            }                                                                                        \
+            const T* a = rows ? fl_block_rows_##SUFFIX(A, rows + d * M + i, m, K,                    \
+                                                       scratch + tid * FL_MATMUL_MC * K)             \
+                              : A + (d * M + i) * K;                                                 \
             if (bias)                                                                                \
                 for (int64_t r = 0; r < m; r++) memcpy(c + r * N, bias + d * N, sizeof(T) * N);      \
             fl_gemm_##SUFFIX(m, 0, np, K, N, a, K, Bp + d * np * K * W, c, N, bias != 0);             \
@@ -93,12 +110,6 @@ FL_DEFINE_MATMUL(double, f64)
  * their indices run consecutively, else gathered into the thread's scratch), the products of the
  * directions added up in the block's rows of C (in place where consecutive, else in the scratch,
  * then copied out). */
-static inline int fl_consecutive(const int64_t* index, int64_t m)
-{
-    for (int64_t r = 1; r < m; r++)
-        if (index[r] != index[0] + r) return 0;
-    return m > 0;
-}
 #define FL_DEFINE_MATMUL_SUM(T, SUFFIX)                                                              \
 void fl_matmul_sum_scratch_##SUFFIX(int64_t K, int64_t N, int64_t nthreads, int64_t* values)         \
 {                                                                                                    \
@@ -123,13 +134,7 @@ void fl_matmul_sum_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T*
             const int direct = fl_consecutive(crows + i, m);                                         \
             T* c = direct ? C + crows[i] * N : sc;                                                   \
             for (int64_t d = 0; d < D; d++) {                                                        \
-                const int64_t* ar = arows + d * M + i;                                               \
-                const T* ad = A + d * NA * K;                                                        \
-                const T* a = sa;                                                                     \
-                if (fl_consecutive(ar, m))                                                           \
-                    a = ad + ar[0] * K;                                                              \
-                else                                                                                 \
-                    for (int64_t r = 0; r < m; r++) memcpy(sa + r * K, ad + ar[r] * K, sizeof(T) * K); \
+                const T* a = fl_block_rows_##SUFFIX(A + d * NA * K, arows + d * M + i, m, K, sa);    \
                 fl_gemm_##SUFFIX(m, 0, np, K, N, a, K, Bp + d * np * K * W, c, N, d > 0);            \
             }                                                                                        \
             if (!direct)                                                                             \
@@ -190,16 +195,9 @@ void fl_matmul_tn_##SUFFIX(int64_t D, int64_t M, int64_t N, int64_t K, const T* 
                 for (int64_t i = r0; i < r1; i++) memset(cd + i * N, 0, sizeof(T) * N);              \
             for (int64_t k0 = 0; k0 < K; k0 += FL_TN_KC) {                                           \
                 const int64_t kc = K - k0 < FL_TN_KC ? K - k0 : FL_TN_KC;                            \
-                if (qr) /* row k of Q_d is row qr[k] of Q */                                         \
-                    for (int64_t p = 0; p < np; p++) {                                               \
-                        const int64_t j = p * W, cols = N - j < W ? N - j : W;                       \
-                        for (int64_t k = 0; k < kc; k++) {                                           \
-                            memcpy(qp + (p * kc + k) * W, qd + qr[k0 + k] * N + j, sizeof(T) * cols); \
-                            for (int64_t c = cols; c < W; c++) qp[(p * kc + k) * W + c] = 0;         \
-                        }                                                                            \
-                    }                                                                                \
-                else                                                                                 \
-                    fl_gemm_pack_##SUFFIX(kc, N, qd + k0 * N, N, 0, qp, 0, np);                      \
+                /* (with qr, row k of Q_d is row qr[k] of Q) */                                      \
+                fl_gemm_pack_##SUFFIX(kc, N, qr ? qd : qd + k0 * N, N, qr ? qr + k0 : 0, 0, qp, 0,   \
+                                      np);                                                           \
                 for (int64_t s0 = r0; s0 < r1; s0 += FL_TN_MC) {                                     \
                     const int64_t m = r1 - s0 < FL_TN_MC ? r1 - s0 : FL_TN_MC;                       \
                     const int64_t blocks = (m + R - 1) / R;                                          \

@@ -93,18 +93,13 @@ def _native_matmul(a: Tensor, w: Tensor, trans: bool, bias: Tensor | None, out: 
     dirs, rows = src.shape if src is not None else a.shape[:2]
     k, n, threads = a.size(-1), out.size(2), torch.get_num_threads()
     packed = torch.empty(_packed_weight(k, n, dirs), dtype=out.dtype, device=out.device)
-    scratch = pool.empty((threads * _scratch_rows() * k,), a.dtype, a) if src is not None else None
+    # (gathered rows: fl_matmul_scratch_rows() of them per thread)
+    scratch = pool.empty((threads * _native.library().fl_matmul_scratch_rows() * k,), a.dtype, a) \
+        if src is not None else None
     getattr(_matmul_lib(), f"fl_matmul_{_SUFFIX[out.dtype]}")(
         dirs, rows, k, n, a.data_ptr(), address(src), w.data_ptr(), int(trans), address(bias), out.data_ptr(),
         packed.data_ptr(), address(scratch), threads)
     return out
-
-
-def _scratch_rows() -> int:
-    """The rows of matmul.c's per-thread scratch for gathered rows (fl_matmul_scratch_rows)."""
-    lib = _native.library()
-    lib.fl_matmul_scratch_rows.restype = ctypes.c_int64
-    return lib.fl_matmul_scratch_rows()
 
 
 def _project(mm: _precision.Products, xs: Tensor, w_ih: Tensor, bias: Tensor | None, xp: Tensor,
