@@ -333,28 +333,27 @@ static inline void fl_row_block(int by_rows, int64_t D, int tid, int nt, int64_t
 /* The time loops, where a thread runs its rows one after another (fl_row_block), prefetch before
  * each row the saved or input rows of the row they run after it (those buffers are larger than
  * the caches; one row's work hides the memory's latency; the steps split into tasks do not):
- * fl_block_next gives the next (d, b) of the block [d0, d1) x [b0, b1) in the loops' order (0 after
- * the last), fl_first_row the first row of a thread's block (fl_row_block's) at a step of n rows
- * (0: none), for the step after; fl_prefetch touches [p, p + bytes) with prefetcht0 (always inlined,
+ * fl_row_after gives the row a thread runs after (d, b) of its block [d0, d1) x [b0, b1): the next
+ * in the loops' order, else (*shift = next_shift, the packed rows from this step's to the next's)
+ * the first of its block (fl_row_block's) at the next step, of n_next rows; 0: none. fl_prefetch
+ * touches [p, p + bytes) with prefetcht0 (always inlined,
  * as its callers must be: GCC takes a function that only prefetches for one without effects and
  * drops its calls). (A whole step ahead, into L2, measured the same at H = 64 and at the seed shape;
  * a row ahead does not rely on the step's product, which streams the weight through L2, leaving
  * them there.) */
-static inline int fl_block_next(int64_t d, int64_t b, int64_t d1, int64_t b0, int64_t b1, int64_t* pd,
-                                int64_t* pb)
+static inline int fl_row_after(int by_rows, int64_t D, int64_t B, int tid, int nt, int64_t d,
+                               int64_t b, int64_t d1, int64_t b0, int64_t b1, int64_t n_next,
+                               int64_t next_shift, int64_t* pd, int64_t* pb, int64_t* shift)
 {
+    int64_t lo, hi, nd1, nb1;
+    *shift = 0;
     if (b + 1 < b1) { *pd = d; *pb = b + 1; return 1; }
     if (d + 1 < d1 && b0 < b1) { *pd = d + 1; *pb = b0; return 1; }
-    return 0;
-}
-static inline int fl_first_row(int by_rows, int64_t D, int64_t B, int tid, int nt, int64_t n, int64_t* d,
-                               int64_t* b)
-{
-    int64_t lo, hi, d1, b1;
-    if (n <= 0) return 0;
-    fl_own_rows(B, tid, nt, n, &lo, &hi);
-    fl_row_block(by_rows, D, tid, nt, n, lo, hi, d, &d1, b, &b1);
-    return *d < d1 && *b < b1;
+    if (n_next <= 0) return 0;
+    *shift = next_shift;
+    fl_own_rows(B, tid, nt, n_next, &lo, &hi);
+    fl_row_block(by_rows, D, tid, nt, n_next, lo, hi, pd, &nd1, pb, &nb1);
+    return *pd < nd1 && *pb < nb1;
 }
 static inline __attribute__((always_inline)) void fl_prefetch(const void* p, int64_t bytes)
 {

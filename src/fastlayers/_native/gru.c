@@ -267,14 +267,13 @@ void gru_forward_loop_##SUFFIX(                                                 
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0,      \
                 zh_const};                                                                           \
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
-                int64_t d0, d1, b0, b1, pd, pb;                                                      \
+                int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
-                        if (fl_block_next(d, b, d1, b0, b1, &pd, &pb)) /* the row after it */        \
-                            gru_forward_prefetch_##SUFFIX(&a, 0, pd, pb);                            \
-                        else if (fl_first_row(by_rows, D, B, tid, nt, n_next, &pd, &pb))             \
-                            gru_forward_prefetch_##SUFFIX(&a, n, pd, pb);                            \
+                        if (fl_row_after(by_rows, D, B, tid, nt, d, b, d1, b0, b1, n_next, n,        \
+                                         &pd, &pb, &sh)) /* the row it runs next */                  \
+                            gru_forward_prefetch_##SUFFIX(&a, sh, pd, pb);                           \
                         gru_forward_row_##SUFFIX(&a, d * n + b);                                     \
                     }                                                                                \
             } else {                                                                                 \
@@ -327,15 +326,14 @@ void gru_backward_loop_##SUFFIX(                                                
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
             if (by_rows || !sync) { /* as lstm_backward_loop: the passes row by row */               \
-                int64_t d0, d1, b0, b1, pd, pb;                                                      \
+                int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
                 const int64_t nn = t > 0 ? active[t - 1] : 0; /* the next step's rows (t - 1) */     \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
-                        if (fl_block_next(d, b, d1, b0, b1, &pd, &pb)) /* the row after it */        \
-                            gru_backward_prefetch_##SUFFIX(&a, 0, pd, pb);                           \
-                        else if (fl_first_row(by_rows, D, B, tid, nt, nn, &pd, &pb))                 \
-                            gru_backward_prefetch_##SUFFIX(&a, -nn, pd, pb);                         \
+                        if (fl_row_after(by_rows, D, B, tid, nt, d, b, d1, b0, b1, nn, -nn,          \
+                                         &pd, &pb, &sh)) /* the row it runs next */                  \
+                            gru_backward_prefetch_##SUFFIX(&a, sh, pd, pb);                          \
                         gru_backward_row_##SUFFIX(&a, d * n + b);                                    \
                         if (acc_gx || acc_gh) gru_sum_row_##SUFFIX(&a, d, b, 0, G);                  \
                         if (xstat) gru_backward_input_norm_##SUFFIX(&a, d * n + b);                  \

@@ -127,7 +127,7 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
 }                                                                                                    \
                                                                                                      \
 /* the input rows a forward row reads, of row (d, b) of the step `shift` packed rows from a's,       \
- * prefetched (gemm.h fl_block_next) */                                                              \
+ * prefetched (gemm.h fl_row_after) */                                                               \
 static inline __attribute__((always_inline)) void lstm_forward_prefetch_##SUFFIX(                    \
     const lstm_fwd_##SUFFIX* a, int64_t shift, int64_t d, int64_t b)                                 \
 {                                                                                                    \
@@ -375,14 +375,13 @@ void lstm_forward_loop_##SUFFIX(                                                
                 gc, bc, peep, clip, eps, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const,         \
                 zh_const};                                                                           \
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
-                int64_t d0, d1, b0, b1, pd, pb;                                                      \
+                int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
-                        if (fl_block_next(d, b, d1, b0, b1, &pd, &pb)) /* the row after it */        \
-                            lstm_forward_prefetch_##SUFFIX(&a, 0, pd, pb);                           \
-                        else if (fl_first_row(by_rows, D, B, tid, nt, n_next, &pd, &pb))             \
-                            lstm_forward_prefetch_##SUFFIX(&a, n, pd, pb);                           \
+                        if (fl_row_after(by_rows, D, B, tid, nt, d, b, d1, b0, b1, n_next, n,        \
+                                         &pd, &pb, &sh)) /* the row it runs next */                  \
+                            lstm_forward_prefetch_##SUFFIX(&a, sh, pd, pb);                          \
                         lstm_forward_row_##SUFFIX(&a, d * n + b);                                    \
                     }                                                                                \
             } else {                                                                                 \
@@ -450,15 +449,14 @@ void lstm_backward_loop_##SUFFIX(                                               
                 /* the three passes row by row, on this thread's rows (by_rows) or on its whole      \
                  * directions (nt divides D: their accumulators are its own), each row's sums and    \
                  * input LayerNorm while its buffers are in L1 */                                    \
-                int64_t d0, d1, b0, b1, pd, pb;                                                      \
+                int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
                 const int64_t nn = t > 0 ? active[t - 1] : 0; /* the next step's rows (t - 1) */     \
                 for (int64_t d = d0; d < d1; d++)                                                    \
                     for (int64_t b = b0; b < b1; b++) {                                              \
-                        if (fl_block_next(d, b, d1, b0, b1, &pd, &pb)) /* the row after it */        \
-                            lstm_backward_prefetch_##SUFFIX(&a, 0, pd, pb);                          \
-                        else if (fl_first_row(by_rows, D, B, tid, nt, nn, &pd, &pb))                 \
-                            lstm_backward_prefetch_##SUFFIX(&a, -nn, pd, pb);                        \
+                        if (fl_row_after(by_rows, D, B, tid, nt, d, b, d1, b0, b1, nn, -nn,          \
+                                         &pd, &pb, &sh)) /* the row it runs next */                  \
+                            lstm_backward_prefetch_##SUFFIX(&a, sh, pd, pb);                         \
                         lstm_backward_row_##SUFFIX(&a, d * n + b);                                   \
                         if (sums) lstm_sum_row_##SUFFIX(&a, d, b, 0, G);                             \
                         if (xstat) lstm_backward_input_norm_##SUFFIX(&a, d * n + b);                 \
