@@ -1,11 +1,14 @@
-"""attention_pool / AttentionPooling against a naive float64 loop; gradcheck; masking; errors."""
+"""attention_pool / AttentionPooling against a naive float64 loop; gradcheck; masking; errors; the CPU
+binding's own backward (fastlayers.attention._cpu) against the twin's autograd."""
 
 import math
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
+from torch.autograd import gradcheck, gradgradcheck
 
+import fastlayers
 from fastlayers import AttentionPooling, attention_pool
 
 
@@ -131,3 +134,123 @@ def test_errors():
         attention_pool(q.long(), k, v)
     with pytest.raises(ValueError, match=r"key_size: expected 4 \(= query_size\)"):
         AttentionPooling(4, 5, score="dot")
+
+
+def _grads(score, lengths, q, k, v, use, backend):
+    """(context, weights, their grads in q, k, v (None where none)) of one call on ``backend``,
+    the outputs weighted by fixed cotangents, only those in ``use``."""
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    with fastlayers.backend(backend):
+        context, weights = attention_pool(*leaves, lengths, score=score)
+    if context.requires_grad:  # the binding ran, or the twin
+        assert (context.grad_fn.name() == "AttentionCPUBackward") == (backend == "cpu")
+    g = torch.Generator().manual_seed(1)
+    pairs = [(o, torch.randn(o.shape, generator=g, dtype=o.dtype)) for o, name in ((context, "context"),
+             (weights, "weights")) if name in use and o.requires_grad]
+    wanted = [t for t in leaves if t.requires_grad]
+    grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True)
+                 if pairs else [None] * len(wanted))
+    return context, weights, [next(grads) if t.requires_grad else None for t in leaves]
+
+
+@pytest.mark.parametrize("score", ["dot", "scaled_dot"])
+@pytest.mark.parametrize("lengths", [None, [5, 1, 3]])
+@pytest.mark.parametrize("use", [("context", "weights"), ("context",), ("weights",)])
+@pytest.mark.parametrize("needs", [(True, True, True), (True, True, False), (False, True, False), (True, False, True)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cpu_binding_equals_the_twin(score, lengths, use, needs, dtype):
+    """Default CPU calls run AttentionCPU (its backward: broadcasts for dK and dV); the same values
+    and gradients as the twin's autograd (forced "reference"), for every subset of inputs requiring
+    grad and of outputs used; padded steps' gradients exactly 0."""
+    q, k, v, _ = _make(score, dtype=dtype)
+    q, k, v = (t.requires_grad_(n) for t, n in zip((q, k, v), needs))
+    got = _grads(score, lengths, q, k, v, use, "cpu")
+    want = _grads(score, lengths, q, k, v, use, "reference")
+    tol = {} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got[:2], want[:2], **tol)
+    for name, a, b in zip("qkv", got[2], want[2]):
+        if b is None or (name == "v" and "context" not in use):  # no path to the input: None or zeros
+            assert a is None or not a.any(), name
+        else:
+            torch.testing.assert_close(a, b, **tol, msg=name)
+            if lengths is not None and name != "q":
+                for row, n in enumerate(lengths):
+                    assert not a[row, n:].any(), (name, row)
+
+
+def test_cpu_binding_padded_steps_get_zero_key_gradients_whatever_the_values_hold():
+    """As the twin's masked_fill: a NaN value at a padded step makes that sequence's context NaN
+    (weight 0 times NaN, documented), and the keys' gradient there stays exactly 0 on both paths."""
+    q, k, v, _ = _make("dot")
+    v[1, 3] = float("nan")
+    for backend in ("cpu", "reference"):
+        kk = k.clone().requires_grad_(True)
+        with fastlayers.backend(backend):
+            context, weights = attention_pool(q, kk, v, [5, 1, 3])
+            assert (context.grad_fn.name() == "AttentionCPUBackward") == (backend == "cpu")
+        dk = torch.autograd.grad(weights.sum() + context.sum(), kk)[0]
+        assert context[1].isnan().all() and dk[1, 0].isnan().all() and not dk[1, 1:].any(), backend
+        assert dk[[0, 2]].isfinite().all(), backend
+
+
+@pytest.mark.parametrize("score", ["dot", "scaled_dot"])
+def test_cpu_binding_gradgradcheck(score):
+    """A recorded backward (create_graph) differentiates the twin: second derivatives, not zeros."""
+    q, k, v, _ = _make(score, batch=2, steps=4, dq=3, dk=3, dv=2)
+    inputs = tuple(t.requires_grad_(True) for t in (q, k, v))
+
+    def f(q, k, v):
+        context, weights = attention_pool(q, k, v, [4, 2], score=score)
+        assert context.grad_fn.name() == "AttentionCPUBackward"
+        return context, weights
+
+    assert gradcheck(f, inputs) and gradgradcheck(f, inputs)
+
+
+def test_cpu_binding_under_torch_func_runs_the_twin():
+    """torch.func transforms (which an autograd.Function without setup_context refuses) run the twin:
+    grad and vmap give the twin's answers."""
+    q, k, v, _ = _make("dot")
+
+    def loss(q, k):
+        context, weights = attention_pool(q, k, v, [5, 1, 3])
+        return context.sum() + (weights ** 2).sum()
+
+    dq, dk = torch.func.grad(loss, argnums=(0, 1))(q, k)
+    with fastlayers.backend("reference"):
+        want = torch.autograd.grad(loss(q.requires_grad_(True), k.requires_grad_(True)), (q, k))
+    torch.testing.assert_close((dq, dk), want)
+    batched = torch.func.vmap(lambda qq, kk: attention_pool(qq, kk, v)[0])(q.detach().expand(2, -1, -1),
+                                                                            k.detach().expand(2, -1, -1, -1))
+    torch.testing.assert_close(batched[1], attention_pool(q.detach(), k.detach(), v)[0])
+
+
+@given(batch=st.integers(0, 4), steps=st.integers(1, 6), dim=st.integers(1, 5), dv=st.integers(1, 4),
+       score=st.sampled_from(["dot", "scaled_dot"]), seed=st.integers(0, 1000), data=st.data())
+def test_hypothesis_cpu_binding_gradients_equal_the_twin(batch, steps, dim, dv, score, seed, data):
+    lengths = data.draw(st.one_of(st.none(), st.lists(st.integers(1, steps), min_size=batch, max_size=batch)))
+    use = data.draw(st.sampled_from([("context", "weights"), ("context",), ("weights",)]))
+    needs = data.draw(st.tuples(st.booleans(), st.booleans(), st.booleans()).filter(any))
+    q, k, v, _ = _make(score, batch=batch, steps=steps, dq=dim, dk=dim, dv=dv, seed=seed)
+    q, k, v = (t.requires_grad_(n) for t, n in zip((q, k, v), needs))
+    got = _grads(score, lengths, q, k, v, use, "cpu")
+    want = _grads(score, lengths, q, k, v, use, "reference")
+    torch.testing.assert_close(got[:2], want[:2])
+    for a, b in zip(got[2], want[2]):
+        if a is not None and b is not None:
+            torch.testing.assert_close(a, b)
+        else:
+            assert (a is None or not a.any()) and (b is None or not b.any())
+
+
+@pytest.mark.parametrize("score", ["dot", "scaled_dot"])
+def test_cpu_binding_values_default_to_keys(score):
+    """values = keys (the default): one tensor in both roles gets the sum of both gradients."""
+    q, k, _, _ = _make(score)
+    grads = []
+    for backend in ("cpu", "reference"):
+        leaves = (q.clone().requires_grad_(True), k.clone().requires_grad_(True))
+        with fastlayers.backend(backend):
+            context, weights = attention_pool(*leaves, lengths=[5, 1, 3], score=score)
+        grads.append(torch.autograd.grad((context ** 2).sum() + weights[:, 0].sum(), leaves))
+    torch.testing.assert_close(grads[0], grads[1])

@@ -4,7 +4,8 @@ Backends:
 
 * ``"cpu"``: the C kernels in ``fastlayers/_native`` (the native library, built with the package; one
   CPU variant loaded): CPU tensors, float32/float64, and bfloat16/float16 (computed in float32, see
-  :mod:`fastlayers._core.precision`).
+  :mod:`fastlayers._core.precision`). Attention pooling's CPU path needs no C library: torch's
+  products with a backward of its own (``fastlayers.attention._cpu``).
 * ``"triton"``: the Triton kernels in ``fastlayers/_triton``: CUDA tensors, or CPU tensors when
   the environment variable ``TRITON_INTERPRET=1`` was set before Triton was imported (Triton's
   interpreter; slow, for tests).
@@ -38,6 +39,8 @@ BACKENDS = ("cpu", "triton", "reference")
 ENV = "FASTLAYERS_BACKEND"
 # op -> name of its C library in _native (the ops that have a C kernel)
 _NATIVE_LIBRARY = {"lstm": "lstm", "gru": "gru", "local2d": "local"}
+# ops with a CPU path: those, and attention pooling (torch's products with its own backward, no C library)
+CPU_OPS = frozenset({*_NATIVE_LIBRARY, "attention"})
 # ops with a Triton kernel (fastlayers._triton's modules; they run where the triton package imports)
 TRITON_OPS = frozenset({"local2d", "attention", "lstm", "gru"})
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastlayers_backend", default=None)
@@ -155,7 +158,7 @@ def unavailable(name: str, op: str, x: Tensor) -> str | None:
 
 
 def _has_kernel(name: str, op: str) -> bool:
-    return op in (_NATIVE_LIBRARY if name == "cpu" else TRITON_OPS)
+    return op in (CPU_OPS if name == "cpu" else TRITON_OPS)
 
 
 def select(op: str, x: Tensor) -> str:

@@ -15,10 +15,12 @@ autograd's backward costs a small multiple of the forward (seed 001's per-column
 
 The package (the file roles of :mod:`fastlayers.rnn` and :mod:`fastlayers.local`): ``_modules``
 (:func:`attention_pool` and :class:`AttentionPooling`: validation, then the backend choice),
-``_reference`` (:func:`attention_pool_reference`, the plain-PyTorch twin: the CPU and reference
-path, and what the Triton path's double backward differentiates; ``attention_pool_varlen_reference``,
-the varlen form as segment operations, what a traced call runs), ``_gpu`` (the Triton kernels'
-autograd binding). No operators of its own: an exported model holds the twin's torch ops.
+``_reference`` (:func:`attention_pool_reference`, the plain-PyTorch twin: the reference path, the
+CPU path of the additive score, low precision and traced calls, and what the CPU and Triton paths'
+double backwards differentiate; ``attention_pool_varlen_reference``, the varlen form as segment
+operations, what a traced call runs), ``_cpu`` (dot scores on CPU: the twin's forward with a
+backward of its own), ``_gpu`` (the Triton kernels' autograd binding). No operators of its own: an
+exported model holds the twin's torch ops.
 """
 
 from ._modules import AttentionPooling as AttentionPooling, attention_pool as attention_pool
