@@ -136,46 +136,77 @@ def test_errors():
         AttentionPooling(4, 5, score="dot")
 
 
-def _grads(score, lengths, q, k, v, use, backend):
-    """(context, weights, their grads in q, k, v (None where none)) of one call on ``backend``,
-    the outputs weighted by fixed cotangents, only those in ``use``."""
-    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k, v)]
+def _grads(score, lengths, tensors, use, backend):
+    """(context, weights, their grads in ``tensors`` = (q, k, v) + the additive parameters (None
+    where none)) of one call on ``backend``, the outputs weighted by fixed cotangents, only those in
+    ``use``."""
+    leaves = [t if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
     with fastlayers.backend(backend):
-        context, weights = attention_pool(*leaves, lengths, score=score)
+        context, weights = attention_pool(*leaves[:3], lengths, score=score,
+                                          additive=tuple(leaves[3:]) if score == "additive" else None)
     if context.requires_grad:  # the binding ran, or the twin
-        assert (context.grad_fn.name() == "AttentionCPUBackward") == (backend == "cpu")
+        name = "AdditiveCPUBackward" if score == "additive" else "AttentionCPUBackward"
+        assert (context.grad_fn.name() == name) == (backend == "cpu")
     g = torch.Generator().manual_seed(1)
     pairs = [(o, torch.randn(o.shape, generator=g, dtype=o.dtype)) for o, name in ((context, "context"),
              (weights, "weights")) if name in use and o.requires_grad]
-    wanted = [t for t in leaves if t.requires_grad]
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
     grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [c for _, c in pairs], allow_unused=True)
                  if pairs else [None] * len(wanted))
-    return context, weights, [next(grads) if t.requires_grad else None for t in leaves]
+    return context, weights, [next(grads) if t is not None and t.requires_grad else None for t in leaves]
 
 
-@pytest.mark.parametrize("score", ["dot", "scaled_dot"])
+def _compare(got, want, lengths, use, **tol):
+    """Values and gradients of the binding (``got``) against the twin's (``want``); an input without
+    a path to a used output may get None on one side and zeros on the other."""
+    torch.testing.assert_close(got[:2], want[:2], **tol)
+    for i, (a, b) in enumerate(zip(got[2], want[2])):
+        if a is None or b is None or (i == 2 and "context" not in use):
+            assert (a is None or not a.any()) and (b is None or not b.any()), i
+            continue
+        torch.testing.assert_close(a, b, **tol, msg=f"input {i}")
+        if lengths is not None and i in (1, 2):  # keys, values: exactly 0 at the padded steps
+            for row, n in enumerate(lengths):
+                assert not a[row, n:].any(), (i, row)
+
+
+@pytest.mark.parametrize("score", ["dot", "scaled_dot", "additive"])
 @pytest.mark.parametrize("lengths", [None, [5, 1, 3]])
 @pytest.mark.parametrize("use", [("context", "weights"), ("context",), ("weights",)])
-@pytest.mark.parametrize("needs", [(True, True, True), (True, True, False), (False, True, False), (True, False, True)])
+@pytest.mark.parametrize("needs", [(True, True, True), (True, True, False), (False, True, False), (True, False, True),
+                                   (False, False, False)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_cpu_binding_equals_the_twin(score, lengths, use, needs, dtype):
-    """Default CPU calls run AttentionCPU (its backward: broadcasts for dK and dV); the same values
-    and gradients as the twin's autograd (forced "reference"), for every subset of inputs requiring
-    grad and of outputs used; padded steps' gradients exactly 0."""
-    q, k, v, _ = _make(score, dtype=dtype)
-    q, k, v = (t.requires_grad_(n) for t, n in zip((q, k, v), needs))
-    got = _grads(score, lengths, q, k, v, use, "cpu")
-    want = _grads(score, lengths, q, k, v, use, "reference")
-    tol = {} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
-    torch.testing.assert_close(got[:2], want[:2], **tol)
-    for name, a, b in zip("qkv", got[2], want[2]):
-        if b is None or (name == "v" and "context" not in use):  # no path to the input: None or zeros
-            assert a is None or not a.any(), name
-        else:
-            torch.testing.assert_close(a, b, **tol, msg=name)
-            if lengths is not None and name != "q":
-                for row, n in enumerate(lengths):
-                    assert not a[row, n:].any(), (name, row)
+    """Default CPU calls run AttentionCPU / AdditiveCPU (their own backwards); the same values and
+    gradients as the twin's autograd (forced "reference"), for subsets of the inputs requiring grad
+    (the additive parameters always, or alone) and of the outputs used; padded steps' gradients 0."""
+    q, k, v, add = _make(score, dk=4 if score != "additive" else 7, dtype=dtype)
+    tensors = [t.requires_grad_(n) for t, n in zip((q, k, v), needs)]
+    if add:
+        tensors += [t.requires_grad_(True) for t in add]
+    elif not any(needs):
+        return  # nothing to differentiate without additive parameters (the no-grad path: test_matches_naive_loop)
+    got = _grads(score, lengths, tensors, use, "cpu")
+    want = _grads(score, lengths, tensors, use, "reference")
+    _compare(got, want, lengths, use, **({} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 2e-6}))
+
+
+def test_cpu_binding_additive_without_bias_and_module_as_constructed():
+    """AttentionPooling(score="additive") as constructed (float32, its own initialisation), with and
+    without bias: the binding's values and every parameter's gradient equal the twin's."""
+    torch.manual_seed(0)
+    for bias in (True, False):
+        pool = AttentionPooling(6, 5, score="additive", attention_size=4, bias=bias)
+        q, k = torch.randn(3, 6, requires_grad=True), torch.randn(3, 7, 5, requires_grad=True)
+        results = []
+        for backend in ("cpu", "reference"):
+            with fastlayers.backend(backend):
+                context, weights = pool(q, k, lengths=[7, 2, 5])
+            assert (context.grad_fn.name() == "AdditiveCPUBackward") == (backend == "cpu")
+            results.append((context, weights, torch.autograd.grad(context.square().sum() + weights[:, 1].sum(),
+                                                                  [q, k, *pool.parameters()])))
+        torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=2e-6)
+        assert len(results[0][2]) == 5 + bias
 
 
 def test_cpu_binding_padded_steps_get_zero_key_gradients_whatever_the_values_hold():
@@ -193,15 +224,16 @@ def test_cpu_binding_padded_steps_get_zero_key_gradients_whatever_the_values_hol
         assert dk[[0, 2]].isfinite().all(), backend
 
 
-@pytest.mark.parametrize("score", ["dot", "scaled_dot"])
+@pytest.mark.parametrize("score", ["dot", "scaled_dot", "additive"])
 def test_cpu_binding_gradgradcheck(score):
     """A recorded backward (create_graph) differentiates the twin: second derivatives, not zeros."""
-    q, k, v, _ = _make(score, batch=2, steps=4, dq=3, dk=3, dv=2)
-    inputs = tuple(t.requires_grad_(True) for t in (q, k, v))
+    q, k, v, add = _make(score, batch=2, steps=4, dq=3, dk=3, dv=2, attention=2)
+    inputs = tuple(t.requires_grad_(True) for t in (q, k, v) + (add or ()))
+    name = "AdditiveCPUBackward" if score == "additive" else "AttentionCPUBackward"
 
-    def f(q, k, v):
-        context, weights = attention_pool(q, k, v, [4, 2], score=score)
-        assert context.grad_fn.name() == "AttentionCPUBackward"
+    def f(q, k, v, *params):
+        context, weights = attention_pool(q, k, v, [4, 2], score=score, additive=params or None)
+        assert context.grad_fn.name() == name
         return context, weights
 
     assert gradcheck(f, inputs) and gradgradcheck(f, inputs)
@@ -226,21 +258,20 @@ def test_cpu_binding_under_torch_func_runs_the_twin():
 
 
 @given(batch=st.integers(0, 4), steps=st.integers(1, 6), dim=st.integers(1, 5), dv=st.integers(1, 4),
-       score=st.sampled_from(["dot", "scaled_dot"]), seed=st.integers(0, 1000), data=st.data())
-def test_hypothesis_cpu_binding_gradients_equal_the_twin(batch, steps, dim, dv, score, seed, data):
+       attention=st.integers(1, 4), score=st.sampled_from(["dot", "scaled_dot", "additive"]), seed=st.integers(0, 1000),
+       data=st.data())
+def test_hypothesis_cpu_binding_gradients_equal_the_twin(batch, steps, dim, dv, attention, score, seed, data):
     lengths = data.draw(st.one_of(st.none(), st.lists(st.integers(1, steps), min_size=batch, max_size=batch)))
     use = data.draw(st.sampled_from([("context", "weights"), ("context",), ("weights",)]))
-    needs = data.draw(st.tuples(st.booleans(), st.booleans(), st.booleans()).filter(any))
-    q, k, v, _ = _make(score, batch=batch, steps=steps, dq=dim, dk=dim, dv=dv, seed=seed)
-    q, k, v = (t.requires_grad_(n) for t, n in zip((q, k, v), needs))
-    got = _grads(score, lengths, q, k, v, use, "cpu")
-    want = _grads(score, lengths, q, k, v, use, "reference")
-    torch.testing.assert_close(got[:2], want[:2])
-    for a, b in zip(got[2], want[2]):
-        if a is not None and b is not None:
-            torch.testing.assert_close(a, b)
-        else:
-            assert (a is None or not a.any()) and (b is None or not b.any())
+    q, k, v, add = _make(score, batch=batch, steps=steps, dq=dim, dk=data.draw(st.integers(1, 5)) if score == "additive"
+                         else dim, dv=dv, attention=attention, seed=seed)
+    tensors = [q, k, v] + list(add or ())
+    if add and data.draw(st.booleans()):
+        tensors[-1] = None  # no bias
+    needs = data.draw(st.lists(st.booleans(), min_size=len(tensors), max_size=len(tensors)).filter(any))
+    tensors = [t if t is None else t.requires_grad_(n) for t, n in zip(tensors, needs)]
+    _compare(_grads(score, lengths, tensors, use, "cpu"), _grads(score, lengths, tensors, use, "reference"), lengths,
+             use)
 
 
 @pytest.mark.parametrize("score", ["dot", "scaled_dot"])

@@ -1,5 +1,5 @@
 """Attention pooling's public half: :func:`attention_pool` (validation, then the backend choice:
-for dot scores the Triton kernels on CUDA and the CPU binding's own backward on CPU, else the
+the Triton kernels for dot scores on CUDA, the CPU binding's own backwards on CPU, else the
 plain-PyTorch twin) and :class:`AttentionPooling`.
 
 Legend and formulas: :mod:`fastlayers.attention`.
@@ -16,10 +16,10 @@ from .._core import jagged
 from .._core.backend import select
 from .._core.checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_tensor
 from .._core.jit import TRITON, NotScriptable, refuse_trace
-from ._cpu import AttentionCPU
+from . import _cpu as cpu
 from ._gpu import AttentionTriton
-from ._reference import (ONE_DTYPE, SCORES, attention_pool_reference, attention_pool_varlen_reference, check_dot,
-                         dot_pool, padded_steps)
+from ._reference import (SCORES, additive_parameters, attention_pool_reference, attention_pool_varlen_reference,
+                         check_dot, padded_steps)
 
 
 def _check(query: Tensor, keys: Tensor, values: Tensor, varlen: bool = False) -> None:
@@ -111,30 +111,19 @@ def attention_pool(
     which = select("attention", query)
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
-    if score != "additive" and (which == "triton" or which == "cpu" and _hand_written(query, keys, values)):
-        check_dot(query, keys, score)
+    params = additive_parameters(additive, query, keys) if score == "additive" else None
+    if which == "triton" and params is None or which == "cpu" and cpu.serves(query, keys, values, params):
         batch, steps = keys.shape[:2]
-        scale = 1 / math.sqrt(keys.size(2)) if score == "scaled_dot" else 1.0
         lens = as_lengths(lengths, batch, steps) if lengths is not None else None
+        scale = 1 / math.sqrt(keys.size(2)) if score == "scaled_dot" else 1.0
+        if params is None:
+            check_dot(query, keys, score)
         if which == "cpu":
-            pad = padded_steps(lens, steps) if lens is not None else None
-            if torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad):
-                return AttentionCPU.apply(query, keys, values, pad, lens, scale)
-            return dot_pool(query, keys, values, pad, scale)  # nothing to differentiate: no autograd node
+            return cpu.pool(query, keys, values, padded_steps(lens, steps) if lens is not None else None, lens, scale,
+                            params)
         refuse_trace("fastlayers.attention_pool on the Triton backend", TRITON)  # one fused kernel per pass
         return AttentionTriton.apply(query, keys, values, lens if lens is None else lens.to(keys.device), scale)
     return attention_pool_reference(query, keys, values, lengths, score=score, additive=additive)
-
-def _hand_written(query: Tensor, keys: Tensor, values: Tensor) -> bool:
-    """The CPU backend's dot scores run :class:`AttentionCPU` (its own backward) for plain CPU tensors in
-    one dtype, float32 / float64, outside autocast; the rest, every call that torch.compile,
-    torch.export or torch.jit.trace records and every call under a torch.func transform, runs the
-    twin's torch ops."""
-    return (query.dtype in ONE_DTYPE and query.device.type == "cpu" and type(keys) is Tensor
-            and type(values) is Tensor and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and not torch._C._are_functorch_transforms_active())
-
 
 def _varlen(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive) -> tuple[Tensor, Tensor]:
     """keys (N, Dk), values (N, Dv) or None, cu_seqlens (B+1,) -> context (B, Dv), weights (N,): the

@@ -18,7 +18,7 @@ from .._core import precision
 from .._core.checks import as_lengths, check_shape
 
 SCORES = ("dot", "scaled_dot", "additive")
-ONE_DTYPE = (torch.float32, torch.float64)
+_ONE_DTYPE = (torch.float32, torch.float64)
 
 
 def attention_pool_reference(
@@ -34,7 +34,7 @@ def attention_pool_reference(
     ``values`` given): batched matmuls and a softmax, any device and dtype. It is what the reference
     backend runs, and what the CPU binding's and the Triton kernels' double backwards differentiate."""
     batch, steps = keys.shape[:2]
-    if score != "additive" and query.dtype in ONE_DTYPE and not torch.is_autocast_enabled(query.device.type):
+    if score != "additive" and query.dtype in _ONE_DTYPE and not torch.is_autocast_enabled(query.device.type):
         return _dot_one_dtype(query, keys, values, lengths, score == "scaled_dot")
     mm = precision.Products.of(query)
     if score == "additive":
@@ -86,16 +86,24 @@ def _additive_scores(mm: precision.Products, query: Tensor, keys: Tensor,
                      additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None, spread) -> Tensor:
     """The additive score v . tanh(W_k k + W_q q + b) of keys (..., Dk): ``spread`` places the query
     projection (B, A) beside the keys' (over the time steps, or over the varlen rows)."""
+    w_q, w_k, v, bias = additive_parameters(additive, query, keys)
+    hidden = mm.matmul(keys, w_k.T) + spread(mm.matmul(query, w_q.T))
+    if bias is not None:
+        hidden = hidden + bias.to(mm.acc)
+    return mm.matmul(torch.tanh(hidden), v)
+
+
+def additive_parameters(additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None, query: Tensor,
+                        keys: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The additive score's ``(weight_query (A, Dq), weight_key (A, Dk), v (A,), bias (A,) or None)``,
+    their shapes checked against query (B, Dq) and keys (..., Dk)."""
     if additive is None:
         raise ValueError("additive: expected (weight_query, weight_key, v, bias) for score='additive', got None")
     w_q, w_k, v, bias = additive
     size = v.size(0)
     check_shape("additive weight_query", w_q, (size, query.size(1)), "(A, Dq)")
     check_shape("additive weight_key", w_k, (size, keys.size(-1)), "(A, Dk)")
-    hidden = mm.matmul(keys, w_k.T) + spread(mm.matmul(query, w_q.T))
-    if bias is not None:
-        hidden = hidden + bias.to(mm.acc)
-    return mm.matmul(torch.tanh(hidden), v)
+    return w_q, w_k, v, bias
 
 
 def check_dot(query: Tensor, keys: Tensor, score: str) -> None:
@@ -132,6 +140,12 @@ def dot_pool(query: Tensor, keys: Tensor, values: Tensor, pad: Tensor | None, sc
     scores = torch.bmm(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1)  # (B, T), a fresh tensor
     if scale != 1.0:
         scores = scores.mul_(scale)
+    return softmax_pool(scores, values, pad)
+
+
+def softmax_pool(scores: Tensor, values: Tensor, pad: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(context (B, Dv), weights (B, T)) from scores (B, T) (a fresh tensor: masked in place) and
+    values (B, T, Dv): the softmax over the steps that ``pad`` (B, T) bool or None leaves valid."""
     if pad is not None:
         scores = scores.masked_fill_(pad, float("-inf"))
     weights = torch.softmax(scores, dim=1)
