@@ -108,7 +108,7 @@ def _native_library(load: bool) -> str:
         line = _native.describe()
         if _native.library() is not None:
             line += (f"; the recurrent layers' large products on "
-                     f"{'its own kernel (matmul.c) from 1024 rows' if _native.own_products() else 'torch BLAS'}")
+                     f"{'its own kernel (matmul.c) from 640 rows' if _native.own_products() else 'torch BLAS'}")
         return line
 
 

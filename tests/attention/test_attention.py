@@ -61,14 +61,17 @@ def test_matches_naive_loop(score, lengths):
             assert (w[b, n:] == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("score", ["dot", "scaled_dot", "additive"])
-def test_gradcheck(score):
+def test_gradcheck(score, backend):
+    """The CPU binding's backwards and the twin's autograd, each against finite differences."""
     q, k, v, add = _make(score, dk=4 if score != "additive" else 5)
     tensors = [q, k, v] + (list(add) if add else [])
     tensors = [t.requires_grad_(True) for t in tensors]
 
     def f(q, k, v, *a):
-        return attention_pool(q, k, v, [5, 2, 4], score=score, additive=tuple(a) if a else None)
+        with fastlayers.backend(backend):
+            return attention_pool(q, k, v, [5, 2, 4], score=score, additive=tuple(a) if a else None)
 
     assert torch.autograd.gradcheck(f, tuple(tensors))
 

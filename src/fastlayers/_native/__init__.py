@@ -166,8 +166,8 @@ def library_path() -> str:
 def own_products(rows: int = 1 << 62) -> bool:
     """Whether the recurrent layers' large products (the input projection, its input gradient and the
     weight gradients) of ``rows`` rows per direction run on the library's own kernel (``matmul.c``)
-    instead of torch's BLAS: on AMD CPUs from 1024 rows, where it was measured faster (torch's MKL
-    runs a generic code path there; on Intel it runs its own AVX-512 code; below 1024 rows packing
+    instead of torch's BLAS: on AMD CPUs from 640 rows, where it was measured faster (torch's MKL
+    runs a generic code path there; on Intel it runs its own AVX-512 code; below 640 rows packing
     the weight costs more than the kernel gains); ``$FASTLAYERS_LARGE_PRODUCTS`` (``native`` or
     ``torch``, any size) or :func:`prefer_own_products` overrides. False where the library is
     unavailable."""

@@ -29,15 +29,17 @@
 
 #include "gemm.h"
 
-#define FL_MATMUL_MIN_ROWS 1024
+#define FL_MATMUL_MIN_ROWS 640
 
 static int fl_matmul_choice = -1; /* -1: by the CPU; 0: torch's BLAS; 1: this file's kernel */
 
 void fl_matmul_prefer(int choice) { fl_matmul_choice = choice; }
 
 /* whether a product of `rows` rows (per direction) runs here: forced, or on an AMD CPU from
- * FL_MATMUL_MIN_ROWS rows (below, packing the weight costs more than the kernel gains: at K = 512,
- * N = 1024 it was 1.59x torch's time at 32 rows, 1.04x at 512, 0.92x at 2048; Zen 4, 2 threads) */
+ * FL_MATMUL_MIN_ROWS rows (below, packing the weight costs more than the kernel gains). Whole
+ * LayerNorm-LSTM layers against torch's BLAS (benchmarks/rnn/bench_products_threshold.py, H = 64
+ * to 512, Zen 4, 2 threads): at 512 rows avx512 0.95-0.98x, avx2 0.97-1.02x; at 640 rows
+ * 0.92-0.96x and 0.97-1.00x; at 128-256 rows up to 1.04x and 1.08x (BENCHMARKS.md, issue 62). */
 int fl_matmul_preferred(int64_t rows)
 {
     if (fl_matmul_choice >= 0) return fl_matmul_choice;

@@ -125,6 +125,7 @@ def attention_pool(
         return AttentionTriton.apply(query, keys, values, lens if lens is None else lens.to(keys.device), scale)
     return attention_pool_reference(query, keys, values, lengths, score=score, additive=additive)
 
+
 def _varlen(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive) -> tuple[Tensor, Tensor]:
     """keys (N, Dk), values (N, Dv) or None, cu_seqlens (B+1,) -> context (B, Dv), weights (N,): the
     padded call with lengths between one index_copy and one index_select (exact)."""
