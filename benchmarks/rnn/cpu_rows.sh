@@ -26,6 +26,7 @@ run() {  # run NAME COMMAND...: the command line first, then its output
 } > "$out/cpu.txt" 2>&1
 run floor $py benchmarks/rnn/bench_cpu_floor.py --repeats 5 --compare-products
 run large_products $py benchmarks/rnn/bench_large_products.py
+run products_threshold $py benchmarks/rnn/bench_products_threshold.py
 run page_faults $py benchmarks/rnn/probe_page_faults.py
 # shellcheck disable=SC2086
 run page_faults_mapped $mapped $py benchmarks/rnn/probe_page_faults.py
