@@ -182,13 +182,12 @@ def _compare(got, want, lengths, use, **tol):
 def test_cpu_binding_equals_the_twin(score, lengths, use, needs, dtype):
     """Default CPU calls run AttentionCPU / AdditiveCPU (their own backwards); the same values and
     gradients as the twin's autograd (forced "reference"), for subsets of the inputs requiring grad
-    (the additive parameters always, or alone) and of the outputs used; padded steps' gradients 0."""
+    (the additive parameters always, or alone; for dot scores none: the forward without an autograd
+    node) and of the outputs used; padded steps' gradients 0."""
     q, k, v, add = _make(score, dk=4 if score != "additive" else 7, dtype=dtype)
     tensors = [t.requires_grad_(n) for t, n in zip((q, k, v), needs)]
     if add:
         tensors += [t.requires_grad_(True) for t in add]
-    elif not any(needs):
-        return  # nothing to differentiate without additive parameters (the no-grad path: test_matches_naive_loop)
     got = _grads(score, lengths, tensors, use, "cpu")
     want = _grads(score, lengths, tensors, use, "reference")
     _compare(got, want, lengths, use, **({} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 2e-6}))

@@ -16,8 +16,9 @@ Failures never raise from a layer: no library (a source checkout that was not bu
 -e . --no-build-isolation`` builds it), or one that does not load (built against another torch
 version: its C++ ABI differs) ends in one warning per process, after which :func:`load` returns None
 and the callers take their pure-PyTorch path (:func:`fastlayers._core.backend.select` then picks
-``"cpu"`` only for an op that needs no C library). ``FASTLAYERS_NO_NATIVE=1`` switches the library off without a warning. The C
-kernels run only on CPU tensors: other devices take their own path whatever happens here.
+``"cpu"`` only for an op that needs no C library). ``FASTLAYERS_NO_NATIVE=1`` switches the library
+off without a warning. The C kernels run only on CPU tensors: other devices take their own path
+whatever happens here.
 """
 
 from __future__ import annotations

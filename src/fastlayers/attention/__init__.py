@@ -16,10 +16,10 @@ autograd's backward costs a small multiple of the forward (seed 001's per-column
 The package (the file roles of :mod:`fastlayers.rnn` and :mod:`fastlayers.local`): ``_modules``
 (:func:`attention_pool` and :class:`AttentionPooling`: validation, then the backend choice),
 ``_reference`` (:func:`attention_pool_reference`, the plain-PyTorch twin: the reference path, the
-CPU path of the additive score, low precision and traced calls, and what the CPU and Triton paths'
+path of low precision, traced calls and torch.func transforms, and what the CPU and Triton paths'
 double backwards differentiate; ``attention_pool_varlen_reference``, the varlen form as segment
-operations, what a traced call runs), ``_cpu`` (dot scores on CPU: the twin's forward with a
-backward of its own), ``_gpu`` (the Triton kernels' autograd binding). No operators of its own: an
+operations, what a traced call runs), ``_cpu`` (every score on CPU in float32 / float64: torch's
+products with backwards of their own), ``_gpu`` (the Triton kernels' autograd binding). No operators of its own: an
 exported model holds the twin's torch ops.
 """
 

@@ -174,10 +174,11 @@ class AdditiveCPU(torch.autograd.Function):
             grads[5] = rows.T @ ds.reshape(-1)
         if need[0] or need[1] or need[3] or need[4] or need[6]:
             dh = hidden.square().neg_().add_(1.0).mul_(v).mul_(ds.unsqueeze(2))  # (B, T, A): dS v (1 - H^2)
+            dh_rows = dh.view(batch * steps, size)
             if need[1]:
-                grads[1] = (dh.view(batch * steps, size) @ w_k).view(batch, steps, keys.size(2))
+                grads[1] = (dh_rows @ w_k).view(batch, steps, keys.size(2))
             if need[4]:
-                grads[4] = dh.view(batch * steps, size).T @ keys.reshape(batch * steps, keys.size(2))
+                grads[4] = dh_rows.T @ keys.reshape(batch * steps, keys.size(2))
             if need[0] or need[3] or need[6]:
                 projected = dh.sum(1)  # (B, A): the gradient of the query's projection
                 grads[0] = projected @ w_q if need[0] else None
