@@ -116,7 +116,7 @@ import fastlayers
 from fastlayers.rnn._remat import segment_length
 steps, batch, every, calls = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 every = every if every == "auto" else int(every)
-k = segment_length(every, steps, 2)
+k = segment_length(every, steps, 2, batch)  # as the C kernels' engine takes it
 torch.manual_seed(0)
 plain = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=True)
 remat = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=True, checkpoint_every=every)

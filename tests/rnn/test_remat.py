@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 import fastlayers
 from fastlayers.rnn._cpu import gru_engine, lstm_engine
 from fastlayers.rnn._options import CellOptions
-from fastlayers.rnn._remat import checkpointed
+from fastlayers.rnn._remat import checkpointed, segment_length
 
 LSTM_OPTIONS = [{}, {"layer_norm": True}, {"peephole": True, "cell_clip": 0.5}, {"proj_size": 3, "proj_clip": 0.4},
                 {"layer_norm": True, "peephole": True, "zoneout": (0.1, 0.2)}]
@@ -110,6 +110,71 @@ def test_training_masks_given_to_the_engine_are_used_in_both_passes(mode):
         loss = (out * out.detach().cos()).sum() + sum(f.sum() for f in final)
         results.append([out, *final, *torch.autograd.grad(loss, [x, *params])])
     for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("lengths", [None, [10, 10, 10], [10, 4, 10]])
+def test_frozen_parameters_and_lengths_that_end_on_a_segment_bound(cell, lengths):
+    """The C engine's backward stacks the directions' parameters once per call: a parameter frozen
+    in one direction only gets no gradient, the others theirs; with every sequence ending on a
+    segment bound before T (the last segments run nothing) the steps after stay zero."""
+    kw = dict(bidirectional=True, layer_norm=True)
+    torch.manual_seed(0)
+    plain = getattr(fastlayers, cell)(4, 6, **kw).double()
+    torch.manual_seed(0)
+    ours = getattr(fastlayers, cell)(4, 6, **kw, checkpoint_every=5).double()
+    frozen = {"weight_ih_l0_reverse", "bias_hh_l0", "ln_hh_weight_l0"}
+    for m in (plain, ours):
+        for name, p in m.named_parameters():
+            p.requires_grad_(name not in frozen)
+    x = torch.randn(15, 3, 4, dtype=torch.float64, requires_grad=True)
+    lengths = torch.tensor(lengths) if lengths is not None else None
+    a_out, a_grads = _loss_and_grads_of_trainable(plain, x, lengths)
+    b_out, b_grads = _loss_and_grads_of_trainable(ours, x, lengths)
+    for a, b in zip(a_out + a_grads, b_out + b_grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    if lengths is not None:
+        assert b_out[0][10:].abs().max().item() == 0.0
+    assert all(p.grad is None for name, p in ours.named_parameters() if name in frozen)
+    assert all(p.grad is not None for name, p in ours.named_parameters() if name not in frozen)
+
+
+def _loss_and_grads_of_trainable(module, x, lengths):
+    out, final = module(x, lengths=lengths)
+    finals = final if isinstance(final, tuple) else (final,)
+    loss = (out * out.detach().cos()).sum() + sum((f * f).sum() for f in finals)
+    loss.backward()
+    return [out, *finals], [x.grad] + [p.grad for p in module.parameters() if p.requires_grad]
+
+
+def test_auto_segment_length():
+    """"auto": about sqrt(T / D); on the C kernels' engine (B given) at least ceil(1280 / B) steps
+    while that leaves at least 16 segments."""
+    assert [segment_length("auto", t, 2) for t in (1, 17, 800, 100_000)] == [1, 3, 20, 224]
+    assert segment_length("auto", 800, 2, 32) == 40 and segment_length("auto", 800, 2, 8) == 50
+    assert segment_length("auto", 800, 1, 128) == 28 and segment_length("auto", 100_000, 2, 8) == 224
+    assert segment_length("auto", 100, 2, 8) == 7 and segment_length(5, 800, 2, 8) == 5
+    for steps in (1, 7, 100, 800, 5000):
+        for batch in (1, 8, 32, 512):
+            k = segment_length("auto", steps, 2, batch)
+            root = segment_length("auto", steps, 2)
+            assert k == root or (root < k <= steps // 16 and (k - 1) * batch < 1280)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_auto_with_the_batch_rule_equals_the_run_without_it(cell):
+    # T = 160, B = 4: sqrt(T / D) = 9 steps, the C engine's "auto" 10 (T / 16)
+    assert segment_length("auto", 160, 2, 4) == 10
+    torch.manual_seed(0)
+    plain = getattr(fastlayers, cell)(3, 4, bidirectional=True, layer_norm=True).double()
+    torch.manual_seed(0)
+    ours = getattr(fastlayers, cell)(3, 4, bidirectional=True, layer_norm=True, checkpoint_every="auto").double()
+    x = torch.randn(160, 4, 3, dtype=torch.float64, requires_grad=True)
+    lengths = torch.tensor([160, 97, 10, 150])
+    a_out, a_grads = _loss_and_grads(plain, x, None, lengths)
+    b_out, b_grads = _loss_and_grads(ours, x, None, lengths)
+    for a, b in zip(a_out + a_grads, b_out + b_grads, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 

@@ -64,13 +64,29 @@ def check_every(name: str, every: Any) -> int | str | None:
     raise ValueError(f"{name}: expected None, an int >= 1 or 'auto', got {every!r}")
 
 
-def segment_length(every: int | str, steps: int, dirs: int = 1) -> int:
+# "auto" on the C kernels' engine: segments of at least this many rows (k * B) per direction, where
+# that keeps k <= T / AUTO_MIN_SEGMENTS (bench_remat.py's k sweep, BENCHMARKS.md: a segment's fixed
+# cost, the weights' packing and the per-call work, is about 5-6 ms on 2 Zen 4 cores whatever B is)
+AUTO_ROWS = 1280
+AUTO_MIN_SEGMENTS = 16
+
+
+def segment_length(every: int | str, steps: int, dirs: int = 1, batch: int = 0) -> int:
     """k: ``every`` itself, or for ``"auto"`` about sqrt(T / D) (at least 1): the backward recomputes
     a segment's D directions together, so it holds the activations of about sqrt(T * D) steps, as
-    sqrt(T) segments of one direction would. (On the Triton engine a segment costs about 1 ms of
-    host time per engine call, so longer segments are faster there at the price of memory:
-    ``bench_remat.py --sweep``, BENCHMARKS.md.)"""
-    return max(1, round(math.sqrt(steps / dirs))) if every == "auto" else int(every)
+    sqrt(T) segments of one direction would. With ``batch`` (B; the C kernels' engine passes it)
+    "auto" takes at least ceil(AUTO_ROWS / B) steps, as long as that leaves at least
+    AUTO_MIN_SEGMENTS segments (so at most 1/16 of the layer's activations held): every segment
+    costs the same fixed time, which short segments of a small batch do not amortise (T = 800,
+    B = 8: 2.1x the time without the option at k = 20, 1.6x at k = 50). (On the Triton engine a
+    segment costs about 1 ms of host time per engine call, so longer segments are faster there at
+    the price of memory: ``bench_remat.py --sweep``, BENCHMARKS.md.)"""
+    if every != "auto":
+        return int(every)
+    k = max(1, round(math.sqrt(steps / dirs)))
+    if batch > 0:
+        k = max(k, min(-(-AUTO_ROWS // batch), steps // AUTO_MIN_SEGMENTS))
+    return k
 
 
 def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tensor, ...],
@@ -82,7 +98,7 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
     steps, recomputed in the backward (module docstring). ``cell``: "LSTM" or "GRU"."""
     steps, batch = input.shape[:2]
     dirs = len(layers[0])
-    k = segment_length(every, steps, dirs)
+    k = segment_length(every, steps, dirs, batch if engine in (lstm_engine, gru_engine) else 0)
     dev = input.device
     triton = engine in (lstm_engine_gpu, gru_engine_gpu)
     plan = Plan(steps, k, lengths, dev, flips=triton and dirs == 2)

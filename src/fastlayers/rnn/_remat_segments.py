@@ -174,10 +174,18 @@ class Segments(torch.autograd.Function):
         dx2 = dx.view(steps * batch, -1) if dx is not None else None
         carry = [(g.clone() if g is not None else torch.zeros_like(s)) for g, s in zip(dfinal, tensors[:n_states])]
         dparams: list[Tensor | None] = [None] * len(leaves)
+        if spec.native:  # both directions in one engine call per segment, the parameters stacked once
+            stacked = {name: torch.stack([params[d * n_params + i] for d in range(dirs)]).detach().requires_grad_(
+                any(leaves[d * n_params + i].requires_grad for d in range(dirs))) for i, name in enumerate(spec.names)}
+            sums: dict[str, Tensor] = {}
+            for j in reversed(range(len(spec.plan.bounds))):
+                _native_segment_backward(spec, j, x2, dy2, dx2, kept[j], stacked, carry, sums)
+            for i, name in enumerate(spec.names):
+                for d in range(dirs):
+                    if leaves[d * n_params + i].requires_grad and name in sums:
+                        dparams[d * n_params + i] = sums[name][d]
+            return (None, dx, *carry, *dparams)
         for j in reversed(range(len(spec.plan.bounds))):
-            if spec.native:  # both directions in one engine call
-                _native_segment_backward(spec, j, x2, dy2, dx2, kept[j], leaves, carry, dparams)
-                continue
             if spec.triton and dirs == 2:  # likewise, each direction with its own input
                 _paired_segment_backward(spec, j, x2, dy2, dx2, kept[j], leaves, carry, dparams)
                 continue
@@ -224,17 +232,19 @@ def _hand_out(grads: Iterator[Tensor | None], carry: list[Tensor], lanes: slice,
 
 
 def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
-                             kept: list[tuple[Tensor, ...]], leaves: list[Tensor], carry: list[Tensor],
-                             dparams: list[Tensor | None]) -> None:
+                             kept: list[tuple[Tensor, ...]], stacked: dict[str, Tensor], carry: list[Tensor],
+                             sums: dict[str, Tensor]) -> None:
     """Segment j's backward with the C kernels' engine, every direction in one call (as the layer
     without segments runs them): the segment's packed rows of both directions gathered from the
     input by their original flat rows (each direction in its own time), recomputed with autograd
-    (:func:`._cpu.packed_layer`), and back-propagated; the input gradient added into ``dx2``,
-    the state gradients into ``carry`` (D, B, width) and the parameter gradients into ``dparams``."""
+    (:func:`._cpu.packed_layer`, from the parameters ``stacked`` by name, (D, ...) each), and
+    back-propagated; the input gradient added into ``dx2``, the state gradients into ``carry`` (D,
+    B, width) and the stacked parameters' gradients into ``sums`` (by name; one buffer each, no
+    allocation per segment)."""
     start, stop = spec.plan.bounds[j]
     rows, seg_lengths = spec.plan.parts[j]
     pick = rows if rows is not None else slice(None)
-    dirs, n_params = len(spec.maps), len(spec.names)
+    dirs = len(spec.maps)
     k = stop - start
     batch = spec.maps[0].size(1) if rows is None else rows.numel()
     if seg_lengths is None:  # every running sequence runs all k steps: packed rows = padded rows
@@ -262,18 +272,28 @@ def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: T
         xs = x2.index_select(0, idx.reshape(-1)).view(dirs, rows_n, -1).detach().requires_grad_(dx2 is not None)
         s_in = [torch.cat([kept[d][i] for d in range(dirs)])[:, pick].detach().requires_grad_()
                 for i in range(spec.n_states)]
-        dir_params = [dict(zip(spec.names, leaves[d * n_params:(d + 1) * n_params])) for d in range(dirs)]
         rmask = masks.get("recurrent")
-        y, last = packed_layer(spec.cell, xs, dir_params, tuple(sort(s) for s in s_in),
+        y, last = packed_layer(spec.cell, xs, [stacked], tuple(sort(s) for s in s_in),
                                sort(rmask) if rmask is not None else None, masks.get("zoneout_c"),
-                               masks.get("zoneout_h"), active, spec.options, spec.training)
+                               masks.get("zoneout_h"), active, spec.options, spec.training, stacked=stacked)
     width = spec.width
     dys = torch.stack([dy2[:, d * width:(d + 1) * width].index_select(0, idx[d]) for d in range(dirs)])
-    wrt = [t for t in (xs, *s_in, *leaves) if t.requires_grad]
+    wanted = [name for name in spec.names if stacked[name].requires_grad]
+    wrt = [t for t in (xs, *s_in, *(stacked[name] for name in wanted)) if t.requires_grad]
     grads = iter(torch.autograd.grad([y, *last], wrt, [dys, *(sort(c[:, pick]) for c in carry)], allow_unused=True))
     if xs.requires_grad:
         dx2.index_add_(0, idx.reshape(-1), next(grads).reshape(dirs * rows_n, -1))  # type: ignore[union-attr]
-    _hand_out(grads, carry, slice(None), pick, leaves, range(len(leaves)), dparams)
+    for c in carry:
+        g = next(grads)
+        c[:, pick] = g if g is not None else 0.0
+    for name in wanted:
+        g = next(grads)
+        if g is None:
+            continue
+        if name in sums:
+            sums[name].add_(g)
+        else:
+            sums[name] = g.clone(memory_format=torch.contiguous_format)
 
 
 def _flip(t: Tensor, idx: Tensor | None) -> Tensor:
@@ -397,7 +417,10 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
     states = [[s[d:d + 1] for s in tensors[:n_states]] for d in range(dirs)]
     params = [dict(zip(spec.names, tensors[n_states + d * n_params:n_states + (d + 1) * n_params]))
               for d in range(dirs)]
-    out = x.new_zeros(steps, batch, dirs * spec.width)  # zeros stay at t >= len_b
+    # every row of every step written: no step dropped after the longest sequence, none short in a segment
+    full = bool(spec.plan.bounds) and spec.plan.bounds[-1][1] == steps and all(
+        rows is None and seg is None for rows, seg in spec.plan.parts)
+    out = (x.new_empty if full else x.new_zeros)(steps, batch, dirs * spec.width)  # zeros stay at t >= len_b
     out2 = out.view(steps * batch, -1)
     x2 = x.reshape(steps * batch, -1)
     paired = spec.triton and dirs == 2 and not torch.is_grad_enabled()  # (recorded: per direction, differentiable twice)
