@@ -110,7 +110,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "--overwrite, an --out that holds a run is refused")
     p.add_argument("--rnn-checkpoint-every", type=_every, default=None, metavar="K|auto",
                    help="the encoder's checkpoint_every: keep every K-th state and recompute the steps between in "
-                        "the backward (memory for time on long sequences; auto: about sqrt(T / D), D directions)")
+                        "the backward (memory for time on long sequences; auto: about sqrt(T / D), D directions, "
+                        "longer on CPU for small batches)")
     p.add_argument("--max-samples", type=int, default=None, help="train on the first N training sequences")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N optimisation steps")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)

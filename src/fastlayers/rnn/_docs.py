@@ -89,7 +89,8 @@ OPTIONS_DOC = """
       ``h_t = clamp(W_hr (o_t * tanh(.)), -p, p)``. With a projection, zoneout and recurrent
       dropout act on the projected h_t (what recurs), the cell options on the H-sized cell.
 
-    * ``checkpoint_every=k`` (an int >= 1, or ``"auto"`` for about sqrt(T / D); default None):
+    * ``checkpoint_every=k`` (an int >= 1, or ``"auto"`` for about sqrt(T / D), on CPU at least
+      ceil(1280 / B) while that leaves 16 segments; default None):
       recomputation through time for long sequences (:mod:`._remat`). In a call that records
       gradients, each layer and direction runs as segments of k steps; the forward keeps only the
       state entering each segment (and the masks it drew), the backward runs each segment again

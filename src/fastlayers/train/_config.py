@@ -37,8 +37,9 @@ class TrainConfig:
         loadable checkpoint in ``out``; overwrite: replace the run that ``out`` holds (its files are
         removed first). Without either, an ``out`` that holds a run is refused.
     rnn_checkpoint_every: the encoder's ``checkpoint_every`` (recomputation through time: an int
-        k >= 1, ``"auto"`` for about sqrt(T / D), or None), memory for time; it changes no result
-        beyond the order of sums, so a run may resume with another value.
+        k >= 1, ``"auto"`` for about sqrt(T / D) steps (longer on CPU for small batches: see
+        ``fastlayers.LSTM``), or None), memory for time; it changes no result beyond the order of
+        sums, so a run may resume with another value.
     batching: ``"padded"`` (each batch zero-padded to its longest sequence, with lengths) or
         ``"varlen"`` (the sequences concatenated, with ``cu_seqlens``: no padding; the same
         results, but for the draws of inter-layer dropout), so a run may resume with the other.
