@@ -273,3 +273,24 @@ def test_triton_engine_with_checkpoint_every_draws_what_the_run_without_it_draws
     got = _seeded_training_call(cell, options, every, x, lengths, "triton", 1)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_stack_directions_takes_the_rows_of_one_stacked_tensor_without_a_copy():
+    """The engines stack the directions' parameters with stack_directions: the rows 0..D-1 of one
+    tensor are that tensor (the remat backward's parameters, stacked once per call), its gradient
+    the stacked one; anything else is a stacked copy."""
+    from fastlayers.rnn._common import stack_directions
+
+    base = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert stack_directions([base[0], base[1]]) is base
+    assert stack_directions([base[0]]).shape == (1, 3, 4)
+    for parts in ([base[1], base[0]], [base[0], base[0]], [base[0, :2], base[1, :2]], [base[:, 0], base[:, 1]]):
+        out = stack_directions(parts)
+        assert out is not base and torch.equal(out, torch.stack(parts))
+    wide = torch.randn(3, 3, 4)
+    assert stack_directions([wide[0], wide[1]]) is not wide  # rows of a longer tensor: copied
+    separate = [torch.randn(3, 4), torch.randn(3, 4)]
+    assert torch.equal(stack_directions(separate), torch.stack(separate))
+    w = torch.randn(2, 3, 4, dtype=torch.float64)
+    (stack_directions([base[0], base[1]]) * w).sum().backward()
+    assert torch.equal(base.grad, w)

@@ -17,6 +17,22 @@ def as_dtype(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return t.to(dtype).contiguous()
 
 
+def stack_directions(tensors: list[Tensor]) -> Tensor:
+    """The directions' parameters stacked (D, ...). No copy where there is one tensor (a view) or
+    where the D tensors are the rows 0..D-1 of one tensor (a caller that runs the layer many times
+    stacks its parameters once, as :mod:`._remat`'s backward: that tensor then, so its gradient
+    is the stacked one)."""
+    if len(tensors) == 1:
+        return tensors[0].unsqueeze(0)
+    base = tensors[0]._base
+    if (base is not None and base.dim() >= 1 and base.size(0) == len(tensors)
+            and all(t._base is base and t.shape == base.shape[1:] and t.stride() == base.stride()[1:]
+                    and t.storage_offset() == base.storage_offset() + d * base.stride(0)
+                    for d, t in enumerate(tensors))):
+        return base
+    return torch.stack(tensors)
+
+
 def in_dtypes(grads, dtypes) -> tuple[Tensor | None, ...]:
     """Each gradient in the dtype of its input (they are computed in float32 for bf16 / fp16 inputs)."""
     return tuple(g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes))

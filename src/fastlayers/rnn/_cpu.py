@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .._core import precision
 from ._lengths import LengthPlan, full_plan, make_plan
-from ._common import drawn_masks, input_bias
+from ._common import drawn_masks, input_bias, stack_directions
 from ._options import CellOptions
 from ._cpu_recurrence import reads_rows
 from ._ops_compile import run_layer
@@ -187,8 +187,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
 
 def packed_layer(cell: str, xs: Tensor, dir_params: list[dict[str, Tensor]], states: tuple[Tensor, ...],
                  rmask: Tensor | None, zc: Tensor | None, zh: Tensor | None, active: tuple[int, ...],
-                 options: CellOptions, training: bool, src: Tensor | None = None,
-                 stacked: dict[str, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
+                 options: CellOptions, training: bool, src: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
     """One layer, every direction, on packed rows (:class:`LSTMRecurrence` / :class:`GRURecurrence`).
 
     xs (D, N, F_l) the packed input rows (step after step, each step's rows the active prefix of the
@@ -199,12 +198,10 @@ def packed_layer(cell: str, xs: Tensor, dir_params: list[dict[str, Tensor]], sta
     N, P) packed keep-masks, or None; ``active`` the T active-prefix sizes (sum N). Returns y (D, N,
     P) and the final states (D, B, width), sorted. Each direction runs forward over its rows: the
     caller's gather decides which time they are (the engine reads the reverse direction's back to
-    front). ``stacked``: the directions' parameters already stacked by name, (D, ...) each (a caller
-    that runs the layer many times with the same parameters stacks them once)."""
+    front). The directions' parameters are stacked by :func:`._common.stack_directions` (no copy
+    where they are the rows of one stacked tensor)."""
     def stack(name: str, use: bool = True) -> Tensor | None:
-        if not use:
-            return None
-        return stacked[name] if stacked is not None else torch.stack([p[name] for p in dir_params])
+        return stack_directions([p[name] for p in dir_params]) if use else None
 
     has_bias, bias = input_bias(cell, dir_params, stack)
     w_ih = stack("weight_ih")

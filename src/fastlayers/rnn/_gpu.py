@@ -65,9 +65,9 @@ from torch import Tensor
 
 from .._core import jagged, precision as _precision
 from . import _gpu_graphs
-from ._common import drawn_masks, input_bias
+from ._common import drawn_masks, input_bias, stack_directions
 from ._options import CellOptions
-from ._gpu_layers import GRULayer, LSTMLayer, Varlen, stack_directions
+from ._gpu_layers import GRULayer, LSTMLayer, Varlen
 
 
 

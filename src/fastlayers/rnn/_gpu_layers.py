@@ -29,11 +29,6 @@ from ._reference import layer_reference, recorded_layer_backward
 EPS = 1e-5
 
 
-def stack_directions(tensors: list[Tensor]) -> Tensor:
-    """The directions' parameters stacked (D, ...): one direction's is a view (no copy)."""
-    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
-
-
 def _project_input(mm: _precision.Products, x: Tensor, w_ih: Tensor, bias: Tensor | None) -> Tensor:
     """x (T, B, F) @ W_ih^T for every direction, one GEMM: (T, B, D, G) in mm.acc, + bias if given
     (varlen: x (N, F) -> (N, D, G)). x (D, T, B, F), each direction's own input: one batched GEMM,

@@ -174,21 +174,19 @@ class Segments(torch.autograd.Function):
         dx2 = dx.view(steps * batch, -1) if dx is not None else None
         carry = [(g.clone() if g is not None else torch.zeros_like(s)) for g, s in zip(dfinal, tensors[:n_states])]
         dparams: list[Tensor | None] = [None] * len(leaves)
-        if spec.native:  # both directions in one engine call per segment, the parameters stacked once
-            stacked = {name: torch.stack([params[d * n_params + i] for d in range(dirs)]).detach().requires_grad_(
-                any(leaves[d * n_params + i].requires_grad for d in range(dirs))) for i, name in enumerate(spec.names)}
+        if spec.native or (spec.triton and dirs == 2):  # both directions in one engine call per segment
+            # (the Triton engine: each direction with its own input), the parameters stacked once
+            stacked = _stack_once(spec.names, params, dirs, [t.requires_grad for t in leaves])
             sums: dict[str, Tensor] = {}
+            run = _native_segment_backward if spec.native else _paired_segment_backward
             for j in reversed(range(len(spec.plan.bounds))):
-                _native_segment_backward(spec, j, x2, dy2, dx2, kept[j], stacked, carry, sums)
+                run(spec, j, x2, dy2, dx2, kept[j], stacked, carry, sums)
             for i, name in enumerate(spec.names):
                 for d in range(dirs):
                     if leaves[d * n_params + i].requires_grad and name in sums:
                         dparams[d * n_params + i] = sums[name][d]
             return (None, dx, *carry, *dparams)
         for j in reversed(range(len(spec.plan.bounds))):
-            if spec.triton and dirs == 2:  # likewise, each direction with its own input
-                _paired_segment_backward(spec, j, x2, dy2, dx2, kept[j], leaves, carry, dparams)
-                continue
             start, stop = spec.plan.bounds[j]
             rows = spec.plan.parts[j][0]
             pick = rows if rows is not None else slice(None)
@@ -209,6 +207,40 @@ class Segments(torch.autograd.Function):
                     _give(dx2, fmap, ident, start, stop, rows, next(it), add=True)
                 _hand_out(it, carry, slice(d, d + 1), pick, leaves, range(d * n_params, (d + 1) * n_params), dparams)
         return (None, dx, *carry, *dparams)
+
+
+def _stack_once(names: list[str], params: tuple[Tensor, ...] | list[Tensor], dirs: int,
+                wants: list[bool] | None = None) -> dict[str, Tensor]:
+    """The directions' parameters (``params``: direction after direction, ``names`` order) stacked
+    once by name, (D, ...) each, detached; with ``wants`` (per parameter, whether it wants a
+    gradient) each a leaf that requires grad if any direction's does. Engines given the rows of
+    these (:func:`_directions`) use them without a copy (:func:`._common.stack_directions`)."""
+    n = len(names)
+    out = {}
+    for i, name in enumerate(names):
+        t = torch.stack([params[d * n + i] for d in range(dirs)]).detach()
+        out[name] = t.requires_grad_(any(wants[d * n + i] for d in range(dirs))) if wants is not None else t
+    return out
+
+
+def _directions(stacked: dict[str, Tensor], dirs: int) -> list[dict[str, Tensor]]:
+    """Per direction, its rows of the stacked parameters (views)."""
+    return [{name: t[d] for name, t in stacked.items()} for d in range(dirs)]
+
+
+def _sum_stacked(grads: Iterator[Tensor | None], stacked: dict[str, Tensor], sums: dict[str, Tensor]) -> None:
+    """The stacked parameters' gradients (those that want one, in ``stacked``'s order) added into
+    ``sums`` by name, one buffer each (no allocation per segment)."""
+    for name, t in stacked.items():
+        if not t.requires_grad:
+            continue
+        g = next(grads)
+        if g is None:
+            continue
+        if name in sums:
+            sums[name].add_(g)
+        else:
+            sums[name] = g.clone(memory_format=torch.contiguous_format)
 
 
 def _hand_out(grads: Iterator[Tensor | None], carry: list[Tensor], lanes: slice, pick: Tensor | slice,
@@ -273,27 +305,19 @@ def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: T
         s_in = [torch.cat([kept[d][i] for d in range(dirs)])[:, pick].detach().requires_grad_()
                 for i in range(spec.n_states)]
         rmask = masks.get("recurrent")
-        y, last = packed_layer(spec.cell, xs, [stacked], tuple(sort(s) for s in s_in),
+        y, last = packed_layer(spec.cell, xs, _directions(stacked, dirs), tuple(sort(s) for s in s_in),
                                sort(rmask) if rmask is not None else None, masks.get("zoneout_c"),
-                               masks.get("zoneout_h"), active, spec.options, spec.training, stacked=stacked)
+                               masks.get("zoneout_h"), active, spec.options, spec.training)
     width = spec.width
     dys = torch.stack([dy2[:, d * width:(d + 1) * width].index_select(0, idx[d]) for d in range(dirs)])
-    wanted = [name for name in spec.names if stacked[name].requires_grad]
-    wrt = [t for t in (xs, *s_in, *(stacked[name] for name in wanted)) if t.requires_grad]
+    wrt = [t for t in (xs, *s_in, *stacked.values()) if t.requires_grad]
     grads = iter(torch.autograd.grad([y, *last], wrt, [dys, *(sort(c[:, pick]) for c in carry)], allow_unused=True))
     if xs.requires_grad:
         dx2.index_add_(0, idx.reshape(-1), next(grads).reshape(dirs * rows_n, -1))  # type: ignore[union-attr]
     for c in carry:
         g = next(grads)
         c[:, pick] = g if g is not None else 0.0
-    for name in wanted:
-        g = next(grads)
-        if g is None:
-            continue
-        if name in sums:
-            sums[name].add_(g)
-        else:
-            sums[name] = g.clone(memory_format=torch.contiguous_format)
+    _sum_stacked(grads, stacked, sums)
 
 
 def _flip(t: Tensor, idx: Tensor | None) -> Tensor:
@@ -328,30 +352,32 @@ def _paired(spec: Spec, j: int, xs: list[Tensor], states: list[Tensor], params: 
 
 
 def _paired_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
-                             kept: list[tuple[Tensor, ...]], leaves: list[Tensor], carry: list[Tensor],
-                             dparams: list[Tensor | None]) -> None:
-    """Segment j's backward with the Triton engine, both directions in one call (:func:`_paired`),
-    recomputed with autograd and back-propagated: the input gradient added into ``dx2``, the state
-    gradients into ``carry`` (2, B, width), the parameter gradients into ``dparams``."""
+                             kept: list[tuple[Tensor, ...]], stacked: dict[str, Tensor], carry: list[Tensor],
+                             sums: dict[str, Tensor]) -> None:
+    """Segment j's backward with the Triton engine, both directions in one call (:func:`_paired`,
+    from the parameters ``stacked`` by name), recomputed with autograd and back-propagated: the input
+    gradient added into ``dx2``, the state gradients into ``carry`` (2, B, width), the stacked
+    parameters' gradients into ``sums`` by name."""
     start, stop = spec.plan.bounds[j]
     rows = spec.plan.parts[j][0]
     pick = rows if rows is not None else slice(None)
-    n_params = len(spec.names)
     with torch.enable_grad():
         xs = [take(x2, spec.maps[d], d == 0, start, stop, rows).detach().requires_grad_(dx2 is not None)
               for d in range(2)]
         s_in = [torch.cat([kept[d][i] for d in range(2)])[:, pick].detach().requires_grad_()
                 for i in range(spec.n_states)]
-        params = [dict(zip(spec.names, leaves[d * n_params:(d + 1) * n_params])) for d in range(2)]
-        y, last = _paired(spec, j, xs, s_in, params)
+        y, last = _paired(spec, j, xs, s_in, _directions(stacked, 2))
     width = spec.width
     dys = [take(dy2[:, d * width:(d + 1) * width], spec.maps[d], d == 0, start, stop, rows) for d in range(2)]
-    wrt = [t for t in (*xs, *s_in, *leaves) if t.requires_grad]
+    wrt = [t for t in (*xs, *s_in, *stacked.values()) if t.requires_grad]
     grads = iter(torch.autograd.grad([*y, *last], wrt, [*dys, *(c[:, pick] for c in carry)], allow_unused=True))
     if dx2 is not None:  # added: the other direction's segments write these rows too
         for d in range(2):
             _give(dx2, spec.maps[d], d == 0, start, stop, rows, next(grads), add=True)
-    _hand_out(grads, carry, slice(None), pick, leaves, range(len(leaves)), dparams)
+    for c in carry:
+        g = next(grads)
+        c[:, pick] = g if g is not None else 0.0
+    _sum_stacked(grads, stacked, sums)
 
 
 def _segment(spec: Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tuple[Tensor, ...],
@@ -424,6 +450,8 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
     out2 = out.view(steps * batch, -1)
     x2 = x.reshape(steps * batch, -1)
     paired = spec.triton and dirs == 2 and not torch.is_grad_enabled()  # (recorded: per direction, differentiable twice)
+    if paired:  # the engine takes the rows of parameters stacked once without a copy per segment
+        params = _directions(_stack_once(spec.names, tensors[n_states:], dirs), dirs)
     for j in range(len(spec.plan.bounds)):
         start, stop = spec.plan.bounds[j]
         rows = spec.plan.parts[j][0]
