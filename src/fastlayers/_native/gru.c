@@ -40,6 +40,7 @@ typedef struct {                                                                
     const T* r; T* h; const T* rmask; const T* b_hh;                                                 \
     T* y; T* gates; T* hbn; T* hist; T* hd_next; T* rhat; T* rrstd;                                  \
     const T* gh; T eps; const T* zh; T zh_const;                                                     \
+    int low; /* round hd_next to bfloat16 (fl_next_input) */                                         \
 } gru_fwd_##SUFFIX;                                                                                  \
                                                                                                      \
 /* the state update; `masked` is a constant after inlining, so each call's loop vectorises */       \
@@ -95,7 +96,8 @@ static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)   
     if (a->zh) gru_update_##SUFFIX(H, gr, h0r, hr, yr, a->zh + row * H, 0, 1);                       \
     else gru_update_##SUFFIX(H, gr, h0r, hr, yr, 0, a->zh_const, 0);                                 \
     if (a->hd_next && b < a->n_next)                                                                 \
-        fl_next_input_##SUFFIX(a->hd_next + row * H, hr, a->rmask ? a->rmask + srow * H : 0, H);     \
+        fl_next_input_##SUFFIX(a->hd_next + row * H, hr, a->rmask ? a->rmask + srow * H : 0, H,      \
+                               a->low);                                                              \
 }                                                                                                    \
                                                                                                      \
 /* the input rows a forward row reads, of row (d, b) of the step `shift` packed rows from a's,       \
@@ -117,7 +119,7 @@ void gru_step_forward_##SUFFIX(                                                 
 {                                                                                                    \
     const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, b_ih, r, h, rmask,     \
                                 b_hh, y, gates, hbn, hist, hd_next, rhat, rrstd, gh, eps, zh,        \
-                                zh_const};                                                           \
+                                zh_const, 0};                                                              \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) gru_forward_row_##SUFFIX(&a, task);                 \
 }                                                                                                    \
@@ -134,6 +136,7 @@ typedef struct {                                                                
     const T* xp; const T* xstat; const T* gx;                                                        \
     const T* rhat; const T* rrstd; const T* gh; const T* zh; T zh_const;                             \
     T* dpre; T* dhb; T* dr; T* acc_gx; T* acc_b; T* acc_gh;                                          \
+    int low; /* dr rounded to bfloat16 after the row (dr its own buffer: copied from dhb) */         \
 } gru_bwd_##SUFFIX;                                                                                  \
                                                                                                      \
 static inline __attribute__((always_inline)) void gru_back_##SUFFIX(                                \
@@ -167,7 +170,10 @@ static void gru_backward_row_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)  
         const T* restrict ghd = a->gh + d * G; T* restrict drr = a->dr + row * G;                    \
         for (int64_t k = 0; k < G; k++) drr[k] = db[k] * ghd[k];                                     \
         fl_layer_norm_backward_##SUFFIX(drr, a->rhat + row * G, a->rrstd[row], G, drr);              \
+    } else if (a->dr != a->dhb) {                                                                    \
+        memcpy(a->dr + row * G, db, sizeof(T) * G);                                                  \
     }                                                                                                \
+    if (a->low && a->dr != a->dhb) fl_round_bf16_##SUFFIX(a->dr + row * G, G);                       \
 }                                                                                                    \
                                                                                                      \
 enum { GRU_SUM_CHUNK_##SUFFIX = 64 };                                                                \
@@ -218,7 +224,7 @@ void gru_step_backward_##SUFFIX(                                                
     T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int nthreads)                            \
 {                                                                                                    \
     const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy, dh, hist, gates, hbn, xp, xstat, gx, rhat, rrstd, \
-                                gh, zh, zh_const, dpre, dhb, dr, acc_gx, acc_b, acc_gh};             \
+                                gh, zh, zh_const, dpre, dhb, dr, acc_gx, acc_b, acc_gh, 0};          \
     const int64_t nchunks = (3 * H + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;            \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) gru_backward_row_##SUFFIX(&a, task);                \
@@ -235,13 +241,14 @@ void gru_step_backward_##SUFFIX(                                                
 /* The whole forward time loop of a layer, as lstm_forward_loop: w (D, G, H) contiguous (W_hh as  \
  * it is), wp of D * H * round_up(G, 32) values, r of D * active[0] * G; the caller fills hd's       \
  * first active[0] rows (h0 * rmask); the other buffers as gru_step_forward's, at packed row 0;     \
- * keep = 0: gates, hbn, hist and the statistics hold one step, (D, B, X), reused. */                \
+ * keep = 0: gates, hbn, hist and the statistics hold one step, (D, B, X), reused; low as            \
+ * lstm_forward_loop's. */                                                                           \
 void gru_forward_loop_##SUFFIX(                                                                      \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w, T* wp, T* r,                                                                         \
     const T* xp, T* xstat, const T* gx, const T* b_ih, T* h, const T* rmask, const T* b_hh,          \
     T* y, T* gates, T* hbn, T* hist, T* hd, T* rhat, T* rrstd,                                       \
-    const T* gh, T eps, const T* zh, T zh_const, int keep, int nthreads)                             \
+    const T* gh, T eps, const T* zh, T zh_const, int keep, int low, int nthreads)                    \
 {                                                                                                    \
     const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                                        \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
@@ -265,7 +272,7 @@ void gru_forward_loop_##SUFFIX(                                                 
                 xstat ? xstat + 2 * sv : 0, gx, b_ih, r, h, rmask, b_hh, y + o * H, gates + sv * G,  \
                 hbn + sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0,                          \
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0,      \
-                zh_const};                                                                           \
+                zh_const, low};                                                                            \
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
                 int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
@@ -296,7 +303,7 @@ void gru_backward_loop_##SUFFIX(                                                
     const T* dy, T* dh, const T* hist, const T* gates, const T* hbn,                                 \
     const T* xp, const T* xstat, const T* gx,                                                        \
     const T* rhat, const T* rrstd, const T* gh, const T* zh, T zh_const,                             \
-    T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int nthreads)                            \
+    T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int low, int nthreads)                   \
 {                                                                                                    \
     const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
     const int64_t nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;               \
@@ -322,7 +329,7 @@ void gru_backward_loop_##SUFFIX(                                                
             const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy + o * H, dh, hist + o * H, gates + o * G, \
                 hbn + o * H, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx,                     \
                 rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, gh, zh ? zh + o * H : 0, zh_const,   \
-                dpre + o * G, dhb + o * G, dr + o * G, mine[0], mine[1], mine[2]};                   \
+                dpre + o * G, dhb + o * G, dr + o * G, mine[0], mine[1], mine[2], low};              \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
             if (by_rows || !sync) { /* as lstm_backward_loop: the passes row by row */               \

@@ -62,6 +62,7 @@ typedef struct {                                                                
     T* rhat; T* rrstd; T* cstat;                                                                     \
     const T* gh; const T* gc; const T* bc; const T* peep; T clip; T eps;                             \
     const T* zc; const T* zh; T zc_const; T zh_const;                                                \
+    int low; /* round hd_next to bfloat16 (fl_next_input) */                                         \
 } lstm_fwd_##SUFFIX;                                                                                 \
                                                                                                      \
 /* row task = d * n + b of one step. Every loop is written so that it vectorises: the options are    \
@@ -123,7 +124,8 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
     else if (zh != 0) for (int64_t k = 0; k < H; k++) { hr[k] = zh * hr[k] + (1 - zh) * yr[k]; yr[k] = hr[k]; } \
     else memcpy(hr, yr, sizeof(T) * H);                                                              \
     if (a->hd_next && b < a->n_next)                                                                 \
-        fl_next_input_##SUFFIX(a->hd_next + row * H, hr, a->rmask ? a->rmask + srow * H : 0, H);     \
+        fl_next_input_##SUFFIX(a->hd_next + row * H, hr, a->rmask ? a->rmask + srow * H : 0, H,      \
+                               a->low);                                                              \
 }                                                                                                    \
                                                                                                      \
 /* the input rows a forward row reads, of row (d, b) of the step `shift` packed rows from a's,       \
@@ -148,7 +150,7 @@ void lstm_step_forward_##SUFFIX(                                                
 {                                                                                                    \
     const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, bias, r, c, h, rmask, \
                                  y, gates, c1_out, chist, hd_next, rhat, rrstd, cstat, gh, gc, bc,   \
-                                 peep, clip, eps, zc, zh, zc_const, zh_const};                       \
+                                 peep, clip, eps, zc, zh, zc_const, zh_const, 0};                    \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) lstm_forward_row_##SUFFIX(&a, task);                \
 }                                                                                                    \
@@ -172,6 +174,7 @@ typedef struct {                                                                
     const T* zc; const T* zh; T zc_const; T zh_const;                                                \
     T* dpre; T* dr; T* dn;                                                                           \
     T* acc_gx; T* acc_b; T* acc_gh; T* acc_gc; T* acc_bc; T* acc_peep;                               \
+    int low; /* dr rounded to bfloat16 after the row (dr its own buffer) */                          \
 } lstm_bwd_##SUFFIX;                                                                                 \
                                                                                                      \
 static void lstm_backward_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                    \
@@ -245,6 +248,7 @@ static void lstm_backward_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)
     } else if (a->dr != a->dpre) {                                                                   \
         memcpy(a->dr + row * G, dp, sizeof(T) * G);                                                  \
     }                                                                                                \
+    if (a->low && a->dr != a->dpre) fl_round_bf16_##SUFFIX(a->dr + row * G, G);                      \
 }                                                                                                    \
                                                                                                      \
 enum { LSTM_SUM_CHUNK_##SUFFIX = 64 };                                                               \
@@ -319,7 +323,7 @@ void lstm_step_backward_##SUFFIX(                                               
     const lstm_bwd_##SUFFIX a = {D, B, n, H, ds, cds, dy, dh, dc, chist, xp, xstat, gx, gates, c1_in, \
                                  rhat, rrstd, cstat, gh, gc, bc, peep, clip, zc, zh, zc_const,       \
                                  zh_const, dpre, dr, dn_scratch, acc_gx, acc_b, acc_gh, acc_gc,       \
-                                 acc_bc, acc_peep};                                                  \
+                                 acc_bc, acc_peep, 0};                                               \
     const int64_t nchunks = (4 * H + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;          \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) lstm_backward_row_##SUFFIX(&a, task);               \
@@ -339,14 +343,17 @@ void lstm_step_backward_##SUFFIX(                                               
  * input hd[:, o+n : o+n+n_next]. The caller fills hd's first active[0] rows (h0 * rmask). w       \
  * (D, G, H) contiguous (W_hh as it is); wp work space of D * H * round_up(G, 32) values; r of      \
  * D * active[0] * G; the other buffers as lstm_step_forward's, at packed row 0. keep = 0 (no      \
- * backward follows): gates, c1, chist and the statistics hold one step, (D, B, X), reused. */      \
+ * backward follows): gates, c1, chist and the statistics hold one step, (D, B, X), reused. low = 1  \
+ * (float32 only): the recurrent input hd written rounded to bfloat16 (fl_next_input), so that with  \
+ * a bf16-rounded w the step products are those of bf16 operands with float32 sums (the caller       \
+ * rounds hd's first rows). */                                                                       \
 void lstm_forward_loop_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w, T* wp, T* r,                                                                         \
     const T* xp, T* xstat, const T* gx, const T* bias, T* c, T* h, const T* rmask,                   \
     T* y, T* gates, T* c1, T* chist, T* hd, T* rhat, T* rrstd, T* cstat,                             \
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
-    const T* zc, const T* zh, T zc_const, T zh_const, int keep, int nthreads)                        \
+    const T* zc, const T* zh, T zc_const, T zh_const, int keep, int low, int nthreads)               \
 {                                                                                                    \
     const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                                        \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
@@ -373,7 +380,7 @@ void lstm_forward_loop_##SUFFIX(                                                
                 c1 + sv * H, chist ? chist + sv * H : 0, n_next ? hd + (o + n) * H : 0,              \
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, cstat ? cstat + 2 * sv : 0, gh,    \
                 gc, bc, peep, clip, eps, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const,         \
-                zh_const};                                                                           \
+                zh_const, low};                                                                      \
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
                 int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
@@ -410,7 +417,7 @@ void lstm_backward_loop_##SUFFIX(                                               
     const T* gh, const T* gc, const T* bc, const T* peep, T clip,                                    \
     const T* zc, const T* zh, T zc_const, T zh_const,                                                \
     T* dpre, T* dr, T* dn_scratch,                                                                   \
-    T* acc_gx, T* acc_b, T* acc_gh, T* acc_gc, T* acc_bc, T* acc_peep, int nthreads)                 \
+    T* acc_gx, T* acc_b, T* acc_gh, T* acc_gc, T* acc_bc, T* acc_peep, int low, int nthreads)        \
 {                                                                                                    \
     const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
     const int64_t nchunks = (G + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;             \
@@ -441,7 +448,7 @@ void lstm_backward_loop_##SUFFIX(                                               
                 c1 + o * H, rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0,                          \
                 cstat ? cstat + 2 * o : 0, gh, gc, bc, peep, clip, zc ? zc + o * H : 0,              \
                 zh ? zh + o * H : 0, zc_const, zh_const, dpre + o * G, dr + o * G, dn_scratch,       \
-                mine[0], mine[1], mine[2], mine[3], mine[4], mine[5]};                               \
+                mine[0], mine[1], mine[2], mine[3], mine[4], mine[5], low};                          \
             const int sums = lstm_has_sums_##SUFFIX(&a);                                             \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \

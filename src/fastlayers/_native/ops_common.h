@@ -19,11 +19,11 @@ extern "C" {
   void lstm_forward_loop_##S(int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, const T*, T*, T*, \
                              const T*, T*, const T*, const T*, T*, T*, const T*, T*, T*, T*, T*, T*, T*,    \
                              T*, T*, const T*, const T*, const T*, const T*, T, T, const T*, const T*, T, T, \
-                             int, int);
+                             int, int, int);
 #define FL_GRU_LOOP(T, S)                                                                              \
   void gru_forward_loop_##S(int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, const T*, T*, T*,  \
                             const T*, T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, T*, \
-                            T*, const T*, T, const T*, T, int, int);
+                            T*, const T*, T, const T*, T, int, int, int);
 #define FL_LC2D(T, S)                                                                                  \
   void lc2d_forward_##S(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t,        \
                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,      \

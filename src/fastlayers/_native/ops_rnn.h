@@ -311,7 +311,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
                           ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(bias), ptr<T>(c), ptr<T>(h),
                           ptr<T>(rmask), ptr<T>(y), gates, c1, chist, ptr<T>(hd), rhat, rrstd, cstat, ptr<T>(gh),
                           ptr<T>(gc), ptr<T>(bc), ptr<T>(peep), static_cast<T>(clip), static_cast<T>(kEps),
-                          ptr<T>(zc), ptr<T>(zh), static_cast<T>(zc_const), static_cast<T>(zh_const), 0, threads);
+                          ptr<T>(zc), ptr<T>(zh), static_cast<T>(zc_const), static_cast<T>(zh_const), 0, 0,
+                          threads);
   }
   for (int64_t t = 0; t <= (stepwise ? last : -1); t++) {
     const int64_t n = p.active[t], o = p.offsets[t], n_next = t < last ? p.active[t + 1] : 0;
@@ -428,7 +429,7 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
     Kernels<T>::gru_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh), ptr<T>(wp),
                          ptr<T>(r), ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(b_ih), ptr<T>(h), ptr<T>(rmask),
                          ptr<T>(b_hh), ptr<T>(y), gates, hbn, hist, ptr<T>(hd), rhat, rrstd, ptr<T>(gh),
-                         static_cast<T>(kEps), ptr<T>(zh), static_cast<T>(zh_const), 0, threads);
+                         static_cast<T>(kEps), ptr<T>(zh), static_cast<T>(zh_const), 0, 0, threads);
   }
   const auto low = x_in.scalar_type();
   return {as(scatter(y, p, steps, batch), low), as(unsorted(h, p), low)};

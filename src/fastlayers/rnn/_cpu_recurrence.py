@@ -46,18 +46,19 @@ def _lstm_lib():
         "lstm_step_backward": [I64] * 5 + [P] * 4 + [I64] + [P] * 3 + [P] * 5 + [P] * 4 + [real] + [P, P, real, real]
         + [P] * 3 + [P] * 6 + [INT],
         "lstm_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 8 + [P] * 4 + [real, real] + [P, P]
-        + [real, real, INT, INT],
+        + [real, real, INT, INT, INT],
         "lstm_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 5 + [P] * 4 + [real]
-        + [P, P, real, real] + [P] * 3 + [P] * 6 + [INT]})
+        + [P, P, real, real] + [P] * 3 + [P] * 6 + [INT, INT]})
 
 
 def _gru_lib():
     return _typed("gru", lambda real: {
         "gru_step_forward": [I64] * 6 + [P] * 4 + [P] * 4 + [P] * 7 + [P, real, P, real, INT],
         "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT],
-        "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT, INT],
+        "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT, INT,
+                                                                                          INT],
         "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6
-        + [INT]})
+        + [INT, INT]})
 
 
 def _matmul_lib():
@@ -174,6 +175,13 @@ def _input_grad_rows(dpre: Tensor, w_ih: Tensor, src: Tensor, num_rows: int) -> 
                                             w_ih.data_ptr(), 0, dx.data_ptr(), crows.data_ptr(), packed.data_ptr(),
                                             scratch.data_ptr(), threads)
     return dx
+
+
+def _rounds_bf16(mm: _precision.Products) -> bool:
+    """Whether a forward time loop runs in C with its step products' operands rounded to bfloat16
+    (float32 values and sums): bf16 products with a float32 accumulator. fp16 keeps the per-step
+    torch GEMM (its operands are not rounded in C)."""
+    return mm.mixed and mm.low == torch.bfloat16 and mm.acc == torch.float32
 
 
 def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
@@ -307,8 +315,12 @@ class LSTMRecurrence(torch.autograd.Function):
         # the forward's own work space: the recurrent product, and the projection unless the backward
         # needs it (it does with the input LayerNorm)
         # one C call runs the whole time loop (lstm.c's lstm_forward_loop, its own step products) unless
-        # a projection or bf16 / fp16 products need torch between the steps
-        in_c = not proj and not mm.mixed
+        # a projection or fp16 products need torch between the steps; with bf16 operands the loop writes
+        # each step's recurrent input rounded to bf16 and multiplies it by W_hh rounded to bf16, in
+        # float32: the products of bf16 operands summed in float32, the mixed-precision rule
+        # (:mod:`fastlayers._core.precision`), without a torch GEMM and a Python step per time step
+        round_bf16 = _rounds_bf16(mm)
+        in_c = not proj and (not mm.mixed or round_bf16)
         tmp_slab, tmp = pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
                                          y=(dirs, rows, out_size) if mm.mixed else None,
                                          wp=_packed_weight(out_size, gsize, dirs) if in_c else None), acc, xs.device)
@@ -323,6 +335,8 @@ class LSTMRecurrence(torch.autograd.Function):
         keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
         hd, hd_low = buf["hd"], buf.get("hd_low")
         hd[:, :first] = h * rmask if rmask is not None else h
+        if round_bf16:
+            hd[:, :first] = hd[:, :first].to(torch.bfloat16)
         # torch's step products take the weights transposed and contiguous (one copy per call): a
         # transposed view as the GEMM's right operand took 3.3x as long on an AMD Zen 5 (issue 62), 1.07x
         # on Zen 3 (354 / 330 us); lstm.c's loop packs W_hh as it is
@@ -330,14 +344,16 @@ class LSTMRecurrence(torch.autograd.Function):
         w_hr_t = mm.operand(w_hr.transpose(1, 2)).contiguous() if proj else None
         offsets = _offsets(active)
         if in_c:
-            w_hh = mm.operand(w_hh).contiguous()
+            w_hh = (w_hh.to(torch.bfloat16).to(acc) if round_bf16 else mm.operand(w_hh)).contiguous()
             getattr(_lstm_lib(), f"lstm_forward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(active), _active_array(active), hidden, rows, w_hh.data_ptr(), tmp["wp"].data_ptr(),
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(bias), c.data_ptr(),
                 h.data_ptr(), address(rmask), y.data_ptr(), buf["gates"].data_ptr(), buf["c1"].data_ptr(),
                 address(buf["chist"]), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
                 address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, EPS, address(zc),
-                address(zh), zc_const, zh_const, 1, threads)
+                address(zh), zc_const, zh_const, 1, int(round_bf16), threads)
+            if hd_low is not None:  # the backward's dW_hh operand (exact: hd holds bf16 values)
+                hd_low.copy_(hd)
         P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
         fixed = (address(gh), address(gc), address(bc), address(peep), clip, EPS)
         last = len(active) - 1
@@ -390,8 +406,10 @@ class LSTMRecurrence(torch.autograd.Function):
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, out_size)
         dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
         # with a projection: the kernel's output gradient is d h1 (dy1), its own state gradient stays 0
-        separate_dr = gh is not None or gx is not None
-        in_c = not proj and not mm.mixed  # the whole loop in one C call (lstm_backward_loop), as the forward's
+        # bf16 operands (as the forward's): the C loop rounds dr, its own buffer then, for the step products
+        round_bf16 = _rounds_bf16(mm)
+        separate_dr = gh is not None or gx is not None or round_bf16
+        in_c = not proj and (not mm.mixed or round_bf16)  # the whole loop in one C call (lstm_backward_loop)
         slab, tmp = pool.views(dict(
             dpre=(dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr else None,
             wp=_packed_weight(gsize, out_size, dirs) if in_c else None,
@@ -419,7 +437,7 @@ class LSTMRecurrence(torch.autograd.Function):
         w_hh_p = mm.operand(w_hh)
         w_hr_p = mm.operand(w_hr) if proj else None
         if in_c:
-            w_c = w_hh_p.contiguous()
+            w_c = (w_hh.to(torch.bfloat16).to(acc) if round_bf16 else w_hh_p).contiguous()
             getattr(_lstm_lib(), f"lstm_backward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_c.data_ptr(),
                 tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), dc.data_ptr(),
@@ -427,7 +445,9 @@ class LSTMRecurrence(torch.autograd.Function):
                 gates.data_ptr(), buf["c1"].data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
                 address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, address(zc),
                 address(zh), zc_const, zh_const, dpre.data_ptr(), dr.data_ptr(), dn.data_ptr(), *fixed[1:-1],
-                threads)
+                int(round_bf16), threads)
+            if dr_low is not None:  # dW_hh's operand (exact: dr holds bf16 values)
+                dr_low.copy_(dr)
         for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
             n, o = ctx.active[t], offsets[t]
             if proj:  # back through y = h, zoneout of h, proj_clip and the projection
@@ -510,7 +530,8 @@ class GRURecurrence(torch.autograd.Function):
             **_low_copies(mm, ctx, xs, hd=(dirs, rows, hidden))),
             acc, xs.device, fresh=getattr(ctx, "fresh", False))
         # the forward's own work space (the projection is saved only for the input LayerNorm's backward)
-        in_c = not mm.mixed  # the whole time loop in one C call (gru_forward_loop), as the LSTM's
+        round_bf16 = _rounds_bf16(mm)  # as the LSTM's
+        in_c = not mm.mixed or round_bf16  # the whole time loop in one C call (gru_forward_loop), as the LSTM's
         tmp_slab, tmp = pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
                                          y=(dirs, rows, hidden) if mm.mixed else None,
                                          wp=_packed_weight(hidden, gsize, dirs) if in_c else None), acc, xs.device)
@@ -519,16 +540,20 @@ class GRURecurrence(torch.autograd.Function):
         xs_op = _into(buf.get("xs_low"), xs)
         _project(mm, xs_op, w_ih, b_ih if gx is None else None, xp, src)  # (with LayerNorm: b_ih after it, in the kernel)
         hd[:, :first] = h * rmask if rmask is not None else h
+        if round_bf16:
+            hd[:, :first] = hd[:, :first].to(torch.bfloat16)
         w_t = None if in_c else mm.operand(w_hh.transpose(1, 2)).contiguous()  # (as the LSTM's)
         offsets = _offsets(active)
         if in_c:
-            w_hh = mm.operand(w_hh).contiguous()
+            w_hh = (w_hh.to(torch.bfloat16).to(acc) if round_bf16 else mm.operand(w_hh)).contiguous()
             getattr(_gru_lib(), f"gru_forward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(active), _active_array(active), hidden, rows, w_hh.data_ptr(), tmp["wp"].data_ptr(),
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(b_ih), h.data_ptr(),
                 address(rmask), address(b_hh), y.data_ptr(), buf["gates"].data_ptr(), buf["hbn"].data_ptr(),
                 buf["hist"].data_ptr(), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]), address(gh), EPS,
-                address(zh), zh_const, 1, threads)
+                address(zh), zh_const, 1, int(round_bf16), threads)
+            if hd_low is not None:  # as the LSTM's
+                hd_low.copy_(hd)
         P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
         last = len(active) - 1
         for t, n in enumerate(active if not in_c else ()):
@@ -563,9 +588,10 @@ class GRURecurrence(torch.autograd.Function):
         acc = gates.dtype
         gx, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, gh, rmask, zh))
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
-        in_c = not mm.mixed  # the whole loop in one C call (gru_backward_loop), as the forward's
+        round_bf16 = _rounds_bf16(mm)  # as the LSTM's: dr its own buffer, rounded in the C loop
+        in_c = not mm.mixed or round_bf16  # the whole loop in one C call (gru_backward_loop), as the forward's
         slab, tmp = pool.views(dict(dpre=(dirs, rows, gsize), dhb=(dirs, rows, gsize),
-                                     dr=(dirs, rows, gsize) if gh is not None else None,
+                                     dr=(dirs, rows, gsize) if gh is not None or round_bf16 else None,
                                      wp=_packed_weight(gsize, hidden, dirs) if in_c else None,
                                      g=(dirs * ctx.active[0] * hidden,), **_low_grads(mm, (dirs, rows, gsize), True),
                                      dy=_copied(dy, acc, (dirs, rows, hidden))), acc, gates.device)
@@ -581,12 +607,16 @@ class GRURecurrence(torch.autograd.Function):
                               for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
         w_hh_p = mm.operand(w_hh)
         if in_c:
+            w_c = (w_hh.to(torch.bfloat16).to(acc) if round_bf16 else w_hh_p).contiguous()
             getattr(_gru_lib(), f"gru_backward_loop_{_SUFFIX[acc]}")(
-                dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_hh_p.contiguous().data_ptr(),
+                dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_c.data_ptr(),
                 tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), buf["hist"].data_ptr(),
                 gates.data_ptr(), buf["hbn"].data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
                 address(buf["rhat"]), address(buf["rrstd"]), address(gh), address(zh), zh_const, dpre.data_ptr(),
-                dhb.data_ptr(), dr.data_ptr(), address(acc_gx), address(acc_b), address(acc_gh), threads)
+                dhb.data_ptr(), dr.data_ptr(), address(acc_gx), address(acc_b), address(acc_gh), int(round_bf16),
+                threads)
+            if dr_low is not None:  # as the LSTM's
+                dr_low.copy_(dr)
         for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
             n, o = ctx.active[t], offsets[t]
             bwd(dirs, batch, n, hidden, rows, P_["dy"][t], dh.data_ptr(), P_["hist"][t], P_["gates"][t], P_["hbn"][t],
