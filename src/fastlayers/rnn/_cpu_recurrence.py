@@ -178,10 +178,16 @@ def _input_grad_rows(dpre: Tensor, w_ih: Tensor, src: Tensor, num_rows: int) -> 
 
 
 def _rounds_bf16(mm: _precision.Products) -> bool:
-    """Whether a forward time loop runs in C with its step products' operands rounded to bfloat16
-    (float32 values and sums): bf16 products with a float32 accumulator. fp16 keeps the per-step
-    torch GEMM (its operands are not rounded in C)."""
+    """Whether the time loops (forward and backward) run in C with their step products' operands
+    rounded to bfloat16 (float32 values and sums): bf16 products with a float32 accumulator. fp16
+    keeps the per-step torch GEMM (the C loops round to bf16 only)."""
     return mm.mixed and mm.low == torch.bfloat16 and mm.acc == torch.float32
+
+
+def _step_weight(mm: _precision.Products, w_hh: Tensor, round_bf16: bool) -> Tensor:
+    """W_hh as the C time loops take it: contiguous, in mm.acc; with ``round_bf16`` its values
+    rounded to bfloat16."""
+    return (w_hh.to(torch.bfloat16).to(mm.acc) if round_bf16 else mm.operand(w_hh)).contiguous()
 
 
 def _packed_weight(k: int, n: int, dirs: int) -> tuple[int]:
@@ -344,7 +350,7 @@ class LSTMRecurrence(torch.autograd.Function):
         w_hr_t = mm.operand(w_hr.transpose(1, 2)).contiguous() if proj else None
         offsets = _offsets(active)
         if in_c:
-            w_hh = (w_hh.to(torch.bfloat16).to(acc) if round_bf16 else mm.operand(w_hh)).contiguous()
+            w_hh = _step_weight(mm, w_hh, round_bf16)
             getattr(_lstm_lib(), f"lstm_forward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(active), _active_array(active), hidden, rows, w_hh.data_ptr(), tmp["wp"].data_ptr(),
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(bias), c.data_ptr(),
@@ -437,7 +443,7 @@ class LSTMRecurrence(torch.autograd.Function):
         w_hh_p = mm.operand(w_hh)
         w_hr_p = mm.operand(w_hr) if proj else None
         if in_c:
-            w_c = (w_hh.to(torch.bfloat16).to(acc) if round_bf16 else w_hh_p).contiguous()
+            w_c = _step_weight(mm, w_hh, round_bf16)
             getattr(_lstm_lib(), f"lstm_backward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_c.data_ptr(),
                 tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), dc.data_ptr(),
@@ -545,7 +551,7 @@ class GRURecurrence(torch.autograd.Function):
         w_t = None if in_c else mm.operand(w_hh.transpose(1, 2)).contiguous()  # (as the LSTM's)
         offsets = _offsets(active)
         if in_c:
-            w_hh = (w_hh.to(torch.bfloat16).to(acc) if round_bf16 else mm.operand(w_hh)).contiguous()
+            w_hh = _step_weight(mm, w_hh, round_bf16)
             getattr(_gru_lib(), f"gru_forward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(active), _active_array(active), hidden, rows, w_hh.data_ptr(), tmp["wp"].data_ptr(),
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(b_ih), h.data_ptr(),
@@ -607,7 +613,7 @@ class GRURecurrence(torch.autograd.Function):
                               for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
         w_hh_p = mm.operand(w_hh)
         if in_c:
-            w_c = (w_hh.to(torch.bfloat16).to(acc) if round_bf16 else w_hh_p).contiguous()
+            w_c = _step_weight(mm, w_hh, round_bf16)
             getattr(_gru_lib(), f"gru_backward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_c.data_ptr(),
                 tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), buf["hist"].data_ptr(),

@@ -201,7 +201,14 @@ def vjp(run, inputs: list, needs: list[bool], grads: list) -> list[Tensor | None
         got = torch.autograd.grad([o for o, _ in pairs], [leaves[i] for i in wanted], [g for _, g in pairs],
                                   allow_unused=True, create_graph=create_graph) if wanted and pairs else ()
     result: list[Tensor | None] = [None] * len(inputs)
+    # an operator's outputs may alias neither its inputs nor each other (the bias of b_ih + b_hh gives
+    # both the same gradient; stack_directions takes the rows of an input without a copy): copies
+    held = {t.untyped_storage().data_ptr() for t in (*inputs, *grads) if isinstance(t, Tensor)}
     for i, g in zip(wanted, got):
+        if g is not None:
+            if g.untyped_storage().data_ptr() in held:
+                g = g.clone()
+            held.add(g.untyped_storage().data_ptr())
         result[i] = g
     return result
 

@@ -24,7 +24,9 @@ are 1.5 GiB each at B = 8). With the C kernels' engine (``lstm_engine`` / ``gru_
 forward runs each segment through the layer's C++ operator (:mod:`._ops_export`, what eager calls
 without autograd run: no Python driver per step block), and the backward recomputes a segment's
 directions together in one engine call (:func:`._cpu.packed_layer`, their packed rows gathered by
-their original rows), as the layer without segments runs them. With the Triton engine a
+their original rows), as the layer without segments runs them, from the parameters stacked once
+per call (their gradients summed stacked; :func:`._common.stack_directions` takes the rows of one
+stacked tensor without a copy, for the Triton engine too). With the Triton engine a
 segment's two directions also run in one engine call (one launch per step serves both, as without
 segments; the engine then takes each direction's own input, (D, k, B, F)), the reverse direction's
 rows flipped within each sequence's length so that the engine's reverse loop walks them in their

@@ -243,15 +243,21 @@ def _sum_stacked(grads: Iterator[Tensor | None], stacked: dict[str, Tensor], sum
             sums[name] = g.clone(memory_format=torch.contiguous_format)
 
 
+def _carried(grads: Iterator[Tensor | None], carry: list[Tensor], lanes: slice, pick: Tensor | slice) -> None:
+    """The entering states' gradients (the next of ``grads``, one per state) become the carried state
+    gradients of directions ``lanes``, batch rows ``pick`` (zeros where autograd gave None)."""
+    for c in carry:
+        g = next(grads)
+        c[lanes, pick] = g if g is not None else 0.0
+
+
 def _hand_out(grads: Iterator[Tensor | None], carry: list[Tensor], lanes: slice, pick: Tensor | slice,
               leaves: list[Tensor], which: range, dparams: list[Tensor | None]) -> None:
     """A segment's gradients after its input's: the entering states' become the carried state
     gradients (directions ``lanes``, batch rows ``pick``); those of the parameters ``leaves[i]``, i in
     ``which``, that want one are summed into ``dparams[i]``, in one buffer of ours (no allocation per
     segment)."""
-    for c in carry:
-        g = next(grads)
-        c[lanes, pick] = g if g is not None else 0.0
+    _carried(grads, carry, lanes, pick)
     for i in which:
         if leaves[i].requires_grad:
             g = next(grads)
@@ -314,9 +320,7 @@ def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: T
     grads = iter(torch.autograd.grad([y, *last], wrt, [dys, *(sort(c[:, pick]) for c in carry)], allow_unused=True))
     if xs.requires_grad:
         dx2.index_add_(0, idx.reshape(-1), next(grads).reshape(dirs * rows_n, -1))  # type: ignore[union-attr]
-    for c in carry:
-        g = next(grads)
-        c[:, pick] = g if g is not None else 0.0
+    _carried(grads, carry, slice(None), pick)
     _sum_stacked(grads, stacked, sums)
 
 
@@ -374,9 +378,7 @@ def _paired_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: T
     if dx2 is not None:  # added: the other direction's segments write these rows too
         for d in range(2):
             _give(dx2, spec.maps[d], d == 0, start, stop, rows, next(grads), add=True)
-    for c in carry:
-        g = next(grads)
-        c[:, pick] = g if g is not None else 0.0
+    _carried(grads, carry, slice(None), pick)
     _sum_stacked(grads, stacked, sums)
 
 
