@@ -7,7 +7,8 @@ pointwise kernel; its backward runs the kernel's backward and the recurrent GEMM
 computes the recurrent weight gradient (and LayerNorm / peephole parameter gradients) as large
 reductions after the loop. The time loops run in one C call each (``lstm_forward_loop``,
 ``lstm_backward_loop``, ``gru_*_loop``: the step products on ``_native/gemm.h``'s kernel, no
-return to Python or torch between steps) unless a projection or bf16 / fp16 products need torch
+return to Python or torch between steps; with bf16 products too, the loops rounding the step
+products' operands to bf16: :func:`_rounds_bf16`) unless a projection or fp16 products need torch
 ops between the steps; then the loops below drive the step kernels from Python. The two
 Functions share this file's helpers (the kernels' signatures, the buffers' step addresses, the
 low-precision copies), hence one file of about 500 lines.
