@@ -243,6 +243,32 @@ def test_engine_and_its_reference_implement_the_same_rule(cell, monkeypatch):
             assert _rel(a, b.double()) <= 1e-2
 
 
+@pytest.mark.parametrize("cell, options", [
+    ("LSTM", dict(recurrent_dropout=0.3, zoneout=(0.2, 0.1))), ("LSTM", dict(layer_norm=True, recurrent_dropout=0.2)),
+    ("LSTM", dict(cell_clip=0.5, peephole=True)), ("GRU", dict(recurrent_dropout=0.3, zoneout=0.2)),
+    ("GRU", dict(layer_norm=True))])
+def test_c_time_loops_follow_the_per_step_rule_in_training(cell, options, monkeypatch):
+    """Training calls (masks drawn from one seed, lengths, two layers, bf16 autocast) with bf16
+    GEMMs emulated: the C time loops (bf16-rounded operands in float32, forward and backward) give
+    the outputs and every gradient of the per-step torch loop to float32 rounding."""
+    from fastlayers.rnn import _cpu_recurrence
+
+    monkeypatch.setattr(_precision, "native", lambda device_type, dtype: dtype not in _precision.LOW)
+    torch.manual_seed(0)
+    m = getattr(fastlayers, cell)(8, 16, bidirectional=True, num_layers=2, **options).train()
+    x, lengths = _x(10, 5, 8), torch.tensor([10, 3, 7, 1, 9])
+
+    def call():
+        torch.manual_seed(3)
+        return _autocast_call(m, x, lengths, "cpu")
+
+    loops = call()
+    monkeypatch.setattr(_cpu_recurrence, "_rounds_bf16", lambda mm: False)  # the per-step torch loop
+    steps = call()
+    for a, b in zip([*loops[0], *loops[1]], [*steps[0], *steps[1]], strict=True):
+        assert _rel(a.float(), b.double()) <= 1e-5
+
+
 def test_cpu_without_bf16_instructions_multiplies_in_float32(monkeypatch):
     """The two routes of a low-precision product give the same numbers (bf16 operands, fp32 sums)."""
     a, b = _x(2, 5, 7), _x(2, 7, 3, seed=1)
