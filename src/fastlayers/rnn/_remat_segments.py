@@ -15,6 +15,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from torch import Tensor
 
+from .._core import precision
 from .._native import ops_lib
 from ._cpu import packed_layer
 from ._lengths import make_plan
@@ -150,11 +151,21 @@ class Segments(torch.autograd.Function):
         kept: list[Tensor] = []
         out, states = _all_segments(spec, x, tensors, kept)
         ctx.spec = spec
+        # the recomputation runs under the forward's autocast state (the backward usually runs
+        # outside the user's autocast region), as torch.utils.checkpoint does
+        device = x.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, *tensors, *kept)
         return (out, *states)
 
     @staticmethod
     def backward(ctx, dy: Tensor, *dfinal: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return Segments._backward(ctx, dy, *dfinal)
+
+    @staticmethod
+    def _backward(ctx, dy: Tensor, *dfinal: Tensor) -> tuple[Tensor | None, ...]:
         spec: Spec = ctx.spec
         n_states, n_params, dirs = spec.n_states, len(spec.names), len(spec.maps)
         saved = ctx.saved_tensors
@@ -448,7 +459,8 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
     # every row of every step written: no step dropped after the longest sequence, none short in a segment
     full = bool(spec.plan.bounds) and spec.plan.bounds[-1][1] == steps and all(
         rows is None and seg is None for rows, seg in spec.plan.parts)
-    out = (x.new_empty if full else x.new_zeros)(steps, batch, dirs * spec.width)  # zeros stay at t >= len_b
+    low = precision.dtypes(x)[0]  # the engines' output dtype (the low one under autocast)
+    out = (x.new_empty if full else x.new_zeros)(steps, batch, dirs * spec.width, dtype=low)  # zeros at t >= len_b
     out2 = out.view(steps * batch, -1)
     x2 = x.reshape(steps * batch, -1)
     paired = spec.triton and dirs == 2 and not torch.is_grad_enabled()  # (recorded: per direction, differentiable twice)
@@ -479,7 +491,7 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
             _give(out2[:, d * spec.width:(d + 1) * spec.width], spec.maps[d], d == 0, start, stop, rows, y,
                   add=False)
             states[d] = _merge(states[d], new, rows)
-    return out, [torch.cat([states[d][i] for d in range(dirs)]) for i in range(n_states)]
+    return out, [torch.cat([states[d][i] for d in range(dirs)]).to(low) for i in range(n_states)]
 
 
 def _merge(states: list[Tensor], new: tuple[Tensor, ...], rows: Tensor | None) -> list[Tensor]:
