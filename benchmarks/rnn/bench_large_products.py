@@ -2,7 +2,8 @@
 
 The products one fwd+bwd call of a layer runs over all its packed rows (N = T*B per direction),
 fp32, at the seed shape (bidirectional 512 -> 256, T=800, B=32, LSTM: G = 1024) and at the sweep's
-unidirectional LSTM H=64 B=32 (T=200: G = 256): the input projection xp = X W_ih^T, its input
+unidirectional LSTM H=64 B=32 (T=200: G = 256) and a short unidirectional call of the seed's sizes
+(T=20, B=32: 640 rows, the smallest count matmul.c takes on AMD): the input projection xp = X W_ih^T, its input
 gradient dX = dpre W_ih, and the weight gradients dW_ih = dpre^T X and dW_hh = dr^T hd, each through
 the engine's own helpers (``fastlayers.rnn._cpu_recurrence``) with the choice forced each way
 (:func:`fastlayers._native.prefer_own_products`). One process, the two engines interleaved, median
@@ -27,6 +28,7 @@ from fastlayers.rnn import _cpu_recurrence as engine
 SHAPES = {  # name -> (D, N rows, G, F input size, H hidden)
     "seed (2 x 25600 rows, G 1024, F 512, H 256)": (2, 25600, 1024, 512, 256),
     "H=64 unidirectional (1 x 6400 rows, G 256, F 64, H 64)": (1, 6400, 256, 64, 64),
+    "short unidirectional call (1 x 640 rows: T 20, B 32; G 1024, F 512, H 256)": (1, 640, 1024, 512, 256),
 }
 
 

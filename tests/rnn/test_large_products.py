@@ -25,14 +25,15 @@ def choice():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("dirs,rows,k,n", [(1, 1, 1, 1), (2, 97, 130, 33), (1, 250, 300, 70), (2, 0, 8, 16),
-                                           (2, 5, 0, 40), (1, 193, 257, 128), (2, 19, 4500, 40)])
+                                           (2, 5, 0, 40), (1, 193, 257, 128), (2, 19, 4500, 40), (1, 641, 20, 24)])
 @pytest.mark.parametrize("trans", [0, 1])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_kernel_matches_bmm(dtype, dirs, rows, k, n, trans, bias, threads):
     """C_d = A_d @ op(B_d) (+ bias_d): rows over one block of 96, k over several blocks of the
     panel slice (2048 values of k with AVX-512, 4096 with AVX2 / without: gemm.h FL_GEMM_KC), partial
-    panels, empty rows, k = 0; more threads than items."""
+    panels, empty rows, k = 0; more threads than items; a block count the threads do not divide
+    (641 rows: smaller blocks, matmul.c fl_matmul_mc)."""
     torch.manual_seed(0)
     a = torch.randn(dirs, rows, k, dtype=dtype)
     b = torch.randn(dirs, n, k, dtype=dtype) if trans else torch.randn(dirs, k, n, dtype=dtype)
@@ -123,7 +124,7 @@ def test_transposed_kernel_reads_rows_through_an_index(dtype, dirs, k, m, n, thr
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("dirs,rows,pad,k,n,trans,threads", [(2, 250, 0, 130, 70, 0, 2), (2, 200, 31, 33, 40, 1, 3),
                                                               (1, 97, 5, 64, 33, 0, 1), (3, 1, 2, 5, 3, 1, 2),
-                                                              (2, 0, 4, 8, 5, 0, 2)])
+                                                              (2, 0, 4, 8, 5, 0, 2), (2, 641, 3, 20, 24, 1, 2)])
 @pytest.mark.parametrize("order", ["identity", "shuffled"])
 def test_sum_kernel_adds_every_direction_into_the_padded_rows(dtype, dirs, rows, pad, k, n, trans, threads, order):
     """fl_matmul_sum (the layers' dX without a per-direction copy): output row crows[i] = sum_d
