@@ -119,7 +119,7 @@ void gru_step_forward_##SUFFIX(                                                 
 {                                                                                                    \
     const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, b_ih, r, h, rmask,     \
                                 b_hh, y, gates, hbn, hist, hd_next, rhat, rrstd, gh, eps, zh,        \
-                                zh_const, 0};                                                              \
+                                zh_const, 0};                                                        \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) gru_forward_row_##SUFFIX(&a, task);                 \
 }                                                                                                    \
@@ -272,7 +272,7 @@ void gru_forward_loop_##SUFFIX(                                                 
                 xstat ? xstat + 2 * sv : 0, gx, b_ih, r, h, rmask, b_hh, y + o * H, gates + sv * G,  \
                 hbn + sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0,                          \
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0,      \
-                zh_const, low};                                                                            \
+                zh_const, low};                                                                      \
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
                 int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \

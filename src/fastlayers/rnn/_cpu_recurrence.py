@@ -185,6 +185,14 @@ def _rounds_bf16(mm: _precision.Products) -> bool:
     return mm.mixed and mm.low == torch.bfloat16 and mm.acc == torch.float32
 
 
+def _first_input(hd: Tensor, h: Tensor, rmask: Tensor | None, first: int, round_bf16: bool) -> None:
+    """The first step's recurrent input into hd's first rows: h0 (* rmask), rounded to bfloat16 with
+    ``round_bf16`` (the C loops write the later steps' so)."""
+    hd[:, :first] = h * rmask if rmask is not None else h
+    if round_bf16:
+        hd[:, :first] = hd[:, :first].to(torch.bfloat16)
+
+
 def _step_weight(mm: _precision.Products, w_hh: Tensor, round_bf16: bool) -> Tensor:
     """W_hh as the C time loops take it: contiguous, in mm.acc; with ``round_bf16`` its values
     rounded to bfloat16."""
@@ -341,9 +349,7 @@ class LSTMRecurrence(torch.autograd.Function):
         y1, hk = (buf["y1"], xs.new_zeros(dirs, batch, hidden)) if proj else (y, h)
         keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
         hd, hd_low = buf["hd"], buf.get("hd_low")
-        hd[:, :first] = h * rmask if rmask is not None else h
-        if round_bf16:
-            hd[:, :first] = hd[:, :first].to(torch.bfloat16)
+        _first_input(hd, h, rmask, first, round_bf16)
         # torch's step products take the weights transposed and contiguous (one copy per call): a
         # transposed view as the GEMM's right operand took 3.3x as long on an AMD Zen 5 (issue 62), 1.07x
         # on Zen 3 (354 / 330 us); lstm.c's loop packs W_hh as it is
@@ -546,9 +552,7 @@ class GRURecurrence(torch.autograd.Function):
         xp, r, hd, hd_low = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"], buf.get("hd_low")
         xs_op = _into(buf.get("xs_low"), xs)
         _project(mm, xs_op, w_ih, b_ih if gx is None else None, xp, src)  # (with LayerNorm: b_ih after it, in the kernel)
-        hd[:, :first] = h * rmask if rmask is not None else h
-        if round_bf16:
-            hd[:, :first] = hd[:, :first].to(torch.bfloat16)
+        _first_input(hd, h, rmask, first, round_bf16)
         w_t = None if in_c else mm.operand(w_hh.transpose(1, 2)).contiguous()  # (as the LSTM's)
         offsets = _offsets(active)
         if in_c:

@@ -68,7 +68,7 @@ def check_every(name: str, every: Any) -> int | str | None:
 
 # "auto" on the C kernels' engine: segments of at least this many rows (k * B) per direction, where
 # that keeps k <= T / AUTO_MIN_SEGMENTS (bench_remat.py's k sweep, BENCHMARKS.md: a segment's fixed
-# cost, the weights' packing and the per-call work, is about 5-6 ms on 2 Zen 4 cores whatever B is)
+# cost, the weights' packing and the per-call work, is about 4-6 ms on 2 Zen 4 cores whatever B is)
 AUTO_ROWS = 1280
 AUTO_MIN_SEGMENTS = 16
 
@@ -80,7 +80,7 @@ def segment_length(every: int | str, steps: int, dirs: int = 1, batch: int = 0) 
     "auto" takes at least ceil(AUTO_ROWS / B) steps, as long as that leaves at least
     AUTO_MIN_SEGMENTS segments (so at most 1/16 of the layer's activations held): every segment
     costs the same fixed time, which short segments of a small batch do not amortise (T = 800,
-    B = 8: 2.1x the time without the option at k = 20, 1.6x at k = 50). (On the Triton engine a
+    B = 8: 1.8x the time without the option at k = 20, 1.6x at k = 50). (On the Triton engine a
     segment costs about 1 ms of host time per engine call, so longer segments are faster there at
     the price of memory: ``bench_remat.py --sweep``, BENCHMARKS.md.)"""
     if every != "auto":
