@@ -5,6 +5,8 @@ interleaved in one process (check=False: the candidates compute in different pre
 
 * ``fastlayers.{LSTM,GRU}(layer_norm=True)`` in float32 (the anchor);
 * the same module under ``torch.autocast("cpu", torch.bfloat16)``;
+* the same again with the time loops' bf16 step products in float32 (``_cpu_recurrence.BF16_DOT``
+  off: the path of a CPU without AVX512-BF16, which the default row takes where the CPU has none);
 * the same module with bfloat16 parameters and input;
 * with ``--lengths``: the float32 and autocast rows again with lengths U[400, 800] (seeded);
 * ``torch.nn.{LSTM,GRU}`` under the same autocast (oneDNN's bf16 kernels: need AVX512-BF16 or
@@ -29,20 +31,26 @@ import torch
 from torch import nn
 
 import fastlayers
+from fastlayers import _native
 from fastlayers._core import precision as _precision
 from fastlayers._core.system import cpuinfo
 from fastlayers.bench import compare
+from fastlayers.rnn import _cpu_recurrence
 
 
 class Call(nn.Module):
     """module(x)[0] in ``dtype`` (the module converted once), optionally under CPU bf16 autocast,
-    optionally with per-sequence lengths."""
+    optionally with per-sequence lengths; ``dot``: the time loops' bf16 products on the CPU's bf16
+    instructions where it has them (set at each call: the harness runs a call's backward before
+    the next candidate's call)."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, autocast: bool, lengths: torch.Tensor | None = None):
+    def __init__(self, module: nn.Module, dtype: torch.dtype, autocast: bool, lengths: torch.Tensor | None = None,
+                 dot: bool = True):
         super().__init__()
-        self.rnn, self.dtype, self.autocast, self.lengths = module.to(dtype), dtype, autocast, lengths
+        self.rnn, self.dtype, self.autocast, self.lengths, self.dot = module.to(dtype), dtype, autocast, lengths, dot
 
     def forward(self, x):
+        _cpu_recurrence.BF16_DOT = self.dot
         with torch.autocast("cpu", torch.bfloat16, enabled=self.autocast):
             if self.lengths is None:
                 return self.rnn(x.to(self.dtype))[0]
@@ -90,6 +98,7 @@ def main() -> int:
     candidates = {
         anchor: Call(ours, torch.float32, False),
         f"fastlayers LN-{name} autocast bf16": Call(ours, torch.float32, True),
+        f"fastlayers LN-{name} autocast bf16, float32 products": Call(ours, torch.float32, True, dot=False),
         f"fastlayers LN-{name} bf16 parameters": Call(ours_cls(d, h, bidirectional=True, layer_norm=True),
                                                      torch.bfloat16, False),
     }
@@ -121,6 +130,9 @@ def main() -> int:
     torch_auto = f"torch.nn.{name} autocast bf16"
     print(f"{auto}: {1 / rep.ratio(auto, anchor):.2f}x faster than {anchor} (fwd+bwd)")
     print(f"{low_params}: {rep.ratio(low_params, auto):.2f}x the autocast call (fwd+bwd)")
+    plain = f"{auto}, float32 products"
+    print(f"{auto} / {plain}: {rep.ratio(auto, plain):.2f}x (fwd+bwd), {rep.ratio(auto, plain, 'forward'):.2f}x (fwd); "
+          f"bf16 instructions in the time loops: {_native.bf16_products()}")
     if torch_auto in candidates:
         print(f"{auto} / {torch_auto}: {rep.ratio(auto, torch_auto):.2f}x (fwd+bwd), "
               f"{rep.ratio(auto, torch_auto, 'forward'):.2f}x (fwd)")

@@ -243,6 +243,56 @@ def test_engine_and_its_reference_implement_the_same_rule(cell, monkeypatch):
             assert _rel(a, b.double()) <= 1e-2
 
 
+def test_bf16_products_run_where_the_cpu_has_them():
+    """The time loops' bf16 step products run on VDPBF16PS exactly where the avx512 variant is
+    loaded on a CPU with AVX512-BF16 (so the test below compares two code paths there)."""
+    from fastlayers import _native
+
+    want = _native.built_as() == "avx512" and torch.cpu._is_avx512_bf16_supported()
+    assert _native.bf16_products() == want
+
+
+# (cell, hidden, batch, bidirectional, options): K odd and N a partial panel (33), two row blocks of
+# the 12-row tile (13), one direction on two threads split by rows (small weight) or by panels
+# (600: 2.9 MB), the backward's k in two blocks (4 * 1030 > 2 * 2048), the mask through g
+@pytest.mark.parametrize("cell, hidden, batch, bidirectional, options", [
+    ("LSTM", 33, 13, True, dict(recurrent_dropout=0.3)), ("GRU", 33, 13, True, dict(recurrent_dropout=0.3)),
+    ("LSTM", 45, 5, False, dict(layer_norm=True)), ("GRU", 45, 5, False, {}),
+    ("LSTM", 600, 3, False, {}), ("GRU", 600, 3, False, dict(layer_norm=True)),
+    ("LSTM", 1030, 2, False, {})])
+def test_bf16_dot_products_give_the_float32_products(cell, hidden, batch, bidirectional, options, monkeypatch):
+    """Training calls under bf16 autocast with lengths and h0: the time loops' step products on
+    the CPU's bf16 instructions (gemm_bf16.h, where it has them) give the outputs, final states and
+    every gradient of the float32 products of the same bf16-rounded operands (the sums in another
+    order: relative l2 error 1e-3, a rounding to bf16 that flips a last bit included)."""
+    from fastlayers.rnn import _cpu_recurrence
+
+    torch.manual_seed(0)
+    m = getattr(fastlayers, cell)(8, hidden, bidirectional=bidirectional, **options).train()
+    dirs = 2 if bidirectional else 1
+    x, h0 = _x(3, batch, 8), _x(dirs, batch, hidden, seed=1)
+    hx = (h0, _x(dirs, batch, hidden, seed=2)) if cell == "LSTM" else h0
+    lengths = torch.tensor([3] + [1 + i % 3 for i in range(batch - 1)])
+
+    def call():
+        torch.manual_seed(3)  # the same dropout masks
+        xs = x.clone().requires_grad_(True)
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", BF16):
+            out, states = m(xs, hx, lengths=lengths)
+        outs = [out, *(states if isinstance(states, tuple) else (states,))]
+        g = torch.Generator().manual_seed(1)
+        sum((t.float() * torch.randn(t.shape, generator=g)).sum() for t in outs).backward()
+        return [*outs, xs.grad, *(p.grad for p in m.parameters())]
+
+    dot = call()
+    monkeypatch.setattr(_cpu_recurrence, "BF16_DOT", False)
+    plain = call()
+    for a, b in zip(dot, plain, strict=True):
+        assert a.dtype == b.dtype
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-3
+
+
 @pytest.mark.parametrize("cell, options", [
     ("LSTM", dict(recurrent_dropout=0.3, zoneout=(0.2, 0.1))), ("LSTM", dict(layer_norm=True, recurrent_dropout=0.2)),
     ("LSTM", dict(cell_clip=0.5, peephole=True)), ("GRU", dict(recurrent_dropout=0.3, zoneout=0.2)),

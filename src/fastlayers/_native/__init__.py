@@ -123,6 +123,7 @@ def _open() -> ctypes.CDLL | None:
     lib.fl_matmul_preferred.argtypes, lib.fl_matmul_preferred.restype = [ctypes.c_int64], ctypes.c_int
     lib.fl_matmul_prefer.argtypes, lib.fl_matmul_prefer.restype = [ctypes.c_int], None
     lib.fl_matmul_scratch_rows.argtypes, lib.fl_matmul_scratch_rows.restype = [], ctypes.c_int64
+    lib.fl_bf16_products.argtypes, lib.fl_bf16_products.restype = [], ctypes.c_int
     choice = os.environ.get(PRODUCTS_ENV, "").strip().lower()
     if choice in ("native", "torch"):
         lib.fl_matmul_prefer(int(choice == "native"))
@@ -182,6 +183,15 @@ def prefer_own_products(choice: bool | None) -> None:
     lib = library()
     if lib is not None:
         lib.fl_matmul_prefer(-1 if choice is None else int(choice))
+
+
+def bf16_products() -> bool:
+    """Whether the LSTM / GRU time loops multiply in bfloat16 on this CPU's dot-product instructions
+    (AVX512-BF16's VDPBF16PS, ``gemm_bf16.h``; the avx512 variant on a CPU that has them) when they
+    run in bf16; elsewhere they multiply the bf16-rounded values in float32 (the same products,
+    summed in another order). False where the library is unavailable."""
+    lib = library()
+    return bool(lib is not None and lib.fl_bf16_products())
 
 
 def describe() -> str:

@@ -27,7 +27,7 @@
 #include <string.h>
 
 #include "fastmath.h"
-#include "gemm.h"
+#include "gemm_bf16.h"
 
 #define DEFINE_GRU(T, SUFFIX, EXP, TANH, SQRT)                                                         \
 static inline T gsig_##SUFFIX(T v) { return 1 / (1 + EXP(-v)); }                                     \
@@ -250,22 +250,25 @@ void gru_forward_loop_##SUFFIX(                                                 
     T* y, T* gates, T* hbn, T* hist, T* hd, T* rhat, T* rrstd,                                       \
     const T* gh, T eps, const T* zh, T zh_const, int keep, int low, int nthreads)                    \
 {                                                                                                    \
-    const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                                        \
+    const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                    \
+    /* low = 2: the step products in bf16 where the CPU has them (gemm_bf16.h) */                    \
+    uint16_t* const scratch = fl_bf16_scratch(fl_bf16_ok_##SUFFIX(low), nthreads, D * B, H);         \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                            \
         /* as lstm_forward_loop: no barrier where nt divides D or with the split by rows */          \
         const int sync = D % nt != 0;                                                                \
-        const int by_rows = fl_by_rows(D, B, nt, D * H * np * FL_W_##SUFFIX * (int64_t)sizeof(T));   \
         int64_t p0, p1, t0, t1;                                                                      \
-        fl_loop_pack_##SUFFIX(by_rows, tid, nt, D, np, H, G, w, 1, wp, &p0, &p1);                    \
+        const int by_rows = fl_step_pack_##SUFFIX(scratch != 0, 1, tid, nt, D, B, H, G, w, 1, wp,    \
+                                                  &p0, &p1);                                         \
+        uint16_t* const ab = fl_bf16_mine(scratch, tid, D * B, H);                                   \
         int64_t o = 0;                                                                               \
         for (int64_t t = 0; t < steps; t++) {                                                        \
             const int64_t n = active[t], n_next = t + 1 < steps ? active[t + 1] : 0;                 \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
-            fl_loop_product_##SUFFIX(by_rows, sync, lo, hi, p0, p1, D, np, n, H, G, hd + o * H, ds,  \
-                                     wp, r, active[0]);                                              \
+            fl_step_product_##SUFFIX(ab, by_rows, sync, lo, hi, p0, p1, D, np, n, H, G, hd + o * H,  \
+                                     ds, wp, r, active[0]);                                          \
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */   \
             const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],            \
                 xp + o * G,                                                                          \
@@ -291,6 +294,7 @@ void gru_forward_loop_##SUFFIX(                                                 
             o += n;                                                                                  \
         }                                                                                            \
     }                                                                                                \
+    free(scratch);                                                                                   \
 }                                                                                                    \
                                                                                                      \
 /* The whole backward time loop of a layer, as lstm_backward_loop: per step, from the last, the     \
@@ -311,15 +315,16 @@ void gru_backward_loop_##SUFFIX(                                                
     T* const acc[3] = {acc_gx, acc_b, acc_gh};                                                       \
     const int64_t len[3] = {D * G, D * G, D * G}, L = 3 * D * G;                                     \
     T* parts = nthreads > 1 ? (T*)calloc(nthreads * L, sizeof(T)) : 0;                               \
+    uint16_t* const scratch = fl_bf16_scratch(fl_bf16_ok_##SUFFIX(low), nthreads, D * B, G);         \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
     {                                                                                                \
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                            \
         /* as lstm_forward_loop: no barrier where nt divides D or with the split by rows */          \
         const int sync = D % nt != 0;                                                                \
-        const int by_rows = parts && nt <= nthreads                                                  \
-            && fl_by_rows(D, B, nt, D * G * np * FL_W_##SUFFIX * (int64_t)sizeof(T));                \
         int64_t p0, p1, t0, t1;                                                                      \
-        fl_loop_pack_##SUFFIX(by_rows, tid, nt, D, np, G, H, w, 0, wp, &p0, &p1);                    \
+        const int by_rows = fl_step_pack_##SUFFIX(scratch != 0, parts && nt <= nthreads, tid, nt, D, \
+                                                  B, G, H, w, 0, wp, &p0, &p1);                      \
+        uint16_t* const ab = fl_bf16_mine(scratch, tid, D * B, G);                                   \
         T* mine[3]; /* the accumulators this thread adds to */                                       \
         fl_partials_mine_##SUFFIX(by_rows ? parts + tid * L : 0, acc, len, 3, mine);                 \
         int64_t o = ds;                                                                              \
@@ -360,8 +365,8 @@ void gru_backward_loop_##SUFFIX(                                                
                         gru_backward_input_norm_##SUFFIX(&a, task);                                  \
                 }                                                                                    \
             }                                                                                        \
-            fl_loop_product_add_##SUFFIX(by_rows, sync, lo, hi, p0, p1, D, np, n, G, H, a.dr, ds,    \
-                                         wp, dh, B, rmask, g, active[0]);                            \
+            fl_step_product_add_##SUFFIX(ab, by_rows, sync, lo, hi, p0, p1, D, np, n, G, H, a.dr,    \
+                                         ds, wp, dh, B, rmask, g, active[0]);                        \
         }                                                                                            \
         if (by_rows) {                                                                               \
             _Pragma("omp barrier")                                                                   \
@@ -369,6 +374,7 @@ void gru_backward_loop_##SUFFIX(                                                
         }                                                                                            \
     }                                                                                                \
     free(parts);                                                                                     \
+    free(scratch);                                                                                   \
 }
 
 DEFINE_GRU(float, f32, fl_exp_f32, fl_tanh_f32, sqrtf)

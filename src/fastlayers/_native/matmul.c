@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "gemm.h"
+#include "gemm_bf16.h"
 
 #define FL_MATMUL_MIN_ROWS 640
 
@@ -50,6 +51,10 @@ int fl_matmul_preferred(int64_t rows)
     return 0; /* the default variant (no AVX2) and other architectures: not measured */
 #endif
 }
+
+/* Whether the step loops' bf16 products run on VDPBF16PS here (gemm_bf16.h: this variant has
+ * AVX-512 and the CPU AVX512-BF16); Python: fastlayers._native.bf16_products. */
+int fl_bf16_products(void) { return fl_bf16_ok_f32(2); }
 
 #define FL_MATMUL_MC 96 /* rows per item: a multiple of both micro-kernel heights (6, 8) */
 int64_t fl_matmul_scratch_rows(void) { return FL_MATMUL_MC; }

@@ -8,10 +8,11 @@ computes the recurrent weight gradient (and LayerNorm / peephole parameter gradi
 reductions after the loop. The time loops run in one C call each (``lstm_forward_loop``,
 ``lstm_backward_loop``, ``gru_*_loop``: the step products on ``_native/gemm.h``'s kernel, no
 return to Python or torch between steps; with bf16 products too, the loops rounding the step
-products' operands to bf16: :func:`_rounds_bf16`) unless a projection or fp16 products need torch
+products' operands to bf16: :func:`_rounds_bf16`, and multiplying them on the CPU's bf16
+dot-product instructions where it has them, ``_native/gemm_bf16.h``) unless a projection or fp16 products need torch
 ops between the steps; then the loops below drive the step kernels from Python. The two
 Functions share this file's helpers (the kernels' signatures, the buffers' step addresses, the
-low-precision copies), hence one file of about 500 lines.
+low-precision copies), hence one file of about 700 lines.
 """
 
 from __future__ import annotations
@@ -183,6 +184,18 @@ def _rounds_bf16(mm: _precision.Products) -> bool:
     rounded to bfloat16 (float32 values and sums): bf16 products with a float32 accumulator. fp16
     keeps the per-step torch GEMM (the C loops round to bf16 only)."""
     return mm.mixed and mm.low == torch.bfloat16 and mm.acc == torch.float32
+
+
+#: whether the C time loops may run their bf16 step products on the CPU's bf16 dot-product
+#: instructions (AVX512-BF16, checked in C; ``_native/gemm_bf16.h``) rather than in float32 on the
+#: bf16-rounded values: the same products, summed in another order (tests compare the two)
+BF16_DOT = True
+
+
+def _low(round_bf16: bool) -> int:
+    """The C time loops' ``low`` flag: 0 float32; 1 operands rounded to bf16, float32 products;
+    2 the same with the products in bf16 where the CPU has the instructions (:data:`BF16_DOT`)."""
+    return 0 if not round_bf16 else 2 if BF16_DOT else 1
 
 
 def _first_input(hd: Tensor, h: Tensor, rmask: Tensor | None, first: int, round_bf16: bool) -> None:
@@ -364,7 +377,7 @@ class LSTMRecurrence(torch.autograd.Function):
                 h.data_ptr(), address(rmask), y.data_ptr(), buf["gates"].data_ptr(), buf["c1"].data_ptr(),
                 address(buf["chist"]), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
                 address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, EPS, address(zc),
-                address(zh), zc_const, zh_const, 1, int(round_bf16), threads)
+                address(zh), zc_const, zh_const, 1, _low(round_bf16), threads)
             if hd_low is not None:  # the backward's dW_hh operand (exact: hd holds bf16 values)
                 hd_low.copy_(hd)
         P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
@@ -458,7 +471,7 @@ class LSTMRecurrence(torch.autograd.Function):
                 gates.data_ptr(), buf["c1"].data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
                 address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, address(zc),
                 address(zh), zc_const, zh_const, dpre.data_ptr(), dr.data_ptr(), dn.data_ptr(), *fixed[1:-1],
-                int(round_bf16), threads)
+                _low(round_bf16), threads)
             if dr_low is not None:  # dW_hh's operand (exact: dr holds bf16 values)
                 dr_low.copy_(dr)
         for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
@@ -562,7 +575,7 @@ class GRURecurrence(torch.autograd.Function):
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(b_ih), h.data_ptr(),
                 address(rmask), address(b_hh), y.data_ptr(), buf["gates"].data_ptr(), buf["hbn"].data_ptr(),
                 buf["hist"].data_ptr(), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]), address(gh), EPS,
-                address(zh), zh_const, 1, int(round_bf16), threads)
+                address(zh), zh_const, 1, _low(round_bf16), threads)
             if hd_low is not None:  # as the LSTM's
                 hd_low.copy_(hd)
         P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
@@ -624,7 +637,7 @@ class GRURecurrence(torch.autograd.Function):
                 tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), buf["hist"].data_ptr(),
                 gates.data_ptr(), buf["hbn"].data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
                 address(buf["rhat"]), address(buf["rrstd"]), address(gh), address(zh), zh_const, dpre.data_ptr(),
-                dhb.data_ptr(), dr.data_ptr(), address(acc_gx), address(acc_b), address(acc_gh), int(round_bf16),
+                dhb.data_ptr(), dr.data_ptr(), address(acc_gx), address(acc_b), address(acc_gh), _low(round_bf16),
                 threads)
             if dr_low is not None:  # as the LSTM's
                 dr_low.copy_(dr)
