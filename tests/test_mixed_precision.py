@@ -319,32 +319,40 @@ def test_c_time_loops_follow_the_per_step_rule_in_training(cell, options, monkey
         assert _rel(a.float(), b.double()) <= 1e-5
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])
-def test_checkpoint_every_under_autocast(cell):
-    """checkpoint_every under bf16 autocast: the output and final states in bf16, the backward's
-    recomputation under the forward's autocast (the backward runs outside it): with one segment
-    the outputs, states and parameter gradients of the run without the option, bitwise (the input
-    gradient's sums run in another order); with short segments finite gradients of every input.
-    On the C engine (the reference runs a segment's directions one by one)."""
+def test_checkpoint_every_under_autocast(cell, mode, backend):
+    """checkpoint_every under bf16 (autocast, or bf16 parameters): the output and final states in
+    bf16, the backward's recomputation under the forward's autocast (the backward runs outside it),
+    and the states carried from segment to segment in float32, as from step to step: with one
+    segment or short ones the outputs and final states of the run without the option, bitwise, and
+    its gradients to 1e-2 (summed segment by segment; a bf16 GEMM rounds each segment's weight
+    gradient to bf16). (Carried in bf16, the outputs of k = 3 differed by 0.4-1.4 %.)"""
     torch.manual_seed(0)
     plain = getattr(fastlayers, cell)(8, 16, bidirectional=True, layer_norm=True)
     x, lengths = _x(20, 3, 8), torch.tensor([20, 7, 13])
+    if mode == "bf16":
+        plain, x = plain.to(BF16), x.to(BF16)
 
     def call(every):
         m = getattr(fastlayers, cell)(8, 16, bidirectional=True, layer_norm=True, checkpoint_every=every)
+        m = m.to(BF16) if mode == "bf16" else m
         m.load_state_dict(plain.state_dict())
         leaf = x.clone().requires_grad_(True)
-        with torch.autocast("cpu", BF16), fastlayers.backend("cpu"):  # (the C engine: the same kernels)
+        with torch.autocast("cpu", BF16, enabled=mode == "autocast"):
             outs = _outputs(m, leaf, lengths)
         assert all(o.dtype == BF16 for o in outs)
         sum((o.float() ** 2).sum() for o in outs).backward()
-        return outs, leaf.grad, [p.grad for p in m.parameters()]
+        return outs, [leaf.grad, *(p.grad for p in m.parameters())]
 
-    want, one, short = call(None), call(20), call(3)
-    for a, b in zip([*want[0], *want[2]], [*one[0], *one[2]], strict=True):
-        assert torch.equal(a, b)
-    assert _rel(one[1], want[1].double()) <= 1e-2
-    assert all(g is not None and bool(g.isfinite().all()) for g in (short[1], *short[2]))
+    want = call(None)
+    for every in (20, 3, 7):
+        outs, grads = call(every)
+        for a, b in zip(outs, want[0], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(grads, want[1], strict=True):
+            assert a.dtype == b.dtype
+            assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-2
 
 
 def test_cpu_without_bf16_instructions_multiplies_in_float32(monkeypatch):

@@ -20,6 +20,10 @@ values is exact in float32) and float32 sums, at float32 GEMM speed.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch
 from torch import Tensor
 
@@ -45,6 +49,30 @@ def dtypes(x: Tensor) -> tuple[torch.dtype, torch.dtype]:
 
 def is_low(x: Tensor) -> bool:
     return dtypes(x)[0] in LOW
+
+
+_STATES_IN_ACC = contextvars.ContextVar("fastlayers_states_in_acc", default=False)
+
+
+@contextlib.contextmanager
+def states_in_acc() -> Iterator[None]:
+    """Within it, the recurrent engines return their final states in the accumulator dtype (float32
+    under bf16) instead of the low one: for ``checkpoint_every``'s segments, which hand them to the
+    next segment, so that the cell state stays float32 across a segment's bound as it does across
+    a step (a layer with the option then computes what the layer without it does)."""
+    token = _STATES_IN_ACC.set(True)
+    try:
+        yield
+    finally:
+        _STATES_IN_ACC.reset(token)
+
+
+def state_dtype(mm: "Products") -> torch.dtype:
+    """The dtype of a recurrent engine's final states: ``mm.low`` (the output's), or ``mm.acc``
+    within :func:`states_in_acc` (never while torch.compile traces: the option runs eagerly)."""
+    if torch.compiler.is_compiling():
+        return mm.low
+    return mm.acc if _STATES_IN_ACC.get() else mm.low
 
 
 _NATIVE: dict[tuple[str, torch.dtype], bool] = {}

@@ -410,8 +410,9 @@ class LSTMRecurrence(torch.autograd.Function):
         ctx.buf, ctx.release, ctx.mm, ctx.src = buf, pool.hold(ctx, slab), mm, src
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = bias is not None
-        # outputs in the low precision (mm.low: the input's dtype unless mixed), as torch's RNNs under autocast
-        return y, h.to(mm.low), c.to(mm.low)
+        # outputs in the low precision (mm.low: the input's dtype unless mixed), as torch's RNNs under autocast;
+        # the final states so too, but in acc for checkpoint_every's segments (precision.states_in_acc)
+        return y, h.to(_precision.state_dtype(mm)), c.to(_precision.state_dtype(mm))
 
     @staticmethod
     def backward(ctx, dy, dh_n, dc_n):
@@ -594,7 +595,7 @@ class GRURecurrence(torch.autograd.Function):
         ctx.buf, ctx.release, ctx.mm, ctx.src = buf, pool.hold(ctx, slab), mm, src
         ctx.active, ctx.offsets, ctx.consts, ctx.batch = active, offsets, consts, batch
         ctx.has_bias = (b_ih is not None, b_hh is not None)
-        return y, h.to(mm.low)
+        return y, h.to(_precision.state_dtype(mm))
 
     @staticmethod
     def backward(ctx, dy, dh_n):

@@ -229,7 +229,8 @@ class LSTMLayer(torch.autograd.Function):
         ctx.varlen = varlen
         # captured: the state and output are copies (the next call replays into the same memory)
         return (_result(loop, st["y"][:extent].view(*lead, dirs * out_size), mm.low),
-                _result(loop, st["h"], mm.low), _result(loop, st["c"], mm.low))
+                _result(loop, st["h"], _precision.state_dtype(mm)),
+                _result(loop, st["c"], _precision.state_dtype(mm)))
 
     @staticmethod
     def backward(ctx, dy, dh_n, dc_n):
@@ -373,7 +374,7 @@ class GRULayer(torch.autograd.Function):
         ctx.loop, ctx.mm, ctx.has_bias, ctx.consts = loop, mm, (b_ih is not None, b_hh is not None), consts
         ctx.varlen = varlen
         return (_result(loop, st["y"][:extent].view(*lead, dirs * hidden), mm.low),
-                _result(loop, st["h"], mm.low))
+                _result(loop, st["h"], _precision.state_dtype(mm)))
 
     @staticmethod
     def backward(ctx, dy, dh_n):

@@ -155,7 +155,7 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
                     states[i] = torch.where(alive, upd, old)
             outs.append(torch.stack(ys).to(mm.low))
             for acc, s in zip(finals, states):
-                acc.append(s.to(mm.low))
+                acc.append(s.to(_precision.state_dtype(mm)))
         x = torch.cat(outs, dim=-1)
         if dropout > 0 and training and li < len(layers) - 1:
             x = F.dropout(x, dropout, True)

@@ -183,7 +183,9 @@ class Segments(torch.autograd.Function):
         dx = x.new_zeros(x.shape) if ctx.needs_input_grad[1] else None
         x2, dy2 = x.reshape(steps * batch, -1), dy.reshape(steps * batch, -1)  # copies only if strided
         dx2 = dx.view(steps * batch, -1) if dx is not None else None
-        carry = [(g.clone() if g is not None else torch.zeros_like(s)) for g, s in zip(dfinal, tensors[:n_states])]
+        acc = precision.dtypes(x)[1]  # (the states' gradients carried in acc, as the states are)
+        carry = [(g.to(acc, copy=True) if g is not None else torch.zeros_like(s, dtype=acc))
+                 for g, s in zip(dfinal, tensors[:n_states])]
         dparams: list[Tensor | None] = [None] * len(leaves)
         if spec.native or (spec.triton and dirs == 2):  # both directions in one engine call per segment
             # (the Triton engine: each direction with its own input), the parameters stacked once
@@ -196,7 +198,7 @@ class Segments(torch.autograd.Function):
                 for d in range(dirs):
                     if leaves[d * n_params + i].requires_grad and name in sums:
                         dparams[d * n_params + i] = sums[name][d]
-            return (None, dx, *carry, *dparams)
+            return (None, dx, *(c.to(t.dtype) for c, t in zip(carry, tensors)), *dparams)
         for j in reversed(range(len(spec.plan.bounds))):
             start, stop = spec.plan.bounds[j]
             rows = spec.plan.parts[j][0]
@@ -217,7 +219,7 @@ class Segments(torch.autograd.Function):
                 if xs.requires_grad:  # added: the other direction's segments write these rows too
                     _give(dx2, fmap, ident, start, stop, rows, next(it), add=True)
                 _hand_out(it, carry, slice(d, d + 1), pick, leaves, range(d * n_params, (d + 1) * n_params), dparams)
-        return (None, dx, *carry, *dparams)
+        return (None, dx, *(c.to(t.dtype) for c, t in zip(carry, tensors)), *dparams)
 
 
 def _stack_once(names: list[str], params: tuple[Tensor, ...] | list[Tensor], dirs: int,
@@ -322,9 +324,10 @@ def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: T
         s_in = [torch.cat([kept[d][i] for d in range(dirs)])[:, pick].detach().requires_grad_()
                 for i in range(spec.n_states)]
         rmask = masks.get("recurrent")
-        y, last = packed_layer(spec.cell, xs, _directions(stacked, dirs), tuple(sort(s) for s in s_in),
-                               sort(rmask) if rmask is not None else None, masks.get("zoneout_c"),
-                               masks.get("zoneout_h"), active, spec.options, spec.training)
+        with precision.states_in_acc():  # (as _segment's)
+            y, last = packed_layer(spec.cell, xs, _directions(stacked, dirs), tuple(sort(s) for s in s_in),
+                                   sort(rmask) if rmask is not None else None, masks.get("zoneout_c"),
+                                   masks.get("zoneout_h"), active, spec.options, spec.training)
     width = spec.width
     dys = torch.stack([dy2[:, d * width:(d + 1) * width].index_select(0, idx[d]) for d in range(dirs)])
     wrt = [t for t in (xs, *s_in, *stacked.values()) if t.requires_grad]
@@ -360,8 +363,9 @@ def _paired(spec: Spec, j: int, xs: list[Tensor], states: list[Tensor], params: 
         masks = {key: torch.cat([per_dir[0][key], per_dir[1][key] if key == "recurrent"
                                  else _flip(per_dir[1][key][0], flip).unsqueeze(0)])
                  for key in per_dir[0]}
-    y, last = spec.engine(x, tuple(states), [list(params)], seg_lengths, spec.options, dropout=0.0,
-                          training=spec.training, masks=[masks] if masks is not None else None)
+    with precision.states_in_acc():  # (float32 under bf16: the state across the bound as across a step)
+        y, last = spec.engine(x, tuple(states), [list(params)], seg_lengths, spec.options, dropout=0.0,
+                              training=spec.training, masks=[masks] if masks is not None else None)
     width = spec.width
     return [y[..., :width], _flip(y[..., width:], flip)], last
 
@@ -401,8 +405,9 @@ def _segment(spec: Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tuple
     m = _segment_masks(spec, j, d)
     if spec.native and ops_lib.serves(x):  # the forward's pass, no gradient recorded
         return _operator(spec, x, states, params, seg_lengths, m or {})
-    return spec.engine(x, tuple(states), [[params]], seg_lengths, spec.options, dropout=0.0, training=spec.training,
-                       masks=[m] if m is not None else None)
+    with precision.states_in_acc():  # (float32 under bf16: the state across the bound as across a step)
+        return spec.engine(x, tuple(states), [[params]], seg_lengths, spec.options, dropout=0.0,
+                           training=spec.training, masks=[m] if m is not None else None)
 
 
 def _segment_masks(spec: Spec, j: int, d: int) -> dict[str, Tensor] | None:
@@ -453,13 +458,14 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
     each segment (segment after segment, direction after direction, state after state)."""
     n_states, n_params, dirs = spec.n_states, len(spec.names), len(spec.maps)
     steps, batch = x.shape[:2]
-    states = [[s[d:d + 1] for s in tensors[:n_states]] for d in range(dirs)]
+    low, acc = precision.dtypes(x)  # the engines' output dtype (the low one under autocast) and float32's
+    # the states between segments in acc, as the engines carry them between steps (precision.states_in_acc)
+    states = [[s[d:d + 1].to(acc) for s in tensors[:n_states]] for d in range(dirs)]
     params = [dict(zip(spec.names, tensors[n_states + d * n_params:n_states + (d + 1) * n_params]))
               for d in range(dirs)]
     # every row of every step written: no step dropped after the longest sequence, none short in a segment
     full = bool(spec.plan.bounds) and spec.plan.bounds[-1][1] == steps and all(
         rows is None and seg is None for rows, seg in spec.plan.parts)
-    low = precision.dtypes(x)[0]  # the engines' output dtype (the low one under autocast)
     out = (x.new_empty if full else x.new_zeros)(steps, batch, dirs * spec.width, dtype=low)  # zeros at t >= len_b
     out2 = out.view(steps * batch, -1)
     x2 = x.reshape(steps * batch, -1)
