@@ -7,6 +7,9 @@ interleaved in one process (check=False: the candidates compute in different pre
 * the same module under ``torch.autocast("cpu", torch.bfloat16)``;
 * the same again with the time loops' bf16 step products in float32 (``_cpu_recurrence.BF16_DOT``
   off: the path of a CPU without AVX512-BF16, which the default row takes where the CPU has none);
+* the same again with the large products (input projection, input gradient) on torch's bf16 GEMM
+  (``fastlayers._native.prefer_own_products(False)``) where the default takes matmul.c's VDPBF16PS
+  kernel (:func:`fastlayers._native.bf16_large_products`; where it does not, the two rows match);
 * the same module with bfloat16 parameters and input;
 * with ``--lengths``: the float32 and autocast rows again with lengths U[400, 800] (seeded);
 * ``torch.nn.{LSTM,GRU}`` under the same autocast (oneDNN's bf16 kernels: need AVX512-BF16 or
@@ -41,16 +44,19 @@ from fastlayers.rnn import _cpu_recurrence
 class Call(nn.Module):
     """module(x)[0] in ``dtype`` (the module converted once), optionally under CPU bf16 autocast,
     optionally with per-sequence lengths; ``dot``: the time loops' bf16 products on the CPU's bf16
-    instructions where it has them (set at each call: the harness runs a call's backward before
-    the next candidate's call)."""
+    instructions where it has them; ``own``: the large products' choice
+    (:func:`fastlayers._native.prefer_own_products`; None the CPU's). Both set at each call: the
+    harness runs a call's backward before the next candidate's call."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, autocast: bool, lengths: torch.Tensor | None = None,
-                 dot: bool = True):
+                 dot: bool = True, own: bool | None = None):
         super().__init__()
-        self.rnn, self.dtype, self.autocast, self.lengths, self.dot = module.to(dtype), dtype, autocast, lengths, dot
+        self.rnn, self.dtype, self.autocast, self.lengths = module.to(dtype), dtype, autocast, lengths
+        self.dot, self.own = dot, own
 
     def forward(self, x):
         _cpu_recurrence.BF16_DOT = self.dot
+        _native.prefer_own_products(self.own)
         with torch.autocast("cpu", torch.bfloat16, enabled=self.autocast):
             if self.lengths is None:
                 return self.rnn(x.to(self.dtype))[0]
@@ -99,6 +105,7 @@ def main() -> int:
         anchor: Call(ours, torch.float32, False),
         f"fastlayers LN-{name} autocast bf16": Call(ours, torch.float32, True),
         f"fastlayers LN-{name} autocast bf16, float32 products": Call(ours, torch.float32, True, dot=False),
+        f"fastlayers LN-{name} autocast bf16, torch's bf16 GEMMs": Call(ours, torch.float32, True, own=False),
         f"fastlayers LN-{name} bf16 parameters": Call(ours_cls(d, h, bidirectional=True, layer_norm=True),
                                                      torch.bfloat16, False),
     }
@@ -125,6 +132,8 @@ def main() -> int:
     rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=False,
                   workload=f"LN-{name} precision (B{name} {d} -> {h}x2, T={t}, B={b})",
                   progress=lambda m: print("  ..", m, file=sys.stderr, flush=True))
+    _cpu_recurrence.BF16_DOT = True  # (the choices the candidates set: back to the defaults)
+    _native.prefer_own_products(None)
     print(rep.markdown(anchor))
     auto, low_params = f"fastlayers LN-{name} autocast bf16", f"fastlayers LN-{name} bf16 parameters"
     torch_auto = f"torch.nn.{name} autocast bf16"
@@ -133,6 +142,9 @@ def main() -> int:
     plain = f"{auto}, float32 products"
     print(f"{auto} / {plain}: {rep.ratio(auto, plain):.2f}x (fwd+bwd), {rep.ratio(auto, plain, 'forward'):.2f}x (fwd); "
           f"bf16 instructions in the time loops: {_native.bf16_products()}")
+    gemms = f"{auto}, torch's bf16 GEMMs"
+    print(f"{auto} / {gemms}: {rep.ratio(auto, gemms):.2f}x (fwd+bwd), {rep.ratio(auto, gemms, 'forward'):.2f}x (fwd); "
+          f"large products on matmul.c's bf16 kernel: {_native.bf16_large_products(t * b)}")
     if torch_auto in candidates:
         print(f"{auto} / {torch_auto}: {rep.ratio(auto, torch_auto):.2f}x (fwd+bwd), "
               f"{rep.ratio(auto, torch_auto, 'forward'):.2f}x (fwd)")

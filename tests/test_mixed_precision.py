@@ -252,6 +252,41 @@ def test_bf16_products_run_where_the_cpu_has_them():
     assert _native.bf16_products() == want
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_bf16_large_products_on_the_library_kernel(cell, mode):
+    """The input projection and its input gradient on matmul.c's VDPBF16PS kernel (forced here at
+    any size; by default on CPUs with AVX512-BF16 and no AMX from 640 rows), float32 results written
+    in place: a two-layer bidirectional layer with lengths at least as close to float64 as with
+    torch's bf16 GEMMs (whose bf16 results are then converted), outputs and every gradient; under
+    autocast the input gradient is float32 with the input never converted to bf16 whole."""
+    from fastlayers import _native
+
+    torch.manual_seed(0)
+    m = getattr(fastlayers, cell)(8, 16, num_layers=2, bidirectional=True, layer_norm=cell == "GRU")
+    x, lengths = _x(12, 6, 8), torch.tensor(LENGTHS)
+    exact = _run(lambda mod, t: _outputs(mod, t, lengths), copy.deepcopy(m).double(), [x.double()])
+    low = copy.deepcopy(m).to(BF16) if mode == "bf16" else m
+    xl = x.to(BF16) if mode == "bf16" else x
+
+    def call(own):
+        _native.prefer_own_products(own)
+        try:
+            with torch.autocast("cpu", BF16, enabled=mode == "autocast"):
+                return _run(lambda mod, t: _outputs(mod, t, lengths), low, [xl])
+        finally:
+            _native.prefer_own_products(None)
+
+    _native.prefer_own_products(True)
+    want_own = _native.bf16_products() and not torch.cpu._is_amx_tile_supported()
+    assert _native.bf16_large_products(1) == want_own
+    _native.prefer_own_products(None)
+    ours, torch_gemms = call(True), call(False)
+    assert ours[1][0].dtype == (BF16 if mode == "bf16" else torch.float32)
+    for a, b in zip(_errors(ours, exact), _errors(torch_gemms, exact), strict=True):
+        assert a <= 1.5 * b + 1e-3
+
+
 # (cell, hidden, batch, bidirectional, options): K odd and N a partial panel (33), two row blocks of
 # the 12-row tile (13), one direction on two threads split by rows (small weight) or by panels
 # (600: 2.9 MB), the backward's k in two blocks (4 * 1030 > 2 * 2048), the mask through g

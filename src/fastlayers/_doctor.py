@@ -110,7 +110,9 @@ def _native_library(load: bool) -> str:
             line += (f"; the recurrent layers' large products on "
                      f"{'its own kernel (matmul.c) from 640 rows' if _native.own_products() else 'torch BLAS'}"
                      f"; their bf16 time loops' step products on "
-                     f"{'VDPBF16PS (AVX512-BF16)' if _native.bf16_products() else 'float32 arithmetic'}")
+                     f"{'VDPBF16PS (AVX512-BF16)' if _native.bf16_products() else 'float32 arithmetic'}"
+                     f"; their large bf16 products on "
+                     f"{'VDPBF16PS from 640 rows' if _native.bf16_large_products(640) else 'torch'}")
         return line
 
 

@@ -228,3 +228,31 @@ def test_layers_reading_the_padded_rows_match_torch_products(choice, cell, bidir
     kw = {} if lengths is None else dict(lengths=torch.tensor(lengths).clamp(max=4))
     torch.autograd.gradcheck(lambda v: m(v, **kw)[0], (xi,))
     torch.autograd.gradgradcheck(lambda v: m(v, **kw)[0], (xi,))
+
+
+@pytest.mark.parametrize("dirs,rows,k,n", [(1, 1, 1, 1), (2, 97, 130, 33), (1, 250, 301, 70), (2, 0, 8, 16),
+                                           (1, 193, 257, 128), (2, 19, 4500, 40), (1, 641, 20, 24)])
+@pytest.mark.parametrize("trans", [0, 1])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("w_bf16", [False, True])
+def test_bf16_kernel_gives_the_products_of_bf16_operands(dirs, rows, k, n, trans, bias, w_bf16):
+    """fl_matmul_bf16 (the large products under bf16 on CPUs with AVX512-BF16 and no AMX): C_d =
+    A_d @ op(B_d) (+ bias_d) in float32 with A bf16, B float32 (rounded to bf16 as packed) or bf16:
+    the products of the bf16 operands summed in float32 (against float64), past its row blocks
+    (96 rows, 12-row tiles), the k blocks (2048 pairs), partial panels, odd k. Where the CPU has no
+    AVX512-BF16 the layers never choose it."""
+    if not _native.bf16_products():
+        assert not _native.bf16_large_products(1 << 40)
+        return
+    torch.manual_seed(0)
+    a = torch.randn(dirs, rows, k).to(torch.bfloat16)
+    b = torch.randn(dirs, n, k) if trans else torch.randn(dirs, k, n)
+    b = b.to(torch.bfloat16) if w_bf16 else b
+    c0 = torch.randn(dirs, n) if bias else None
+    out = torch.full((dirs, rows, n), float("nan"))
+    _cpu_recurrence._native_matmul_bf16(a, b, bool(trans), c0, out)
+    b64 = b.to(torch.bfloat16).double()
+    want = torch.bmm(a.double(), b64.transpose(1, 2) if trans else b64)
+    if bias:
+        want = want + c0.double().unsqueeze(1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=max(1e-4, 1e-5 * k ** 0.5))

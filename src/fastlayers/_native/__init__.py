@@ -124,6 +124,10 @@ def _open() -> ctypes.CDLL | None:
     lib.fl_matmul_prefer.argtypes, lib.fl_matmul_prefer.restype = [ctypes.c_int], None
     lib.fl_matmul_scratch_rows.argtypes, lib.fl_matmul_scratch_rows.restype = [], ctypes.c_int64
     lib.fl_bf16_products.argtypes, lib.fl_bf16_products.restype = [], ctypes.c_int
+    lib.fl_matmul_bf16_scratch.argtypes, lib.fl_matmul_bf16_scratch.restype = [ctypes.c_int64], ctypes.c_int64
+    lib.fl_matmul_bf16.restype = None
+    lib.fl_matmul_bf16.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 \
+        + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     choice = os.environ.get(PRODUCTS_ENV, "").strip().lower()
     if choice in ("native", "torch"):
         lib.fl_matmul_prefer(int(choice == "native"))
@@ -192,6 +196,17 @@ def bf16_products() -> bool:
     summed in another order). False where the library is unavailable."""
     lib = library()
     return bool(lib is not None and lib.fl_bf16_products())
+
+
+def bf16_large_products(rows: int) -> bool:
+    """Whether the recurrent layers' large bf16 products of ``rows`` rows per direction (the input
+    projection and its input gradient) run on ``matmul.c``'s VDPBF16PS kernel (``fl_matmul_bf16``,
+    float32 results written in place) instead of torch's bf16 GEMM: where the step loops multiply
+    on it (:func:`bf16_products`), :func:`own_products` chooses the library's kernels for that size,
+    and the CPU has no AMX (torch's oneDNN multiplies on AMX tiles there, faster)."""
+    import torch
+
+    return bf16_products() and own_products(rows) and not torch.cpu._is_amx_tile_supported()
 
 
 def describe() -> str:

@@ -78,20 +78,44 @@ static inline uint16_t fl_bf16_bits(float v)
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* panels [p0, p1) of B (K x N, row stride ldb; trans: given as its N x K transpose) into Bp */
-static void fl_bf16_pack(int64_t K, int64_t N, const float* B, int64_t ldb, int trans, uint16_t* Bp,
+/* panels [p0, p1) of B (K x N, row stride ldb; trans: given as its N x K transpose) into Bp; B
+ * float32 values (rounded to bf16 here), or with bf bf16 values (uint16) */
+static void fl_bf16_pack(int64_t K, int64_t N, const void* B, int bf, int64_t ldb, int trans, uint16_t* Bp,
                          int64_t p0, int64_t p1)
 {
     const int64_t K2 = (K + 1) / 2;
+    const float* Bf = (const float*)B;
+    const uint16_t* Bh = (const uint16_t*)B;
     for (int64_t p = p0; p < p1; p++) {
         uint16_t* dst = Bp + p * K2 * 2 * FL_BF16_W;
         for (int64_t kp = 0; kp < K2; kp++)
             for (int64_t c = 0; c < FL_BF16_W; c++)
                 for (int64_t e = 0; e < 2; e++) {
                     const int64_t k = 2 * kp + e, j = p * FL_BF16_W + c;
-                    const float v = k < K && j < N ? (trans ? B[j * ldb + k] : B[k * ldb + j]) : 0.0f;
-                    dst[(kp * FL_BF16_W + c) * 2 + e] = fl_bf16_bits(v);
+                    const int64_t at = trans ? j * ldb + k : k * ldb + j;
+                    dst[(kp * FL_BF16_W + c) * 2 + e] = k >= K || j >= N ? 0 : bf ? Bh[at] : fl_bf16_bits(Bf[at]);
                 }
+    }
+}
+/* the share [q0, q1) of the D * np panels (q = d * np + p) of D matrices K x N at w (or with trans
+ * their N x K transposes; float32 values, or bf16 with bf) packed into wp (direction d's at
+ * wp + d * np * K2 * 64) */
+static inline void fl_bf16_pack_items(int64_t q0, int64_t q1, int64_t np, int64_t K, int64_t N, const void* w,
+                                      int bf, int trans, void* wp)
+{
+    for (int64_t q = q0; q < q1; q++)
+        fl_bf16_pack(K, N, (const char*)w + (q / np) * K * N * (bf ? 2 : 4), bf, trans ? K : N, trans,
+                     (uint16_t*)wp + (q / np) * np * ((K + 1) / 2) * 2 * FL_BF16_W, q % np, q % np + 1);
+}
+
+/* rows [0, m) of A (bf16 values; row r at A + (index ? index[r] : r) * K) as rows of 2 * ceil(K / 2)
+ * values in ab (the last one 0 where K is odd) */
+static inline void fl_bf16_copy_rows(int64_t m, int64_t K, const uint16_t* A, const int64_t* index, uint16_t* ab)
+{
+    const int64_t K2 = (K + 1) / 2;
+    for (int64_t r = 0; r < m; r++) {
+        memcpy(ab + r * 2 * K2, A + (index ? index[r] : r) * K, sizeof(uint16_t) * (size_t)K);
+        if (K % 2) ab[r * 2 * K2 + K] = 0;
     }
 }
 
@@ -182,9 +206,7 @@ static inline void fl_bf16_loop_pack_f32(int by_rows, int tid, int nt, int64_t D
                                          int64_t* p1)
 {
     fl_share(D * np, tid, nt, p0, p1);
-    for (int64_t q = *p0; q < *p1; q++)
-        fl_bf16_pack(K, N, w + (q / np) * K * N, trans ? K : N, trans,
-                     (uint16_t*)wp + (q / np) * np * ((K + 1) / 2) * 2 * FL_BF16_W, q % np, q % np + 1);
+    fl_bf16_pack_items(*p0, *p1, np, K, N, w, 0, trans, wp);
     if (by_rows) { _Pragma("omp barrier") }
 }
 

@@ -25,6 +25,7 @@
  * rows stay in L2 while gemm.h's tiles stream the panels past them.
  */
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gemm.h"
@@ -121,6 +122,50 @@ void fl_matmul_##SUFFIX(int64_t D, int64_t M, int64_t K, int64_t N, const T* A, 
 
 FL_DEFINE_MATMUL(float, f32)
 FL_DEFINE_MATMUL(double, f64)
+
+/* fl_matmul_bf16(D, M, K, N, A, rows, B, b_bf16, trans_b, bias, C, Bp, scratch, nthreads): fl_matmul_f32's
+ * product (the same operands' layouts, the row index and bias included) with bf16 operands and
+ * float32 sums, on VDPBF16PS (gemm_bf16.h; only where fl_bf16_products() is 1): A holds bf16 values,
+ * B float32 values (rounded to bf16 as packed) or with b_bf16 bf16 ones; bias and C float32. Bp:
+ * fl_bf16_packed_bytes(D, K, N) bytes; scratch: nthreads * fl_matmul_bf16_scratch(K) bf16 values
+ * (each thread's block of rows, gathered and padded to an even K). The recurrent layers' large
+ * products under bf16 on CPUs without AMX (torch's oneDNN then runs AVX512-BF16 too), with the
+ * float32 result written in place: no bf16 result to convert (BENCHMARKS.md, the mixed-precision
+ * section). */
+int64_t fl_matmul_bf16_scratch(int64_t K) { return FL_MATMUL_MC * ((K + 1) / 2) * 2; }
+
+void fl_matmul_bf16(int64_t D, int64_t M, int64_t K, int64_t N, const uint16_t* A, const int64_t* rows,
+                    const void* B, int b_bf16, int trans_b, const float* bias, float* C, void* Bp,
+                    uint16_t* scratch, int nthreads)
+{
+#if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+    const int64_t np = (N + FL_BF16_W - 1) / FL_BF16_W, K2 = (K + 1) / 2;
+    const int64_t mc = fl_matmul_mc(D, M, nthreads), blocks = (M + mc - 1) / mc;
+    _Pragma("omp parallel num_threads(nthreads)")
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t q0, q1; /* the thread's share of B's panels packed, then a barrier */
+        fl_share(D * np, tid, nt, &q0, &q1);
+        fl_bf16_pack_items(q0, q1, np, K, N, B, b_bf16, trans_b, Bp);
+        _Pragma("omp barrier")
+        uint16_t* ab = scratch + tid * fl_matmul_bf16_scratch(K);
+        fl_share(D * blocks, tid, nt, &q0, &q1);
+        for (int64_t q = q0; q < q1; q++) {
+            const int64_t d = q / blocks, i = (q % blocks) * mc;
+            const int64_t m = M - i < mc ? M - i : mc;
+            float* c = C + (d * M + i) * N;
+            fl_bf16_copy_rows(m, K, rows ? A : A + (d * M + i) * K, rows ? rows + d * M + i : 0, ab);
+            if (bias)
+                for (int64_t r = 0; r < m; r++) memcpy(c + r * N, bias + d * N, sizeof(float) * N);
+            fl_bf16_gemm(m, 0, np, K, N, ab, (const uint16_t*)Bp + d * np * K2 * 2 * FL_BF16_W, c, N, bias != 0);
+        }
+    }
+#else
+    (void)D; (void)M; (void)K; (void)N; (void)A; (void)rows; (void)B; (void)b_bf16; (void)trans_b;
+    (void)bias; (void)C; (void)Bp; (void)scratch; (void)nthreads;
+    abort(); /* fl_bf16_products() is 0 here: never called */
+#endif
+}
 
 /* fl_matmul_sum_SUFFIX(D, M, K, N, A, NA, arows, B, trans_b, C, crows, Bp, scratch, nthreads): for
  * i < M, row crows[i] of C = sum over d < D of A_d[arows[d*M + i]] @ op(B_d): the input gradient of

@@ -32,7 +32,7 @@ from .._core import precision
 from ._lengths import LengthPlan, full_plan, make_plan
 from ._common import drawn_masks, input_bias, stack_directions
 from ._options import CellOptions
-from ._cpu_recurrence import reads_rows
+from ._cpu_recurrence import own_bf16, reads_rows
 from ._ops_compile import run_layer
 from ._rows import gather, scatter
 
@@ -148,8 +148,12 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
     finals: list[list[Tensor]] = [[] for _ in states]
     x = input
     mm = precision.Products.of(input)
-    if mm.lowered and x.dtype != mm.low:  # float32 under autocast with hardware bf16/fp16 GEMMs: convert
-        x = x.to(mm.low)  # once, before the gather (half the bytes gathered; later layers get low inputs)
+    # float32 under autocast with hardware bf16/fp16 GEMMs: converted once, before the gather (half the
+    # bytes gathered; later layers get low inputs), unless the projection and its input gradient run on
+    # matmul.c's bf16 kernel (own_bf16): the Function converts into its own pooled copy then, and the
+    # input gradient comes back in float32 with no conversion of a new tensor either way
+    if mm.lowered and x.dtype != mm.low and not own_bf16(mm, rows):
+        x = x.to(mm.low)
     for li, dir_params in enumerate(layers):
         # the valid rows of both directions: the padded rows and their index (packed_layer gathers
         # them where the Function does not read them itself); the Function projects them (one GEMM)

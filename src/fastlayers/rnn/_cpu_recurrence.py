@@ -80,6 +80,33 @@ def _own(mm: _precision.Products, rows: int, *tensors: Tensor | None) -> bool:
     return all(t is None or (t.dtype == mm.acc and t.is_contiguous()) for t in tensors)
 
 
+def own_bf16(mm: _precision.Products, rows: int) -> bool:
+    """Whether a large product in bf16 (bf16 operands, float32 sums), ``rows`` rows per direction,
+    runs on ``_native/matmul.c``'s VDPBF16PS kernel with its float32 result written in place
+    (:func:`fastlayers._native.bf16_large_products`: no AMX, the library's kernels at that size),
+    instead of torch's bf16 GEMM, whose bf16 result is then converted; outside torch.compile."""
+    return (mm.lowered and mm.low == torch.bfloat16 and mm.acc == torch.float32
+            and not torch.compiler.is_compiling() and _native.bf16_large_products(rows))
+
+
+def _native_matmul_bf16(a: Tensor, w: Tensor, trans: bool, bias: Tensor | None, out: Tensor) -> Tensor:
+    """out[d] = a[d] @ (w[d]^T if trans else w[d]) (+ bias[d] on every row) on matmul.c's
+    ``fl_matmul_bf16`` (:func:`own_bf16`): a (D, M, K) as bf16 (converted here where it is not),
+    w (D, N, K) or (D, K, N) in float32 (rounded to bf16 as the kernel packs it) or bf16, bias (D,
+    N), out (D, M, N) float32."""
+    lib = _native.library()
+    a = a.to(torch.bfloat16).contiguous()
+    w = (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
+    bias = bias.to(torch.float32).contiguous() if bias is not None else None
+    dirs, rows, k = a.shape
+    n, threads = out.size(2), torch.get_num_threads()
+    packed = torch.empty((dirs * -(-n // 32) * -(-k // 2) * 64,), dtype=torch.bfloat16, device=a.device)
+    scratch = pool.empty((threads * lib.fl_matmul_bf16_scratch(k),), torch.bfloat16, a)
+    lib.fl_matmul_bf16(dirs, rows, k, n, a.data_ptr(), None, w.data_ptr(), int(w.dtype == torch.bfloat16), int(trans),
+                       address(bias), out.data_ptr(), packed.data_ptr(), scratch.data_ptr(), threads)
+    return out
+
+
 def reads_rows(mm: _precision.Products, src: Tensor, x: Tensor, w_ih: Tensor, bias: Tensor | None) -> bool:
     """Whether a layer's Function reads its packed rows from the padded input ``x`` (R, F) through
     the index ``src`` (D, N) itself: where :func:`_own` puts its products on matmul.c (the
@@ -114,6 +141,8 @@ def _project(mm: _precision.Products, xs: Tensor, w_ih: Tensor, bias: Tensor | N
         _native_matmul(xs, w_ih, True, bias, xp, src)
     elif _own(mm, xs.size(1), xs, w_ih, bias, xp):
         _native_matmul(xs, w_ih, True, bias, xp)
+    elif own_bf16(mm, xs.size(1)):
+        _native_matmul_bf16(xs, w_ih, True, bias, xp)
     elif bias is not None:
         mm.baddbmm(bias.unsqueeze(1), xs, w_ih.transpose(1, 2), out=xp)
     else:
@@ -127,6 +156,9 @@ def _input_grad(mm: _precision.Products, dpre: Tensor, w_ih: Tensor, dtype: torc
     every direction that read it (zero where none did), one product on matmul.c (fl_matmul_sum)."""
     if src is not None:
         return _input_grad_rows(dpre, w_ih, src, num_rows).to(dtype)
+    if own_bf16(mm, dpre.size(1)):
+        out = pool.empty((*dpre.shape[:2], w_ih.size(2)), torch.float32, dpre)
+        return _native_matmul_bf16(dpre, w_ih, False, None, out).to(dtype)
     if not _own(mm, dpre.size(1), dpre, w_ih):
         return mm.bmm(dpre, w_ih, dtype=dtype)
     return _native_matmul(dpre, w_ih, False, None, pool.empty((*dpre.shape[:2], w_ih.size(2)), dpre.dtype, dpre)
