@@ -28,6 +28,15 @@
 
 #include "gemm.h"
 
+/* FL_BF16: the bf16 kernels are compiled (the avx512 variant, by a compiler that knows AVX512-BF16
+ * and __builtin_cpu_supports("avx512bf16"): GCC 10, clang 12 or newer); else fl_bf16_ok is 0 */
+#if defined(__AVX512F__) && ((defined(__clang__) && __clang_major__ >= 12) \
+                             || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
+#define FL_BF16 1
+#else
+#define FL_BF16 0
+#endif
+
 #define FL_BF16_W 32   /* columns per panel: gemm.h's float32 panel width with AVX-512 */
 #define FL_BF16_R 12   /* rows per register tile */
 #define FL_BF16_KC 2048 /* k pairs per block: a panel slice of 256 KiB, as gemm.h's FL_GEMM_KC */
@@ -52,7 +61,7 @@ static inline int64_t fl_bf16_packed_bytes(int64_t D, int64_t K, int64_t N)
     return D * ((N + FL_BF16_W - 1) / FL_BF16_W) * ((K + 1) / 2) * 2 * FL_BF16_W * 2;
 }
 
-#if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+#if FL_BF16
 #include <immintrin.h>
 _Static_assert(FL_W_f32 == FL_BF16_W, "gemm.h's float32 panels are 32 columns wide with AVX-512");
 #define FL_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -283,7 +292,7 @@ static inline void fl_bf16_loop_product_add_##SUFFIX(int by_rows, int sync, int6
     int64_t dr_ds, const void* wp, T* dh, int64_t B, const T* mask, T* g, int64_t gs, uint16_t* ab)  \
     { abort(); }
 FL_BF16_STUBS(double, f64)
-#if !(defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__)))
+#if !FL_BF16
 FL_BF16_STUBS(float, f32)
 #endif
 

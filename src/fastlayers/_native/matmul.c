@@ -138,7 +138,7 @@ void fl_matmul_bf16(int64_t D, int64_t M, int64_t K, int64_t N, const uint16_t* 
                     const void* B, int b_bf16, int trans_b, const float* bias, float* C, void* Bp,
                     uint16_t* scratch, int nthreads)
 {
-#if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+#if FL_BF16
     const int64_t np = (N + FL_BF16_W - 1) / FL_BF16_W, K2 = (K + 1) / 2;
     const int64_t mc = fl_matmul_mc(D, M, nthreads), blocks = (M + mc - 1) / mc;
     _Pragma("omp parallel num_threads(nthreads)")

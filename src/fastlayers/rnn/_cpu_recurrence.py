@@ -9,10 +9,12 @@ reductions after the loop. The time loops run in one C call each (``lstm_forward
 ``lstm_backward_loop``, ``gru_*_loop``: the step products on ``_native/gemm.h``'s kernel, no
 return to Python or torch between steps; with bf16 products too, the loops rounding the step
 products' operands to bf16: :func:`_rounds_bf16`, and multiplying them on the CPU's bf16
-dot-product instructions where it has them, ``_native/gemm_bf16.h``) unless a projection or fp16 products need torch
-ops between the steps; then the loops below drive the step kernels from Python. The two
-Functions share this file's helpers (the kernels' signatures, the buffers' step addresses, the
-low-precision copies), hence one file of about 700 lines.
+dot-product instructions where it has them, ``_native/gemm_bf16.h``) unless a projection or fp16
+products need torch ops between the steps; then the loops below drive the step kernels from
+Python. The large products (input projection, input gradient, weight gradients) run on
+``_native/matmul.c`` where :func:`_own` (float32 / float64) or :func:`own_bf16` (bf16) chooses it,
+else on torch's BLAS. The two Functions share this file's helpers (the kernels' signatures, the
+buffers' step addresses, the low-precision copies), hence one file of about 700 lines.
 """
 
 from __future__ import annotations
