@@ -108,6 +108,19 @@ def test_lengths_against_torch_packed(cls, torch_cls, mode):
            [_x(12, 6, 8)], mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_lstm_with_a_projection(mode):
+    """proj_size in low precision (the per-step loop from Python with the projection between the
+    steps), two layers, bidirectional, lengths, three calls: against torch.nn.LSTM(proj_size=...).
+    (The kernel's float32 step state was once allocated in the input's bf16 dtype, half its size:
+    under autocast every call wrote past it and the process died in malloc within a few calls.)"""
+    ours, theirs = _rnn_pair(fastlayers.LSTM, nn.LSTM, proj_size=5)
+    lengths = torch.tensor(LENGTHS)
+    for seed in range(3):
+        _check(lambda m, x: m(x, lengths=lengths)[0], ours, lambda m, x: torch_packed(m, x, None, lengths)[0], theirs,
+               [_x(12, 6, 8, seed=seed)], mode)
+
+
 class _NaiveLoop(nn.Module):
     """The LayerNorm / peephole / clip cell written the plain way, one step at a time, every op in
     the parameters' dtype (bf16 state included): the plain-torch formulation of the options."""

@@ -393,7 +393,7 @@ class LSTMRecurrence(torch.autograd.Function):
         # with LayerNorm the kernel normalises W_ih x, then adds the bias
         _project(mm, xs_op, w_ih, bias if gx is None else None, xp, src)
         # with a projection the kernel writes h1 into y1 and keeps scratch state hk
-        y1, hk = (buf["y1"], xs.new_zeros(dirs, batch, hidden)) if proj else (y, h)
+        y1, hk = (buf["y1"], h.new_zeros(dirs, batch, hidden)) if proj else (y, h)
         keep = torch.empty(dirs, rows, out_size, dtype=torch.bool, device=xs.device) if proj and pclip else None
         hd, hd_low = buf["hd"], buf.get("hd_low")
         _first_input(hd, h, rmask, first, round_bf16)
