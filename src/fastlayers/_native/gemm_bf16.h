@@ -18,7 +18,9 @@
  *
  * Entry points mirror gemm.h's step-loop ones (fl_loop_pack / fl_loop_product /
  * fl_loop_product_add), with the thread's scratch ab. The _f64 names exist so that the type-generic
- * loops compile; fl_bf16_ok_f64 is 0 and they are never called.
+ * loops compile; fl_bf16_ok_f64 is 0 and they are never called. matmul.c's fl_matmul_bf16 (the
+ * large products in bf16) uses the packing (fl_bf16_pack_items: float32 or bf16 weights), the row
+ * copy (fl_bf16_copy_rows: bf16 rows, gathered) and fl_bf16_gemm.
  */
 #ifndef FASTLAYERS_GEMM_BF16_H
 #define FASTLAYERS_GEMM_BF16_H
