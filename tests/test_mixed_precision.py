@@ -403,6 +403,35 @@ def test_checkpoint_every_under_autocast(cell, mode, backend):
             assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-2
 
 
+@pytest.mark.parametrize("own", [None, True])
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_checkpoint_every_draws_the_same_masks_in_bf16(cell, own):
+    """Training with recurrent dropout (p = 0.3: 1 / keep is no bf16 value) and zoneout under bf16
+    autocast: checkpoint_every gives the outputs of the call without it bitwise, with the large
+    products on torch or on the library's bf16 kernel (own=True, forced at any size), where the
+    input stays float32: the engine draws its masks in the products' dtype either way, as the
+    segments do. (Drawn in float32 there, the outputs differed by a bf16 last bit.)"""
+    from fastlayers import _native
+
+    torch.manual_seed(0)
+    plain = getattr(fastlayers, cell)(6, 8, bidirectional=True, recurrent_dropout=0.3, zoneout=0.1).train()
+    x = _x(12, 4, 6)
+    _native.prefer_own_products(own)
+    try:
+        outs = []
+        for every in (None, 3):
+            m = getattr(fastlayers, cell)(6, 8, bidirectional=True, recurrent_dropout=0.3, zoneout=0.1,
+                                          checkpoint_every=every).train()
+            m.load_state_dict(plain.state_dict())
+            torch.manual_seed(7)
+            with torch.autocast("cpu", BF16):
+                outs.append(_outputs(m, x, None))
+    finally:
+        _native.prefer_own_products(None)
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_cpu_without_bf16_instructions_multiplies_in_float32(monkeypatch):
     """The two routes of a low-precision product give the same numbers (bf16 operands, fp32 sums)."""
     a, b = _x(2, 5, 7), _x(2, 7, 3, seed=1)

@@ -241,20 +241,22 @@ MASKED_OPTIONS = {
 
 @settings(max_examples=30, deadline=None)
 @given(cell=st.sampled_from(["LSTM", "GRU"]), which=st.integers(0, 2), steps=st.integers(1, 12),
-       batch=st.integers(1, 4), layers=st.integers(1, 2), use_lengths=st.booleans(), data=st.data())
+       batch=st.integers(1, 4), layers=st.integers(1, 2), use_lengths=st.booleans(),
+       backend=st.sampled_from(["cpu", "reference"]), data=st.data())
 def test_training_with_checkpoint_every_draws_what_the_run_without_it_draws(cell, which, steps, batch, layers,
-                                                                             use_lengths, data):
+                                                                             use_lengths, backend, data):
     """Turning the memory option on does not change a seeded training run (issue 62): the same
     zoneout, recurrent-dropout and inter-layer dropout draws, so the same outputs and gradients up to
-    the order of sums, for any k, T and lengths (the C engine)."""
+    the order of sums, for any k, T and lengths (the C engine, and the reference, which draws per
+    step: the segments draw its masks in its order, _remat._reference_draws)."""
     options = MASKED_OPTIONS[cell][which % len(MASKED_OPTIONS[cell])]
     every = data.draw(st.one_of(st.integers(1, steps + 2), st.just("auto")), label="checkpoint_every")
     lengths = None
     if use_lengths:
         lengths = data.draw(st.lists(st.integers(1, steps), min_size=batch, max_size=batch), label="lengths")
     x = torch.randn(steps, batch, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(steps * 7 + batch))
-    want = _seeded_training_call(cell, options, None, x, lengths, "cpu", layers)
-    got = _seeded_training_call(cell, options, every, x, lengths, "cpu", layers)
+    want = _seeded_training_call(cell, options, None, x, lengths, backend, layers)
+    got = _seeded_training_call(cell, options, every, x, lengths, backend, layers)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 

@@ -145,9 +145,9 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
                     key = ("zoneout_h", "zoneout_c")[i]
                     if key in m:  # given masks apply in any mode (as in the engine)
                         kept = m[key][d, t]
-                    elif training:
+                    elif training and probs[i] > 0:  # (the order _remat.reference_draws repeats)
                         kept = keep_mask(old.shape, probs[i], old.dtype, old.device)
-                    else:
+                    else:  # (eval: the expectation; training with probability 0: nothing to draw)
                         kept = probs[i]
                     upd = kept * old + (1 - kept) * upd
                     if i == 0:

@@ -55,7 +55,9 @@ from .._core import precision
 from ._common import draw_mask, drawn_masks
 from ._cpu import given_layout, gru_engine, layer_plan, lstm_engine
 from ._gpu import gru_engine_gpu, lstm_engine_gpu
+from ._masks import keep_mask
 from ._options import CellOptions
+from ._reference import gru_reference, lstm_reference
 from ._remat_segments import Engine, Plan, Segments, Spec, row_maps, take
 
 
@@ -131,8 +133,7 @@ def _engine_draws(engine: Engine, cell: str, options: CellOptions, training: boo
     time and batch order): ``given``'s, and those it lacks drawn as ``engine`` draws them when it runs
     the layer whole (the same :func:`._common.draw_mask` calls, shapes and order, :func:`._common.drawn_masks`),
     so that a training call with checkpoint_every sees the masks the same call without it sees
-    from the same seed (the C and Triton engines; the reference draws per step, and its masks are
-    drawn per direction by :func:`_direction_masks` instead)."""
+    from the same seed (the reference's per-step draws: :func:`_reference_draws`)."""
     dirs, steps, batch, width, hidden = sizes
     m = dict(given) if given else {}
     if not (training and (options.recurrent_dropout > 0 or any(z > 0 for z in options.zoneout))):
@@ -146,7 +147,41 @@ def _engine_draws(engine: Engine, cell: str, options: CellOptions, training: boo
         rows = sum(span * n for span, n in plan.segments)
         drawn = drawn_masks(cell, options, training, m, (dirs, batch, width), (dirs, rows), hidden, width, like)
         m.update(given_layout(drawn, plan, steps, batch))
+    elif engine in (lstm_reference, gru_reference):
+        m.update(_reference_draws(cell, options, m, sizes, x))
     return m or None
+
+
+def _reference_draws(cell: str, options: CellOptions, given: dict[str, Tensor], sizes: tuple[int, int, int, int, int],
+                     x: Tensor) -> dict[str, Tensor]:
+    """The masks ``given`` lacks, drawn as the reference draws them in training when it runs the
+    layer whole (:func:`._reference._reference`): per direction its recurrent-dropout mask (B, P),
+    then per step in the direction's time each state's zoneout keep-mask with probability z > 0 (h,
+    then c), in float32 (the accumulator); returned in the given layout, (D, B, P) and (D, T, B,
+    width) in original time."""
+    dirs, steps, batch, width, hidden = sizes
+    acc, dev = precision.dtypes(x)[1], x.device
+    z_h, z_c = options.zoneout
+    states = [(key, prob, w) for key, prob, w in (("zoneout_h", z_h, width), ("zoneout_c", z_c if cell == "LSTM" else 0.0,
+                                                                                    hidden))
+              if prob > 0 and key not in given]
+    recurrent = options.recurrent_dropout > 0 and "recurrent" not in given
+    keep = 1 - options.recurrent_dropout
+    rec: list[Tensor] = []
+    zoneout: dict[str, list[Tensor]] = {key: [] for key, _, _ in states}
+    for d in range(dirs):
+        if recurrent:
+            rec.append(keep_mask((batch, width), keep, acc, dev) / keep)
+        per_step: dict[str, list[Tensor | None]] = {key: [None] * steps for key, _, _ in states}
+        for t in (range(steps) if d == 0 else range(steps - 1, -1, -1)):
+            for key, prob, w in states:
+                per_step[key][t] = keep_mask((batch, w), prob, acc, dev)
+        for key in per_step:
+            zoneout[key].append(torch.stack(per_step[key]))  # type: ignore[arg-type]
+    out = {key: torch.stack(parts) for key, parts in zoneout.items()}
+    if recurrent:
+        out["recurrent"] = torch.stack(rec)
+    return out
 
 
 def _direction_masks(given: dict[str, Tensor] | None, d: int, fmap: Tensor | None, options: CellOptions,
