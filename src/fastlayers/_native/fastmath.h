@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h" /* fl_round_bf16_SUFFIX */
+
 static inline float fl_exp_f32(float x) {
     x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
@@ -114,26 +116,6 @@ static inline void fl_next_input_##SUFFIX(T* hn, const T* h, const T* mask, int6
     if (mask) for (int64_t k = 0; k < len; k++) hn[k] = h[k] * mask[k];                              \
     else memcpy(hn, h, sizeof(T) * len);                                                             \
     if (low) fl_round_bf16_##SUFFIX(hn, len);                                                        \
-}
-/* v rounded to the nearest bfloat16 in place (ties to even, as torch's float -> bfloat16; inf stays
- * inf, NaN stays NaN): the bits above the 16 low ones after adding 0x7FFF + the lowest kept bit */
-static inline void fl_round_bf16_f32(float* v, int64_t len)
-{
-    for (int64_t k = 0; k < len; k++) {
-        uint32_t u;
-        memcpy(&u, v + k, sizeof u);
-        const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-        u = (u & 0x7F800000u) == 0x7F800000u ? u : r; /* inf / NaN as they are */
-        memcpy(v + k, &u, sizeof u);
-    }
-}
-static inline void fl_round_bf16_f64(double* v, int64_t len) /* not called: float32 loops only */
-{
-    for (int64_t k = 0; k < len; k++) {
-        float f = (float)v[k];
-        fl_round_bf16_f32(&f, 1);
-        v[k] = f;
-    }
 }
 FL_DEFINE_LAYER_NORM(float, f32, sqrtf)
 FL_DEFINE_LAYER_NORM(double, f64, sqrt)

@@ -206,6 +206,19 @@ static inline void fl_gemm_own_rows_##SUFFIX(int64_t lo, int64_t hi, int64_t D, 
         fl_gemm_##SUFFIX(hi - lo, 0, np, K, N, A + (d * a_ds + lo) * K, K,                           \
                          wp + d * np * K * FL_W_##SUFFIX, C + (d * c_ds + lo) * N, N, accumulate);   \
 }                                                                                                    \
+/* dh_d[b, j] += g_d[b, j] * mask_d[b, j] for the rows b in [b0, b1) and columns j in [j0, j1) of   \
+ * direction d (dh and mask (D, B, N), g gs rows of N per direction): a masked recurrent product's   \
+ * gradient added (fl_gemm_own_rows_add / fl_gemm_items_add, gemm_bf16.h's) */                      \
+static inline void fl_add_masked_##SUFFIX(T* dh, const T* mask, const T* g, int64_t B, int64_t gs,   \
+                                          int64_t N, int64_t d, int64_t b0, int64_t b1, int64_t j0,  \
+                                          int64_t j1)                                                \
+{                                                                                                    \
+    for (int64_t b = b0; b < b1; b++) {                                                              \
+        T* dhr = dh + (d * B + b) * N; const T* mr = mask + (d * B + b) * N;                         \
+        const T* gr = g + (d * gs + b) * N;                                                          \
+        for (int64_t j = j0; j < j1; j++) dhr[j] += gr[j] * mr[j];                                   \
+    }                                                                                                \
+}                                                                                                    \
 /* the backward step's recurrent product on the rows [lo, hi), as fl_gemm_items_add below */         \
 static inline void fl_gemm_own_rows_add_##SUFFIX(int64_t lo, int64_t hi, int64_t D, int64_t np,      \
                                                  int64_t K, int64_t N, const T* dr, int64_t dr_ds,   \
@@ -217,12 +230,7 @@ static inline void fl_gemm_own_rows_add_##SUFFIX(int64_t lo, int64_t hi, int64_t
         return;                                                                                      \
     }                                                                                                \
     fl_gemm_own_rows_##SUFFIX(lo, hi, D, np, K, N, dr, dr_ds, wp, g, gs, 0);                         \
-    for (int64_t d = 0; d < D; d++)                                                                  \
-        for (int64_t b = lo; b < hi; b++) {                                                          \
-            T* dhr = dh + (d * B + b) * N; const T* mr = mask + (d * B + b) * N;                     \
-            const T* gr = g + (d * gs + b) * N;                                                      \
-            for (int64_t j = 0; j < N; j++) dhr[j] += gr[j] * mr[j];                                 \
-        }                                                                                            \
+    for (int64_t d = 0; d < D; d++) fl_add_masked_##SUFFIX(dh, mask, g, B, gs, N, d, lo, hi, 0, N);  \
 }                                                                                                    \
 /* Per-thread partial parameter sums of the split by rows: thread t's at parts + t * L hold count    \
  * accumulators laid end to end (len[i] values each); acc[i] += part 0 + ... + part nt-1 (in this    \
@@ -253,11 +261,7 @@ static inline void fl_gemm_items_add_##SUFFIX(int64_t q0, int64_t q1, int64_t np
     for (int64_t q = q0; q < q1; q++) {                                                              \
         const int64_t d = q / np, j0 = (q % np) * FL_W_##SUFFIX;                                     \
         const int64_t j1 = j0 + FL_W_##SUFFIX < N ? j0 + FL_W_##SUFFIX : N;                          \
-        for (int64_t b = 0; b < m; b++) {                                                            \
-            T* dhr = dh + (d * B + b) * N; const T* mr = mask + (d * B + b) * N;                     \
-            const T* gr = g + (d * gs + b) * N;                                                      \
-            for (int64_t j = j0; j < j1; j++) dhr[j] += gr[j] * mr[j];                               \
-        }                                                                                            \
+        fl_add_masked_##SUFFIX(dh, mask, g, B, gs, N, d, 0, m, j0, j1);                              \
     }                                                                                                \
 }                                                                                                    \
 /* A step loop's start, inside its parallel region: this thread's share [p0, p1) of the D * np       \

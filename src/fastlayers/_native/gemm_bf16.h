@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h" /* fl_bf16_bits */
 #include "gemm.h"
 
 /* FL_BF16: the bf16 kernels are compiled (the avx512 variant, by a compiler that knows AVX512-BF16
@@ -79,15 +80,6 @@ static inline int fl_bf16_cpu(void)
     return has;
 }
 static inline int fl_bf16_ok_f32(int low) { return low == 2 && fl_bf16_cpu(); }
-
-/* float32 -> the bf16 nearest (ties to even; NaN stays NaN), as fastmath.h's fl_round_bf16_f32 */
-static inline uint16_t fl_bf16_bits(float v)
-{
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    if ((u & 0x7F800000u) == 0x7F800000u) return (uint16_t)((u >> 16) | ((u & 0xFFFFu) ? 0x40u : 0));
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* panels [p0, p1) of B (K x N, row stride ldb; trans: given as its N x K transpose) into Bp; B
  * float32 values (rounded to bf16 here), or with bf bf16 values (uint16) */
@@ -269,11 +261,7 @@ static inline void fl_bf16_loop_product_add_f32(int by_rows, int sync, int64_t l
         fl_bf16_product(r0, r1, q0, q1, D, np, K, N, dr, dr_ds, wp, g, gs, 0, ab);
         for (int64_t q = q0; q < q1; q++) {
             const int64_t d = q / np, j0 = (q % np) * FL_BF16_W, j1 = j0 + FL_BF16_W < N ? j0 + FL_BF16_W : N;
-            for (int64_t b = r0; b < r1; b++) {
-                float* dhr = dh + (d * B + b) * N;
-                const float *mr = mask + (d * B + b) * N, *gr = g + (d * gs + b) * N;
-                for (int64_t j = j0; j < j1; j++) dhr[j] += gr[j] * mr[j];
-            }
+            fl_add_masked_f32(dh, mask, g, B, gs, N, d, r0, r1, j0, j1);
         }
     }
     if (!by_rows && sync) { _Pragma("omp barrier") }

@@ -121,6 +121,13 @@ def given_layout(drawn: dict[str, Tensor], plan: LengthPlan, steps: int, batch: 
     return out
 
 
+def mask_like(x: Tensor, mm: precision.Products) -> Tensor:
+    """What the C engine draws a layer's masks like (dtype, device): x, or where the call's products
+    take x in a low dtype, an empty tensor of it (also where x stays float32 for the own bf16 kernel:
+    a recurrent mask's 1 / keep is rounded to that dtype; :mod:`._remat` draws through this too)."""
+    return x.new_empty(0, dtype=mm.low) if mm.lowered and x.dtype != mm.low else x
+
+
 def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks, varlen=None):
     gates = 4 if cell == "LSTM" else 3
     dirs = len(layers[0])
@@ -161,10 +168,8 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
         m = (masks[li] if masks is not None else None) or {}
         # drawn masks are used as drawn: the recurrent one in length-sorted batch order, zoneout on the
         # packed rows; given ones (original order, :func:`given_layout` makes drawn ones so) are moved there
-        # (in the dtype the products take x in, as :mod:`._remat` draws them, also where x stays float32 for
-        # the own bf16 kernel: a recurrent mask's 1 / keep is rounded to it)
-        like = x.new_empty(0, dtype=mm.low) if mm.lowered and x.dtype != mm.low else x
-        drawn = drawn_masks(cell, options, training, m, (dirs, batch, out_size), (dirs, rows), hidden, out_size, like)
+        drawn = drawn_masks(cell, options, training, m, (dirs, batch, out_size), (dirs, rows), hidden, out_size,
+                            mask_like(x, mm))
         rmask = m["recurrent"].index_select(1, order).contiguous() if "recurrent" in m else drawn.get("recurrent")
         zmasks = []
         for key, width in (("zoneout_c", hidden), ("zoneout_h", out_size)):

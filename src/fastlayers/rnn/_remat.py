@@ -53,7 +53,7 @@ from torch import Tensor
 
 from .._core import precision
 from ._common import draw_mask, drawn_masks
-from ._cpu import given_layout, gru_engine, layer_plan, lstm_engine
+from ._cpu import given_layout, gru_engine, layer_plan, lstm_engine, mask_like
 from ._gpu import gru_engine_gpu, lstm_engine_gpu
 from ._masks import keep_mask
 from ._options import CellOptions
@@ -141,11 +141,10 @@ def _engine_draws(engine: Engine, cell: str, options: CellOptions, training: boo
     if engine in (lstm_engine_gpu, gru_engine_gpu):
         m.update(drawn_masks(cell, options, training, m, (dirs, batch, width), (dirs, steps, batch), hidden, width, x))
     elif engine in (lstm_engine, gru_engine):
-        mm = precision.Products.of(x)  # the engine draws in the dtype its GEMMs take x in
-        like = x.new_empty(0, dtype=mm.low) if mm.lowered and x.dtype != mm.low else x
         plan = layer_plan(lengths, steps, batch, x.device)
         rows = sum(span * n for span, n in plan.segments)
-        drawn = drawn_masks(cell, options, training, m, (dirs, batch, width), (dirs, rows), hidden, width, like)
+        drawn = drawn_masks(cell, options, training, m, (dirs, batch, width), (dirs, rows), hidden, width,
+                            mask_like(x, precision.Products.of(x)))
         m.update(given_layout(drawn, plan, steps, batch))
     elif engine in (lstm_reference, gru_reference):
         m.update(_reference_draws(cell, options, m, sizes, x))
@@ -162,9 +161,8 @@ def _reference_draws(cell: str, options: CellOptions, given: dict[str, Tensor], 
     dirs, steps, batch, width, hidden = sizes
     acc, dev = precision.dtypes(x)[1], x.device
     z_h, z_c = options.zoneout
-    states = [(key, prob, w) for key, prob, w in (("zoneout_h", z_h, width), ("zoneout_c", z_c if cell == "LSTM" else 0.0,
-                                                                                    hidden))
-              if prob > 0 and key not in given]
+    candidates = (("zoneout_h", z_h, width), ("zoneout_c", z_c if cell == "LSTM" else 0.0, hidden))
+    states = [(key, prob, w) for key, prob, w in candidates if prob > 0 and key not in given]
     recurrent = options.recurrent_dropout > 0 and "recurrent" not in given
     keep = 1 - options.recurrent_dropout
     rec: list[Tensor] = []

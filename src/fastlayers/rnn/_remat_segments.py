@@ -149,7 +149,10 @@ class Segments(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: Spec, x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         kept: list[Tensor] = []
-        out, states = _all_segments(spec, x, tensors, kept)
+        # every engine call of the segments returns its final states in acc (float32 under bf16): the
+        # state crosses a segment's bound as it crosses a step, in both passes
+        with precision.states_in_acc():
+            out, states = _all_segments(spec, x, tensors, kept)
         ctx.spec = spec
         # the recomputation runs under the forward's autocast state (the backward usually runs
         # outside the user's autocast region), as torch.utils.checkpoint does
@@ -161,7 +164,7 @@ class Segments(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor, *dfinal: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         device, enabled, dtype = ctx.autocast
-        with torch.autocast(device, dtype=dtype, enabled=enabled):
+        with torch.autocast(device, dtype=dtype, enabled=enabled), precision.states_in_acc():
             return Segments._backward(ctx, dy, *dfinal)
 
     @staticmethod
@@ -324,10 +327,9 @@ def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: T
         s_in = [torch.cat([kept[d][i] for d in range(dirs)])[:, pick].detach().requires_grad_()
                 for i in range(spec.n_states)]
         rmask = masks.get("recurrent")
-        with precision.states_in_acc():  # (as _segment's)
-            y, last = packed_layer(spec.cell, xs, _directions(stacked, dirs), tuple(sort(s) for s in s_in),
-                                   sort(rmask) if rmask is not None else None, masks.get("zoneout_c"),
-                                   masks.get("zoneout_h"), active, spec.options, spec.training)
+        y, last = packed_layer(spec.cell, xs, _directions(stacked, dirs), tuple(sort(s) for s in s_in),
+                               sort(rmask) if rmask is not None else None, masks.get("zoneout_c"),
+                               masks.get("zoneout_h"), active, spec.options, spec.training)
     width = spec.width
     dys = torch.stack([dy2[:, d * width:(d + 1) * width].index_select(0, idx[d]) for d in range(dirs)])
     wrt = [t for t in (xs, *s_in, *stacked.values()) if t.requires_grad]
@@ -363,9 +365,8 @@ def _paired(spec: Spec, j: int, xs: list[Tensor], states: list[Tensor], params: 
         masks = {key: torch.cat([per_dir[0][key], per_dir[1][key] if key == "recurrent"
                                  else _flip(per_dir[1][key][0], flip).unsqueeze(0)])
                  for key in per_dir[0]}
-    with precision.states_in_acc():  # (float32 under bf16: the state across the bound as across a step)
-        y, last = spec.engine(x, tuple(states), [list(params)], seg_lengths, spec.options, dropout=0.0,
-                              training=spec.training, masks=[masks] if masks is not None else None)
+    y, last = spec.engine(x, tuple(states), [list(params)], seg_lengths, spec.options, dropout=0.0,
+                          training=spec.training, masks=[masks] if masks is not None else None)
     width = spec.width
     return [y[..., :width], _flip(y[..., width:], flip)], last
 
@@ -405,9 +406,8 @@ def _segment(spec: Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tuple
     m = _segment_masks(spec, j, d)
     if spec.native and ops_lib.serves(x):  # the forward's pass, no gradient recorded
         return _operator(spec, x, states, params, seg_lengths, m or {})
-    with precision.states_in_acc():  # (float32 under bf16: the state across the bound as across a step)
-        return spec.engine(x, tuple(states), [[params]], seg_lengths, spec.options, dropout=0.0,
-                           training=spec.training, masks=[m] if m is not None else None)
+    return spec.engine(x, tuple(states), [[params]], seg_lengths, spec.options, dropout=0.0, training=spec.training,
+                       masks=[m] if m is not None else None)
 
 
 def _segment_masks(spec: Spec, j: int, d: int) -> dict[str, Tensor] | None:
