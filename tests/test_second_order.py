@@ -239,3 +239,51 @@ def test_bf16_plain_call_without_lengths_has_second_derivatives(cls):
     got = hvp(lambda x: low(x)[0].float().pow(2).sum(), x.bfloat16(), v.bfloat16())[1]
     err = (got.double() - expected).norm() / expected.norm()
     assert err < 0.1, err
+
+
+def _aliased_cases():
+    """Calls that pass one tensor in two places: attention pooling's values defaulting to its keys
+    (every score), an LSTM whose h_0 and c_0 are one tensor."""
+    torch.manual_seed(0)
+    q, k, h = torch.randn(3, 4).double(), torch.randn(3, 5, 4).double(), torch.randn(1, 3, 3).double()
+    x = torch.randn(5, 3, 3).double()
+    additive = fastlayers.AttentionPooling(4, 4, score="additive").double()
+    lstm = _module(fastlayers.LSTM, {"layer_norm": True})
+    return {
+        "dot": ((q, k), lambda q, k: fastlayers.attention_pool(q, k, lengths=[5, 2, 4])[0]),
+        "scaled_dot": ((q, k), lambda q, k: fastlayers.attention_pool(q, k, score="scaled_dot")[0]),
+        "additive": ((q, k), lambda q, k: additive(q, k, lengths=[5, 2, 4])[0]),
+        "lstm h_0 = c_0": ((x, h), lambda x, h: lstm(x, (h, h), lengths=[5, 2, 4])[0]),
+    }
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=triton)])
+@pytest.mark.parametrize("case", ["dot", "scaled_dot", "additive", "lstm h_0 = c_0"])
+def test_a_recorded_backward_of_a_tensor_passed_twice(case, backend):
+    """create_graph=True gives the first derivatives of the plain backward (each use of the tensor
+    counted once: the recorded path gave the keys' gradient twice), and its derivative in the
+    incoming gradient (a Jacobian-vector product, torch.autograd.functional.jvp) equals the
+    reference backend's and central differences."""
+    inputs, call = _aliased_cases()[case]
+    inputs = tuple(t.requires_grad_() for t in inputs)
+
+    def fn(*args):
+        with fastlayers.backend(backend):
+            return call(*args)
+
+    out = fn(*inputs)
+    weight = torch.randn_like(out)
+    plain = torch.autograd.grad(out, inputs, weight)
+    recorded = torch.autograd.grad(fn(*inputs), inputs, weight, create_graph=True)
+    for a, b in zip(recorded, plain):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    tangents = tuple(torch.randn_like(t) for t in inputs)
+    got = torch.autograd.functional.jvp(fn, inputs, tangents)[1]
+    with fastlayers.backend("reference"):
+        want = torch.autograd.functional.jvp(call, inputs, tangents)[1]
+    eps = 1e-6
+    with torch.no_grad():
+        central = (fn(*(t + eps * d for t, d in zip(inputs, tangents)))
+                   - fn(*(t - eps * d for t, d in zip(inputs, tangents)))) / (2 * eps)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(got, central, rtol=1e-5, atol=1e-7)

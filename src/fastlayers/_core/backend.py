@@ -16,7 +16,11 @@ Choice: a backend forced with ``with fastlayers.backend(name):`` (the innermost 
 thread and async context) or by the environment variable ``FASTLAYERS_BACKEND`` (read at every
 call), otherwise automatic: ``cpu`` for CPU floating-point tensors when the C kernels build,
 ``triton`` for CUDA tensors when Triton imports and the op has a Triton kernel, else
-``reference``. A forced ``cpu`` or ``triton`` that cannot run on the call's tensors raises
+``reference``; and ``reference`` for every call under a ``torch.func`` transform (``grad``,
+``vmap``, ``jvp``, ``jacrev``, ``functionalize``, ...) or inside forward-mode AD's
+``torch.autograd.forward_ad.dual_level()``, with a warning once per op: the kernels' autograd
+Functions and operators have no functorch rules (jvp, batching), the reference's plain PyTorch ops
+have them all. A forced ``cpu`` or ``triton`` that cannot run on the call's tensors raises
 RuntimeError naming the backend, the op and why; an op that has no kernel in a forced (and
 usable) backend runs its reference implementation.
 """
@@ -28,10 +32,12 @@ import contextvars
 import functools
 import importlib.util
 import os
+import warnings
 from typing import Iterator
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .. import _native
 
@@ -95,12 +101,51 @@ def forced() -> tuple[str, str] | None:
     return None
 
 
+_peek_transform = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
+_WARNED: set[str] = set()
+
+
+def transformed() -> bool:
+    """Whether this call runs under a ``torch.func`` transform (its interpreter stack is not empty)
+    or inside ``torch.autograd.forward_ad.dual_level()``: then only the reference runs (see the
+    module docstring)."""
+    return _peek_transform() is not None or forward_ad._current_level >= 0
+
+
+_FUNCTORCH = getattr(torch._C, "_functorch", None)
+_BATCHED_OR_FORWARD = tuple(getattr(getattr(_FUNCTORCH, "TransformType", None), name, name) for name in ("Vmap", "Jvp"))
+
+
+def batched_or_forward_mode() -> bool:
+    """Whether this call runs under ``torch.func.vmap`` or a forward-mode transform (``jvp``,
+    ``jacfwd``; ``forward_ad.dual_level()``), where torch's fused RNN kernels do not run (no
+    batching rule; the CPU LSTM kernel has no forward derivative): the layers without options then
+    run their reference too."""
+    if torch.compiler.is_compiling():  # (traced code: torch.compile's own handling of the transforms)
+        return False
+    if forward_ad._current_level >= 0:
+        return True
+    if _peek_transform() is None:
+        return False
+    stack = getattr(_FUNCTORCH, "get_interpreter_stack", lambda: [_peek_transform()])()
+    return any(interpreter.key() in _BATCHED_OR_FORWARD for interpreter in stack)
+
+
+def _reference_under_transform(op: str) -> str:
+    if op not in _WARNED:
+        _WARNED.add(op)
+        warnings.warn(f"fastlayers: {op} under a torch.func transform (grad, vmap, jvp, ...) or forward-mode AD runs "
+                      f"on the reference backend (plain PyTorch ops, step by step: slower than the C / Triton kernels, "
+                      f"which have no functorch rules)", UserWarning, stacklevel=4)
+    return "reference"
+
+
 def cpu_kernels(op: str, x: Tensor) -> bool:
     """``select(op, x) == "cpu"`` for a CPU tensor ``x`` of float32 / float64 (the calls that the C++
     operators serve, :func:`fastlayers._native.ops_lib.serves`), in the few lookups of the common case: no
     backend forced but "cpu", and the op's C library loaded. False: callers ask :func:`select`,
     which says what runs (or refuses a forced backend)."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():  # (compiled code: select(), made once)
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or transformed():  # (compiled: select(), once)
         return False
     chosen = forced()
     if chosen is not None and chosen[0] != "cpu":
@@ -114,7 +159,7 @@ def triton_kernels(op: str, x: Tensor) -> bool:
     of small GPU calls): no backend forced but "triton", a dtype the kernels take, Triton
     importable. False: callers ask :func:`select`, which says what runs (or refuses a forced
     backend)."""
-    if not x.is_cuda or torch.compiler.is_compiling():
+    if not x.is_cuda or torch.compiler.is_compiling() or transformed():
         return False
     chosen = forced()
     if chosen is not None and chosen[0] != "triton":
@@ -134,6 +179,9 @@ def unavailable(name: str, op: str, x: Tensor) -> str | None:
     """Why backend ``name`` cannot run ``op`` on tensors like ``x`` (None: it can)."""
     if name == "reference":
         return None
+    if transformed():
+        return ("under a torch.func transform (grad, vmap, jvp, ...) or forward-mode AD only the reference "
+                "backend runs (the kernels have no functorch rules)")
     if name == "cpu":
         if x.device.type != "cpu":
             return f"the C kernels run on CPU tensors, got a tensor on {x.device}"
@@ -178,6 +226,8 @@ def select(op: str, x: Tensor) -> str:
 def _select(op: str, x: Tensor) -> str:
     chosen = forced()
     if chosen is None:
+        if transformed():
+            return _reference_under_transform(op)
         if _has_kernel("cpu", op) and unavailable("cpu", op, x) is None:
             return "cpu"
         # Triton's interpreter runs CPU tensors only when forced: it is a test tool, not a backend

@@ -27,8 +27,13 @@ def recorded_vjp(fn: Callable[..., Sequence[Tensor] | Tensor], inputs: Sequence[
                  grad_outputs: Sequence[Tensor | None], needs: Sequence[bool]) -> tuple[Tensor | None, ...]:
     """Gradients of ``fn(*inputs)`` with respect to the inputs flagged in ``needs`` (None for the
     others, and for one the outputs do not depend on), weighted by ``grad_outputs`` (None: that
-    output gets no gradient), with ``create_graph=True``."""
+    output gets no gradient), with ``create_graph=True``. A tensor given as two inputs gets each
+    input's own share in its slot."""
     with torch.enable_grad():
+        # every input through an alias of its own (a view): a tensor passed in two places (attention
+        # pooling's keys as its values) then gets each place's gradient in that place's slot, as the
+        # kernels' backward returns them, not the sum of both in each slot (which autograd adds again)
+        inputs = [t.view_as(t) if t is not None and t.requires_grad else t for t in inputs]
         outs = fn(*inputs)
         outs = (outs,) if isinstance(outs, Tensor) else tuple(outs)
         pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]

@@ -120,7 +120,11 @@ class _Cell(NotScriptable):
 
     def _params(self) -> dict[str, Tensor]:
         params = self._parameters  # type: ignore[attr-defined]  (nn.Module's own dict: no per-call walk)
-        return {name: p for name, p in params.items() if p is not None}
+        found = {name: p for name, p in params.items() if p is not None}
+        parametrized = self._modules.get("parametrizations")  # type: ignore[attr-defined]
+        if parametrized is not None:  # torch.nn.utils.parametrize (weight_norm, ...): computed at each access
+            found.update((name, getattr(self, name)) for name in parametrized.keys())
+        return found
 
     def forward(self, input: Any, hx: Any = None, *, recurrent_mask: Tensor | None = None) -> Any:
         """One step: ``input`` (B, F) or unbatched (F,); ``hx`` the state (B, P) (LSTMCell: the pair

@@ -22,7 +22,7 @@ from .._core import precision as _precision
 from .._core.checks import as_lengths
 from .._core.jit import ENGINE, NotScriptable, refuse_trace
 from .._native import ops_lib
-from .._core.backend import select
+from .._core.backend import batched_or_forward_mode, select, transformed
 from ._cells import step
 from ._docs import COMMON_DOC, GRU_OPTIONS_DOC, OPTIONS_DOC
 from ._lengths import varlen_rows
@@ -70,6 +70,8 @@ class _LengthsMixin(NotScriptable):
             batch = input.size(0 if self.batch_first else 1)
         layers = self.num_layers * (2 if self.bidirectional else 1)
         expected = tuple((layers, batch, size) for size in self._state_sizes())
+        if isinstance(input, Tensor) and input.dtype != self._flat_weights[0].dtype:
+            self._update_flat_weights()  # type: ignore[attr-defined]  (functional_call's tensors: see _run)
         return check_layer("RNN" if self.mode.startswith("RNN") else self.mode, input, hx, input_size=self.input_size,
                            weight_dtype=self._flat_weights[0].dtype, expected=expected)
 
@@ -233,6 +235,9 @@ class _LengthsMixin(NotScriptable):
             output, final = super().forward(x, states if self.mode == "LSTM" else states[0])  # type: ignore[misc]
             return output, (final if self.mode == "LSTM" else (final,))
         impl = varlen_rnn if x.device.type == "cpu" else reference_varlen_rnn
+        # the parameters as this call sees them (torch's forward does the same): torch.func.functional_call
+        # and parametrizations put other tensors in their place, which _flat_weights lists only then
+        self._update_flat_weights()  # type: ignore[attr-defined]
         return impl(
             x,
             states,
@@ -309,8 +314,11 @@ class _CellOptionsMixin:
 
     def _recomputes(self) -> bool:
         """Whether this call runs as recomputed segments: checkpoint_every set, gradients recorded,
-        not traced by torch.compile."""
-        return self.checkpoint_every is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        not traced by torch.compile, not under a torch.func transform or forward-mode AD (the
+        segments' Function has no functorch rules; the call without them computes the same values
+        and draws the same masks, holding every step's activations)."""
+        return (self.checkpoint_every is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and not transformed())
 
     def _engine_precision(self, input: Tensor) -> bool:
         # torch's CPU LSTM kernel under bf16 autocast needs oneDNN's bf16 LSTM (AVX512-BF16 CPUs; it
@@ -337,7 +345,8 @@ class _CellOptionsMixin:
                 and _gpu_graphs.enabled(input) and replays(self, input))
 
     def _engine_backend(self, input: Tensor) -> str | None:
-        if not self.options.plain or self._engine_precision(input) or self._recomputes():
+        # (under vmap or forward-mode AD torch's fused kernels cannot run; the engine's reference can)
+        if not self.options.plain or self._engine_precision(input) or self._recomputes() or batched_or_forward_mode():
             return select(self.mode.lower(), input)
         if input.device.type == "cuda" and select(self.mode.lower(), input) == "triton" and \
                 self._plain_on_engine(input):  # (the device first: a plain CPU call asks nothing more)
@@ -515,6 +524,7 @@ class RNN(_LengthsMixin, nn.RNN):
         (the segment path's per-segment gradients would otherwise be summed in bf16); outputs in
         the low dtype."""
         low = _precision.dtypes(input)[0]
+        self._update_flat_weights()  # (the parameters this call sees: see _LengthsMixin._run)
         rounded = lambda t: t.to(low).float() if isinstance(t, Tensor) else t  # noqa: E731
         own = self._flat_weights  # what torch's RNN kernels read: swapped for this call only
         self._flat_weights = [rounded(w) for w in own]
