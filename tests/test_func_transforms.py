@@ -149,25 +149,22 @@ def _double_backward_jvp(module, args, kwargs, tangents):
     return torch.autograd.functional.jvp(lambda *a: _first(module(*a, **kwargs)), args, tangents)[1]
 
 
-@reference_only
-@pytest.mark.parametrize("name", FORWARD_AD)
-def test_func_jvp_equals_double_backward(name):
-    module, args, kwargs = _case(name)
-    tangents = _tangents(args)
-    expected = _double_backward_jvp(module, args, kwargs, tangents)
-    _, got = jvp(lambda *a: _first(module(*a, **kwargs)), args, tangents)
-    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
-
-
-@reference_only
-@pytest.mark.parametrize("name", FORWARD_AD)
-def test_forward_ad_equals_double_backward(name):
-    module, args, kwargs = _case(name)
-    tangents = _tangents(args)
-    expected = _double_backward_jvp(module, args, kwargs, tangents)
+def _forward_mode(how, module, args, kwargs, tangents):
+    if how == "torch.func.jvp":
+        return jvp(lambda *a: _first(module(*a, **kwargs)), args, tangents)[1]
     with forward_ad.dual_level():
         duals = tuple(forward_ad.make_dual(a, t) for a, t in zip(args, tangents))
-        got = forward_ad.unpack_dual(_first(module(*duals, **kwargs))).tangent
+        return forward_ad.unpack_dual(_first(module(*duals, **kwargs))).tangent
+
+
+@reference_only
+@pytest.mark.parametrize("how", ["torch.func.jvp", "forward_ad"])
+@pytest.mark.parametrize("name", FORWARD_AD)
+def test_forward_mode_equals_double_backward(name, how):
+    module, args, kwargs = _case(name)
+    tangents = _tangents(args)
+    expected = _double_backward_jvp(module, args, kwargs, tangents)
+    got = _forward_mode(how, module, args, kwargs, tangents)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
