@@ -84,6 +84,42 @@ def test_large_output_with_streaming_stores_equals_reference(dtype):
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
 
 
+def test_many_filter_elements_on_a_small_thread_stack():
+    """C * KH * KW in the hundreds of thousands (one 8-byte input offset each): the kernels' table
+    of offsets lives on the heap; as a stack array it overflowed a thread's stack (segfault: from
+    about a million elements on an 8 MiB main thread, here 180000 on a 1 MiB thread), forward,
+    the no-grad operator and the parameters' backward."""
+    import threading
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 20000, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 20000, 3, 3, 1, 1, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(2, 1, 1, generator=g, dtype=torch.float64, requires_grad=True)
+    results = {}
+
+    def run():
+        with torch.no_grad():
+            results["no_grad"] = locally_connected2d(x, weight, bias)
+        y = locally_connected2d(x, weight, bias)
+        results["grad"] = (y, *torch.autograd.grad(y.sum(), (x, weight, bias)))
+
+    previous = threading.stack_size(1 << 20)
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    finally:
+        threading.stack_size(previous)
+    want = torch.einsum("bchw,ochw->bo", x, weight[..., 0, 0]).reshape(2, 2, 1, 1) + bias
+    torch.testing.assert_close(results["no_grad"], want, rtol=1e-10, atol=1e-10)
+    y, dx, dw, db = results["grad"]
+    torch.testing.assert_close(y, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dx, weight.detach()[..., 0, 0].sum(0).expand(2, -1, -1, -1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dw, x.detach().sum(0).expand(2, -1, -1, -1).unsqueeze(-1).unsqueeze(-1),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(db, torch.full((2, 1, 1), 2.0, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("c_out", [1, 2, 3, 5])
 @pytest.mark.parametrize("geometry", [(6, 40, (1, 1), (1, 1), (0, 0), (1, 1)),

@@ -174,8 +174,11 @@ def test_auto_with_the_batch_rule_equals_the_run_without_it(cell):
     lengths = torch.tensor([160, 97, 10, 150])
     a_out, a_grads = _loss_and_grads(plain, x, None, lengths)
     b_out, b_grads = _loss_and_grads(ours, x, None, lengths)
-    for a, b in zip(a_out + a_grads, b_out + b_grads, strict=True):
+    for a, b in zip(a_out, b_out, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    # the gradients up to the order of sums over 160 steps (3.6e-12 apart in a sanitizer build)
+    for a, b in zip(a_grads, b_grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-11)
 
 
 def test_training_draws_masks_once_per_call():

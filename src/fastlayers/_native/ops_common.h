@@ -25,13 +25,13 @@ extern "C" {
                             const T*, T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, T*, \
                             T*, const T*, T, const T*, T, int, int, int);
 #define FL_LC2D(T, S)                                                                                  \
-  void lc2d_forward_##S(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t,        \
+  int lc2d_forward_##S(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t,         \
                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,      \
                         int64_t, int);                                                               \
   void lc2d_backward_input_##S(const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t,  \
                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,        \
                                int64_t, int);                                                        \
-  void lc2d_backward_params_##S(const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,      \
+  int lc2d_backward_params_##S(const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,       \
                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,       \
                                 int64_t, int64_t, int);
 #define FL_MATMUL(T, S)                                                                                \
