@@ -41,9 +41,13 @@ static inline float fl_exp_f32(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } u;
-    u.i = ((int32_t)nf + 127) << 23;
-    return p * u.f;
+    /* 2^nf with no float-to-int cast: nf + 1.5 * 2^23 holds nf (|nf| <= 127) in its low mantissa
+     * bits, and unsigned arithmetic takes them to the exponent. Exact for every finite x; a NaN's
+     * bits give some scale, and p, NaN, keeps the result NaN (a cast of NaN, then a shift of the
+     * negative integer it gives on x86, are undefined behaviour in C: UBSan's shift-base) */
+    union { float f; uint32_t u; } m = { nf + 12582912.0f }, e;
+    e.u = (m.u - 0x4B400000u + 127u) << 23;
+    return p * e.f;
 }
 static inline float fl_tanh_f32(float x) { return 2.0f / (1.0f + fl_exp_f32(-2.0f * x)) - 1.0f; }
 
