@@ -36,7 +36,8 @@ def timed(fn, n: int = 40) -> str:
 
 
 def build_at(rev: str, workdir: Path) -> ctypes.CDLL:
-    """local.c (and the headers next to it) as of git revision ``rev``, compiled like _native does."""
+    """local.c (and the headers next to it) as of git revision ``rev``, compiled like _native does
+    (a local.c from before the kernels took their offsets table as a last argument ignores it)."""
     repo = Path(__file__).resolve().parents[2]
     native = "src/fastlayers/_native"
     files = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", rev, f"{native}/"], check=True,
@@ -62,6 +63,7 @@ def side_by_side(libs: dict[str, ctypes.CDLL], kernel: int, repeats: int = 15) -
     dy = torch.rand(32, 2, 256, 256)
     y, dw, db = torch.empty(32, 2, 256, 256), torch.empty_like(w), torch.empty_like(b)
     geometry = (32, 4, x.size(2), x.size(3), 2, kernel, kernel, 256, 256, 1, 1, 1, 1)
+    table = torch.empty(4 * kernel * kernel, dtype=torch.int64)  # the kernels' work space (C*KH*KW offsets)
     times = {name: ([], []) for name in libs}
     results = {}
     for rep in range(-1, repeats):
@@ -69,10 +71,10 @@ def side_by_side(libs: dict[str, ctypes.CDLL], kernel: int, repeats: int = 15) -
         for name, lib in order:
             start = time.perf_counter()
             lib.lc2d_forward_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), *geometry,
-                                 torch.get_num_threads())
+                                 torch.get_num_threads(), table.data_ptr())
             mid = time.perf_counter()
             lib.lc2d_backward_params_f32(dy.data_ptr(), x.data_ptr(), dw.data_ptr(), db.data_ptr(), *geometry,
-                                         torch.get_num_threads())
+                                         torch.get_num_threads(), table.data_ptr())
             end = time.perf_counter()
             if rep >= 0:
                 times[name][0].append(mid - start)
@@ -96,14 +98,15 @@ def main() -> None:
     dy = torch.rand(32, 2, 256, 256)
     y, dw, db = torch.empty(32, 2, 256, 256), torch.empty_like(w), torch.empty_like(b)
     geometry = (32, 4, 256, 256, 2, 1, 1, 256, 256, 1, 1, 1, 1)
+    table = torch.empty(4, dtype=torch.int64)  # the kernels' work space (C*KH*KW offsets)
     src = torch.rand(64 * 2**20 // 4)
     dst = torch.empty_like(src)
     print("threads  forward ms (min/median)  param-grad ms  copy 64 MiB ms")
     for threads in (1, 2):
         fwd = timed(lambda: lib.lc2d_forward_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), *geometry,
-                                                 threads))
+                                                 threads, table.data_ptr()))
         bwd = timed(lambda: lib.lc2d_backward_params_f32(dy.data_ptr(), x.data_ptr(), dw.data_ptr(), db.data_ptr(),
-                                                         *geometry, threads))
+                                                         *geometry, threads, table.data_ptr()))
         print(f"{threads:7d}  {fwd:>23}  {bwd:>13}  {timed(lambda: dst.copy_(src)):>14}")
     if args.against:
         with tempfile.TemporaryDirectory() as tmp:

@@ -220,15 +220,13 @@ def describe() -> str:
 def declare(lib: ctypes.CDLL, name: str, signatures) -> ctypes.CDLL:
     """``lib`` with the argtypes of layer family ``name``'s kernels set, once per family (one library
     holds every family's kernels): ``signatures(real)`` -> {function stem: argtypes} for ``real`` =
-    c_float (the ``<stem>_f32`` functions) and c_double (``<stem>_f64``); a kernel returns void, or
-    the type given with its argtypes as the pair ``(argtypes, restype)``."""
+    c_float (the ``<stem>_f32`` functions) and c_double (``<stem>_f64``); every kernel returns void."""
     mark = f"_fastlayers_typed_{name}"
     if not getattr(lib, mark, False):
         for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
-            for stem, spec in signatures(real).items():
-                argtypes, restype = spec if isinstance(spec, tuple) else (spec, None)
+            for stem, argtypes in signatures(real).items():
                 f = getattr(lib, f"{stem}_{suffix}")
-                f.argtypes, f.restype = argtypes, restype
+                f.argtypes, f.restype = argtypes, None
         setattr(lib, mark, True)
     return lib
 

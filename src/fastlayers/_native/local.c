@@ -6,6 +6,8 @@
  *   w:    [O, C, KH, KW, OH, OW]   one filter per output location
  *   bias: [O, OH, OW] or NULL
  *   y:    [B, O, OH, OW]
+ *   xoff: [C*KH*KW] int64 work space of the caller (the kernels' table of input row offsets; no
+ *         stack array: its size has no bound, and one overflowed the stack from about a million)
  * y[b,o,i,j] = bias[o,i,j] + sum_{c,p,q} w[o,c,p,q,i,j] * x[b,c,i*sh+p*dh,j*sw+q*dw]
  *
  * Work is split by blocks of output rows i, so that no two threads write the same element and
@@ -22,7 +24,6 @@
  * keeps few streams in flight, each a whole block of rows long.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -86,16 +87,13 @@ static void input_offsets(int64_t* off, int64_t C, int64_t KH, int64_t KW, int64
  * runs of `rows` rows, so x is read once and y written once. Output channels go in pairs (o0, o1) \
  * whose tiles share every x vector loaded; an odd last channel pairs with itself (o1 = o0) and is  \
  * stored once. */                                                                                 \
-int lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* restrict bias,        \
+void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* restrict bias,       \
                            T* restrict y, int64_t B, int64_t C,                                    \
                            int64_t Hp, int64_t Wp, int64_t O, int64_t KH, int64_t KW, int64_t OH,  \
-                           int64_t OW, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int nthreads) \
+                           int64_t OW, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int nthreads, \
+                           int64_t* restrict xoff)                                                 \
 {                                                                                                  \
     const int64_t K = C * KH * KW, OHW = OH * OW;                                                  \
-    /* offset of the input row of (filter, input) pair k = (c, p, q); on the heap: K = C*KH*KW has  \
-     * no bound (a stack array of it overflowed the stack from about a million pairs) */          \
-    int64_t* const xoff = (int64_t*)malloc((size_t)K * sizeof(int64_t));                           \
-    if (!xoff) return -1;                                                                          \
     input_offsets(xoff, C, KH, KW, Hp, Wp, dh, dw);                                                \
     const int64_t blocks = row_blocks((int64_t)sizeof(T) * O * K * OW, OH, nthreads);             \
     /* stream y when it is large and every vector row start is 32-byte aligned */                 \
@@ -150,8 +148,6 @@ int lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* res
     }                                                                                              \
     if (stream) STREAM_FENCE(); /* order this thread's streaming stores before the join */        \
     }                                                                                              \
-    free(xoff);                                                                                    \
-    return 0;                                                                                      \
 }                                                                                                  \
                                                                                                    \
 /* dx[b,c,i*sh+p*dh,j*sw+q*dw] += sum_o dy[b,o,i,j] * w[o,c,p,q,i,j]; dx: [B, C, Hp, Wp], zeroed */ \
@@ -186,17 +182,13 @@ void lc2d_backward_input_##SUFFIX(const T* restrict dy, const T* restrict w, T* 
  * gradient rows of a block stay in L2 while the batch streams through, BB sequences per sweep.    \
  * Within a sweep one input plane at a time (k = -1: the bias), for a pair of output channels     \
  * (o0, o1) whose tiles share the x vectors: few concurrent streams, each a run of `rows` rows. */ \
-int lc2d_backward_params_##SUFFIX(const T* restrict dy, const T* restrict x, T* restrict dw_,      \
+void lc2d_backward_params_##SUFFIX(const T* restrict dy, const T* restrict x, T* restrict dw_,     \
                                    T* restrict db, int64_t B, int64_t C,                           \
                                    int64_t Hp, int64_t Wp, int64_t O, int64_t KH, int64_t KW,      \
                                    int64_t OH, int64_t OW, int64_t sh, int64_t sw, int64_t dh,     \
-                                   int64_t dw, int nthreads)                                       \
+                                   int64_t dw, int nthreads, int64_t* restrict xoff)               \
 {                                                                                                  \
     const int64_t K = C * KH * KW;                                                                 \
-    /* offset of the input row of (filter, input) pair k = (c, p, q); on the heap: K = C*KH*KW has  \
-     * no bound (a stack array of it overflowed the stack from about a million pairs) */          \
-    int64_t* const xoff = (int64_t*)malloc((size_t)K * sizeof(int64_t));                           \
-    if (!xoff) return -1;                                                                          \
     input_offsets(xoff, C, KH, KW, Hp, Wp, dh, dw);                                                \
     const int64_t blocks = row_blocks((int64_t)sizeof(T) * O * (K + 1) * OW, OH, nthreads);       \
     const int64_t dys = O * OH * OW, xs = C * Hp * Wp; /* sequence strides */                      \
@@ -247,8 +239,6 @@ int lc2d_backward_params_##SUFFIX(const T* restrict dy, const T* restrict x, T* 
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
-    free(xoff);                                                                                    \
-    return 0;                                                                                      \
 }
 
 DEFINE_KERNELS(float, f32)

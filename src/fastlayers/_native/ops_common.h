@@ -25,15 +25,15 @@ extern "C" {
                             const T*, T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, T*, \
                             T*, const T*, T, const T*, T, int, int, int);
 #define FL_LC2D(T, S)                                                                                  \
-  int lc2d_forward_##S(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t,         \
+  void lc2d_forward_##S(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t,        \
                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,      \
-                        int64_t, int);                                                               \
+                        int64_t, int, int64_t*);                                                     \
   void lc2d_backward_input_##S(const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t,  \
                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,        \
                                int64_t, int);                                                        \
-  int lc2d_backward_params_##S(const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,       \
+  void lc2d_backward_params_##S(const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,      \
                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,       \
-                                int64_t, int64_t, int);
+                                int64_t, int64_t, int, int64_t*);
 #define FL_MATMUL(T, S)                                                                                \
   void fl_matmul_##S(int64_t, int64_t, int64_t, int64_t, const T*, const int64_t*, const T*, int, const T*, T*, T*, \
                      T*, int);

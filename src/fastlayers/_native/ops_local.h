@@ -5,7 +5,6 @@
 
 #pragma once
 
-#include <string>
 #include <vector>
 
 #include "ops_common.h"
@@ -18,11 +17,8 @@ std::vector<int64_t> geometry(const at::Tensor& padded, const at::Tensor& w, at:
           w.size(4),      w.size(5),      stride[0],      stride[1],      dilation[0], dilation[1]};
 }
 
-// the message of a kernel that could not allocate its table of C * KH * KW input offsets
-std::string table_error(const std::vector<int64_t>& g) {
-  return "locally connected kernel: can't allocate " + std::to_string(g[1] * g[5] * g[6] * 8) +
-         " bytes (its table of input offsets, 8 bytes per in_channels * kernel element)";
-}
+// the kernels' work space: their table of C * KH * KW input offsets (local.c)
+at::Tensor offsets_table(const std::vector<int64_t>& g) { return at::empty({g[1] * g[5] * g[6]}, at::kLong); }
 
 at::Tensor pad2d(const at::Tensor& x, at::IntArrayRef padding) {
   if (padding[0] == 0 && padding[1] == 0) return x;
@@ -37,9 +33,9 @@ at::Tensor local_impl(const at::Tensor& input, const at::Tensor& weight, const s
   const auto b = as(bias, dt);
   const auto g = geometry(x, w, stride, dilation);
   auto y = at::empty({x.size(0), w.size(0), w.size(4), w.size(5)}, x.options());
-  const int rc = Kernels<T>::lc2d(x.data_ptr<T>(), w.data_ptr<T>(), ptr<T>(b), y.data_ptr<T>(), g[0], g[1], g[2],
-                                  g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], at::get_num_threads());
-  TORCH_CHECK(rc == 0, table_error(g));
+  auto table = offsets_table(g);
+  Kernels<T>::lc2d(x.data_ptr<T>(), w.data_ptr<T>(), ptr<T>(b), y.data_ptr<T>(), g[0], g[1], g[2], g[3], g[4], g[5],
+                   g[6], g[7], g[8], g[9], g[10], g[11], g[12], at::get_num_threads(), table.data_ptr<int64_t>());
   return y.to(input.scalar_type());
 }
 
@@ -78,9 +74,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_backward_impl(const at::Ten
     const auto x = padded.to(dt).contiguous();
     auto w_grad = needs[1] ? at::empty(weight.sizes(), dy.options()) : at::Tensor();
     auto b_grad = needs[2] ? at::empty({weight.size(0), weight.size(4), weight.size(5)}, dy.options()) : at::Tensor();
-    const int rc = Kernels<T>::lc2d_dw(dy.data_ptr<T>(), x.data_ptr<T>(), ptr<T>(w_grad), ptr<T>(b_grad), g[0], g[1],
-                                       g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], threads);
-    TORCH_CHECK(rc == 0, table_error(g));
+    auto table = offsets_table(g);
+    Kernels<T>::lc2d_dw(dy.data_ptr<T>(), x.data_ptr<T>(), ptr<T>(w_grad), ptr<T>(b_grad), g[0], g[1], g[2], g[3],
+                        g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], threads, table.data_ptr<int64_t>());
     if (needs[1]) dw = w_grad.to(weight.scalar_type());
     if (needs[2]) db = b_grad.to(weight.scalar_type());
   }

@@ -32,22 +32,18 @@ def _kernel_operand(mm: precision.Products, t: Tensor) -> Tensor:
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` with the argument types of local.c's kernels declared (pointers, 13 int64 sizes, the
-    thread count; :func:`fastlayers._native.declare`); the forward and the parameters' backward
-    return 0, or -1 where they could not allocate their table of input offsets (:func:`_check`)."""
+    thread count; the forward and the parameters' backward then their work space, a table of C *
+    KH * KW int64 input offsets: :func:`_offsets_table`; :func:`fastlayers._native.declare`)."""
     ints = [ctypes.c_int64] * 13 + [ctypes.c_int]
-    return _native.declare(lib, "local", lambda real: {"lc2d_forward": ([ctypes.c_void_p] * 4 + ints, ctypes.c_int),
+    return _native.declare(lib, "local", lambda real: {"lc2d_forward": [ctypes.c_void_p] * 4 + ints + [ctypes.c_void_p],
                                                        "lc2d_backward_input": [ctypes.c_void_p] * 3 + ints,
-                                                       "lc2d_backward_params": ([ctypes.c_void_p] * 4 + ints,
-                                                                                ctypes.c_int)})
+                                                       "lc2d_backward_params": [ctypes.c_void_p] * 4 + ints
+                                                       + [ctypes.c_void_p]})
 
 
-def _check(status: int, geometry: tuple[int, ...]) -> None:
-    """RuntimeError (as torch's CPU allocator's) where a kernel could not allocate its table of
-    C * KH * KW input offsets."""
-    if status != 0:
-        chans, kh, kw = geometry[1], geometry[5], geometry[6]
-        raise RuntimeError(f"locally connected kernel: can't allocate {chans * kh * kw * 8} bytes (its table of input "
-                           f"offsets, 8 bytes per in_channels * kernel element)")
+def _offsets_table(geometry: tuple[int, ...]) -> Tensor:
+    """The work space of the forward and the parameters' backward: C * KH * KW int64."""
+    return torch.empty(geometry[1] * geometry[5] * geometry[6], dtype=torch.int64)
 
 
 def _lib():
@@ -71,8 +67,9 @@ def _forward_kernel(input: Tensor, weight: Tensor, bias: Tensor | None, stride: 
     geometry = _geometry(tuple(x.shape), tuple(w.shape), stride, dilation)
     y = x.new_empty(x.size(0), w.size(0), w.size(4), w.size(5))
     _native.advise_huge_pages(y)
-    _check(getattr(_lib(), f"lc2d_forward_{_SUFFIX[x.dtype]}")(address(x), address(w), address(b), address(y),
-                                                              *geometry, torch.get_num_threads()), geometry)
+    table = _offsets_table(geometry)
+    getattr(_lib(), f"lc2d_forward_{_SUFFIX[x.dtype]}")(address(x), address(w), address(b), address(y), *geometry,
+                                                       torch.get_num_threads(), address(table))
     return y.to(mm.low)
 
 
@@ -97,8 +94,9 @@ def _backward_kernels(grad: Tensor, input: Tensor, weight: Tensor, stride: list[
         x = _kernel_operand(mm, padded)
         w_grad = torch.empty_like(weight, dtype=acc, memory_format=torch.contiguous_format) if needs[1] else None
         b_grad = dy.new_empty(weight.size(0), *weight.shape[-2:]) if needs[2] else None
-        _check(getattr(lib, f"lc2d_backward_params_{suffix}")(address(dy), address(x), address(w_grad),
-                                                              address(b_grad), *geometry, threads), geometry)
+        table = _offsets_table(geometry)
+        getattr(lib, f"lc2d_backward_params_{suffix}")(address(dy), address(x), address(w_grad), address(b_grad),
+                                                      *geometry, threads, address(table))
         dw = w_grad.to(weight.dtype) if w_grad is not None else None
         db = b_grad.to(weight.dtype) if b_grad is not None else None
     return dx, dw, db
