@@ -101,7 +101,9 @@ def forced() -> tuple[str, str] | None:
     return None
 
 
-_peek_transform = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
+_FUNCTORCH = getattr(torch._C, "_functorch", None)
+_peek_transform = getattr(_FUNCTORCH, "peek_interpreter_stack", lambda: None)
+_BATCHED_OR_FORWARD = tuple(getattr(getattr(_FUNCTORCH, "TransformType", None), name, name) for name in ("Vmap", "Jvp"))
 _WARNED: set[str] = set()
 
 
@@ -112,21 +114,15 @@ def transformed() -> bool:
     return _peek_transform() is not None or forward_ad._current_level >= 0
 
 
-_FUNCTORCH = getattr(torch._C, "_functorch", None)
-_BATCHED_OR_FORWARD = tuple(getattr(getattr(_FUNCTORCH, "TransformType", None), name, name) for name in ("Vmap", "Jvp"))
-
-
 def batched_or_forward_mode() -> bool:
     """Whether this call runs under ``torch.func.vmap`` or a forward-mode transform (``jvp``,
     ``jacfwd``; ``forward_ad.dual_level()``), where torch's fused RNN kernels do not run (no
     batching rule; the CPU LSTM kernel has no forward derivative): the layers without options then
     run their reference too."""
-    if torch.compiler.is_compiling():  # (traced code: torch.compile's own handling of the transforms)
+    if torch.compiler.is_compiling() or not transformed():  # (traced code: torch.compile's own handling)
         return False
     if forward_ad._current_level >= 0:
         return True
-    if _peek_transform() is None:
-        return False
     stack = getattr(_FUNCTORCH, "get_interpreter_stack", lambda: [_peek_transform()])()
     return any(interpreter.key() in _BATCHED_OR_FORWARD for interpreter in stack)
 
