@@ -204,7 +204,7 @@ def test_transformed_is_false_outside_and_true_inside():
 
 @reference_only
 def test_the_reference_runs_with_a_warning_once_per_op(monkeypatch):
-    monkeypatch.setattr(_backend, "_WARNED", set())
+    monkeypatch.setattr(fastlayers._native, "_WARNED", set())
     module, args, kwargs = _case("LSTM layer_norm 2 layers bidirectional")
     params = {k: p.detach() for k, p in module.named_parameters()}
     with warnings.catch_warnings(record=True) as caught:

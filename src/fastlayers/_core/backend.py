@@ -32,7 +32,6 @@ import contextvars
 import functools
 import importlib.util
 import os
-import warnings
 from typing import Iterator
 
 import torch
@@ -104,7 +103,6 @@ def forced() -> tuple[str, str] | None:
 _FUNCTORCH = getattr(torch._C, "_functorch", None)
 _peek_transform = getattr(_FUNCTORCH, "peek_interpreter_stack", lambda: None)
 _BATCHED_OR_FORWARD = tuple(getattr(getattr(_FUNCTORCH, "TransformType", None), name, name) for name in ("Vmap", "Jvp"))
-_WARNED: set[str] = set()
 
 
 def transformed() -> bool:
@@ -125,15 +123,6 @@ def batched_or_forward_mode() -> bool:
         return True
     stack = getattr(_FUNCTORCH, "get_interpreter_stack", lambda: [_peek_transform()])()
     return any(interpreter.key() in _BATCHED_OR_FORWARD for interpreter in stack)
-
-
-def _reference_under_transform(op: str) -> str:
-    if op not in _WARNED:
-        _WARNED.add(op)
-        warnings.warn(f"fastlayers: {op} under a torch.func transform (grad, vmap, jvp, ...) or forward-mode AD runs "
-                      f"on the reference backend (plain PyTorch ops, step by step: slower than the C / Triton kernels, "
-                      f"which have no functorch rules)", UserWarning, stacklevel=4)
-    return "reference"
 
 
 def cpu_kernels(op: str, x: Tensor) -> bool:
@@ -222,8 +211,11 @@ def select(op: str, x: Tensor) -> str:
 def _select(op: str, x: Tensor) -> str:
     chosen = forced()
     if chosen is None:
-        if transformed():
-            return _reference_under_transform(op)
+        if transformed():  # (once per op and process; at the caller of select())
+            _native.warn_once(f"fastlayers: {op} under a torch.func transform (grad, vmap, jvp, ...) or forward-mode AD "
+                              f"runs on the reference backend (plain PyTorch ops, step by step: slower than the C / "
+                              f"Triton kernels, which have no functorch rules)", stacklevel=3)
+            return "reference"
         if _has_kernel("cpu", op) and unavailable("cpu", op, x) is None:
             return "cpu"
         # Triton's interpreter runs CPU tensors only when forced: it is a test tool, not a backend
