@@ -5,9 +5,13 @@ fwd+bwd: the input projection, the recurrent products of every step, the input g
 two weight gradients; G = 4H for LSTM, 3H for GRU) divided by torch's own large sgemm rate on
 these cores (``torch.mm`` of 2048 x 2048 matrices, median of 5). Every candidate does those
 products, so no implementation can be faster than the floor; the step products (32 rows) cannot
-reach the large-GEMM rate, so the real bound is higher. Candidates, one process, interleaved,
-medians after one warm-up round: ``fastlayers.LSTM / GRU(layer_norm=True)`` and ``torch.nn.LSTM /
-GRU``, fwd+bwd (input requires grad), and the fastlayers layers' forward under ``no_grad``.
+reach the large-GEMM rate, so the real bound is higher. Where torch's BLAS does not run the CPU's
+widest FMA (on the AMD Zen 5 of BENCHMARKS.md it ran at under half of matmul.c's rate), that
+floor is not the hardware's: the second one, "x own floor", divides by the layers' own kernel's
+rate on the workload's largest product (matmul.c: ``fastlayers.rnn._cpu_recurrence._project``,
+the input projection, 2 x 25600 rows, 512 -> 1024). Candidates, one process, interleaved, medians
+after one warm-up round: ``fastlayers.LSTM / GRU(layer_norm=True)`` and ``torch.nn.LSTM / GRU``,
+fwd+bwd (input requires grad), and the fastlayers layers' forward under ``no_grad``.
 
     python benchmarks/rnn/bench_cpu_floor.py [--repeats 5] [--threads 2] [--compare-products]
 
@@ -15,8 +19,8 @@ GRU``, fwd+bwd (input requires grad), and the fastlayers layers' forward under `
 (input projection, its input gradient) on the other engine than this CPU's choice (matmul.c or
 torch's BLAS, fastlayers._native.own_products), interleaved with the rest.
 
-Prints the CPU (vendor, family / model, the ISA flags that matter), the sgemm rate, and a table:
-seconds, x the floor, x torch's module.
+Prints the CPU (vendor, family / model, the ISA flags that matter), the two GEMM rates, and a
+table: seconds, x the floor, x the own floor, x torch's module.
 """
 
 from __future__ import annotations
@@ -47,6 +51,28 @@ def sgemm_rate(repeats: int = 5, n: int = 2048) -> float:
     return 2 * n ** 3 / statistics.median(times)
 
 
+def own_rate(repeats: int = 5) -> float:
+    """matmul.c's float32 GEMM rate here, FLOP/s, on the seed's input projection (X W_ih^T, 2 x
+    25600 rows, 512 -> 1024: the workload's largest product; median of ``repeats`` after one)."""
+    from fastlayers._core import precision
+    from fastlayers.rnn import _cpu_recurrence as engine
+
+    mm = precision.Products(torch.float32, torch.float32, torch.device("cpu"))
+    rows, g = STEPS * BATCH, 4 * HIDDEN
+    x, w, out = torch.randn(DIRS, rows, F_IN), torch.randn(DIRS, g, F_IN), torch.empty(DIRS, rows, g)
+    _native.prefer_own_products(True)
+    try:
+        engine._project(mm, x, w, None, out)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine._project(mm, x, w, None, out)
+            times.append(time.perf_counter() - t0)
+    finally:
+        _native.prefer_own_products(None)
+    return 2 * DIRS * rows * g * F_IN / statistics.median(times)
+
+
 def workload_flops(gates: int, backward: bool) -> float:
     """Matrix-product FLOPs of one bidirectional layer at the seed shape."""
     rows, g = STEPS * BATCH, gates * HIDDEN
@@ -62,10 +88,14 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rate = sgemm_rate()
+    own_floor = own_rate() if _native.library() is not None else None
     own = _native.own_products()
     print(f"# {cpu_description()}; torch {torch.__version__}, {args.threads} threads; the layers' large products on "
           f"{'matmul.c' if own else 'torch BLAS'}")
     print(f"# torch.mm 2048^3 float32: {rate / 1e9:.1f} GFLOP/s")
+    if own_floor:
+        print(f"# matmul.c float32, the seed's input projection (2 x 25600 x 512 -> 1024): "
+              f"{own_floor / 1e9:.1f} GFLOP/s")
     torch.manual_seed(0)
     x = torch.randn(STEPS, BATCH, F_IN, requires_grad=True)
     cands = {}
@@ -94,13 +124,15 @@ def main() -> int:
                     module(x)
             if rep >= 0:
                 times[name].append(time.perf_counter() - t0)
-    print("| call | s (median) | GEMM GFLOP | x floor | x torch's module |\n|---|---:|---:|---:|---:|")
+    print("| call | s (median) | GEMM GFLOP | x floor | x own floor | x torch's module |")
+    print("|---|---:|---:|---:|---:|---:|")
     _native.prefer_own_products(None)
     for name, (_, grad, gates, anchor, _) in cands.items():
         med = statistics.median(times[name])
         flops = workload_flops(gates, grad)
         ratio = f"{med / statistics.median(times[anchor]):.2f}" if anchor else ""
-        print(f"| {name} | {med:.3f} | {flops / 1e9:.1f} | {med / (flops / rate):.2f} | {ratio} |")
+        own_x = f"{med / (flops / own_floor):.2f}" if own_floor else "-"
+        print(f"| {name} | {med:.3f} | {flops / 1e9:.1f} | {med / (flops / rate):.2f} | {own_x} | {ratio} |")
     return 0
 
 

@@ -81,20 +81,38 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
     const T* restrict pi = a->peep ? a->peep + d * 3 * H : 0;                                        \
     if (a->chist) memcpy(a->chist + v * H, cr, sizeof(T) * H);                                     \
     if (a->xstat) fl_row_stats_##SUFFIX(xr, G, a->eps, a->xstat + 2 * v);                          \
-    if (a->gh) { /* gates = LNh(r), then + the input part */                                         \
-        fl_layer_norm_##SUFFIX(rr, G, a->eps, a->rhat + v * G, a->rrstd + v);                    \
-        const T* restrict ghd = a->gh + d * G; const T* restrict rh = a->rhat + v * G;             \
-        for (int64_t k = 0; k < G; k++) gr[k] = ghd[k] * rh[k];                                      \
+    /* gates = LNh(r) (or r) + the input part (LNx(xp) + bias, or xp), in one pass over the row that \
+     * also writes LNh's normalised r (rhat; omp simd: GCC otherwise keeps these loops scalar) */    \
+    const T* xs = a->xstat ? a->xstat + 2 * v : 0; const T mx = xs ? xs[0] : 0, rx = xs ? xs[1] : 0; \
+    const T* restrict gxd = a->gx + d * G; const T* restrict bd = a->bias ? a->bias + d * G : 0;     \
+    if (a->gh) {                                                                                     \
+        T st[2]; fl_row_stats_##SUFFIX(rr, G, a->eps, st);                                           \
+        const T mr = st[0], sr = st[1]; a->rrstd[v] = sr;                                            \
+        T* restrict rh = a->rhat + v * G; const T* restrict ghd = a->gh + d * G;                     \
+        if (xs && bd) {                                                                              \
+            _Pragma("omp simd")                                                                      \
+            for (int64_t k = 0; k < G; k++) {                                                        \
+                const T hat = (rr[k] - mr) * sr; rh[k] = hat;                                        \
+                gr[k] = ghd[k] * hat + (gxd[k] * ((xr[k] - mx) * rx) + bd[k]);                       \
+            }                                                                                        \
+        } else if (xs) {                                                                             \
+            _Pragma("omp simd")                                                                      \
+            for (int64_t k = 0; k < G; k++) {                                                        \
+                const T hat = (rr[k] - mr) * sr; rh[k] = hat;                                        \
+                gr[k] = ghd[k] * hat + gxd[k] * ((xr[k] - mx) * rx);                                 \
+            }                                                                                        \
+        } else {                                                                                     \
+            _Pragma("omp simd")                                                                      \
+            for (int64_t k = 0; k < G; k++) {                                                        \
+                const T hat = (rr[k] - mr) * sr; rh[k] = hat; gr[k] = ghd[k] * hat + xr[k];          \
+            }                                                                                        \
+        }                                                                                            \
+    } else if (xs && bd) {                                                                           \
+        for (int64_t k = 0; k < G; k++) gr[k] = rr[k] + (gxd[k] * ((xr[k] - mx) * rx) + bd[k]);      \
+    } else if (xs) {                                                                                 \
+        for (int64_t k = 0; k < G; k++) gr[k] = rr[k] + gxd[k] * ((xr[k] - mx) * rx);                \
     } else {                                                                                         \
-        memcpy(gr, rr, sizeof(T) * G);                                                               \
-    }                                                                                                \
-    if (a->xstat) {                                                                                  \
-        const T* xs = a->xstat + 2 * v; const T mx = xs[0], rx = xs[1];                            \
-        const T* restrict gxd = a->gx + d * G; const T* restrict bd = a->bias ? a->bias + d * G : 0; \
-        if (bd) for (int64_t k = 0; k < G; k++) gr[k] += gxd[k] * ((xr[k] - mx) * rx) + bd[k];      \
-        else for (int64_t k = 0; k < G; k++) gr[k] += gxd[k] * ((xr[k] - mx) * rx);                  \
-    } else {                                                                                         \
-        for (int64_t k = 0; k < G; k++) gr[k] += xr[k];                                              \
+        for (int64_t k = 0; k < G; k++) gr[k] = rr[k] + xr[k];                                       \
     }                                                                                                \
     if (pi) for (int64_t k = 0; k < H; k++) { gr[k] += pi[k] * cr[k]; gr[H + k] += pi[H + k] * cr[k]; } \
     for (int64_t k = 0; k < 2 * H; k++) gr[k] = sig_##SUFFIX(gr[k]); /* two loops: one exp each */   \
