@@ -8,6 +8,11 @@ function, written with differentiable torch ops) is run again on the saved input
 vector-Jacobian product is taken with ``create_graph=True``. The result is the same first
 derivative (up to rounding) and is differentiable again, to any order, in the inputs and in the
 incoming gradients. The fast path is unchanged when the backward is not recorded.
+
+The same recomputation serves a backward whose incoming gradients are batched by autograd's own
+vmap (``torch.autograd.grad(..., is_grads_batched=True)``, ``torch.autograd.functional.jacobian(...,
+vectorize=True)``): the kernels read raw memory and cannot take a batched tensor, the reference's
+torch ops carry the batch dimension.
 """
 
 from __future__ import annotations
@@ -18,9 +23,15 @@ import torch
 from torch import Tensor
 
 
-def recording() -> bool:
-    """Inside an autograd Function's backward: True when the backward itself is being recorded."""
-    return torch.is_grad_enabled()
+def recording(*grads: Tensor | None) -> bool:
+    """Inside an autograd Function's backward, given its incoming gradients: True when the backward
+    itself is being recorded (create_graph), or when a gradient is batched by autograd's vmap
+    (``is_grads_batched``); then the backward runs :func:`recorded_vjp` instead of the kernels."""
+    return torch.is_grad_enabled() or any(g is not None and _batched(g) for g in grads)
+
+
+def _batched(t: Tensor) -> bool:
+    return torch._C._functorch.is_legacy_batchedtensor(t)
 
 
 def recorded_vjp(fn: Callable[..., Sequence[Tensor] | Tensor], inputs: Sequence[Tensor | None],

@@ -122,7 +122,7 @@ class AttentionCPU(torch.autograd.Function):
     def backward(ctx, d_context: Tensor | None, d_weights: Tensor | None):
         query, keys, values, weights = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        if twice.recording():  # create_graph: the twin's gradient, differentiable again
+        if twice.recording(d_context, d_weights):  # create_graph: the twin's gradient, differentiable again
             def reference(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
                 return attention_pool_reference(q, k, v, ctx.lengths, score="dot" if ctx.scale == 1.0 else "scaled_dot")
 
@@ -156,7 +156,7 @@ class AdditiveCPU(torch.autograd.Function):
     def backward(ctx, d_context: Tensor | None, d_weights: Tensor | None):
         query, keys, values, w_q, w_k, v, bias, weights, hidden = ctx.saved_tensors
         need = ctx.needs_input_grad[:7]  # query, keys, values, weight_query, weight_key, v, bias
-        if twice.recording():  # create_graph: the twin's gradient, differentiable again
+        if twice.recording(d_context, d_weights):  # create_graph: the twin's gradient, differentiable again
             def reference(q, k, vals, wq, wk, vv, b):
                 return attention_pool_reference(q, k, vals, ctx.lengths, score="additive", additive=(wq, wk, vv, b))
 

@@ -36,7 +36,7 @@ class AttentionTriton(torch.autograd.Function):
     def backward(ctx, d_context, d_weights):
         from .._triton import attention as kernels
 
-        if twice.recording():  # create_graph: the torch ops' gradient, differentiable again
+        if twice.recording(d_context, d_weights):  # create_graph: the torch ops' gradient, differentiable again
             return AttentionTriton._recorded(ctx, d_context, d_weights)
         q, k, v, weights = ctx.saved_tensors[:4]
         need = ctx.needs_input_grad

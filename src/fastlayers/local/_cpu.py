@@ -113,7 +113,7 @@ class LocallyConnected2dNative(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        if twice.recording():
+        if twice.recording(grad):
             return recorded_backward(ctx, grad)
         input, weight, _ = ctx.saved_tensors
         return (*_backward_kernels(grad, input, weight, *ctx.geometry, ctx.low, needed_grads(ctx)), None, None, None)

@@ -46,7 +46,7 @@ class LocallyConnected2dTriton(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         from .._triton import local as kernels
 
-        if twice.recording():
+        if twice.recording(grad):
             return recorded_backward(ctx, grad)
         input, weight, _ = ctx.saved_tensors
         (stride, padding, dilation), low = ctx.geometry, ctx.low

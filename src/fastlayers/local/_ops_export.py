@@ -46,7 +46,7 @@ def register_operators() -> None:
         save(ctx, input, weight, bias, (stride, padding, dilation), input.dtype)
 
     def backward(ctx, grad):
-        if twice.recording():
+        if twice.recording(grad):
             return recorded_backward(ctx, grad)
         input, weight, _ = ctx.saved_tensors
         needs = needed_grads(ctx)

@@ -450,7 +450,7 @@ class LSTMRecurrence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh_n, dc_n):
-        if twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+        if twice.recording(dy, dh_n, dc_n):  # create_graph: a differentiable recomputation instead of the kernels
             return _recorded_backward("LSTM", ctx, (dy, dh_n, dc_n))
         xs, w_ih, gx, _, _, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep = ctx.saved_tensors
         buf, mm = ctx.buf, ctx.mm
@@ -633,7 +633,7 @@ class GRURecurrence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh_n):
-        if twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+        if twice.recording(dy, dh_n):  # create_graph: a differentiable recomputation instead of the kernels
             return _recorded_backward("GRU", ctx, (dy, dh_n))
         xs, w_ih, gx, _, _, w_hh, _, gh, rmask, zh = ctx.saved_tensors
         buf, mm = ctx.buf, ctx.mm

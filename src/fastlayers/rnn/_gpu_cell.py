@@ -167,7 +167,7 @@ class LSTMStep(torch.autograd.Function):
         from .._triton import lstm as kernels
 
         saved = ctx.saved_tensors
-        if twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+        if twice.recording(dh1, dc1):  # create_graph: a differentiable recomputation instead of the kernels
             return (*twice.recorded_vjp(lambda *t: _reference("LSTM", ctx.consts, *t), saved[:15], (dh1, dc1),
                                          ctx.needs_input_grad[:15]), None)
         x, w_ih, gx, bias, h0, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, h_in = saved
@@ -243,7 +243,7 @@ class GRUStep(torch.autograd.Function):
         from .._triton import gru as kernels
 
         saved = ctx.saved_tensors
-        if twice.recording():
+        if twice.recording(dh1):
             return (*twice.recorded_vjp(lambda *t: _reference("GRU", ctx.consts, *t), saved[:10], (dh1,),
                                          ctx.needs_input_grad[:10]), None)
         x, w_ih, gx, b_ih, h0, w_hh, b_hh, gh, rmask, zh, h_in = saved

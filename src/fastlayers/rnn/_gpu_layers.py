@@ -236,7 +236,7 @@ class LSTMLayer(torch.autograd.Function):
     def backward(ctx, dy, dh_n, dc_n):
         from .._triton import lstm as kernels
 
-        if _twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+        if _twice.recording(dy, dh_n, dc_n):  # create_graph: a differentiable recomputation instead of the kernels
             return _recorded_backward("LSTM", ctx, (dy, dh_n, dc_n))
         x, w_ih, c0, w_hh, w_hr = ctx.saved_tensors[16:]
         loop, mm, need = ctx.loop, ctx.mm, ctx.needs_input_grad
@@ -380,7 +380,7 @@ class GRULayer(torch.autograd.Function):
     def backward(ctx, dy, dh_n):
         from .._triton import gru as kernels
 
-        if _twice.recording():  # create_graph: a differentiable recomputation instead of the kernels
+        if _twice.recording(dy, dh_n):  # create_graph: a differentiable recomputation instead of the kernels
             return _recorded_backward("GRU", ctx, (dy, dh_n))
         x, w_ih, w_hh = ctx.saved_tensors[11:]
         loop, mm, need = ctx.loop, ctx.mm, ctx.needs_input_grad

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from torch import Tensor
 
-from .._core import precision
+from .._core import precision, twice
 from .._native import ops_lib
 from ._cpu import packed_layer
 from ._lengths import make_plan
@@ -174,7 +174,7 @@ class Segments(torch.autograd.Function):
         saved = ctx.saved_tensors
         x, tensors = saved[0], saved[1:1 + n_states + dirs * n_params]
         kept_flat = saved[1 + n_states + dirs * n_params:]
-        if torch.is_grad_enabled():  # create_graph: the whole layer again, recorded, for higher derivatives
+        if twice.recording(dy, *dfinal):  # create_graph (or batched gradients): the whole layer again, recorded
             return _recorded_backward(spec, x, tensors, dy, dfinal)
         steps, batch = x.shape[:2]
         # kept[j][d] = the states entering segment j of direction d, each (1, B, width)
@@ -513,10 +513,11 @@ def _merge(states: list[Tensor], new: tuple[Tensor, ...], rows: Tensor | None) -
 
 def _recorded_backward(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...], dy: Tensor,
                        dfinal: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-    out, states = _all_segments(spec, x, tensors)
-    inputs = [x, *tensors]
-    wrt = [t for t in inputs if t.requires_grad]
-    outs = [out, *states]
-    grads_out = [dy, *(g if g is not None else torch.zeros_like(s) for g, s in zip(dfinal, states))]
-    grads = iter(torch.autograd.grad(outs, wrt, grads_out, create_graph=True, allow_unused=True))
+    with torch.enable_grad():  # (a batched backward runs with grad mode off)
+        out, states = _all_segments(spec, x, tensors)
+        inputs = [x, *tensors]
+        wrt = [t for t in inputs if t.requires_grad]
+        outs = [out, *states]
+        grads_out = [dy, *(g if g is not None else torch.zeros_like(s) for g, s in zip(dfinal, states))]
+        grads = iter(torch.autograd.grad(outs, wrt, grads_out, create_graph=True, allow_unused=True))
     return (None, *(next(grads) if t.requires_grad else None for t in inputs))

@@ -5,8 +5,9 @@ Legend: R rows of the padded (T*B, X) layout, K rows picked (D*N: every directio
 ``index_select`` / ``index_copy`` would do the same, but their outputs and gradients are fresh
 torch allocations, a first touch of every page on every call (at the seed shape about 250 MB of the
 420 MB per call, benchmarks/rnn/probe_page_faults.py); these take the cache's blocks. Under
-``create_graph`` the backwards run differentiable torch ops (a second derivative goes through them
-as through index ops).
+``create_graph``, or with gradients batched by autograd's vmap (``is_grads_batched``), the backwards
+run differentiable torch ops without ``out=`` (a second derivative goes through them as through
+index ops; ``out=`` variants have no batching rule).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._core import pool
+from .._core import pool, twice
 
 
 class GatherRows(torch.autograd.Function):
@@ -32,7 +33,7 @@ class GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (index,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: differentiable ops
+        if twice.recording(grad):  # create_graph or a batched gradient: differentiable torch ops
             return grad.new_zeros(ctx.rows, grad.size(1)).index_add(0, index, grad), None, None
         r = ctx.rows
         dx = pool.empty((r, grad.size(1)), grad.dtype, grad)
@@ -57,7 +58,7 @@ class ScatterRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (index,) = ctx.saved_tensors
-        if torch.is_grad_enabled():
+        if twice.recording(grad):
             return grad.index_select(0, index), None, None, None
         out = pool.empty((index.numel(), grad.size(1)), grad.dtype, grad)
         return torch.index_select(grad, 0, index, out=out), None, None, None
