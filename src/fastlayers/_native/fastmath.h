@@ -19,6 +19,9 @@
  *   rows of a step of both directions (row (d, b) at (d*ds + b)*G), dpre = d LN(xp; gx) / d xp
  *   applied to dpre in place (the step kernels' input LayerNorm); one row of it:
  *   fl_input_norm_backward_row_SUFFIX(dp, xp, xstat, gx_d, G).
+ *   Their row sums: fl_sum_SUFFIX(v, len, shift, squares, &sq) (the sum of v - shift, and of its
+ *   squares), fl_sum_dot_SUFFIX(d, v, len, mean, rstd, &m1, &m2), on vectors of the variant's width
+ *   in independent accumulators.
  */
 #ifndef FASTLAYERS_FASTMATH_H
 #define FASTLAYERS_FASTMATH_H
@@ -51,32 +54,73 @@ static inline float fl_exp_f32(float x) {
 }
 static inline float fl_tanh_f32(float x) { return 2.0f / (1.0f + fl_exp_f32(-2.0f * x)) - 1.0f; }
 
+/* The row reductions' vectors: the variant's widest (setup.py's flags) */
+#if defined(__AVX512F__)
+#define FL_RBYTES 64
+#elif defined(__AVX__)
+#define FL_RBYTES 32
+#else
+#define FL_RBYTES 16
+#endif
+
 #define FL_DEFINE_LAYER_NORM(T, SUFFIX, SQRT)                                                        \
-static void fl_layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_out) {            \
-    T mean = 0, var = 0;                                                                             \
-    _Pragma("omp simd reduction(+:mean)")                                                          \
-    for (int64_t k = 0; k < len; k++) mean += v[k];                                                  \
-    mean /= len;                                                                                     \
-    _Pragma("omp simd reduction(+:var)")                                                           \
-    for (int64_t k = 0; k < len; k++) { T dv = v[k] - mean; var += dv * dv; }                       \
+/* Row sums on vectors of the variant's width in independent accumulators, then one horizontal sum   \
+ * (one accumulator waits on its add's latency every vector, and the rows are short: G = 1024 floats \
+ * are 64 AVX-512 vectors); the order of the additions is fixed for a variant and a length. */       \
+typedef T fl_rv_##SUFFIX __attribute__((vector_size(FL_RBYTES), aligned(sizeof(T)), may_alias));     \
+enum { FL_RL_##SUFFIX = FL_RBYTES / (int)sizeof(T) };                                                \
+static inline T fl_hsum_##SUFFIX(fl_rv_##SUFFIX a) {                                                 \
+    T s = 0;                                                                                         \
+    for (int i = 0; i < FL_RL_##SUFFIX; i++) s += a[i];                                              \
+    return s;                                                                                        \
+}                                                                                                    \
+/* the sum of v[k] - shift (shift 0: of v), and of their squares (squares != 0) into *sq */          \
+static inline T fl_sum_##SUFFIX(const T* v, int64_t len, T shift, int squares, T* sq) {              \
+    typedef fl_rv_##SUFFIX V; const int64_t L = FL_RL_##SUFFIX;                                      \
+    V a0 = {0}, a1 = {0}, q0 = {0}, q1 = {0};                                                        \
+    int64_t k = 0;                                                                                   \
+    if (squares) {                                                                                   \
+        for (; k + 2 * L <= len; k += 2 * L) {                                                       \
+            const V d0 = *(const V*)(v + k) - shift, d1 = *(const V*)(v + k + L) - shift;            \
+            a0 += d0; a1 += d1; q0 += d0 * d0; q1 += d1 * d1;                                        \
+        }                                                                                            \
+    } else {                                                                                         \
+        for (; k + 2 * L <= len; k += 2 * L) { a0 += *(const V*)(v + k); a1 += *(const V*)(v + k + L); }\
+    }                                                                                                \
+    T s = fl_hsum_##SUFFIX(a0 + a1), s2 = fl_hsum_##SUFFIX(q0 + q1);                                 \
+    for (; k < len; k++) { const T d = v[k] - shift; s += d; s2 += d * d; }                          \
+    if (sq) *sq = s2;                                                                                \
+    return s;                                                                                        \
+}                                                                                                    \
+/* m1 = the sum of d[k], m2 = the sum of d[k] * (v[k] - mean) * rstd (mean 0, rstd 1: v normalised) */\
+static inline void fl_sum_dot_##SUFFIX(const T* d, const T* v, int64_t len, T mean, T rstd, T* m1, T* m2) {\
+    typedef fl_rv_##SUFFIX V; const int64_t L = FL_RL_##SUFFIX;                                      \
+    V a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};                                                        \
+    int64_t k = 0;                                                                                   \
+    for (; k + 2 * L <= len; k += 2 * L) {                                                           \
+        const V d0 = *(const V*)(d + k), d1 = *(const V*)(d + k + L);                                \
+        a0 += d0; a1 += d1;                                                                          \
+        b0 += d0 * ((*(const V*)(v + k) - mean) * rstd); b1 += d1 * ((*(const V*)(v + k + L) - mean) * rstd);\
+    }                                                                                                \
+    T s = fl_hsum_##SUFFIX(a0 + a1), s2 = fl_hsum_##SUFFIX(b0 + b1);                                 \
+    for (; k < len; k++) { s += d[k]; s2 += d[k] * ((v[k] - mean) * rstd); }                         \
+    *m1 = s; *m2 = s2;                                                                               \
+}                                                                                                    \
+static inline void fl_layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_out) {     \
+    T var; const T mean = fl_sum_##SUFFIX(v, len, 0, 0, 0) / len;                                    \
+    fl_sum_##SUFFIX(v, len, mean, 1, &var);                                                          \
     T rstd = 1 / SQRT(var / len + eps);                                                             \
     for (int64_t k = 0; k < len; k++) hat[k] = (v[k] - mean) * rstd;                                 \
     *rstd_out = rstd;                                                                                \
 }                                                                                                    \
 static void fl_layer_norm_backward_##SUFFIX(const T* dhat, const T* hat, T rstd, int64_t len, T* dv) { \
-    T m1 = 0, m2 = 0;                                                                                \
-    _Pragma("omp simd reduction(+:m1, m2)")                                                         \
-    for (int64_t k = 0; k < len; k++) { m1 += dhat[k]; m2 += dhat[k] * hat[k]; }                     \
+    T m1, m2; fl_sum_dot_##SUFFIX(dhat, hat, len, 0, 1, &m1, &m2);                                   \
     m1 /= len; m2 /= len;                                                                            \
     for (int64_t k = 0; k < len; k++) dv[k] = rstd * (dhat[k] - m1 - hat[k] * m2);                   \
 }                                                                                                    \
 static inline void fl_row_stats_##SUFFIX(const T* v, int64_t len, T eps, T* stat) {                 \
-    T mean = 0, var = 0;                                                                             \
-    _Pragma("omp simd reduction(+:mean)")                                                          \
-    for (int64_t k = 0; k < len; k++) mean += v[k];                                                  \
-    mean /= len;                                                                                     \
-    _Pragma("omp simd reduction(+:var)")                                                           \
-    for (int64_t k = 0; k < len; k++) { T dv = v[k] - mean; var += dv * dv; }                       \
+    T var; const T mean = fl_sum_##SUFFIX(v, len, 0, 0, 0) / len;                                    \
+    fl_sum_##SUFFIX(v, len, mean, 1, &var);                                                          \
     stat[0] = mean; stat[1] = 1 / SQRT(var / len + eps);                                             \
 }                                                                                                    \
 static inline void fl_affine_norm_##SUFFIX(const T* v, const T* stat, const T* gain, const T* bias,  \
@@ -88,9 +132,7 @@ static inline void fl_affine_norm_##SUFFIX(const T* v, const T* stat, const T* g
 static void fl_layer_norm_backward_stat_##SUFFIX(const T* dhat, const T* v, const T* stat, int64_t len, \
                                                  T* dv) {                                            \
     const T mean = stat[0], rstd = stat[1];                                                          \
-    T m1 = 0, m2 = 0;                                                                                \
-    _Pragma("omp simd reduction(+:m1, m2)")                                                         \
-    for (int64_t k = 0; k < len; k++) { m1 += dhat[k]; m2 += dhat[k] * ((v[k] - mean) * rstd); }    \
+    T m1, m2; fl_sum_dot_##SUFFIX(dhat, v, len, mean, rstd, &m1, &m2);                               \
     m1 /= len; m2 /= len;                                                                            \
     for (int64_t k = 0; k < len; k++) dv[k] = rstd * (dhat[k] - m1 - ((v[k] - mean) * rstd) * m2);  \
 }                                                                                                    \
