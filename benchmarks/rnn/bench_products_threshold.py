@@ -7,6 +7,7 @@ in one process, calls alternating, medians after --warmup rounds. Below 1 the li
 faster. Run it once per CPU variant (``FASTLAYERS_CPU_CAPABILITY=avx2`` for the other build).
 
     python benchmarks/rnn/bench_products_threshold.py [--hidden 64,128,256,512] [--repeats 22] [--warmup 3]
+        [--shapes B:T,B:T,...]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import fastlayers
 from fastlayers import _native
 from fastlayers._core.system import cpu_description
 
-SHAPES = ((32, 4), (32, 8), (32, 16), (32, 20), (32, 24), (32, 32), (8, 100))  # (B, T)
+SHAPES = "32:4,32:8,32:16,32:20,32:24,32:32,8:100"  # B:T
 
 
 def main() -> int:
@@ -31,7 +32,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=22)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shapes", default=SHAPES, help="batch:steps pairs, comma-separated")
     args = p.parse_args()
+    shapes = [tuple(int(v) for v in pair.split(":")) for pair in args.shapes.split(",")]
     if _native.library() is None:
         print("the native library is unavailable: nothing to compare")
         return 1
@@ -42,7 +45,7 @@ def main() -> int:
     for hidden in (int(h) for h in args.hidden.split(",")):
         torch.manual_seed(0)
         layer = fastlayers.LSTM(2 * hidden, hidden, bidirectional=True, layer_norm=True)
-        for batch, steps in SHAPES:
+        for batch, steps in shapes:
             x = torch.randn(steps, batch, 2 * hidden)
             times: dict[bool, list[float]] = {True: [], False: []}
             for rep in range(args.warmup + args.repeats):

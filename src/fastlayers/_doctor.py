@@ -107,12 +107,15 @@ def _native_library(load: bool) -> str:
         warnings.simplefilter("always")
         line = _native.describe()
         if _native.library() is not None:
+            own = f"its own kernel (matmul.c) from {_native.own_products_from()} rows"
+            bf16_rows = _native.BF16_MIN_ROWS
+            own_bf16 = f"VDPBF16PS from {bf16_rows} rows"
             line += (f"; the recurrent layers' large products on "
-                     f"{'its own kernel (matmul.c) from 640 rows' if _native.own_products() else 'torch BLAS'}"
+                     f"{own if _native.own_products() else 'torch BLAS'}"
                      f"; their bf16 time loops' step products on "
                      f"{'VDPBF16PS (AVX512-BF16)' if _native.bf16_products() else 'float32 arithmetic'}"
                      f"; their large bf16 products on "
-                     f"{'VDPBF16PS from 640 rows' if _native.bf16_large_products(640) else 'torch'}")
+                     f"{own_bf16 if _native.bf16_large_products(bf16_rows) else 'torch'}")
         return line
 
 

@@ -159,9 +159,14 @@ def test_choice_follows_the_cpu_and_can_be_forced(choice):
     choice(None)
     with open("/proc/cpuinfo") as f:
         vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    start = _native.own_products_from()
+    with open("/proc/cpuinfo") as f:
+        family = next((int(line.split(":", 1)[1]) for line in f if line.startswith("cpu family")), 0)
+    assert start == (640 if family < 26 else 64 if _native.built_as() == "avx512" else 256)
     if _native.built_as() in ("avx2", "avx512"):
+        assert _native.own_products(start) == (vendor == "AuthenticAMD")
         assert _native.own_products(640) == (vendor == "AuthenticAMD")
-    assert not _native.own_products(639)  # (small products: torch's BLAS on every CPU)
+    assert not _native.own_products(start - 1)  # (small products: torch's BLAS on every CPU)
     choice(True)
     assert _native.own_products(1)
     choice(False)

@@ -123,6 +123,7 @@ def _open() -> ctypes.CDLL | None:
     lib.fl_matmul_preferred.argtypes, lib.fl_matmul_preferred.restype = [ctypes.c_int64], ctypes.c_int
     lib.fl_matmul_prefer.argtypes, lib.fl_matmul_prefer.restype = [ctypes.c_int], None
     lib.fl_matmul_scratch_rows.argtypes, lib.fl_matmul_scratch_rows.restype = [], ctypes.c_int64
+    lib.fl_matmul_min_rows.argtypes, lib.fl_matmul_min_rows.restype = [], ctypes.c_int64
     lib.fl_bf16_products.argtypes, lib.fl_bf16_products.restype = [], ctypes.c_int
     lib.fl_matmul_bf16_scratch.argtypes, lib.fl_matmul_bf16_scratch.restype = [ctypes.c_int64], ctypes.c_int64
     lib.fl_matmul_bf16.restype = None
@@ -172,13 +173,22 @@ def library_path() -> str:
 def own_products(rows: int = 1 << 62) -> bool:
     """Whether the recurrent layers' large products (the input projection, its input gradient and the
     weight gradients) of ``rows`` rows per direction run on the library's own kernel (``matmul.c``)
-    instead of torch's BLAS: on AMD CPUs from 640 rows, where it was measured faster (torch's MKL
-    runs a generic code path there; on Intel it runs its own AVX-512 code; below 640 rows packing
-    the weight costs more than the kernel gains); ``$FASTLAYERS_LARGE_PRODUCTS`` (``native`` or
-    ``torch``, any size) or :func:`prefer_own_products` overrides. False where the library is
-    unavailable."""
+    instead of torch's BLAS: on AMD CPUs from :func:`own_products_from` rows, where it was measured
+    faster (torch's MKL runs a generic code path there; on Intel it runs its own AVX-512 code; below
+    those rows packing the weight costs more than the kernel gains); ``$FASTLAYERS_LARGE_PRODUCTS``
+    (``native`` or ``torch``, any size) or :func:`prefer_own_products` overrides. False where the
+    library is unavailable."""
     lib = library()
     return bool(lib is not None and lib.fl_matmul_preferred(rows))
+
+
+def own_products_from() -> int | None:
+    """The fewest rows per direction whose large products :func:`own_products` puts on ``matmul.c``
+    by this CPU's choice, where it would on an AMD CPU (640; on AMD family 26, Zen 5, and newer: 64
+    in the avx512 build, 256 in the avx2 one: ``matmul.c``'s ``fl_matmul_min_rows``); None without
+    the library."""
+    lib = library()
+    return int(lib.fl_matmul_min_rows()) if lib is not None else None
 
 
 def prefer_own_products(choice: bool | None) -> None:
@@ -198,15 +208,23 @@ def bf16_products() -> bool:
     return bool(lib is not None and lib.fl_bf16_products())
 
 
+BF16_MIN_ROWS = 640  # the fewest rows of the large bf16 products on matmul.c by the CPU's choice
+
+
 def bf16_large_products(rows: int) -> bool:
     """Whether the recurrent layers' large bf16 products of ``rows`` rows per direction (the input
     projection and its input gradient) run on ``matmul.c``'s VDPBF16PS kernel (``fl_matmul_bf16``,
     float32 results written in place) instead of torch's bf16 GEMM: where the step loops multiply
     on it (:func:`bf16_products`), :func:`own_products` chooses the library's kernels for that size,
-    and the CPU has no AMX (torch's oneDNN multiplies on AMX tiles there, faster)."""
+    the CPU has no AMX (torch's oneDNN multiplies on AMX tiles there, faster), and from
+    ``BF16_MIN_ROWS`` rows unless :func:`prefer_own_products` forces the library's kernels (measured
+    on a Zen 4; the float32 products' smaller counts of a Zen 5, :func:`own_products_from`, were
+    measured in float32 only)."""
     import torch
 
-    return bf16_products() and own_products(rows) and not torch.cpu._is_amx_tile_supported()
+    forced = own_products(0)  # (no CPU's own choice takes a product of 0 rows: only a forced one)
+    return (bf16_products() and own_products(rows) and (forced or rows >= BF16_MIN_ROWS)
+            and not torch.cpu._is_amx_tile_supported())
 
 
 def describe() -> str:

@@ -31,23 +31,53 @@
 #include "gemm.h"
 #include "gemm_bf16.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #define FL_MATMUL_MIN_ROWS 640
 
 static int fl_matmul_choice = -1; /* -1: by the CPU; 0: torch's BLAS; 1: this file's kernel */
 
 void fl_matmul_prefer(int choice) { fl_matmul_choice = choice; }
 
+/* The fewest rows (per direction) of a product that runs here by the CPU's choice, on an AMD CPU
+ * (below, packing the weight costs more than the kernel gains). Whole LayerNorm-LSTM layers against
+ * torch's BLAS (benchmarks/rnn/bench_products_threshold.py, H = 64 to 512, 2 threads; BENCHMARKS.md,
+ * issue 62): on a Zen 4 (family 25) at 512 rows avx512 0.95-0.98x, avx2 0.97-1.02x; at 640 rows
+ * 0.92-0.96x and 0.97-1.00x; at 128-256 rows up to 1.04x and 1.08x: FL_MATMUL_MIN_ROWS. On a Zen 5
+ * (family 26), whose torch sgemm runs at under half of this kernel's rate, avx512 from 64 rows
+ * 0.75-0.91x (at 32 rows up to 1.16x), avx2 from 256 rows 0.92-0.96x (at 128 rows up to 1.10x).
+ * Families after 26 take 26's counts. */
+int64_t fl_matmul_min_rows(void)
+{
+    static int64_t rows = 0;
+    if (!rows) {
+        unsigned family = 0;
+#if defined(__x86_64__) || defined(__i386__)
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        if (__get_cpuid(1, &a, &b, &c, &d)) { /* the family: base, plus the extended one past 15 */
+            family = (a >> 8) & 0xF;
+            if (family == 0xF) family += (a >> 20) & 0xFF;
+        }
+#endif
+#if defined(__AVX512F__)
+        rows = family >= 26 ? 64 : FL_MATMUL_MIN_ROWS;
+#else
+        rows = family >= 26 ? 256 : FL_MATMUL_MIN_ROWS;
+#endif
+    }
+    return rows;
+}
+
 /* whether a product of `rows` rows (per direction) runs here: forced, or on an AMD CPU from
- * FL_MATMUL_MIN_ROWS rows (below, packing the weight costs more than the kernel gains). Whole
- * LayerNorm-LSTM layers against torch's BLAS (benchmarks/rnn/bench_products_threshold.py, H = 64
- * to 512, Zen 4, 2 threads): at 512 rows avx512 0.95-0.98x, avx2 0.97-1.02x; at 640 rows
- * 0.92-0.96x and 0.97-1.00x; at 128-256 rows up to 1.04x and 1.08x (BENCHMARKS.md, issue 62). */
+ * fl_matmul_min_rows() rows */
 int fl_matmul_preferred(int64_t rows)
 {
     if (fl_matmul_choice >= 0) return fl_matmul_choice;
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX2__)
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") && rows >= FL_MATMUL_MIN_ROWS ? 1 : 0;
+    return __builtin_cpu_is("amd") && rows >= fl_matmul_min_rows() ? 1 : 0;
 #else
     return 0; /* the default variant (no AVX2) and other architectures: not measured */
 #endif
