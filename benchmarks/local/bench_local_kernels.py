@@ -11,6 +11,7 @@ flags) and times both builds interleaved in this process, forward then parameter
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
 import shutil
 import statistics
@@ -35,9 +36,21 @@ def timed(fn, n: int = 40) -> str:
     return f"{min(times) * 1e3:.2f}/{statistics.median(times) * 1e3:.2f}"
 
 
+def native_flags(repo: Path, variant: str) -> list[str]:
+    """The C flags setup.py compiles the kernels of ``variant`` with (its ``C_FLAGS`` and the
+    variant's, read from setup.py's assignments without running it)."""
+    wanted = {"C_FLAGS", "_SPLIT", "_AVX2", "X86_VARIANTS"}
+    names: dict = {}
+    for node in ast.parse((repo / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in wanted for t in node.targets):
+            exec(compile(ast.Module([node], []), "setup.py", "exec"), names)  # list literals of strings
+    return [*names["C_FLAGS"], *names["X86_VARIANTS"].get(variant, [])]
+
+
 def build_at(rev: str, workdir: Path) -> ctypes.CDLL:
-    """local.c (and the headers next to it) as of git revision ``rev``, compiled like _native does
-    (a local.c from before the kernels took their offsets table as a last argument ignores it)."""
+    """local.c (and the headers next to it) as of git revision ``rev``, compiled as setup.py compiles
+    the variant loaded here (a local.c from before the kernels took their offsets table as a last
+    argument ignores it)."""
     repo = Path(__file__).resolve().parents[2]
     native = "src/fastlayers/_native"
     files = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", rev, f"{native}/"], check=True,
@@ -49,7 +62,8 @@ def build_at(rev: str, workdir: Path) -> ctypes.CDLL:
             (workdir / Path(path).name).write_text(text)
     compiler = shutil.which("gcc") or shutil.which("cc")
     out = workdir / "local_old.so"
-    subprocess.run([compiler, *_native._FLAGS, f"-I{workdir}", str(workdir / "local.c"), "-o", str(out), "-lm"],
+    flags = native_flags(repo, _native.built_as() or "default")
+    subprocess.run([compiler, *flags, "-shared", f"-I{workdir}", str(workdir / "local.c"), "-o", str(out), "-lm"],
                    check=True)
     return typed(ctypes.CDLL(str(out)))
 
