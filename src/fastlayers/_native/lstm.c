@@ -84,7 +84,7 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
     /* gates = LNh(r) (or r) + the input part (LNx(xp) + bias, or xp), in one pass over the row that \
      * also writes LNh's normalised r (rhat; omp simd: GCC otherwise keeps these loops scalar) */    \
     const T* xs = a->xstat ? a->xstat + 2 * v : 0; const T mx = xs ? xs[0] : 0, rx = xs ? xs[1] : 0; \
-    const T* restrict gxd = a->gx + d * G; const T* restrict bd = a->bias ? a->bias + d * G : 0;     \
+    const T* restrict gxd = xs ? a->gx + d * G : 0; const T* restrict bd = a->bias ? a->bias + d * G : 0; \
     if (a->gh) {                                                                                     \
         T st[2]; fl_row_stats_##SUFFIX(rr, G, a->eps, st);                                           \
         const T mr = st[0], sr = st[1]; a->rrstd[v] = sr;                                            \
