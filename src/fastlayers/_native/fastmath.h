@@ -19,9 +19,9 @@
  *   rows of a step of both directions (row (d, b) at (d*ds + b)*G), dpre = d LN(xp; gx) / d xp
  *   applied to dpre in place (the step kernels' input LayerNorm); one row of it:
  *   fl_input_norm_backward_row_SUFFIX(dp, xp, xstat, gx_d, G).
- *   Their row sums: fl_sum_SUFFIX(v, len, shift, squares, &sq) (the sum of v - shift, and of its
- *   squares), fl_sum_dot_SUFFIX(d, v, len, mean, rstd, &m1, &m2), on vectors of the variant's width
- *   in independent accumulators.
+ *   Their row sums: fl_sum_SUFFIX(v, len), fl_sum_sq_SUFFIX(v, len, mean) (of (v - mean)^2),
+ *   fl_sum_dot_SUFFIX(d, v, len, mean, rstd, &m1, &m2), on vectors of the variant's width in
+ *   independent accumulators.
  */
 #ifndef FASTLAYERS_FASTMATH_H
 #define FASTLAYERS_FASTMATH_H
@@ -74,22 +74,27 @@ static inline T fl_hsum_##SUFFIX(fl_rv_##SUFFIX a) {                            
     for (int i = 0; i < FL_RL_##SUFFIX; i++) s += a[i];                                              \
     return s;                                                                                        \
 }                                                                                                    \
-/* the sum of v[k] - shift (shift 0: of v), and of their squares (squares != 0) into *sq */          \
-static inline T fl_sum_##SUFFIX(const T* v, int64_t len, T shift, int squares, T* sq) {              \
+/* the sum of v[k] */                                                                                \
+static inline T fl_sum_##SUFFIX(const T* v, int64_t len) {                                           \
     typedef fl_rv_##SUFFIX V; const int64_t L = FL_RL_##SUFFIX;                                      \
-    V a0 = {0}, a1 = {0}, q0 = {0}, q1 = {0};                                                        \
+    V a0 = {0}, a1 = {0};                                                                            \
     int64_t k = 0;                                                                                   \
-    if (squares) {                                                                                   \
-        for (; k + 2 * L <= len; k += 2 * L) {                                                       \
-            const V d0 = *(const V*)(v + k) - shift, d1 = *(const V*)(v + k + L) - shift;            \
-            a0 += d0; a1 += d1; q0 += d0 * d0; q1 += d1 * d1;                                        \
-        }                                                                                            \
-    } else {                                                                                         \
-        for (; k + 2 * L <= len; k += 2 * L) { a0 += *(const V*)(v + k); a1 += *(const V*)(v + k + L); }\
+    for (; k + 2 * L <= len; k += 2 * L) { a0 += *(const V*)(v + k); a1 += *(const V*)(v + k + L); } \
+    T s = fl_hsum_##SUFFIX(a0 + a1);                                                                 \
+    for (; k < len; k++) s += v[k];                                                                  \
+    return s;                                                                                        \
+}                                                                                                    \
+/* the sum of (v[k] - mean)^2 */                                                                     \
+static inline T fl_sum_sq_##SUFFIX(const T* v, int64_t len, T mean) {                                \
+    typedef fl_rv_##SUFFIX V; const int64_t L = FL_RL_##SUFFIX;                                      \
+    V q0 = {0}, q1 = {0};                                                                            \
+    int64_t k = 0;                                                                                   \
+    for (; k + 2 * L <= len; k += 2 * L) {                                                           \
+        const V d0 = *(const V*)(v + k) - mean, d1 = *(const V*)(v + k + L) - mean;                  \
+        q0 += d0 * d0; q1 += d1 * d1;                                                                \
     }                                                                                                \
-    T s = fl_hsum_##SUFFIX(a0 + a1), s2 = fl_hsum_##SUFFIX(q0 + q1);                                 \
-    for (; k < len; k++) { const T d = v[k] - shift; s += d; s2 += d * d; }                          \
-    if (sq) *sq = s2;                                                                                \
+    T s = fl_hsum_##SUFFIX(q0 + q1);                                                                 \
+    for (; k < len; k++) { const T d = v[k] - mean; s += d * d; }                                    \
     return s;                                                                                        \
 }                                                                                                    \
 /* m1 = the sum of d[k], m2 = the sum of d[k] * (v[k] - mean) * rstd (mean 0, rstd 1: v normalised) */\
@@ -106,10 +111,13 @@ static inline void fl_sum_dot_##SUFFIX(const T* d, const T* v, int64_t len, T me
     for (; k < len; k++) { s += d[k]; s2 += d[k] * ((v[k] - mean) * rstd); }                         \
     *m1 = s; *m2 = s2;                                                                               \
 }                                                                                                    \
+static inline void fl_row_stats_##SUFFIX(const T* v, int64_t len, T eps, T* stat) {                  \
+    const T mean = fl_sum_##SUFFIX(v, len) / len;                                                    \
+    stat[0] = mean; stat[1] = 1 / SQRT(fl_sum_sq_##SUFFIX(v, len, mean) / len + eps);                \
+}                                                                                                    \
 static inline void fl_layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_out) {     \
-    T var; const T mean = fl_sum_##SUFFIX(v, len, 0, 0, 0) / len;                                    \
-    fl_sum_##SUFFIX(v, len, mean, 1, &var);                                                          \
-    T rstd = 1 / SQRT(var / len + eps);                                                             \
+    T stat[2]; fl_row_stats_##SUFFIX(v, len, eps, stat);                                             \
+    const T mean = stat[0], rstd = stat[1];                                                          \
     for (int64_t k = 0; k < len; k++) hat[k] = (v[k] - mean) * rstd;                                 \
     *rstd_out = rstd;                                                                                \
 }                                                                                                    \
@@ -117,11 +125,6 @@ static void fl_layer_norm_backward_##SUFFIX(const T* dhat, const T* hat, T rstd,
     T m1, m2; fl_sum_dot_##SUFFIX(dhat, hat, len, 0, 1, &m1, &m2);                                   \
     m1 /= len; m2 /= len;                                                                            \
     for (int64_t k = 0; k < len; k++) dv[k] = rstd * (dhat[k] - m1 - hat[k] * m2);                   \
-}                                                                                                    \
-static inline void fl_row_stats_##SUFFIX(const T* v, int64_t len, T eps, T* stat) {                 \
-    T var; const T mean = fl_sum_##SUFFIX(v, len, 0, 0, 0) / len;                                    \
-    fl_sum_##SUFFIX(v, len, mean, 1, &var);                                                          \
-    stat[0] = mean; stat[1] = 1 / SQRT(var / len + eps);                                             \
 }                                                                                                    \
 static inline void fl_affine_norm_##SUFFIX(const T* v, const T* stat, const T* gain, const T* bias,  \
                                            int64_t len, T* out) {                                    \
