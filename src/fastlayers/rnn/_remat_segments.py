@@ -513,11 +513,9 @@ def _merge(states: list[Tensor], new: tuple[Tensor, ...], rows: Tensor | None) -
 
 def _recorded_backward(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...], dy: Tensor,
                        dfinal: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-    with torch.enable_grad():  # (a batched backward runs with grad mode off)
+    def layer(x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
         out, states = _all_segments(spec, x, tensors)
-        inputs = [x, *tensors]
-        wrt = [t for t in inputs if t.requires_grad]
-        outs = [out, *states]
-        grads_out = [dy, *(g if g is not None else torch.zeros_like(s) for g, s in zip(dfinal, states))]
-        grads = iter(torch.autograd.grad(outs, wrt, grads_out, create_graph=True, allow_unused=True))
-    return (None, *(next(grads) if t.requires_grad else None for t in inputs))
+        return (out, *states)
+
+    inputs = [x, *tensors]
+    return (None, *twice.recorded_vjp(layer, inputs, [dy, *dfinal], [t.requires_grad for t in inputs]))
