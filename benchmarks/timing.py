@@ -1,9 +1,10 @@
 """The benchmarks' shared clock: :class:`Timer`, elapsed milliseconds of a callable (CUDA events on
-the GPU, perf_counter elsewhere). Family benchmarks in subfolders import it with the folder above
-them on ``sys.path``."""
+the GPU, perf_counter elsewhere); :func:`median_seconds` of a CPU call. Family benchmarks in
+subfolders import it with the folder above them on ``sys.path``."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -27,3 +28,14 @@ class Timer:
         fn()
         return (time.perf_counter() - t0) * 1e3
 
+
+
+def median_seconds(call, repeats: int) -> float:
+    """The median wall time in seconds of ``repeats`` calls after one (perf_counter: CPU work)."""
+    call()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

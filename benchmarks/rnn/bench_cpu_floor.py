@@ -27,13 +27,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import fastlayers
 from fastlayers import _native
 from fastlayers._core.system import cpu_description
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing.py
+from timing import median_seconds  # noqa: E402
 
 F_IN, HIDDEN, STEPS, BATCH, DIRS = 512, 256, 800, 32, 2
 
@@ -42,13 +47,7 @@ def sgemm_rate(repeats: int = 5, n: int = 2048) -> float:
     """torch's large float32 GEMM rate here, FLOP/s (median of ``repeats`` after one)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    torch.mm(a, b, out=out)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / statistics.median(times)
+    return 2 * n ** 3 / median_seconds(lambda: torch.mm(a, b, out=out), repeats)
 
 
 def own_rate(repeats: int = 5) -> float:
@@ -62,15 +61,10 @@ def own_rate(repeats: int = 5) -> float:
     x, w, out = torch.randn(DIRS, rows, F_IN), torch.randn(DIRS, g, F_IN), torch.empty(DIRS, rows, g)
     _native.prefer_own_products(True)
     try:
-        engine._project(mm, x, w, None, out)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            engine._project(mm, x, w, None, out)
-            times.append(time.perf_counter() - t0)
+        seconds = median_seconds(lambda: engine._project(mm, x, w, None, out), repeats)
     finally:
         _native.prefer_own_products(None)
-    return 2 * DIRS * rows * g * F_IN / statistics.median(times)
+    return 2 * DIRS * rows * g * F_IN / seconds
 
 
 def workload_flops(gates: int, backward: bool) -> float:

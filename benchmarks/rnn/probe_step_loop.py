@@ -15,8 +15,8 @@ torch.nn.LSTM within one).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -25,17 +25,10 @@ from fastlayers._core import precision
 from fastlayers._core.system import cpu_description
 from fastlayers.rnn import _cpu_recurrence as engine
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing.py
+from timing import median_seconds  # noqa: E402
+
 STEPS, BATCH, HIDDEN = 800, 32, 256
-
-
-def median_time(call, repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -61,11 +54,11 @@ def main() -> int:
     with torch.no_grad():
         for r in range(args.rounds):
             cells = [f"{name} {t * 1e3:.1f} ms ({t / STEPS * 1e6:.0f} us a step)" for name, t in
-                     ((n, median_time(lambda m=m: m(small), args.repeats)) for n, m in loop.items())]
+                     ((n, median_seconds(lambda m=m: m(small), args.repeats)) for n, m in loop.items())]
             print(f"round {r + 1}, input 16: " + "; ".join(cells))
-            cells = [f"{name} {median_time(lambda m=m: m(seed_x), args.repeats) * 1e3:.1f} ms"
+            cells = [f"{name} {median_seconds(lambda m=m: m(seed_x), args.repeats) * 1e3:.1f} ms"
                      for name, m in seed.items()]
-            proj = median_time(lambda: engine._project(mm, xs, w, None, xp), args.repeats)
+            proj = median_seconds(lambda: engine._project(mm, xs, w, None, xp), args.repeats)
             print(f"round {r + 1}, input 512: " + "; ".join(cells) + f"; the projection alone {proj * 1e3:.1f} ms")
     return 0
 
