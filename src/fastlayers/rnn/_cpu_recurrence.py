@@ -102,7 +102,7 @@ def _native_matmul_bf16(a: Tensor, w: Tensor, trans: bool, bias: Tensor | None, 
     bias = bias.to(torch.float32).contiguous() if bias is not None else None
     dirs, rows, k = a.shape
     n, threads = out.size(2), torch.get_num_threads()
-    packed = torch.empty((dirs * -(-n // 32) * -(-k // 2) * 64,), dtype=torch.bfloat16, device=a.device)
+    packed = pool.empty((dirs * -(-n // 32) * -(-k // 2) * 64,), torch.bfloat16, a)
     scratch = pool.empty((threads * lib.fl_matmul_bf16_scratch(k),), torch.bfloat16, a)
     lib.fl_matmul_bf16(dirs, rows, k, n, a.data_ptr(), None, w.data_ptr(), int(w.dtype == torch.bfloat16), int(trans),
                        address(bias), out.data_ptr(), packed.data_ptr(), scratch.data_ptr(), threads)
@@ -124,7 +124,9 @@ def _native_matmul(a: Tensor, w: Tensor, trans: bool, bias: Tensor | None, out: 
     with ``src`` (D, M) int64, a (R, K) and row i of a[d] is row src[d, i] of a."""
     dirs, rows = src.shape if src is not None else a.shape[:2]
     k, n, threads = a.size(-1), out.size(2), torch.get_num_threads()
-    packed = torch.empty(_packed_weight(k, n, dirs), dtype=out.dtype, device=out.device)
+    # the packed weight from the block cache (as every per-call buffer of MiBs here: a fresh one costs its
+    # pages' first touch on every call, about 1 ms per 4 MiB, what a short call's product takes)
+    packed = pool.empty(_packed_weight(k, n, dirs), out.dtype, out)
     # (gathered rows: fl_matmul_scratch_rows() of them per thread)
     scratch = pool.empty((threads * _native.library().fl_matmul_scratch_rows() * k,), a.dtype, a) \
         if src is not None else None
@@ -178,7 +180,7 @@ def _weight_grad(mm: _precision.Products, p: Tensor, q: Tensor, dtype: torch.dty
     lib, suffix = _matmul_lib(), _SUFFIX[p.dtype]
     values = ctypes.c_int64()
     getattr(lib, f"fl_matmul_tn_scratch_{suffix}")(n, threads, ctypes.addressof(values))
-    out = torch.empty((dirs, m, n), dtype=p.dtype, device=p.device)
+    out = pool.empty((dirs, m, n), p.dtype, p)
     scratch = pool.empty((values.value,), p.dtype, p)
     getattr(lib, f"fl_matmul_tn_{suffix}")(dirs, m, n, rows, p.data_ptr(), q.data_ptr(), address(src),
                                            out.data_ptr(), scratch.data_ptr(), threads)
@@ -206,7 +208,7 @@ def _input_grad_rows(dpre: Tensor, w_ih: Tensor, src: Tensor, num_rows: int) -> 
     lib, suffix, values = _matmul_lib(), _SUFFIX[dpre.dtype], ctypes.c_int64()
     getattr(lib, f"fl_matmul_sum_scratch_{suffix}")(w_ih.size(1), f, threads, ctypes.addressof(values))
     scratch = pool.empty((values.value,), dpre.dtype, dpre)
-    packed = torch.empty(_packed_weight(w_ih.size(1), f, dirs), dtype=dpre.dtype, device=dpre.device)
+    packed = pool.empty(_packed_weight(w_ih.size(1), f, dirs), dpre.dtype, dpre)
     getattr(lib, f"fl_matmul_sum_{suffix}")(dirs, rows, w_ih.size(1), f, dpre.data_ptr(), rows, arows.data_ptr(),
                                             w_ih.data_ptr(), 0, dx.data_ptr(), crows.data_ptr(), packed.data_ptr(),
                                             scratch.data_ptr(), threads)

@@ -21,12 +21,12 @@ flat row index (a slice for the forward direction) and written into the layer's 
 output, and the backward adds each segment's input gradient into one (T, B, F) gradient, so
 no per-direction copy of the input, the output or the input gradient exists (at T = 100,000 those
 are 1.5 GiB each at B = 8). With the C kernels' engine (``lstm_engine`` / ``gru_engine``) the
-forward runs each segment through the layer's C++ operator (:mod:`._ops_export`, what eager calls
-without autograd run: no Python driver per step block), and the backward recomputes a segment's
-directions together in one engine call (:func:`._cpu.packed_layer`, their packed rows gathered by
-their original rows), as the layer without segments runs them, from the parameters stacked once
-per call (their gradients summed stacked; :func:`._common.stack_directions` takes the rows of one
-stacked tensor without a copy, for the Triton engine too). With the Triton engine a
+forward and the backward's recomputation both run a segment's directions together in one engine
+call (:func:`._cpu.packed_layer`: each thread one direction, as the layer without segments runs
+them; the forward's projection reads their rows of the input itself, the backward gathers them),
+from the parameters stacked once per call (their gradients summed stacked;
+:func:`._common.stack_directions` takes the rows of one stacked tensor without a copy, for the
+Triton engine too); the output and the input gradient come from the block cache. With the Triton engine a
 segment's two directions also run in one engine call (one launch per step serves both, as without
 segments; the engine then takes each direction's own input, (D, k, B, F)), the reverse direction's
 rows flipped within each sequence's length so that the engine's reverse loop walks them in their

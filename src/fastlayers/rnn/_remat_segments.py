@@ -15,8 +15,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from torch import Tensor
 
-from .._core import precision, twice
-from .._native import ops_lib
+from .._core import pool, precision, twice
 from ._cpu import packed_layer
 from ._lengths import make_plan
 from ._options import CellOptions
@@ -134,7 +133,7 @@ class Spec(NamedTuple):
     names: list[str]  # parameter names of one direction
     width: int  # P, the output columns of one direction
     cell: str  # "LSTM" or "GRU"
-    native: bool  # the engine is the C kernels' (lstm_engine / gru_engine): no-grad segments may run its operator
+    native: bool  # the engine is the C kernels' (lstm_engine / gru_engine): a segment's directions in one call
     triton: bool  # the engine is the Triton one: a segment's two directions run in one call (_paired)
 
 
@@ -183,7 +182,9 @@ class Segments(torch.autograd.Function):
                 for j in range(len(kept_flat) // per_seg)]
         params = tensors[n_states:]
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in params]
-        dx = x.new_zeros(x.shape) if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[1]:  # (the C kernels' engine: from the block cache, as the output)
+            dx = (pool.empty(tuple(x.shape), x.dtype, x) if spec.native else x.new_empty(x.shape)).zero_()
         x2, dy2 = x.reshape(steps * batch, -1), dy.reshape(steps * batch, -1)  # copies only if strided
         dx2 = dx.view(steps * batch, -1) if dx is not None else None
         acc = precision.dtypes(x)[1]  # (the states' gradients carried in acc, as the states are)
@@ -195,6 +196,8 @@ class Segments(torch.autograd.Function):
             stacked = _stack_once(spec.names, params, dirs, [t.requires_grad for t in leaves])
             sums: dict[str, Tensor] = {}
             run = _native_segment_backward if spec.native else _paired_segment_backward
+            if spec.native:  # its rows of direction columns: (T*B*D, P), reshaped once (a copy only if strided)
+                dy2 = dy2.reshape(-1, spec.width)
             for j in reversed(range(len(spec.plan.bounds))):
                 run(spec, j, x2, dy2, dx2, kept[j], stacked, carry, sums)
             for i, name in enumerate(spec.names):
@@ -285,57 +288,124 @@ def _hand_out(grads: Iterator[Tensor | None], carry: list[Tensor], lanes: slice,
                 dparams[i].add_(g)  # type: ignore[union-attr]
 
 
-def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
-                             kept: list[tuple[Tensor, ...]], stacked: dict[str, Tensor], carry: list[Tensor],
-                             sums: dict[str, Tensor]) -> None:
-    """Segment j's backward with the C kernels' engine, every direction in one call (as the layer
-    without segments runs them): the segment's packed rows of both directions gathered from the
-    input by their original flat rows (each direction in its own time), recomputed with autograd
-    (:func:`._cpu.packed_layer`, from the parameters ``stacked`` by name, (D, ...) each), and
-    back-propagated; the input gradient added into ``dx2``, the state gradients into ``carry`` (D,
-    B, width) and the stacked parameters' gradients into ``sums`` (by name; one buffer each, no
-    allocation per segment)."""
+class _Packed(NamedTuple):
+    """Segment j's rows as the C kernels' engine takes them, every direction in one call (as the
+    layer without segments runs them): ``idx`` (D, N) the packed rows' flat rows in the (T*B, X)
+    views of the input and the output, each direction in its own time; ``active`` the k_j
+    active-prefix sizes; ``order`` the segment's batch rows sorted longest first and ``unorder`` its
+    inverse (None: already sorted, every running sequence runs all k_j steps); ``pick`` the segment's
+    running batch rows; ``masks`` the directions' masks together (recurrent (D, B_j, P) in the batch
+    order, zoneout packed (D, N, width)). The forward and the backward's recomputation both take
+    them from here, so they run the same rows with the same draws."""
+    idx: Tensor
+    active: tuple[int, ...]
+    order: Tensor | None
+    unorder: Tensor | None
+    pick: Tensor | slice
+    masks: dict[str, Tensor]
+
+    def sort(self, t: Tensor) -> Tensor:
+        """(D, B_j, ...) in the batch order -> length-sorted."""
+        return t if self.order is None else t.index_select(1, self.order)
+
+    def unsort(self, t: Tensor) -> Tensor:
+        """(D, B_j, ...) length-sorted -> the batch order."""
+        return t if self.unorder is None else t.index_select(1, self.unorder)
+
+
+def _packed(spec: Spec, j: int, device: torch.device) -> _Packed:
+    """Segment j's :class:`_Packed` rows."""
     start, stop = spec.plan.bounds[j]
     rows, seg_lengths = spec.plan.parts[j]
-    pick = rows if rows is not None else slice(None)
     dirs = len(spec.maps)
     k = stop - start
     batch = spec.maps[0].size(1) if rows is None else rows.numel()
     if seg_lengths is None:  # every running sequence runs all k steps: packed rows = padded rows
-        active, packed, order = (batch,) * k, None, None
+        active, packed, order, unorder = (batch,) * k, None, None, None
     else:
-        plan = make_plan(seg_lengths, k, False, x2.device)
+        plan = make_plan(seg_lengths, k, False, device)
         active = tuple(n for span, n in plan.segments for _ in range(span))
-        packed, order = plan.forward_rows, plan.sorted_indices
+        packed, order, unorder = plan.forward_rows, plan.sorted_indices, plan.unsorted_indices
 
     def pack(t: Tensor) -> Tensor:  # (k * B_j, ...) in (step, batch) order -> packed rows
         return t if packed is None else t.index_select(0, packed)
 
-    def sort(t: Tensor) -> Tensor:  # (D, B_j, ...) batch order -> length-sorted
-        return t if order is None else t.index_select(1, order)
-
     idx = torch.stack([pack(_index(spec.maps[d], start, stop, rows)) for d in range(dirs)])  # (D, N)
-    rows_n = idx.size(1)
-    masks: dict[str, Tensor] = {}  # the directions' masks together: (D, B_j, P) or packed (D, N, width)
+    masks: dict[str, Tensor] = {}
     per_dir = [_segment_masks(spec, j, d) or {} for d in range(dirs)]
     for key in per_dir[0]:
         parts = [m[key] if key == "recurrent" else pack(m[key].reshape(-1, m[key].size(-1))).unsqueeze(0)
                  for m in per_dir]
         masks[key] = torch.cat(parts)
+    return _Packed(idx, active, order, unorder, rows if rows is not None else slice(None), masks)
+
+
+def _run_packed(spec: Spec, seg: _Packed, xs: Tensor, params: list[dict[str, Tensor]], states: list[Tensor],
+                src: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """One engine call of a segment's directions (:func:`._cpu.packed_layer`): xs (D, N, F) its
+    packed input rows, or with ``src`` (D, N) the rows of xs (R, F) to read; ``states`` (D, B_j,
+    width) each, in the batch order. Returns y (D, N, P) and the final states, length-sorted."""
+    rmask = seg.masks.get("recurrent")
+    return packed_layer(spec.cell, xs, params, tuple(seg.sort(s) for s in states),
+                        seg.sort(rmask) if rmask is not None else None, seg.masks.get("zoneout_c"),
+                        seg.masks.get("zoneout_h"), seg.active, spec.options, spec.training, src=src)
+
+
+def _rows_of(t: Tensor, index: Tensor) -> Tensor:
+    """t's rows ``index`` (t (R, X)), a fresh tensor from the block cache (:func:`.._core.pool.empty`:
+    a segment's rows are MiBs, whose first touch on every segment cost more than their copy)."""
+    return torch.index_select(t.detach(), 0, index, out=pool.empty((index.numel(), t.size(1)), t.dtype, t))
+
+
+def _interleaved(idx: Tensor) -> Tensor:
+    """(D * N,) the rows of a (T*B*D, P) view of a (T*B, D*P) tensor that hold direction d's columns
+    of the flat rows idx[d] (D, N), direction after direction."""
+    dirs = idx.size(0)
+    return (idx * dirs + torch.arange(dirs, device=idx.device).unsqueeze(1)).reshape(-1)
+
+
+def _native_segment_forward(spec: Spec, j: int, x2: Tensor, out2: Tensor, states: list[list[Tensor]],
+                            params: list[dict[str, Tensor]]) -> list[list[Tensor]]:
+    """Segment j's forward without autograd with the C kernels' engine, every direction in one call
+    (:func:`_run_packed`; the projection reads the input's rows itself where it can): its output rows
+    written into ``out2`` ((T*B, D*P) view), the states after it returned as ``states`` is given
+    (per direction, per state, (1, B, width))."""
+    seg = _packed(spec, j, x2.device)
+    dirs, width = len(spec.maps), spec.width
+    s_in = [torch.cat([states[d][i] for d in range(dirs)])[:, seg.pick] for i in range(spec.n_states)]
+    y, last = _run_packed(spec, seg, x2, params, s_in, src=seg.idx)
+    # direction d's columns of flat row r are row r * D + d of the (T*B*D, P) view: one copy of whole rows
+    out2.view(-1, width).index_copy_(0, _interleaved(seg.idx), y.reshape(-1, width).to(out2.dtype))
+    rows = spec.plan.parts[j][0]
+    new = [seg.unsort(t) for t in last]
+    return [_merge(states[d], tuple(t[d:d + 1] for t in new), rows) for d in range(dirs)]
+
+
+def _native_segment_backward(spec: Spec, j: int, x2: Tensor, dy2: Tensor, dx2: Tensor | None,
+                             kept: list[tuple[Tensor, ...]], stacked: dict[str, Tensor], carry: list[Tensor],
+                             sums: dict[str, Tensor]) -> None:
+    """Segment j's backward with the C kernels' engine, every direction in one call (as the layer
+    without segments runs them; dy2 here the (T*B*D, P) view of the output gradient, a row per
+    flat row and direction): the segment's packed rows of both directions gathered from the
+    input by their original flat rows (each direction in its own time), recomputed with autograd
+    (:func:`_run_packed`, from the parameters ``stacked`` by name, (D, ...) each), and
+    back-propagated; the input gradient added into ``dx2``, the state gradients into ``carry`` (D,
+    B, width) and the stacked parameters' gradients into ``sums`` (by name; one buffer each, no
+    allocation per segment)."""
+    seg = _packed(spec, j, x2.device)
+    dirs, rows_n = len(spec.maps), seg.idx.size(1)
+    pick = seg.pick
     with torch.enable_grad():
-        xs = x2.index_select(0, idx.reshape(-1)).view(dirs, rows_n, -1).detach().requires_grad_(dx2 is not None)
+        xs = _rows_of(x2, seg.idx.reshape(-1)).view(dirs, rows_n, -1).requires_grad_(dx2 is not None)
         s_in = [torch.cat([kept[d][i] for d in range(dirs)])[:, pick].detach().requires_grad_()
                 for i in range(spec.n_states)]
-        rmask = masks.get("recurrent")
-        y, last = packed_layer(spec.cell, xs, _directions(stacked, dirs), tuple(sort(s) for s in s_in),
-                               sort(rmask) if rmask is not None else None, masks.get("zoneout_c"),
-                               masks.get("zoneout_h"), active, spec.options, spec.training)
-    width = spec.width
-    dys = torch.stack([dy2[:, d * width:(d + 1) * width].index_select(0, idx[d]) for d in range(dirs)])
+        y, last = _run_packed(spec, seg, xs, _directions(stacked, dirs), s_in)
+    dys = _rows_of(dy2, _interleaved(seg.idx)).view(dirs, rows_n, -1)
     wrt = [t for t in (xs, *s_in, *stacked.values()) if t.requires_grad]
-    grads = iter(torch.autograd.grad([y, *last], wrt, [dys, *(sort(c[:, pick]) for c in carry)], allow_unused=True))
+    grads = iter(torch.autograd.grad([y, *last], wrt, [dys, *(seg.sort(c[:, pick]) for c in carry)],
+                                     allow_unused=True))
     if xs.requires_grad:
-        dx2.index_add_(0, idx.reshape(-1), next(grads).reshape(dirs * rows_n, -1))  # type: ignore[union-attr]
+        dx2.index_add_(0, seg.idx.reshape(-1), next(grads).reshape(dirs * rows_n, -1))  # type: ignore[union-attr]
     _carried(grads, carry, slice(None), pick)
     _sum_stacked(grads, stacked, sums)
 
@@ -404,8 +474,6 @@ def _segment(spec: Spec, j: int, d: int, x: Tensor, states: list[Tensor] | tuple
     and states (1, B_j, width): (its output (k_j, B_j, P), its final states (1, B_j, width))."""
     seg_lengths = spec.plan.parts[j][1]
     m = _segment_masks(spec, j, d)
-    if spec.native and ops_lib.serves(x):  # the forward's pass, no gradient recorded
-        return _operator(spec, x, states, params, seg_lengths, m or {})
     return spec.engine(x, tuple(states), [[params]], seg_lengths, spec.options, dropout=0.0, training=spec.training,
                        masks=[m] if m is not None else None)
 
@@ -428,29 +496,6 @@ def _segment_masks(spec: Spec, j: int, d: int) -> dict[str, Tensor] | None:
     return m
 
 
-def _operator(spec: Spec, x: Tensor, states: list[Tensor] | tuple[Tensor, ...], params: dict[str, Tensor],
-              lengths: Tensor | None, m: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """A segment without autograd as one call of the layer's C++ operator (:mod:`._ops_export`; what
-    eager calls without autograd run): the C kernels' step without the engine's Python driver.
-    Parameters of one direction as they are (the operator takes them without the leading D = 1)."""
-    opt, training, get = spec.options, spec.training, params.get
-    z_h, z_c = opt.zoneout
-    with ops_lib.eager_below_autograd():
-        if spec.cell == "LSTM":
-            y, h, c = torch.ops.fastlayers.lstm_padded.default(
-                x, lengths, states[0], states[1], params["weight_ih"], params["weight_hh"], get("bias_ih"),
-                get("bias_hh"), get("ln_ih_weight"), get("ln_hh_weight"), get("ln_cell_weight"), get("ln_cell_bias"),
-                get("weight_peephole"), get("weight_hr"), m.get("recurrent"), m.get("zoneout_c"), m.get("zoneout_h"),
-                float(opt.cell_clip or 0.0), 0.0 if training else float(z_c), 0.0 if training else float(z_h),
-                float(opt.proj_clip or 0.0))
-            return y, (h, c)
-        y, h = torch.ops.fastlayers.gru_padded.default(
-            x, lengths, states[0], params["weight_ih"], params["weight_hh"], get("bias_ih"), get("bias_hh"),
-            get("ln_ih_weight"), get("ln_hh_weight"), m.get("recurrent"), m.get("zoneout_h"),
-            0.0 if training else float(z_h))
-        return y, (h,)
-
-
 def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
                   kept: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
     """Every segment of every direction in order from the states and parameters ``tensors``: (the
@@ -466,15 +511,29 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
     # every row of every step written: no step dropped after the longest sequence, none short in a segment
     full = bool(spec.plan.bounds) and spec.plan.bounds[-1][1] == steps and all(
         rows is None and seg is None for rows, seg in spec.plan.parts)
-    out = (x.new_empty if full else x.new_zeros)(steps, batch, dirs * spec.width, dtype=low)  # zeros at t >= len_b
+    # (recorded: per direction, differentiable twice)
+    paired = spec.triton and dirs == 2 and not torch.is_grad_enabled()
+    # the C kernels' engine without autograd (eager: the projection reads the input's rows itself)
+    native = spec.native and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+        and not torch.jit.is_tracing()
+    shape = (steps, batch, dirs * spec.width)
+    # with the C kernels' engine the output's memory from the block cache (mapped already on a repeated call)
+    out = pool.empty(shape, low, x) if native else x.new_empty(shape, dtype=low)
+    if not full:
+        out.zero_()  # zeros at t >= len_b
     out2 = out.view(steps * batch, -1)
     x2 = x.reshape(steps * batch, -1)
-    paired = spec.triton and dirs == 2 and not torch.is_grad_enabled()  # (recorded: per direction, differentiable twice)
-    if paired:  # the engine takes the rows of parameters stacked once without a copy per segment
+    if paired or native:  # the engine takes the rows of parameters stacked once without a copy per segment
         params = _directions(_stack_once(spec.names, tensors[n_states:], dirs), dirs)
     for j in range(len(spec.plan.bounds)):
         start, stop = spec.plan.bounds[j]
         rows = spec.plan.parts[j][0]
+        if native:  # every direction in one call of the C kernels' engine
+            if kept is not None:
+                for d in range(dirs):
+                    kept.extend(states[d])
+            states = _native_segment_forward(spec, j, x2, out2, states, params)
+            continue
         if paired:
             if kept is not None:
                 for d in range(dirs):
