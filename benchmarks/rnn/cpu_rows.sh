@@ -25,6 +25,10 @@ run() {  # run NAME COMMAND...: the command line first, then its output
   $py -c "from fastlayers import _native; print(_native.describe())"
 } > "$out/cpu.txt" 2>&1
 run floor $py benchmarks/rnn/bench_cpu_floor.py --repeats 5 --compare-products
+# an AVX2-only CPU stood in for on this one (meaningful where it has AVX-512): our avx2 build against
+# torch held to AVX2 too (its kernels, oneDNN, MKL); not a measurement of such a CPU
+run floor_avx2 FASTLAYERS_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+  MKL_ENABLE_INSTRUCTIONS=AVX2 $py benchmarks/rnn/bench_cpu_floor.py --repeats 5
 run large_products $py benchmarks/rnn/bench_large_products.py
 run products_threshold $py benchmarks/rnn/bench_products_threshold.py
 run page_faults $py benchmarks/rnn/probe_page_faults.py
