@@ -84,8 +84,9 @@ static void fl_gemm_pack_##SUFFIX(int64_t K, int64_t N, const T* B, int64_t ldb,
         T* dst = Bp + p * K * W;                                                                     \
         if (trans) { /* B given as its transpose, N x K: column c of the panel is row j + c. In blocks\
                       * of 64 bytes of k: each row's cache line is read whole, into a block of the   \
-                      * panel that stays in L1 (k outermost, a row's stride of ldb read 32 rows at a \
-                      * time, missed L1 on every load: 3-4x slower) */                               \
+                      * panel that stays in L1 (with k outermost, one value of 32 rows a ldb apart   \
+                      * at a time, the loop waited on its loads: most of matmul.c's time outside     \
+                      * its products in a profile of checkpoint_every's segments) */                 \
             const int64_t KB = 64 / (int64_t)sizeof(T);                                              \
             for (int64_t k0 = 0; k0 < K; k0 += KB) {                                                 \
                 const int64_t kn = K - k0 < KB ? K - k0 : KB;                                        \

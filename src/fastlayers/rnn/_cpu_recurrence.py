@@ -125,7 +125,7 @@ def _native_matmul(a: Tensor, w: Tensor, trans: bool, bias: Tensor | None, out: 
     dirs, rows = src.shape if src is not None else a.shape[:2]
     k, n, threads = a.size(-1), out.size(2), torch.get_num_threads()
     # the packed weight from the block cache (as every per-call buffer of MiBs here: a fresh one costs its
-    # pages' first touch on every call, about 1 ms per 4 MiB, what a short call's product takes)
+    # pages' first touch on every call, about 0.2 ms per MB (_core/pool.py), as much as a short call's product)
     packed = pool.empty(_packed_weight(k, n, dirs), out.dtype, out)
     # (gathered rows: fl_matmul_scratch_rows() of them per thread)
     scratch = pool.empty((threads * _native.library().fl_matmul_scratch_rows() * k,), a.dtype, a) \
