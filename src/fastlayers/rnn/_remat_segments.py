@@ -528,16 +528,13 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
     for j in range(len(spec.plan.bounds)):
         start, stop = spec.plan.bounds[j]
         rows = spec.plan.parts[j][0]
+        if kept is not None:  # the states entering the segment, direction after direction
+            for d in range(dirs):
+                kept.extend(states[d])
         if native:  # every direction in one call of the C kernels' engine
-            if kept is not None:
-                for d in range(dirs):
-                    kept.extend(states[d])
             states = _native_segment_forward(spec, j, x2, out2, states, params)
             continue
         if paired:
-            if kept is not None:
-                for d in range(dirs):
-                    kept.extend(states[d])
             pick = rows if rows is not None else slice(None)
             xs = [take(x2, spec.maps[d], d == 0, start, stop, rows) for d in range(dirs)]
             y, new = _paired(spec, j, xs, [torch.cat([states[d][i] for d in range(dirs)])[:, pick]
@@ -548,8 +545,6 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
                 states[d] = _merge(states[d], tuple(s[d:d + 1] for s in new), rows)
             continue
         for d in range(dirs):
-            if kept is not None:
-                kept.extend(states[d])
             xs = take(x2, spec.maps[d], d == 0, start, stop, rows)
             y, new = _segment(spec, j, d, xs, states[d] if rows is None else [s[:, rows] for s in states[d]],
                               params[d])
