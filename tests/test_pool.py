@@ -325,3 +325,40 @@ def test_cache_serves_threads_at_once():
     assert errors == []
     info = _info()
     assert info["used"] == used_before and info["idle"] <= info["limit"] and info["hits"] > 0
+
+
+
+# The backward that frees the graph writes its gradients over saved buffers (dpre over the gates, dr
+# over the recurrent LayerNorm's rhat; without the input LayerNorm the projection goes into the
+# gates' rows): the same gradients, bit for bit, as a backward that keeps the graph (its own
+# buffers), on each split of the C loop's work between two threads (by directions; one direction
+# of batch 1: by weight panels, with barriers; a small weight over a batch: by rows).
+
+@pytest.mark.parametrize("cell, options", [
+    ("LSTM", {}), ("LSTM", {"layer_norm": True}), ("LSTM", {"peephole": True, "cell_clip": 0.4}),
+    ("LSTM", {"layer_norm": True, "peephole": True, "zoneout": 0.3}), ("GRU", {}), ("GRU", {"layer_norm": True}),
+    ("GRU", {"layer_norm": True, "zoneout": 0.3})], ids=lambda v: v if isinstance(v, str) else "-".join(v) or "plain")
+@pytest.mark.parametrize("batch, bidirectional", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_graph_freeing_backward_writes_over_saved_buffers_with_the_same_gradients(cell, options, batch, bidirectional,
+                                                                                    dtype):
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        low = dtype == torch.bfloat16  # bf16 products under autocast: the C loops round dr, its own buffer
+        m = getattr(fastlayers, cell)(5, 40, bidirectional=bidirectional, **options)
+        m = m.to(torch.float32 if low else dtype).eval()
+        x = torch.randn(9, batch, 5, dtype=torch.float32 if low else dtype, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+            out, state = m(x, lengths=[9, 4, 7][:batch])
+        loss = (out.float() * torch.arange(out.numel()).view_as(out).sin()).sum()
+        loss = loss + sum(s.float().sum() for s in (state if cell == "LSTM" else (state,)))
+        wrt = [x, *m.parameters()]
+        kept = torch.autograd.grad(loss, wrt, retain_graph=True)
+        freed = torch.autograd.grad(loss, wrt)
+    finally:
+        torch.set_num_threads(threads)
+    for name, a, b in zip(["x", *dict(m.named_parameters())], kept, freed):
+        assert torch.equal(a, b), name
+        assert a.abs().sum() > 0, name

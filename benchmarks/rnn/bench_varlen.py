@@ -12,10 +12,11 @@ held between calls, which the allocator's peak of a replaying call leaves out). 
 interleaved fwd+bwd calls on inputs built once.
 
     python benchmarks/rnn/bench_varlen.py [--batch 32] [--t-max 1600] [--repeats 5] [--plain] [--checkpoint]
-                                          [--device cpu|cuda]
+                                          [--cell lstm|gru] [--device cpu|cuda]
 
 ``--checkpoint`` adds a third row: the varlen call of the same layer with ``checkpoint_every="auto"``
-(recomputation: the saved activations of the time loop traded for a second forward).
+(recomputation: the saved activations of the time loop traded for a second forward). ``--cell gru``
+runs the GRU (default: the LSTM).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--t-max", type=int, default=1600)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--plain", action="store_true", help="LSTM without options (default: layer_norm=True)")
+    parser.add_argument("--plain", action="store_true", help="the layer without options (default: layer_norm=True)")
+    parser.add_argument("--cell", default="lstm", choices=("lstm", "gru"))
     parser.add_argument("--checkpoint", action="store_true", help="also the varlen call with checkpoint_every='auto'")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (memory: the allocator's peak)")
     args = parser.parse_args()
@@ -53,23 +55,24 @@ def main() -> None:
     lengths = lognormal_lengths(args.batch, args.t_max)
     parts = [torch.randn(n, 512, device=device) for n in lengths]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
-    lstm = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=not args.plain, device=device)
+    layer = getattr(fastlayers, args.cell.upper())
+    rnn = layer(512, 256, bidirectional=True, layer_norm=not args.plain, device=device)
 
     def padded_call(x=None):
         x = torch.nn.utils.rnn.pad_sequence(parts).requires_grad_() if x is None else x
-        y, _ = lstm(x, lengths=torch.tensor(lengths, device=device))
+        y, _ = rnn(x, lengths=torch.tensor(lengths, device=device))
         y.sum().backward()
 
     def varlen_call(x=None):
         x = torch.cat(parts).requires_grad_() if x is None else x
-        y, _ = lstm(x, cu_seqlens=cu)
+        y, _ = rnn(x, cu_seqlens=cu)
         y.sum().backward()
 
     calls = {"padded + lengths": padded_call, "varlen (cu_seqlens)": varlen_call}
     if args.checkpoint:
-        remat = fastlayers.LSTM(512, 256, bidirectional=True, layer_norm=not args.plain, checkpoint_every="auto",
+        remat = layer(512, 256, bidirectional=True, layer_norm=not args.plain, checkpoint_every="auto",
                                 device=device)
-        remat.load_state_dict(lstm.state_dict())
+        remat.load_state_dict(rnn.state_dict())
 
         def remat_call(x=None):
             x = torch.cat(parts).requires_grad_() if x is None else x
@@ -103,7 +106,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     mean = sum(lengths) / len(lengths)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    print(f"{machine}, torch {torch.__version__}, {torch.get_num_threads()} threads; LSTM 512 -> 256 x 2"
+    print(f"{machine}, torch {torch.__version__}, {torch.get_num_threads()} threads; {args.cell.upper()} 512 -> 256 x 2"
           f"{'' if args.plain else ', layer_norm=True'}, B = {args.batch}, lengths log-normal: max {max(lengths)}, "
           f"mean {mean:.0f} (max/mean {max(lengths) / mean:.2f}), N = {sum(lengths)}; fwd+bwd, median of {args.repeats}")
     print("| call | fwd+bwd ms | x padded | peak MiB (from the per-sequence tensors) | x padded | "

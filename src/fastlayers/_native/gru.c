@@ -61,9 +61,9 @@ static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)   
     const int64_t H = a->H, G = 3 * H, n = a->n;                                                     \
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
     const int64_t v = d * a->ss + b; /* the row of the saved buffers (gates, hbn, hist, statistics) */ \
-    const T* restrict xr = a->xp + row * G;                                                          \
+    const T* xr = a->xp + row * G; /* may be gr: the projection turned into the gates in place */    \
     const T* restrict rr = a->r + (d * a->rs + b) * G;                                               \
-    T* restrict gr = a->gates + v * G; T* restrict hbr = a->hbn + v * H;                         \
+    T* restrict gr = a->gates + v * G; T* restrict hbr = a->hbn + v * H;                             \
     T* restrict hr = a->h + srow * H; T* restrict yr = a->y + row * H;                               \
     T* restrict h0r = a->hist + v * H;                                                             \
     const T* restrict bh = a->b_hh ? a->b_hh + d * G : 0;                                            \
@@ -71,7 +71,7 @@ static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)   
     if (a->xstat) { /* gates = x, the input part */                                                  \
         fl_row_stats_##SUFFIX(xr, G, a->eps, a->xstat + 2 * v);                                    \
         fl_affine_norm_##SUFFIX(xr, a->xstat + 2 * v, a->gx + d * G, a->b_ih ? a->b_ih + d * G : 0, G, gr); \
-    } else {                                                                                         \
+    } else if (gr != xr) {                                                                           \
         memcpy(gr, xr, sizeof(T) * G);                                                               \
     }                                                                                                \
     /* hb = LNh(r) (or r) + b_hh: its n part into hbn; r and z: gates += hb, then the sigmoid */     \
@@ -137,6 +137,7 @@ typedef struct {                                                                
     const T* rhat; const T* rrstd; const T* gh; const T* zh; T zh_const;                             \
     T* dpre; T* dhb; T* dr; T* acc_gx; T* acc_b; T* acc_gh;                                          \
     int low; /* dr rounded to bfloat16 after the row (dr its own buffer: copied from dhb) */         \
+    T* gs; /* G values of this thread's work space where dpre aliases gates or dr rhat, else NULL */ \
 } gru_bwd_##SUFFIX;                                                                                  \
                                                                                                      \
 static inline __attribute__((always_inline)) void gru_back_##SUFFIX(                                \
@@ -164,16 +165,33 @@ static void gru_backward_row_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)  
     const T* gr = a->gates + row * G; const T* hbr = a->hbn + row * H; const T* h0r = a->hist + row * H; \
     const T* dyr = a->dy + row * H; T* dhr = a->dh + srow * H;                                       \
     T* dp = a->dpre + row * G; T* db = a->dhb + row * G;                                             \
+    /* dpre written over the saved gates (gru_backward_loop, the graph's last backward): the row's   \
+     * gates read from a copy */                                                                     \
+    if (a->dpre == a->gates) { memcpy(a->gs, gr, sizeof(T) * G); gr = a->gs; }                       \
     if (a->zh) gru_back_##SUFFIX(H, gr, hbr, h0r, dyr, dhr, dp, db, a->zh + row * H, 0, 1);          \
     else gru_back_##SUFFIX(H, gr, hbr, h0r, dyr, dhr, dp, db, 0, a->zh_const, 0);                    \
+}                                                                                                    \
+/* whether dr is more than dhb (gru_backward_dr has work) */                                         \
+static inline int gru_has_dr_##SUFFIX(const gru_bwd_##SUFFIX* a)                                     \
+{                                                                                                    \
+    return a->gh || a->dr != a->dhb;                                                                 \
+}                                                                                                    \
+/* one row's dr from its dhb: through LNh, or a copy; after the row's parameter sums, which read     \
+ * rhat, since dr may be written over it (then the gains' product goes through the work space gs) */ \
+static void gru_backward_dr_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                        \
+{                                                                                                    \
+    const int64_t G = 3 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
+    const T* db = a->dhb + row * G;                                                                  \
+    T* drr = a->dr + row * G;                                                                        \
     if (a->gh) {                                                                                     \
-        const T* restrict ghd = a->gh + d * G; T* restrict drr = a->dr + row * G;                    \
-        for (int64_t k = 0; k < G; k++) drr[k] = db[k] * ghd[k];                                     \
-        fl_layer_norm_backward_##SUFFIX(drr, a->rhat + row * G, a->rrstd[row], G, drr);              \
-    } else if (a->dr != a->dhb) {                                                                    \
-        memcpy(a->dr + row * G, db, sizeof(T) * G);                                                  \
+        const T* rh = a->rhat + row * G; const T* ghd = a->gh + d * G;                               \
+        T* in = drr == rh ? a->gs : drr;                                                             \
+        for (int64_t k = 0; k < G; k++) in[k] = db[k] * ghd[k];                                      \
+        fl_layer_norm_backward_##SUFFIX(in, rh, a->rrstd[row], G, drr);                              \
+    } else if (drr != db) {                                                                          \
+        memcpy(drr, db, sizeof(T) * G);                                                              \
     }                                                                                                \
-    if (a->low && a->dr != a->dhb) fl_round_bf16_##SUFFIX(a->dr + row * G, G);                       \
+    if (a->low && a->dr != a->dhb) fl_round_bf16_##SUFFIX(drr, G);                                   \
 }                                                                                                    \
                                                                                                      \
 enum { GRU_SUM_CHUNK_##SUFFIX = 64 };                                                                \
@@ -224,12 +242,15 @@ void gru_step_backward_##SUFFIX(                                                
     T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int nthreads)                            \
 {                                                                                                    \
     const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy, dh, hist, gates, hbn, xp, xstat, gx, rhat, rrstd, \
-                                gh, zh, zh_const, dpre, dhb, dr, acc_gx, acc_b, acc_gh, 0};          \
+                                gh, zh, zh_const, dpre, dhb, dr, acc_gx, acc_b, acc_gh, 0, 0};       \
     const int64_t nchunks = (3 * H + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;            \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * n; task++) gru_backward_row_##SUFFIX(&a, task);                \
+    for (int64_t task = 0; task < D * n; task++) {                                                   \
+        gru_backward_row_##SUFFIX(&a, task);                                                         \
+        if (gru_has_dr_##SUFFIX(&a)) gru_backward_dr_##SUFFIX(&a, task);                             \
+    }                                                                                                \
     if (acc_gx || acc_gh) {                                                                          \
-        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
         for (int64_t task = 0; task < D * nchunks; task++) gru_backward_sums_##SUFFIX(&a, task);     \
     }                                                                                                \
     if (xstat) { /* through x = LNx(xp): dpre becomes the grad of xp, in place */                    \
@@ -300,14 +321,16 @@ void gru_forward_loop_##SUFFIX(                                                 
 /* The whole backward time loop of a layer, as lstm_backward_loop: per step, from the last, the     \
  * three passes of gru_step_backward, then dh[d, :n] += (dr[d, o:o+n] @ w[d]) (* rmask); w (D, G, H) \
  * contiguous (W_hh), wp of D * G * round_up(H, 32) values, g of D * active[0] * H (used with       \
- * rmask); the other buffers as gru_step_backward's, at packed row 0. */                             \
+ * rmask); the other buffers as gru_step_backward's, at packed row 0. dpre may be gates and dr       \
+ * rhat (the saved buffers written over, where the graph dies with this backward); then gs holds     \
+ * nthreads * G values of work space (else it may be NULL). */                                       \
 void gru_backward_loop_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w, T* wp, T* g, const T* rmask,                                                         \
     const T* dy, T* dh, const T* hist, const T* gates, const T* hbn,                                 \
     const T* xp, const T* xstat, const T* gx,                                                        \
     const T* rhat, const T* rrstd, const T* gh, const T* zh, T zh_const,                             \
-    T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int low, int nthreads)                   \
+    T* dpre, T* dhb, T* dr, T* gs, T* acc_gx, T* acc_b, T* acc_gh, int low, int nthreads)            \
 {                                                                                                    \
     const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
     const int64_t nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;               \
@@ -334,10 +357,12 @@ void gru_backward_loop_##SUFFIX(                                                
             const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy + o * H, dh, hist + o * H, gates + o * G, \
                 hbn + o * H, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx,                     \
                 rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, gh, zh ? zh + o * H : 0, zh_const,   \
-                dpre + o * G, dhb + o * G, dr + o * G, mine[0], mine[1], mine[2], low};              \
+                dpre + o * G, dhb + o * G, dr + o * G, mine[0], mine[1], mine[2], low,               \
+                gs ? gs + tid * G : 0};                                                              \
+            const int drs = gru_has_dr_##SUFFIX(&a);                                                 \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
-            if (by_rows || !sync) { /* as lstm_backward_loop: the passes row by row */               \
+            if (by_rows || !sync) { /* as lstm_backward_loop: the passes row by row, dr after the sums */ \
                 int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
                 const int64_t nn = t > 0 ? active[t - 1] : 0; /* the next step's rows (t - 1) */     \
@@ -348,6 +373,7 @@ void gru_backward_loop_##SUFFIX(                                                
                             gru_backward_prefetch_##SUFFIX(&a, sh, pd, pb);                          \
                         gru_backward_row_##SUFFIX(&a, d * n + b);                                    \
                         if (acc_gx || acc_gh) gru_sum_row_##SUFFIX(&a, d, b, 0, G);                  \
+                        if (drs) gru_backward_dr_##SUFFIX(&a, d * n + b);                            \
                         if (xstat) gru_backward_input_norm_##SUFFIX(&a, d * n + b);                  \
                     }                                                                                \
             } else {                                                                                 \
@@ -359,10 +385,14 @@ void gru_backward_loop_##SUFFIX(                                                
                     for (int64_t task = t0; task < t1; task++) gru_backward_sums_##SUFFIX(&a, task); \
                     _Pragma("omp barrier")                                                           \
                 }                                                                                    \
-                if (xstat) { /* dpre only: dr (dhb or its own buffer) is not dpre */                 \
+                if (drs || xstat) { /* dr after the sums (it may be written over rhat), then the     \
+                                     * input LayerNorm's (on dpre); the product reads dr */          \
                     fl_share(D * n, tid, nt, &t0, &t1);                                              \
-                    for (int64_t task = t0; task < t1; task++)                                       \
-                        gru_backward_input_norm_##SUFFIX(&a, task);                                  \
+                    for (int64_t task = t0; task < t1; task++) {                                     \
+                        if (drs) gru_backward_dr_##SUFFIX(&a, task);                                 \
+                        if (xstat) gru_backward_input_norm_##SUFFIX(&a, task);                       \
+                    }                                                                                \
+                    _Pragma("omp barrier")                                                           \
                 }                                                                                    \
             }                                                                                        \
             fl_step_product_add_##SUFFIX(ab, by_rows, sync, lo, hi, p0, p1, D, np, n, G, H, a.dr,    \

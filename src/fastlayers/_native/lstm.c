@@ -72,7 +72,7 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
     const int64_t H = a->H, G = 4 * H, n = a->n;                                                     \
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
     const int64_t v = d * a->ss + b; /* the row of the saved buffers (gates, c1, statistics) */       \
-    const T* restrict xr = a->xp + row * G;                                                          \
+    const T* xr = a->xp + row * G; /* may be gr: the projection turned into the gates in place */    \
     const T* restrict rr = a->r + (d * a->rs + b) * G;                                               \
     T* restrict gr = a->gates + v * G;                                                             \
     T* restrict cr = a->c + srow * H; /* c0 until the zoneout pass overwrites it with the new state */ \
@@ -193,6 +193,7 @@ typedef struct {                                                                
     T* dpre; T* dr; T* dn;                                                                           \
     T* acc_gx; T* acc_b; T* acc_gh; T* acc_gc; T* acc_bc; T* acc_peep;                               \
     int low; /* dr rounded to bfloat16 after the row (dr its own buffer) */                          \
+    T* gs; /* G values of this thread's work space where dpre aliases gates or dr rhat, else NULL */ \
 } lstm_bwd_##SUFFIX;                                                                                 \
                                                                                                      \
 static void lstm_backward_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                    \
@@ -200,7 +201,11 @@ static void lstm_backward_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)
     const int64_t H = a->H, G = 4 * H, n = a->n;                                                     \
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
     T* restrict dp = a->dpre + row * G;                                                              \
-    const T* restrict gr = a->gates + row * G;                                                       \
+    /* dpre written over the saved gates (lstm_backward_loop, the graph's last backward): the row's  \
+     * gates read from a copy */                                                                     \
+    const T* gsrc = a->gates + row * G;                                                              \
+    if (a->dpre == a->gates) { memcpy(a->gs, gsrc, sizeof(T) * G); gsrc = a->gs; }                   \
+    const T* restrict gr = gsrc;                                                                     \
     const T* restrict c1r = a->c1 + row * H; const T* restrict c0r = a->chist + (d * a->cds + b) * H; \
     T* restrict dhr = a->dh + srow * H; T* restrict dcr = a->dc + srow * H;                          \
     const T* restrict dyr = a->dy + row * H;                                                         \
@@ -259,14 +264,29 @@ static void lstm_backward_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)
         dp[k] = di; dp[H + k] = df; dp[2 * H + k] = dg;                                              \
     }                                                                                                \
     if (pi) for (int64_t k = 0; k < H; k++) dcr[k] += dp[k] * pi[k] + dp[H + k] * pi[H + k];         \
+}                                                                                                    \
+/* whether dr is more than dpre's gate gradients (lstm_backward_dr has work) */                      \
+static inline int lstm_has_dr_##SUFFIX(const lstm_bwd_##SUFFIX* a)                                   \
+{                                                                                                    \
+    return a->gh || a->dr != a->dpre;                                                                \
+}                                                                                                    \
+/* one row's dr from its gate gradients (dpre before the input LayerNorm's backward): through        \
+ * LNh, or a copy; after the row's parameter sums, which read rhat, since dr may be written over     \
+ * it (then the gains' product goes through the work space gs) */                                    \
+static void lstm_backward_dr_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                      \
+{                                                                                                    \
+    const int64_t G = 4 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
+    const T* dp = a->dpre + row * G;                                                                 \
+    T* drr = a->dr + row * G;                                                                        \
     if (a->gh) {                                                                                     \
-        const T* restrict ghd = a->gh + d * G; T* restrict drr = a->dr + row * G;                    \
-        for (int64_t k = 0; k < G; k++) drr[k] = dp[k] * ghd[k];                                     \
-        fl_layer_norm_backward_##SUFFIX(drr, a->rhat + row * G, a->rrstd[row], G, drr);              \
-    } else if (a->dr != a->dpre) {                                                                   \
-        memcpy(a->dr + row * G, dp, sizeof(T) * G);                                                  \
+        const T* rh = a->rhat + row * G; const T* ghd = a->gh + d * G;                               \
+        T* in = drr == rh ? a->gs : drr;                                                             \
+        for (int64_t k = 0; k < G; k++) in[k] = dp[k] * ghd[k];                                      \
+        fl_layer_norm_backward_##SUFFIX(in, rh, a->rrstd[row], G, drr);                              \
+    } else if (drr != dp) {                                                                          \
+        memcpy(drr, dp, sizeof(T) * G);                                                              \
     }                                                                                                \
-    if (a->low && a->dr != a->dpre) fl_round_bf16_##SUFFIX(a->dr + row * G, G);                      \
+    if (a->low && a->dr != a->dpre) fl_round_bf16_##SUFFIX(drr, G);                                  \
 }                                                                                                    \
                                                                                                      \
 enum { LSTM_SUM_CHUNK_##SUFFIX = 64 };                                                               \
@@ -341,10 +361,13 @@ void lstm_step_backward_##SUFFIX(                                               
     const lstm_bwd_##SUFFIX a = {D, B, n, H, ds, cds, dy, dh, dc, chist, xp, xstat, gx, gates, c1_in, \
                                  rhat, rrstd, cstat, gh, gc, bc, peep, clip, zc, zh, zc_const,       \
                                  zh_const, dpre, dr, dn_scratch, acc_gx, acc_b, acc_gh, acc_gc,       \
-                                 acc_bc, acc_peep, 0};                                               \
+                                 acc_bc, acc_peep, 0, 0};                                            \
     const int64_t nchunks = (4 * H + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;          \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * n; task++) lstm_backward_row_##SUFFIX(&a, task);               \
+    for (int64_t task = 0; task < D * n; task++) {                                                   \
+        lstm_backward_row_##SUFFIX(&a, task);                                                        \
+        if (lstm_has_dr_##SUFFIX(&a)) lstm_backward_dr_##SUFFIX(&a, task);                           \
+    }                                                                                                \
     if (lstm_has_sums_##SUFFIX(&a)) {                                                                \
         _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                          \
         for (int64_t task = 0; task < D * nchunks; task++) lstm_backward_sums_##SUFFIX(&a, task);    \
@@ -430,7 +453,9 @@ void lstm_forward_loop_##SUFFIX(                                                
  * wp once). w (D, G, H) contiguous (W_hh); wp of D * G * round_up(H, 32) values; g of              \
  * D * active[0] * H (used with rmask). The cell state before each step: chist where saved, else   \
  * the previous step's c1, else c0 (D, B, H). The other buffers as lstm_step_backward's, at packed  \
- * row 0 (dy, dpre, dr, the saved ones). */                                                          \
+ * row 0 (dy, dpre, dr, the saved ones). dpre may be gates and dr rhat (the saved buffers written    \
+ * over, where the graph dies with this backward); then gs holds nthreads * G values of work space   \
+ * (else it may be NULL). */                                                                         \
 void lstm_backward_loop_##SUFFIX(                                                                    \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w, T* wp, T* g, const T* rmask,                                                         \
@@ -439,7 +464,7 @@ void lstm_backward_loop_##SUFFIX(                                               
     const T* gates, const T* c1, const T* rhat, const T* rrstd, const T* cstat,                      \
     const T* gh, const T* gc, const T* bc, const T* peep, T clip,                                    \
     const T* zc, const T* zh, T zc_const, T zh_const,                                                \
-    T* dpre, T* dr, T* dn_scratch,                                                                   \
+    T* dpre, T* dr, T* dn_scratch, T* gs,                                                            \
     T* acc_gx, T* acc_b, T* acc_gh, T* acc_gc, T* acc_bc, T* acc_peep, int low, int nthreads)        \
 {                                                                                                    \
     const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
@@ -472,14 +497,14 @@ void lstm_backward_loop_##SUFFIX(                                               
                 c1 + o * H, rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0,                          \
                 cstat ? cstat + 2 * o : 0, gh, gc, bc, peep, clip, zc ? zc + o * H : 0,              \
                 zh ? zh + o * H : 0, zc_const, zh_const, dpre + o * G, dr + o * G, dn_scratch,       \
-                mine[0], mine[1], mine[2], mine[3], mine[4], mine[5], low};                          \
-            const int sums = lstm_has_sums_##SUFFIX(&a);                                             \
+                mine[0], mine[1], mine[2], mine[3], mine[4], mine[5], low, gs ? gs + tid * G : 0};   \
+            const int sums = lstm_has_sums_##SUFFIX(&a), drs = lstm_has_dr_##SUFFIX(&a);             \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
             if (by_rows || !sync) {                                                                  \
-                /* the three passes row by row, on this thread's rows (by_rows) or on its whole      \
-                 * directions (nt divides D: their accumulators are its own), each row's sums and    \
-                 * input LayerNorm while its buffers are in L1 */                                    \
+                /* the passes row by row, on this thread's rows (by_rows) or on its whole directions \
+                 * (nt divides D: their accumulators are its own), each row's sums, dr and input     \
+                 * LayerNorm while its buffers are in L1 */                                          \
                 int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
                 const int64_t nn = t > 0 ? active[t - 1] : 0; /* the next step's rows (t - 1) */     \
@@ -490,6 +515,7 @@ void lstm_backward_loop_##SUFFIX(                                               
                             lstm_backward_prefetch_##SUFFIX(&a, sh, pd, pb);                         \
                         lstm_backward_row_##SUFFIX(&a, d * n + b);                                   \
                         if (sums) lstm_sum_row_##SUFFIX(&a, d, b, 0, G);                             \
+                        if (drs) lstm_backward_dr_##SUFFIX(&a, d * n + b);                           \
                         if (xstat) lstm_backward_input_norm_##SUFFIX(&a, d * n + b);                 \
                     }                                                                                \
             } else { /* the passes split between the threads, a barrier after each */                \
@@ -502,10 +528,14 @@ void lstm_backward_loop_##SUFFIX(                                               
                         lstm_backward_sums_##SUFFIX(&a, task);                                       \
                     _Pragma("omp barrier")                                                           \
                 }                                                                                    \
-                if (xstat) { /* dpre only: dr, which the product reads, is its own buffer here */    \
+                if (drs || xstat) { /* dr after the sums (it may be written over rhat), then the     \
+                                     * input LayerNorm's (on dpre); the product reads dr */          \
                     fl_share(D * n, tid, nt, &t0, &t1);                                              \
-                    for (int64_t task = t0; task < t1; task++)                                       \
-                        lstm_backward_input_norm_##SUFFIX(&a, task);                                 \
+                    for (int64_t task = t0; task < t1; task++) {                                     \
+                        if (drs) lstm_backward_dr_##SUFFIX(&a, task);                                \
+                        if (xstat) lstm_backward_input_norm_##SUFFIX(&a, task);                      \
+                    }                                                                                \
+                    _Pragma("omp barrier")                                                           \
                 }                                                                                    \
             }                                                                                        \
             fl_step_product_add_##SUFFIX(ab, by_rows, sync, lo, hi, p0, p1, D, np, n, G, H, a.dr,    \

@@ -52,7 +52,7 @@ def _lstm_lib():
         "lstm_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 8 + [P] * 4 + [real, real] + [P, P]
         + [real, real, INT, INT, INT],
         "lstm_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 5 + [P] * 4 + [real]
-        + [P, P, real, real] + [P] * 3 + [P] * 6 + [INT, INT]})
+        + [P, P, real, real] + [P] * 4 + [P] * 6 + [INT, INT]})
 
 
 def _gru_lib():
@@ -61,7 +61,7 @@ def _gru_lib():
         "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT],
         "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT, INT,
                                                                                           INT],
-        "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6
+        "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 7
         + [INT, INT]})
 
 
@@ -376,8 +376,9 @@ class LSTMRecurrence(torch.autograd.Function):
             chist=(dirs, rows, hidden) if zc is not None or zc_const else None, y1=(dirs, rows, hidden) if proj else None,
             **_low_copies(mm, ctx, xs, hd=(dirs, rows, out_size))),
             acc, xs.device, fresh=getattr(ctx, "fresh", False))
-        # the forward's own work space: the recurrent product, and the projection unless the backward
-        # needs it (it does with the input LayerNorm)
+        # the forward's own work space: the recurrent product; the projection is saved with the input
+        # LayerNorm (its backward reads it), else written into the gates' rows, which the kernel turns
+        # into the gates in place
         # one C call runs the whole time loop (lstm.c's lstm_forward_loop, its own step products) unless
         # a projection or fp16 products need torch between the steps; with bf16 operands the loop writes
         # each step's recurrent input rounded to bf16 and multiplies it by W_hh rounded to bf16, in
@@ -385,10 +386,9 @@ class LSTMRecurrence(torch.autograd.Function):
         # (:mod:`fastlayers._core.precision`), without a torch GEMM and a Python step per time step
         round_bf16 = _rounds_bf16(mm)
         in_c = not proj and (not mm.mixed or round_bf16)
-        tmp_slab, tmp = pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
-                                         y=(dirs, rows, out_size) if mm.mixed else None,
+        tmp_slab, tmp = pool.views(dict(r=(dirs * first * gsize,), y=(dirs, rows, out_size) if mm.mixed else None,
                                          wp=_packed_weight(out_size, gsize, dirs) if in_c else None), acc, xs.device)
-        xp, r = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"]
+        xp, r = (buf["xp"] if gx is not None else buf["gates"]), tmp["r"]
         # the output in acc; with a low output dtype only the converted copy leaves (the float32 one is pooled)
         y = tmp["y"] if mm.mixed else pool.empty((dirs, rows, out_size), acc, xs)
         xs_op = _into(buf.get("xs_low"), xs)
@@ -473,15 +473,20 @@ class LSTMRecurrence(torch.autograd.Function):
         round_bf16 = _rounds_bf16(mm)
         separate_dr = gh is not None or gx is not None or round_bf16
         in_c = not proj and (not mm.mixed or round_bf16)  # the whole loop in one C call (lstm_backward_loop)
+        # where the graph dies with this backward, the C loop writes dpre over the saved gates and dr over
+        # the recurrent LayerNorm's rhat (each row read before it is written): two (D, N, G) buffers fewer
+        over = in_c and pool.graph_freed_after_this_backward()
+        over_dr = over and gh is not None
         slab, tmp = pool.views(dict(
-            dpre=(dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr else None,
+            dpre=None if over else (dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr and not over_dr else None,
+            gs=(threads * gsize,) if over else None,
             wp=_packed_weight(gsize, out_size, dirs) if in_c else None,
             dn=(dirs, batch, hidden), g=(dirs * ctx.active[0] * out_size,), dy1=(dirs, rows, hidden) if proj else None,
             dhp=(dirs, rows, out_size) if proj else None, **_low_grads(mm, (dirs, rows, gsize), separate_dr),
             dy=_copied(dy, acc, (dirs, rows, out_size))), acc, gates.device)
         dy = _acc_grad(dy, tmp["dy"], gates, (dirs, rows, out_size))
-        dpre, dn, g = tmp["dpre"], tmp["dn"], tmp["g"]
-        dr = dpre if tmp["dr"] is None else tmp["dr"]
+        dpre, dn, g = (gates if over else tmp["dpre"]), tmp["dn"], tmp["g"]
+        dr = buf["rhat"] if over_dr else dpre if tmp["dr"] is None else tmp["dr"]
         dr_low = tmp["dr_low"]
         # the kernel sums the bias gradient next to the input gain's (acc_b needs acc_gx)
         acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
@@ -507,7 +512,8 @@ class LSTMRecurrence(torch.autograd.Function):
                 address(buf["chist"]), c0.data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
                 gates.data_ptr(), buf["c1"].data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
                 address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, address(zc),
-                address(zh), zc_const, zh_const, dpre.data_ptr(), dr.data_ptr(), dn.data_ptr(), *fixed[1:-1],
+                address(zh), zc_const, zh_const, dpre.data_ptr(), dr.data_ptr(), dn.data_ptr(), address(tmp["gs"]),
+                *fixed[1:-1],
                 _low(round_bf16), threads)
             if dr_low is not None:  # dW_hh's operand (exact: dr holds bf16 values)
                 dr_low.copy_(dr)
@@ -592,14 +598,14 @@ class GRURecurrence(torch.autograd.Function):
             rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
             **_low_copies(mm, ctx, xs, hd=(dirs, rows, hidden))),
             acc, xs.device, fresh=getattr(ctx, "fresh", False))
-        # the forward's own work space (the projection is saved only for the input LayerNorm's backward)
+        # the forward's own work space (the projection is saved for the input LayerNorm's backward, else
+        # written into the gates' rows, as the LSTM's)
         round_bf16 = _rounds_bf16(mm)  # as the LSTM's
         in_c = not mm.mixed or round_bf16  # the whole time loop in one C call (gru_forward_loop), as the LSTM's
-        tmp_slab, tmp = pool.views(dict(xp=(dirs, rows, gsize) if gx is None else None, r=(dirs * first * gsize,),
-                                         y=(dirs, rows, hidden) if mm.mixed else None,
+        tmp_slab, tmp = pool.views(dict(r=(dirs * first * gsize,), y=(dirs, rows, hidden) if mm.mixed else None,
                                          wp=_packed_weight(hidden, gsize, dirs) if in_c else None), acc, xs.device)
         y = tmp["y"] if mm.mixed else pool.empty((dirs, rows, hidden), acc, xs)  # as in LSTMRecurrence
-        xp, r, hd, hd_low = (buf["xp"] if gx is not None else tmp["xp"]), tmp["r"], buf["hd"], buf.get("hd_low")
+        xp, r, hd, hd_low = (buf["xp"] if gx is not None else buf["gates"]), tmp["r"], buf["hd"], buf.get("hd_low")
         xs_op = _into(buf.get("xs_low"), xs)
         _project(mm, xs_op, w_ih, b_ih if gx is None else None, xp, src)  # (with LayerNorm: b_ih after it, in the kernel)
         _first_input(hd, h, rmask, first, round_bf16)
@@ -651,14 +657,17 @@ class GRURecurrence(torch.autograd.Function):
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
         round_bf16 = _rounds_bf16(mm)  # as the LSTM's: dr its own buffer, rounded in the C loop
         in_c = not mm.mixed or round_bf16  # the whole loop in one C call (gru_backward_loop), as the forward's
-        slab, tmp = pool.views(dict(dpre=(dirs, rows, gsize), dhb=(dirs, rows, gsize),
-                                     dr=(dirs, rows, gsize) if gh is not None or round_bf16 else None,
+        over = in_c and pool.graph_freed_after_this_backward()  # dpre over the gates, dr over rhat (as the LSTM's)
+        over_dr = over and gh is not None
+        slab, tmp = pool.views(dict(dpre=None if over else (dirs, rows, gsize), dhb=(dirs, rows, gsize),
+                                     dr=(dirs, rows, gsize) if (gh is not None or round_bf16) and not over_dr else None,
+                                     gs=(threads * gsize,) if over else None,
                                      wp=_packed_weight(gsize, hidden, dirs) if in_c else None,
                                      g=(dirs * ctx.active[0] * hidden,), **_low_grads(mm, (dirs, rows, gsize), True),
                                      dy=_copied(dy, acc, (dirs, rows, hidden))), acc, gates.device)
         dy = _acc_grad(dy, tmp["dy"], gates, (dirs, rows, hidden))
-        dpre, dhb, g = tmp["dpre"], tmp["dhb"], tmp["g"]
-        dr = dhb if tmp["dr"] is None else tmp["dr"]
+        dpre, dhb, g = (gates if over else tmp["dpre"]), tmp["dhb"], tmp["g"]
+        dr = buf["rhat"] if over_dr else dhb if tmp["dr"] is None else tmp["dr"]
         dr_low = tmp["dr_low"]
         acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
         acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias[0] and need[3] else None
@@ -674,8 +683,8 @@ class GRURecurrence(torch.autograd.Function):
                 tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), buf["hist"].data_ptr(),
                 gates.data_ptr(), buf["hbn"].data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
                 address(buf["rhat"]), address(buf["rrstd"]), address(gh), address(zh), zh_const, dpre.data_ptr(),
-                dhb.data_ptr(), dr.data_ptr(), address(acc_gx), address(acc_b), address(acc_gh), _low(round_bf16),
-                threads)
+                dhb.data_ptr(), dr.data_ptr(), address(tmp["gs"]), address(acc_gx), address(acc_b), address(acc_gh),
+                _low(round_bf16), threads)
             if dr_low is not None:  # as the LSTM's
                 dr_low.copy_(dr)
         for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
