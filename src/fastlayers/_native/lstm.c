@@ -23,7 +23,11 @@
  *   y = h;  hd_next = h * rmask (the next step's recurrent input)
  * Saved for the backward: gates (i, f, g, o), c1, rhat/rrstd, the statistics xstat and cstat
  * (x-hat, n and tanh(n) are recomputed from xp and c1), and c0 in chist only when zoneout makes
- * it differ from the previous step's c1 (chist may be NULL otherwise).
+ * it differ from the previous step's c1 (chist may be NULL otherwise). With both LayerNorms the
+ * time loops keep no gates (keep = 2): the backward recomputes each row's from xp, rhat, c0 and
+ * c1 with the forward's own functions (lstm_norm_pre, lstm_activate, lstm_out_gate). The backward
+ * that ends a graph writes its gradients over saved rows it has read (dpre over the gates or xp,
+ * dr over rhat).
  * hd_next is the next step's block of the same packed layout, so only its first n_next rows
  * (the sequences still running at the next step) are written.
  *
@@ -63,7 +67,38 @@ typedef struct {                                                                
     const T* gh; const T* gc; const T* bc; const T* peep; T clip; T eps;                             \
     const T* zc; const T* zh; T zc_const; T zh_const;                                                \
     int low; /* round hd_next to bfloat16 (fl_next_input) */                                         \
+    T* grow; /* where non-NULL, the row's gates go into this one row of work space, not kept */      \
 } lstm_fwd_##SUFFIX;                                                                                 \
+                                                                                                     \
+/* The gates from their inputs, shared by the forward and the backward's recomputation (where the    \
+ * forward kept no gates), so that both compute the same values: with both LayerNorms the            \
+ * pre-activations gh * rhat + (gx * x-hat + bias) (bias may be NULL); then the peepholes of i and   \
+ * f (on c0), i, f = sig, g = tanh; the output gate, its peephole on c1 and sig, once c1 is known. */ \
+static inline __attribute__((always_inline)) void lstm_norm_pre_##SUFFIX(                            \
+    int64_t G, const T* restrict ghd, const T* restrict rh, const T* restrict gxd,                   \
+    const T* restrict xr, T mx, T rx, const T* restrict bd, T* restrict gr)                          \
+{                                                                                                    \
+    if (bd) {                                                                                        \
+        _Pragma("omp simd")                                                                          \
+        for (int64_t k = 0; k < G; k++) gr[k] = ghd[k] * rh[k] + (gxd[k] * ((xr[k] - mx) * rx) + bd[k]); \
+    } else {                                                                                         \
+        _Pragma("omp simd")                                                                          \
+        for (int64_t k = 0; k < G; k++) gr[k] = ghd[k] * rh[k] + gxd[k] * ((xr[k] - mx) * rx);       \
+    }                                                                                                \
+}                                                                                                    \
+static inline __attribute__((always_inline)) void lstm_activate_##SUFFIX(                            \
+    int64_t H, const T* restrict pi, const T* restrict c0r, T* restrict gr)                          \
+{                                                                                                    \
+    if (pi) for (int64_t k = 0; k < H; k++) { gr[k] += pi[k] * c0r[k]; gr[H + k] += pi[H + k] * c0r[k]; } \
+    for (int64_t k = 0; k < 2 * H; k++) gr[k] = sig_##SUFFIX(gr[k]); /* two loops: one exp each */   \
+    for (int64_t k = 2 * H; k < 3 * H; k++) gr[k] = TANH(gr[k]);                                     \
+}                                                                                                    \
+static inline __attribute__((always_inline)) void lstm_out_gate_##SUFFIX(                            \
+    int64_t H, const T* restrict pi, const T* restrict c1r, T* restrict gr)                          \
+{                                                                                                    \
+    if (pi) for (int64_t k = 0; k < H; k++) gr[3 * H + k] += pi[2 * H + k] * c1r[k];                 \
+    for (int64_t k = 0; k < H; k++) gr[3 * H + k] = sig_##SUFFIX(gr[3 * H + k]);                     \
+}                                                                                                    \
                                                                                                      \
 /* row task = d * n + b of one step. Every loop is written so that it vectorises: the options are    \
  * decided outside the loops (a select that reads a possibly-NULL mask keeps a loop scalar). */     \
@@ -74,7 +109,7 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
     const int64_t v = d * a->ss + b; /* the row of the saved buffers (gates, c1, statistics) */       \
     const T* xr = a->xp + row * G; /* may be gr: the projection turned into the gates in place */    \
     const T* restrict rr = a->r + (d * a->rs + b) * G;                                               \
-    T* restrict gr = a->gates + v * G;                                                             \
+    T* restrict gr = a->grow ? a->grow : a->gates + v * G;                                           \
     T* restrict cr = a->c + srow * H; /* c0 until the zoneout pass overwrites it with the new state */ \
     T* restrict hr = a->h + srow * H; T* restrict yr = a->y + row * H;                               \
     T* restrict c1r = a->c1 + v * H;                                                               \
@@ -89,18 +124,10 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
         T st[2]; fl_row_stats_##SUFFIX(rr, G, a->eps, st);                                           \
         const T mr = st[0], sr = st[1]; a->rrstd[v] = sr;                                            \
         T* restrict rh = a->rhat + v * G; const T* restrict ghd = a->gh + d * G;                     \
-        if (xs && bd) {                                                                              \
+        if (xs) { /* rhat, then the gates from it as the backward recomputes them */                 \
             _Pragma("omp simd")                                                                      \
-            for (int64_t k = 0; k < G; k++) {                                                        \
-                const T hat = (rr[k] - mr) * sr; rh[k] = hat;                                        \
-                gr[k] = ghd[k] * hat + (gxd[k] * ((xr[k] - mx) * rx) + bd[k]);                       \
-            }                                                                                        \
-        } else if (xs) {                                                                             \
-            _Pragma("omp simd")                                                                      \
-            for (int64_t k = 0; k < G; k++) {                                                        \
-                const T hat = (rr[k] - mr) * sr; rh[k] = hat;                                        \
-                gr[k] = ghd[k] * hat + gxd[k] * ((xr[k] - mx) * rx);                                 \
-            }                                                                                        \
+            for (int64_t k = 0; k < G; k++) rh[k] = (rr[k] - mr) * sr;                               \
+            lstm_norm_pre_##SUFFIX(G, ghd, rh, gxd, xr, mx, rx, bd, gr);                             \
         } else {                                                                                     \
             _Pragma("omp simd")                                                                      \
             for (int64_t k = 0; k < G; k++) {                                                        \
@@ -114,15 +141,12 @@ static void lstm_forward_row_##SUFFIX(const lstm_fwd_##SUFFIX* a, int64_t task) 
     } else {                                                                                         \
         for (int64_t k = 0; k < G; k++) gr[k] = rr[k] + xr[k];                                       \
     }                                                                                                \
-    if (pi) for (int64_t k = 0; k < H; k++) { gr[k] += pi[k] * cr[k]; gr[H + k] += pi[H + k] * cr[k]; } \
-    for (int64_t k = 0; k < 2 * H; k++) gr[k] = sig_##SUFFIX(gr[k]); /* two loops: one exp each */   \
-    for (int64_t k = 2 * H; k < 3 * H; k++) gr[k] = TANH(gr[k]);                                   \
-    for (int64_t k = 0; k < H; k++) c1r[k] = gr[H + k] * cr[k] + gr[k] * gr[2 * H + k];             \
+    lstm_activate_##SUFFIX(H, pi, cr, gr);                                                           \
+    for (int64_t k = 0; k < H; k++) c1r[k] = gr[H + k] * cr[k] + gr[k] * gr[2 * H + k];              \
     const T clip = a->clip;                                                                          \
     if (clip > 0)                                                                                    \
         for (int64_t k = 0; k < H; k++) c1r[k] = c1r[k] > clip ? clip : (c1r[k] < -clip ? -clip : c1r[k]); \
-    if (pi) for (int64_t k = 0; k < H; k++) gr[3 * H + k] += pi[2 * H + k] * c1r[k];                 \
-    for (int64_t k = 0; k < H; k++) gr[3 * H + k] = sig_##SUFFIX(gr[3 * H + k]);                     \
+    lstm_out_gate_##SUFFIX(H, pi, c1r, gr);                                                          \
     if (a->gc) { /* h1 = o * tanh(LNc(c1)), into y first */                                          \
         T* cs = a->cstat + 2 * v; fl_row_stats_##SUFFIX(c1r, H, a->eps, cs);                       \
         const T mc = cs[0], rc = cs[1];                                                              \
@@ -168,7 +192,7 @@ void lstm_step_forward_##SUFFIX(                                                
 {                                                                                                    \
     const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, bias, r, c, h, rmask, \
                                  y, gates, c1_out, chist, hd_next, rhat, rrstd, cstat, gh, gc, bc,   \
-                                 peep, clip, eps, zc, zh, zc_const, zh_const, 0};                    \
+                                 peep, clip, eps, zc, zh, zc_const, zh_const, 0, 0};                 \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) lstm_forward_row_##SUFFIX(&a, task);                \
 }                                                                                                    \
@@ -193,23 +217,45 @@ typedef struct {                                                                
     T* dpre; T* dr; T* dn;                                                                           \
     T* acc_gx; T* acc_b; T* acc_gh; T* acc_gc; T* acc_bc; T* acc_peep;                               \
     int low; /* dr rounded to bfloat16 after the row (dr its own buffer) */                          \
-    T* gs; /* G values of this thread's work space where dpre aliases gates or dr rhat, else NULL */ \
+    T* gs; /* G values of this thread's work space where dpre aliases gates or dr rhat, or the       \
+            * gates are recomputed, else NULL */                                                     \
+    const T* bias; /* the recomputation's bias (gates == NULL), else unused */                       \
+    T* dz; /* the gate gradients: NULL, in dpre's rows; else one step's, (D, B, G), reused */        \
 } lstm_bwd_##SUFFIX;                                                                                 \
+                                                                                                     \
+/* a row's gate gradients: dpre's row (then the input LayerNorm's backward turns them into dpre in   \
+ * place) or the step's own row of dz */                                                             \
+static inline T* lstm_dz_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t d, int64_t b)                  \
+{                                                                                                    \
+    return a->dz ? a->dz + (d * a->B + b) * 4 * a->H : a->dpre + (d * a->ds + b) * 4 * a->H;         \
+}                                                                                                    \
                                                                                                      \
 static void lstm_backward_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                    \
 {                                                                                                    \
     const int64_t H = a->H, G = 4 * H, n = a->n;                                                     \
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
-    T* restrict dp = a->dpre + row * G;                                                              \
-    /* dpre written over the saved gates (lstm_backward_loop, the graph's last backward): the row's  \
-     * gates read from a copy */                                                                     \
-    const T* gsrc = a->gates + row * G;                                                              \
-    if (a->dpre == a->gates) { memcpy(a->gs, gsrc, sizeof(T) * G); gsrc = a->gs; }                   \
-    const T* restrict gr = gsrc;                                                                     \
+    T* restrict dp = lstm_dz_##SUFFIX(a, d, b);                                                      \
     const T* restrict c1r = a->c1 + row * H; const T* restrict c0r = a->chist + (d * a->cds + b) * H; \
+    const T* restrict pi = a->peep ? a->peep + d * 3 * H : 0;                                        \
+    /* the row's gates: recomputed where the forward kept none (both LayerNorms: from xp, rhat, c0,  \
+     * c1, as the forward computed them); read from a copy where dpre is written over them           \
+     * (lstm_backward_loop, the graph's last backward) */                                            \
+    const T* gsrc;                                                                                   \
+    if (!a->gates) {                                                                                 \
+        const T* xs = a->xstat + 2 * row;                                                            \
+        lstm_norm_pre_##SUFFIX(G, a->gh + d * G, a->rhat + row * G, a->gx + d * G, a->xp + row * G, xs[0], \
+                               xs[1], a->bias ? a->bias + d * G : 0, a->gs);                         \
+        lstm_activate_##SUFFIX(H, pi, c0r, a->gs);                                                   \
+        lstm_out_gate_##SUFFIX(H, pi, c1r, a->gs);                                                   \
+        gsrc = a->gs;                                                                                \
+    } else if (a->dpre == a->gates) {                                                                \
+        memcpy(a->gs, a->gates + row * G, sizeof(T) * G); gsrc = a->gs;                              \
+    } else {                                                                                         \
+        gsrc = a->gates + row * G;                                                                   \
+    }                                                                                                \
+    const T* restrict gr = gsrc;                                                                     \
     T* restrict dhr = a->dh + srow * H; T* restrict dcr = a->dc + srow * H;                          \
     const T* restrict dyr = a->dy + row * H;                                                         \
-    const T* restrict pi = a->peep ? a->peep + d * 3 * H : 0;                                        \
     T* restrict dn = a->dn + srow * H;                                                               \
     const T* restrict zcr = a->zc ? a->zc + row * H : 0;                                             \
     const T* restrict zhr = a->zh ? a->zh + row * H : 0;                                             \
@@ -276,7 +322,7 @@ static inline int lstm_has_dr_##SUFFIX(const lstm_bwd_##SUFFIX* a)              
 static void lstm_backward_dr_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                      \
 {                                                                                                    \
     const int64_t G = 4 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
-    const T* dp = a->dpre + row * G;                                                                 \
+    const T* dp = lstm_dz_##SUFFIX(a, d, task % a->n);                                               \
     T* drr = a->dr + row * G;                                                                        \
     if (a->gh) {                                                                                     \
         const T* rh = a->rhat + row * G; const T* ghd = a->gh + d * G;                               \
@@ -301,7 +347,7 @@ static inline void lstm_sum_row_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t d, 
 {                                                                                                    \
     const int64_t H = a->H, G = 4 * H, h0 = k0 < H ? k0 : H, h1 = k1 < H ? k1 : H;                   \
     const int64_t row = d * a->ds + b, srow = d * a->B + b;                                          \
-    const T* dp = a->dpre + row * G;                                                                 \
+    const T* dp = lstm_dz_##SUFFIX(a, d, b);                                                         \
     if (a->acc_gx || a->acc_b)                                                                       \
         fl_accumulate_norm_##SUFFIX(a->acc_gx + d * G, a->acc_b ? a->acc_b + d * G : 0, dp,          \
                                     a->xp + row * G, a->xstat + 2 * row, k0, k1);                    \
@@ -328,11 +374,14 @@ static void lstm_backward_sums_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task
     for (int64_t b = 0; b < a->n; b++) lstm_sum_row_##SUFFIX(a, d, b, k0, k1);                       \
 }                                                                                                    \
                                                                                                      \
+/* through x = LNx(xp): dpre's row from the gate gradients (in place where they are in it; dpre may  \
+ * be xp, each value read before it is written) */                                                   \
 static void lstm_backward_input_norm_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)              \
 {                                                                                                    \
     const int64_t G = 4 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
-    fl_input_norm_backward_row_##SUFFIX(a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row,      \
-                                        a->gx + d * G, G);                                           \
+    T* dz = lstm_dz_##SUFFIX(a, d, task % a->n); const T* gxd = a->gx + d * G;                       \
+    for (int64_t k = 0; k < G; k++) dz[k] *= gxd[k];                                                 \
+    fl_layer_norm_backward_stat_##SUFFIX(dz, a->xp + row * G, a->xstat + 2 * row, G, a->dpre + row * G); \
 }                                                                                                    \
 /* as lstm_forward_prefetch: the saved rows a backward row reads */                                  \
 static inline __attribute__((always_inline)) void lstm_backward_prefetch_##SUFFIX(                   \
@@ -340,7 +389,8 @@ static inline __attribute__((always_inline)) void lstm_backward_prefetch_##SUFFI
 {                                                                                                    \
     const int64_t H = a->H, G = 4 * H, row = shift + d * a->ds + b;                                  \
     const int64_t g = G * sizeof(T), h = H * sizeof(T);                                              \
-    fl_prefetch(a->gates + row * G, g); fl_prefetch(a->c1 + row * H, h);                             \
+    if (a->gates) fl_prefetch(a->gates + row * G, g);                                                \
+    fl_prefetch(a->c1 + row * H, h);                                                                 \
     fl_prefetch(a->dy + row * H, h);                                                                 \
     if (a->rhat) fl_prefetch(a->rhat + row * G, g);                                                  \
     if (a->xstat) fl_prefetch(a->xp + row * G, g);                                                   \
@@ -361,7 +411,7 @@ void lstm_step_backward_##SUFFIX(                                               
     const lstm_bwd_##SUFFIX a = {D, B, n, H, ds, cds, dy, dh, dc, chist, xp, xstat, gx, gates, c1_in, \
                                  rhat, rrstd, cstat, gh, gc, bc, peep, clip, zc, zh, zc_const,       \
                                  zh_const, dpre, dr, dn_scratch, acc_gx, acc_b, acc_gh, acc_gc,       \
-                                 acc_bc, acc_peep, 0, 0};                                            \
+                                 acc_bc, acc_peep, 0, 0, 0, 0};                                      \
     const int64_t nchunks = (4 * H + LSTM_SUM_CHUNK_##SUFFIX - 1) / LSTM_SUM_CHUNK_##SUFFIX;          \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) {                                                   \
@@ -383,8 +433,10 @@ void lstm_step_backward_##SUFFIX(                                               
  * panels of w^T, packed into wp once), then the step's rows, which write the next step's recurrent \
  * input hd[:, o+n : o+n+n_next]. The caller fills hd's first active[0] rows (h0 * rmask). w       \
  * (D, G, H) contiguous (W_hh as it is); wp work space of D * H * round_up(G, 32) values; r of      \
- * D * active[0] * G; the other buffers as lstm_step_forward's, at packed row 0. keep = 0 (no      \
- * backward follows): gates, c1, chist and the statistics hold one step, (D, B, X), reused. low = 1  \
+ * D * active[0] * G; the other buffers as lstm_step_forward's, at packed row 0. keep = 0 (no        \
+ * backward follows): gates, c1, chist and the statistics hold one step, (D, B, X), reused; keep = 2 \
+ * (both LayerNorms): all kept but the gates, which the backward recomputes (gates: work space of    \
+ * nthreads * G values, a row each). low = 1                                                         \
  * (float32 only): the recurrent input hd written rounded to bfloat16 (fl_next_input), so that with  \
  * a bf16-rounded w the step products are those of bf16 operands with float32 sums (the caller       \
  * rounds hd's first rows); low = 2: the same, the products in bf16 on the CPU's dot-product        \
@@ -397,7 +449,7 @@ void lstm_forward_loop_##SUFFIX(                                                
     const T* gh, const T* gc, const T* bc, const T* peep, T clip, T eps,                             \
     const T* zc, const T* zh, T zc_const, T zh_const, int keep, int low, int nthreads)               \
 {                                                                                                    \
-    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                    \
+    const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0, sg = keep == 1 ? 1 : 0; \
     /* low = 2: the step products in bf16 where the CPU has them (gemm_bf16.h) */                    \
     uint16_t* const scratch = fl_bf16_scratch(fl_bf16_ok_##SUFFIX(low), nthreads, D * B, H);         \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
@@ -421,11 +473,11 @@ void lstm_forward_loop_##SUFFIX(                                                
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */   \
             const lstm_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],           \
                 xp + o * G,                                                                          \
-                xstat ? xstat + 2 * sv : 0, gx, bias, r, c, h, rmask, y + o * H, gates + sv * G,     \
+                xstat ? xstat + 2 * sv : 0, gx, bias, r, c, h, rmask, y + o * H, gates + sg * sv * G, \
                 c1 + sv * H, chist ? chist + sv * H : 0, n_next ? hd + (o + n) * H : 0,              \
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, cstat ? cstat + 2 * sv : 0, gh,    \
                 gc, bc, peep, clip, eps, zc ? zc + o * H : 0, zh ? zh + o * H : 0, zc_const,         \
-                zh_const, low};                                                                      \
+                zh_const, low, keep == 2 ? gates + tid * G : 0};                                     \
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
                 int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
@@ -454,17 +506,19 @@ void lstm_forward_loop_##SUFFIX(                                                
  * D * active[0] * H (used with rmask). The cell state before each step: chist where saved, else   \
  * the previous step's c1, else c0 (D, B, H). The other buffers as lstm_step_backward's, at packed  \
  * row 0 (dy, dpre, dr, the saved ones). dpre may be gates and dr rhat (the saved buffers written    \
- * over, where the graph dies with this backward); then gs holds nthreads * G values of work space   \
- * (else it may be NULL). */                                                                         \
+ * over, where the graph dies with this backward); gates NULL (the forward's keep = 2): each row's   \
+ * recomputed (bias is then the forward's), the gate gradients in dz (D * B * G values, a step's)    \
+ * and dpre may be xp. gs: nthreads * G values of work space where any of these holds (else it may   \
+ * be NULL). */                                                                                      \
 void lstm_backward_loop_##SUFFIX(                                                                    \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w, T* wp, T* g, const T* rmask,                                                         \
     const T* dy, T* dh, T* dc, const T* chist, const T* c0,                                          \
-    const T* xp, const T* xstat, const T* gx,                                                        \
+    const T* xp, const T* xstat, const T* gx, const T* bias,                                         \
     const T* gates, const T* c1, const T* rhat, const T* rrstd, const T* cstat,                      \
     const T* gh, const T* gc, const T* bc, const T* peep, T clip,                                    \
     const T* zc, const T* zh, T zc_const, T zh_const,                                                \
-    T* dpre, T* dr, T* dn_scratch, T* gs,                                                            \
+    T* dpre, T* dr, T* dn_scratch, T* gs, T* dz,                                                     \
     T* acc_gx, T* acc_b, T* acc_gh, T* acc_gc, T* acc_bc, T* acc_peep, int low, int nthreads)        \
 {                                                                                                    \
     const int64_t G = 4 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
@@ -493,11 +547,12 @@ void lstm_backward_loop_##SUFFIX(                                               
             o -= n;                                                                                  \
             const T* c_before = chist ? chist + o * H : t > 0 ? c1 + (o - active[t - 1]) * H : c0;   \
             const lstm_bwd_##SUFFIX a = {D, B, n, H, ds, chist || t > 0 ? ds : B, dy + o * H, dh,    \
-                dc, c_before, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx, gates + o * G,     \
+                dc, c_before, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx, gates ? gates + o * G : 0, \
                 c1 + o * H, rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0,                          \
                 cstat ? cstat + 2 * o : 0, gh, gc, bc, peep, clip, zc ? zc + o * H : 0,              \
                 zh ? zh + o * H : 0, zc_const, zh_const, dpre + o * G, dr + o * G, dn_scratch,       \
-                mine[0], mine[1], mine[2], mine[3], mine[4], mine[5], low, gs ? gs + tid * G : 0};   \
+                mine[0], mine[1], mine[2], mine[3], mine[4], mine[5], low, gs ? gs + tid * G : 0,    \
+                bias, dz};                                                                           \
             const int sums = lstm_has_sums_##SUFFIX(&a), drs = lstm_has_dr_##SUFFIX(&a);             \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \

@@ -51,8 +51,8 @@ def _lstm_lib():
         + [P] * 3 + [P] * 6 + [INT],
         "lstm_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 8 + [P] * 4 + [real, real] + [P, P]
         + [real, real, INT, INT, INT],
-        "lstm_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 5 + [P] * 4 + [real]
-        + [P, P, real, real] + [P] * 4 + [P] * 6 + [INT, INT]})
+        "lstm_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 4 + [P] * 5 + [P] * 4 + [real]
+        + [P, P, real, real] + [P] * 5 + [P] * 6 + [INT, INT]})
 
 
 def _gru_lib():
@@ -335,9 +335,12 @@ class LSTMRecurrence(torch.autograd.Function):
     :mod:`fastlayers._core.pool` (given back when the backward frees the graph): the projection, gates,
     c1, LayerNorm statistics (and the normalised recurrent product) and the recurrent input; the
     cell state before each step only with cell zoneout (otherwise it is the previous step's c1,
-    or c0). Without a projection the C kernel does the whole step. With one, the kernel stops at
-    h1 = o * tanh(.) (no zoneout, no recurrent input) and the projection, proj_clip, zoneout of h
-    and the next recurrent input are torch ops on the step's rows.
+    or c0). With both LayerNorms and the C time loops, no gates: the backward loop recomputes them
+    from the projection and the normalised recurrent product. A backward that frees the graph
+    writes dpre and dr over saved buffers it has read (the gates or the projection, and the
+    normalised recurrent product). Without a projection the C kernel does the whole step. With
+    one, the kernel stops at h1 = o * tanh(.) (no zoneout, no recurrent input) and the projection,
+    proj_clip, zoneout of h and the next recurrent input are torch ops on the step's rows.
     """
 
     @staticmethod
@@ -366,10 +369,22 @@ class LSTMRecurrence(torch.autograd.Function):
         gx, bias, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc, zh))
         c0 = as_dtype(c0, acc)
         h, c = h0.to(acc, copy=True).contiguous(), c0.clone()
+        # one C call runs the whole time loop (lstm.c's lstm_forward_loop, its own step products) unless
+        # a projection or fp16 products need torch between the steps; with bf16 operands the loop writes
+        # each step's recurrent input rounded to bf16 and multiplies it by W_hh rounded to bf16, in
+        # float32: the products of bf16 operands summed in float32, the mixed-precision rule
+        # (:mod:`fastlayers._core.precision`), without a torch GEMM and a Python step per time step
+        round_bf16 = _rounds_bf16(mm)
+        in_c = not proj and (not mm.mixed or round_bf16)
+        # with both LayerNorms the C loops keep no gates: the backward recomputes each row's from the
+        # projection and rhat, which it keeps anyway (one (D, N, G) buffer fewer, as many values to compute
+        # again as the forward's gate pass)
+        kept_gates = not (in_c and gx is not None and gh is not None)
         # every row of these gets written; the cell state before each step needs its own copy only
         # when zoneout mixes in c0 (otherwise it is the previous step's c1)
         slab, buf = pool.views(dict(
-            xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), c1=(dirs, rows, hidden),
+            xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize) if kept_gates else None,
+            c1=(dirs, rows, hidden),
             hd=(dirs, rows, out_size), xstat=(dirs, rows, 2) if gx is not None else None,
             rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
             cstat=(dirs, rows, 2) if gc is not None else None,
@@ -378,16 +393,10 @@ class LSTMRecurrence(torch.autograd.Function):
             acc, xs.device, fresh=getattr(ctx, "fresh", False))
         # the forward's own work space: the recurrent product; the projection is saved with the input
         # LayerNorm (its backward reads it), else written into the gates' rows, which the kernel turns
-        # into the gates in place
-        # one C call runs the whole time loop (lstm.c's lstm_forward_loop, its own step products) unless
-        # a projection or fp16 products need torch between the steps; with bf16 operands the loop writes
-        # each step's recurrent input rounded to bf16 and multiplies it by W_hh rounded to bf16, in
-        # float32: the products of bf16 operands summed in float32, the mixed-precision rule
-        # (:mod:`fastlayers._core.precision`), without a torch GEMM and a Python step per time step
-        round_bf16 = _rounds_bf16(mm)
-        in_c = not proj and (not mm.mixed or round_bf16)
+        # into the gates in place; without kept gates, a row of them per thread
         tmp_slab, tmp = pool.views(dict(r=(dirs * first * gsize,), y=(dirs, rows, out_size) if mm.mixed else None,
-                                         wp=_packed_weight(out_size, gsize, dirs) if in_c else None), acc, xs.device)
+                                         wp=_packed_weight(out_size, gsize, dirs) if in_c else None,
+                                         gw=None if kept_gates else (threads * gsize,)), acc, xs.device)
         xp, r = (buf["xp"] if gx is not None else buf["gates"]), tmp["r"]
         # the output in acc; with a low output dtype only the converted copy leaves (the float32 one is pooled)
         y = tmp["y"] if mm.mixed else pool.empty((dirs, rows, out_size), acc, xs)
@@ -410,10 +419,10 @@ class LSTMRecurrence(torch.autograd.Function):
             getattr(_lstm_lib(), f"lstm_forward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(active), _active_array(active), hidden, rows, w_hh.data_ptr(), tmp["wp"].data_ptr(),
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(bias), c.data_ptr(),
-                h.data_ptr(), address(rmask), y.data_ptr(), buf["gates"].data_ptr(), buf["c1"].data_ptr(),
-                address(buf["chist"]), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
+                h.data_ptr(), address(rmask), y.data_ptr(), (buf["gates"] if kept_gates else tmp["gw"]).data_ptr(),
+                buf["c1"].data_ptr(), address(buf["chist"]), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
                 address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, EPS, address(zc),
-                address(zh), zc_const, zh_const, 1, _low(round_bf16), threads)
+                address(zh), zc_const, zh_const, 1 if kept_gates else 2, _low(round_bf16), threads)
             if hd_low is not None:  # the backward's dW_hh operand (exact: hd holds bf16 values)
                 hd_low.copy_(hd)
         P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y1": y1, "zc": zc, "zh": zh}.items()}
@@ -454,49 +463,54 @@ class LSTMRecurrence(torch.autograd.Function):
     def backward(ctx, dy, dh_n, dc_n):
         if twice.recording(dy, dh_n, dc_n):  # create_graph: a differentiable recomputation instead of the kernels
             return _recorded_backward("LSTM", ctx, (dy, dh_n, dc_n))
-        xs, w_ih, gx, _, _, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep = ctx.saved_tensors
+        xs, w_ih, gx, bias, _, c0, w_hh, gh, gc, bc, peep, w_hr, rmask, zc, zh, keep = ctx.saved_tensors
         buf, mm = ctx.buf, ctx.mm
-        gates, hd, y1 = buf["gates"], buf["hd"], buf["y1"]
-        dirs, rows, gsize = gates.shape
-        hidden, batch, out_size = gsize // 4, ctx.batch, hd.size(2)
+        gates, hd, y1 = buf["gates"], buf["hd"], buf["y1"]  # (gates None: the C loop recomputes them)
+        c1 = buf["c1"]
+        dirs, rows, hidden = c1.shape
+        gsize, batch, out_size = 4 * hidden, ctx.batch, hd.size(2)
         clip, zc_const, zh_const, pclip = ctx.consts
         proj = w_hr is not None
-        bwd = getattr(_lstm_lib(), f"lstm_step_backward_{_SUFFIX[gates.dtype]}")
+        bwd = getattr(_lstm_lib(), f"lstm_step_backward_{_SUFFIX[c1.dtype]}")
         threads = torch.get_num_threads()
         need = ctx.needs_input_grad
-        acc = gates.dtype
-        gx, c0, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc) for t in (gx, c0, gh, gc, bc, peep, rmask, zc, zh))
-        dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, out_size)
-        dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else gates.new_zeros(dirs, batch, hidden)
+        acc = c1.dtype
+        gx, bias, c0, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc)
+                                                          for t in (gx, bias, c0, gh, gc, bc, peep, rmask, zc, zh))
+        dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else c1.new_zeros(dirs, batch, out_size)
+        dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else c1.new_zeros(dirs, batch, hidden)
         # with a projection: the kernel's output gradient is d h1 (dy1), its own state gradient stays 0
         # bf16 operands (as the forward's): the C loop rounds dr, its own buffer then, for the step products
         round_bf16 = _rounds_bf16(mm)
         separate_dr = gh is not None or gx is not None or round_bf16
         in_c = not proj and (not mm.mixed or round_bf16)  # the whole loop in one C call (lstm_backward_loop)
-        # where the graph dies with this backward, the C loop writes dpre over the saved gates and dr over
-        # the recurrent LayerNorm's rhat (each row read before it is written): two (D, N, G) buffers fewer
+        # where the graph dies with this backward, the C loop writes dpre over the saved gates (or, where it
+        # recomputes them, over the projection, the gate gradients of a step in dz) and dr over the
+        # recurrent LayerNorm's rhat (each row read before it is written): two (D, N, G) buffers fewer
         over = in_c and pool.graph_freed_after_this_backward()
         over_dr = over and gh is not None
         slab, tmp = pool.views(dict(
             dpre=None if over else (dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr and not over_dr else None,
-            gs=(threads * gsize,) if over else None,
+            gs=(threads * gsize,) if over or gates is None else None,
+            dz=(dirs * batch * gsize,) if gates is None else None,
             wp=_packed_weight(gsize, out_size, dirs) if in_c else None,
             dn=(dirs, batch, hidden), g=(dirs * ctx.active[0] * out_size,), dy1=(dirs, rows, hidden) if proj else None,
             dhp=(dirs, rows, out_size) if proj else None, **_low_grads(mm, (dirs, rows, gsize), separate_dr),
-            dy=_copied(dy, acc, (dirs, rows, out_size))), acc, gates.device)
-        dy = _acc_grad(dy, tmp["dy"], gates, (dirs, rows, out_size))
-        dpre, dn, g = (gates if over else tmp["dpre"]), tmp["dn"], tmp["g"]
+            dy=_copied(dy, acc, (dirs, rows, out_size))), acc, c1.device)
+        dy = _acc_grad(dy, tmp["dy"], c1, (dirs, rows, out_size))
+        dpre = tmp["dpre"] if not over else gates if gates is not None else buf["xp"]
+        dn, g = tmp["dn"], tmp["g"]
         dr = buf["rhat"] if over_dr else dpre if tmp["dr"] is None else tmp["dr"]
         dr_low = tmp["dr_low"]
         # the kernel sums the bias gradient next to the input gain's (acc_b needs acc_gx)
-        acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
-        acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias and need[3] else None
-        acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
-        acc_gc = gates.new_zeros(dirs, hidden) if gc is not None and (need[8] or need[9]) else None
-        acc_bc = gates.new_zeros(dirs, hidden) if acc_gc is not None else None
-        acc_peep = gates.new_zeros(dirs, 3 * hidden) if peep is not None and need[10] else None
+        acc_gx = c1.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
+        acc_b = c1.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias and need[3] else None
+        acc_gh = c1.new_zeros(dirs, gsize) if gh is not None and need[7] else None
+        acc_gc = c1.new_zeros(dirs, hidden) if gc is not None and (need[8] or need[9]) else None
+        acc_bc = c1.new_zeros(dirs, hidden) if acc_gc is not None else None
+        acc_peep = c1.new_zeros(dirs, 3 * hidden) if peep is not None and need[10] else None
         dy1, dhp = (tmp["dy1"], tmp["dhp"]) if proj else (dy, None)
-        dhk = gates.new_zeros(dirs, batch, hidden) if proj else dh
+        dhk = c1.new_zeros(dirs, batch, hidden) if proj else dh
         offsets = ctx.offsets
         P_ = {} if in_c else {k: _steps(v, offsets)  # (per-step addresses: the Python loop only)
                               for k, v in {**buf, "dy1": dy1, "zc": zc, "zh": zh, "dpre": dpre, "dr": dr}.items()}
@@ -510,10 +524,10 @@ class LSTMRecurrence(torch.autograd.Function):
                 dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_c.data_ptr(),
                 tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), dc.data_ptr(),
                 address(buf["chist"]), c0.data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
-                gates.data_ptr(), buf["c1"].data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
+                address(bias), address(gates), c1.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]),
                 address(buf["cstat"]), address(gh), address(gc), address(bc), address(peep), clip, address(zc),
                 address(zh), zc_const, zh_const, dpre.data_ptr(), dr.data_ptr(), dn.data_ptr(), address(tmp["gs"]),
-                *fixed[1:-1],
+                address(tmp["dz"]), *fixed[1:-1],
                 _low(round_bf16), threads)
             if dr_low is not None:  # dW_hh's operand (exact: dr holds bf16 values)
                 dr_low.copy_(dr)
