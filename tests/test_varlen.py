@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fastlayers
+from fastlayers.rnn._remat_segments import value_maps
 
 LENGTHS = [4, 1, 7, 3]
 CU = [0, 4, 5, 12, 15]
@@ -89,6 +90,61 @@ def test_varlen_in_training_mode_draws_the_padded_calls_masks():
     torch.manual_seed(3)
     y_pad, _ = layer(_pad(x, False), lengths=torch.tensor(LENGTHS))
     torch.testing.assert_close(y, _unpad(y_pad, False), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls, options", [layer for layer in LAYERS if layer[0] is not fastlayers.RNN],
+                         ids=lambda v: getattr(v, "__name__", None) or ",".join(f"{k}={w}" for k, w in v.items())
+                         or "plain")
+@pytest.mark.parametrize("training", [False, True])
+def test_varlen_with_checkpoint_every_runs_on_the_value_rows(cls, options, training, monkeypatch):
+    """checkpoint_every on the C engine: the segments read and write the values (N, F) through their
+    rows (no padded tensor), with the padded call's results with lengths (values, final states,
+    gradients; in training the same masks from the same seed)."""
+    from fastlayers.rnn import _remat
+
+    calls = []
+    monkeypatch.setattr(_remat, "value_maps", lambda *a: calls.append(1) or value_maps(*a))
+    torch.manual_seed(0)
+    layer = cls(5, 6, dtype=torch.float64, checkpoint_every=2, **options).train(training)
+    x = torch.randn(sum(LENGTHS), 5, dtype=torch.float64, requires_grad=True)
+    padded = _pad(x.detach(), layer.batch_first).requires_grad_()
+    torch.manual_seed(7)
+    y, final = layer(x, cu_seqlens=torch.tensor(CU))
+    assert calls == [1]  # once a call, every layer on the value rows
+    torch.manual_seed(7)
+    y_pad, final_pad = layer(padded, lengths=torch.tensor(LENGTHS))
+    want = _unpad(y_pad, layer.batch_first)
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+    for got, exp in zip(_states(final), _states(final_pad)):
+        torch.testing.assert_close(got, exp, rtol=0, atol=1e-12)
+    cotangent = torch.randn_like(y)
+    params = list(layer.parameters())
+    grads = torch.autograd.grad((y * cotangent).sum() + sum(s.square().sum() for s in _states(final)),
+                                [x, *params], allow_unused=True)
+    grads_pad = torch.autograd.grad((want * cotangent).sum() + sum(s.square().sum() for s in _states(final_pad)),
+                                    [padded, *params], allow_unused=True)
+    torch.testing.assert_close(grads[0], _unpad(grads_pad[0], layer.batch_first), rtol=0, atol=1e-12)
+    for name, g, g_pad in zip([n for n, _ in layer.named_parameters()], grads[1:], grads_pad[1:]):
+        assert (g is None) == (g_pad is None), name
+        if g is not None:
+            torch.testing.assert_close(g, g_pad, rtol=0, atol=1e-12, msg=name)
+
+
+def test_varlen_with_checkpoint_every_differentiates_twice():
+    """A recorded backward (create_graph) of the varlen segments: the second derivatives of the
+    layer without checkpoint_every."""
+    torch.manual_seed(0)
+    layer = fastlayers.LSTM(5, 6, bidirectional=True, layer_norm=True, dtype=torch.float64, checkpoint_every=3)
+    plain = fastlayers.LSTM(5, 6, bidirectional=True, layer_norm=True, dtype=torch.float64)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(sum(LENGTHS), 5, dtype=torch.float64, requires_grad=True)
+    results = []
+    for m in (layer, plain):
+        y, _ = m(x, cu_seqlens=torch.tensor(CU))
+        g, = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        results.append((g, *torch.autograd.grad(g.square().sum(), [x, *m.parameters()])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("cls", [fastlayers.LSTM, fastlayers.GRU, fastlayers.RNN])

@@ -389,18 +389,26 @@ class _CellOptionsMixin:
 
     def _forward_varlen(self, values: Any, hx: Any, cu_seqlens: Any, max_seqlen: Any) -> Any:
         """The varlen form on the C engine (its packed rows read from and written to the (N, ...)
-        layout directly) and, for a layer with cell options, on the Triton engine (its buffers sized
-        by the N value rows): no padded tensor, memory follows N, not B x T. Elsewhere (the
-        reference backend, plain layers off the C engine, recomputation) through the padded path,
-        and traced through the varlen operators (:meth:`_LengthsMixin._forward_varlen`)."""
+        layout directly; with ``checkpoint_every``, its segments too) and, for a layer with cell
+        options, on the Triton engine (its buffers sized by the N value rows): no padded tensor,
+        memory follows N, not B x T. Elsewhere (the reference backend, plain layers off the C engine,
+        recomputation off the C engine) through the padded path, and traced through the varlen
+        operators (:meth:`_LengthsMixin._forward_varlen`)."""
         backend = select(self.mode.lower(), values) if isinstance(values, Tensor) else None
         on_engine = backend == "cpu" or (backend == "triton" and (not self.options.plain
                                                                   or self._engine_precision(values)))
+        recomputes = self._recomputes()
         if not (isinstance(values, Tensor) and values.dim() == 2 and values.size(0) > 0) \
-                or torch.compiler.is_compiling() or not on_engine or self._recomputes():
+                or torch.compiler.is_compiling() or not on_engine or (recomputes and backend != "cpu"):
             return super()._forward_varlen(values, hx, cu_seqlens, max_seqlen)  # type: ignore[misc]
         lengths, rows = varlen_rows(backend, cu_seqlens, values.size(0), values.device, max_seqlen)
         states = self._varlen_states(values, hx, lengths.numel())  # type: ignore[attr-defined]
+        if recomputes:  # the segments on the values' rows (checkpointed's starts)
+            starts = cu_seqlens[:-1].to(device="cpu", dtype=torch.int64)
+            out, final = checkpointed(ENGINES[self.mode, backend], self.checkpoint_every, values, states,
+                                      self._layer_parameters(), lengths, self.options, dropout=self.dropout,
+                                      training=self.training, cell=self.mode, starts=starts)
+            return out, (final if self.mode == "LSTM" else final[0])
         out, final = ENGINES[self.mode, backend](values, states, self._layer_parameters(), lengths, self.options,
                                                  dropout=self.dropout, training=self.training, **rows)
         return out, (final if self.mode == "LSTM" else final[0])

@@ -33,6 +33,12 @@ rows flipped within each sequence's length so that the engine's reverse loop wal
 own time (:func:`_paired`); recorded backwards (second derivatives) and the reference engine run
 each direction's segment alone.
 
+The varlen form (values (N, F) with ``starts``, the C kernels' engine): the segments' rows are
+read from and written to the values themselves through per-direction maps of value rows
+(:func:`._remat_segments.value_maps`; the masks keep the padded layout's maps), so the output
+(N, D*P) and the input gradient (N, F) are all there is; a recorded backward pads the values
+inside, differentiably.
+
 Gradients are those of the run without segments up to the order of sums (the weight gradients
 add k-step partial sums); with k >= T the same kernels run in the same order. Second derivatives
 (a backward recorded with ``create_graph=True``) recompute the whole layer with autograd instead:
@@ -58,7 +64,7 @@ from ._gpu import gru_engine_gpu, lstm_engine_gpu
 from ._masks import keep_mask
 from ._options import CellOptions
 from ._reference import gru_reference, lstm_reference
-from ._remat_segments import Engine, Plan, Segments, Spec, row_maps, take
+from ._remat_segments import Engine, Plan, Segments, Spec, row_maps, take, value_maps
 
 
 def check_every(name: str, every: Any) -> int | str | None:
@@ -96,17 +102,26 @@ def segment_length(every: int | str, steps: int, dirs: int = 1, batch: int = 0) 
 def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tensor, ...],
                  layers: list[list[dict[str, Tensor]]], lengths: Tensor | None, options: CellOptions, *,
                  dropout: float = 0.0, training: bool = False, masks: list[dict[str, Tensor]] | None = None,
-                 cell: str = "LSTM") -> tuple[Tensor, tuple[Tensor, ...]]:
+                 cell: str = "LSTM", starts: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
     """``engine(input, hx, layers, lengths, options, dropout=, training=, masks=)`` (same arguments,
     masks and results) with every layer and direction run as segments of :func:`segment_length`
-    steps, recomputed in the backward (module docstring). ``cell``: "LSTM" or "GRU"."""
-    steps, batch = input.shape[:2]
+    steps, recomputed in the backward (module docstring). ``cell``: "LSTM" or "GRU". With
+    ``starts`` (B,) int64, each sequence's first row (the varlen form, the C kernels' engine only):
+    ``input`` is the values (N, F), the sequences one after another, and the output (N, D*P); no
+    padded tensor is made (a recorded backward pads the values inside)."""
+    if starts is not None:
+        steps, batch = int(lengths.max()), lengths.numel()
+    else:
+        steps, batch = input.shape[:2]
     dirs = len(layers[0])
     k = segment_length(every, steps, dirs, batch if engine in (lstm_engine, gru_engine) else 0)
     dev = input.device
     triton = engine in (lstm_engine_gpu, gru_engine_gpu)
     plan = Plan(steps, k, lengths, dev, flips=triton and dirs == 2)
     maps = row_maps(lengths, steps, batch, dirs, dev)
+    data_maps = flat_rows = None
+    if starts is not None:
+        data_maps, flat_rows = value_maps(maps, lengths.to(dev), starts.to(dev))
     finals: list[Tensor] = []
     x = input
     for li, dir_params in enumerate(layers):
@@ -119,7 +134,7 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
         names = list(dir_params[0])
         states = tuple(s[li * dirs:(li + 1) * dirs] for s in hx)
         spec = Spec(engine, plan, maps, options, training, m, len(states), names, width, cell,
-                     engine in (lstm_engine, gru_engine), triton)
+                     engine in (lstm_engine, gru_engine), triton, data_maps, flat_rows)
         x, *last = Segments.apply(spec, x, *states, *(p[n] for p in dir_params for n in names))
         finals.append(last)
         if dropout > 0 and training and li < len(layers) - 1:

@@ -36,6 +36,22 @@ def row_maps(lengths: Tensor | None, steps: int, batch: int, dirs: int, device: 
     return maps
 
 
+def value_maps(maps: list[Tensor], lengths: Tensor, starts: Tensor) -> tuple[list[Tensor], Tensor]:
+    """The varlen form's row maps: ``maps`` (:func:`row_maps`, flat rows of the padded (T*B, X) view)
+    turned into rows of the values (N, X), sequence b's step t at starts[b] + t (the padding rows,
+    which the C kernels' engine never reads, at the sequence's last row); and (N,) the padded flat
+    row of every value row. lengths, starts: (B,) int64 on the maps' device."""
+    steps, batch = maps[0].shape
+    last = (lengths - 1).unsqueeze(0)
+    out = [starts.unsqueeze(0) + torch.minimum(torch.div(m, batch, rounding_mode="floor"), last) for m in maps]
+    t = torch.arange(steps, device=lengths.device).unsqueeze(1)
+    valid = t < lengths.unsqueeze(0)  # (T, B)
+    flat = (t * batch + torch.arange(batch, device=lengths.device)).expand(steps, batch)
+    rows = torch.empty(int(lengths.sum()), dtype=torch.int64, device=lengths.device)
+    rows[(starts.unsqueeze(0) + t.expand(steps, batch))[valid]] = flat[valid]
+    return [m.contiguous() for m in out], rows
+
+
 def _reversed_steps(steps: int, batch: int, lengths: Tensor) -> Tensor:
     """(T, B) on the lengths' device: for row t of sequence b, the row of the same step with the time
     reversed within the sequence's length (lengths[b] - 1 - t), rows at or after the length
@@ -135,14 +151,19 @@ class Spec(NamedTuple):
     cell: str  # "LSTM" or "GRU"
     native: bool  # the engine is the C kernels' (lstm_engine / gru_engine): a segment's directions in one call
     triton: bool  # the engine is the Triton one: a segment's two directions run in one call (_paired)
+    # the varlen form (the C kernels' engine only): per direction, (T, B) rows of the values (N, F) that
+    # its input, output and their gradients are (value_maps); ``maps`` still index the masks' layout
+    data_maps: list[Tensor] | None = None
+    flat_rows: Tensor | None = None  # (N,) each value row's flat row in the padded (T*B, X) view
 
 
 class Segments(torch.autograd.Function):
     """One layer, every direction, over its segments (see the module docstring).
 
-    forward(ctx, spec, x, *tensors): ``spec`` a :class:`Spec`; x (T, B, F); ``tensors`` = the
-    states (D, B, width) then each direction's parameters (``spec.names`` order, direction after
-    direction). Returns the output (T, B, D*P) and the final states (D, B, width).
+    forward(ctx, spec, x, *tensors): ``spec`` a :class:`Spec`; x (T, B, F) (the varlen form,
+    ``spec.data_maps``: (N, F)); ``tensors`` = the states (D, B, width) then each direction's
+    parameters (``spec.names`` order, direction after direction). Returns the output (T, B, D*P)
+    (varlen: (N, D*P)) and the final states (D, B, width).
     """
 
     @staticmethod
@@ -175,7 +196,7 @@ class Segments(torch.autograd.Function):
         kept_flat = saved[1 + n_states + dirs * n_params:]
         if twice.recording(dy, *dfinal):  # create_graph (or batched gradients): the whole layer again, recorded
             return _recorded_backward(spec, x, tensors, dy, dfinal)
-        steps, batch = x.shape[:2]
+        steps, batch = spec.maps[0].shape
         # kept[j][d] = the states entering segment j of direction d, each (1, B, width)
         per_seg = n_states * dirs
         kept = [[kept_flat[j * per_seg + d * n_states:j * per_seg + (d + 1) * n_states] for d in range(dirs)]
@@ -185,8 +206,11 @@ class Segments(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[1]:  # (the C kernels' engine: from the block cache, as the output)
             dx = (pool.empty(tuple(x.shape), x.dtype, x) if spec.native else x.new_empty(x.shape)).zero_()
-        x2, dy2 = x.reshape(steps * batch, -1), dy.reshape(steps * batch, -1)  # copies only if strided
-        dx2 = dx.view(steps * batch, -1) if dx is not None else None
+        if spec.data_maps is not None:  # the values themselves
+            x2, dy2 = x, dy.contiguous()
+        else:
+            x2, dy2 = x.reshape(steps * batch, -1), dy.reshape(steps * batch, -1)  # copies only if strided
+        dx2 = dx.view(x2.size(0), -1) if dx is not None else None
         acc = precision.dtypes(x)[1]  # (the states' gradients carried in acc, as the states are)
         carry = [(g.to(acc, copy=True) if g is not None else torch.zeros_like(s, dtype=acc))
                  for g, s in zip(dfinal, tensors[:n_states])]
@@ -330,7 +354,8 @@ def _packed(spec: Spec, j: int, device: torch.device) -> _Packed:
     def pack(t: Tensor) -> Tensor:  # (k * B_j, ...) in (step, batch) order -> packed rows
         return t if packed is None else t.index_select(0, packed)
 
-    idx = torch.stack([pack(_index(spec.maps[d], start, stop, rows)) for d in range(dirs)])  # (D, N)
+    maps = spec.data_maps if spec.data_maps is not None else spec.maps
+    idx = torch.stack([pack(_index(maps[d], start, stop, rows)) for d in range(dirs)])  # (D, N)
     masks: dict[str, Tensor] = {}
     per_dir = [_segment_masks(spec, j, d) or {} for d in range(dirs)]
     for key in per_dir[0]:
@@ -502,7 +527,7 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
     output (T, B, D*P), the final states (D, B, width)); ``kept`` receives the states entering
     each segment (segment after segment, direction after direction, state after state)."""
     n_states, n_params, dirs = spec.n_states, len(spec.names), len(spec.maps)
-    steps, batch = x.shape[:2]
+    steps, batch = spec.maps[0].shape
     low, acc = precision.dtypes(x)  # the engines' output dtype (the low one under autocast) and float32's
     # the states between segments in acc, as the engines carry them between steps (precision.states_in_acc)
     states = [[s[d:d + 1].to(acc) for s in tensors[:n_states]] for d in range(dirs)]
@@ -516,13 +541,16 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
     # the C kernels' engine without autograd (eager: the projection reads the input's rows itself)
     native = spec.native and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
         and not torch.jit.is_tracing()
-    shape = (steps, batch, dirs * spec.width)
+    varlen = spec.data_maps is not None  # the values (N, F) in, (N, D*P) out: every row written
+    if varlen and not native:  # (recorded backwards pad the values first: _recorded_backward)
+        raise RuntimeError("checkpoint_every: the varlen form runs on the C kernels' engine without autograd only")
+    shape = (x.size(0), dirs * spec.width) if varlen else (steps, batch, dirs * spec.width)
     # with the C kernels' engine the output's memory from the block cache (mapped already on a repeated call)
     out = pool.empty(shape, low, x) if native else x.new_empty(shape, dtype=low)
-    if not full:
+    if not full and not varlen:
         out.zero_()  # zeros at t >= len_b
-    out2 = out.view(steps * batch, -1)
-    x2 = x.reshape(steps * batch, -1)
+    out2 = out.view(-1, out.size(-1)) if varlen else out.view(steps * batch, -1)
+    x2 = x if varlen else x.reshape(steps * batch, -1)
     if paired or native:  # the engine takes the rows of parameters stacked once without a copy per segment
         params = _directions(_stack_once(spec.names, tensors[n_states:], dirs), dirs)
     for j in range(len(spec.plan.bounds)):
@@ -567,9 +595,19 @@ def _merge(states: list[Tensor], new: tuple[Tensor, ...], rows: Tensor | None) -
 
 def _recorded_backward(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...], dy: Tensor,
                        dfinal: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-    def layer(x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
-        out, states = _all_segments(spec, x, tensors)
-        return (out, *states)
+    if spec.data_maps is not None:  # the varlen form: through the padded layout, differentiably
+        steps, batch = spec.maps[0].shape
+        padded = spec._replace(data_maps=None, flat_rows=None)
+        rows = spec.flat_rows
+
+        def layer(x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+            flat = x.new_zeros(steps * batch, x.size(1)).index_copy(0, rows, x)
+            out, states = _all_segments(padded, flat.view(steps, batch, -1), tensors)
+            return (out.reshape(steps * batch, -1).index_select(0, rows), *states)
+    else:
+        def layer(x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+            out, states = _all_segments(spec, x, tensors)
+            return (out, *states)
 
     inputs = [x, *tensors]
     return (None, *twice.recorded_vjp(layer, inputs, [dy, *dfinal], [t.requires_grad for t in inputs]))
