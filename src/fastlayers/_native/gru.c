@@ -12,8 +12,11 @@
  *   rg = sig(x_r + hb_r)   zg = sig(x_z + hb_z)   ng = tanh(x_n + rg * hb_n)
  *   h1 = (1 - zg) * ng + zg * h0
  *   h  = zh * h0 + (1 - zh) * h1;  y = h;  hd_next = h * rmask (first n_next rows)
- * Saved for the backward: gates (rg, zg, ng), hbn = hb_n, h0 (hist), rhat/rrstd, xstat (mean,
- * rstd of xp; x-hat is recomputed from xp).
+ * Saved for the backward: gates (rg, zg, ng), hbn = hb_n, h0 (hist), rhat/rrstd, xstat (mean,       \
+ * rstd of xp; x-hat is recomputed from xp). With both LayerNorms the time loops keep neither gates  \
+ * nor hbn (keep = 2): the backward recomputes them from xp and rhat with the forward's own functions \
+ * (gru_norm_gates, gru_new_gate). The backward that ends a graph writes its gradients over saved    \
+ * rows it has read (dpre over the gates or xp, dr over rhat).                                       \
  *
  * Entry points as lstm.c's: gru_step_forward / gru_step_backward run one step (the caller runs the
  * recurrent product between steps), gru_forward_loop / gru_backward_loop a layer's whole time loop
@@ -41,7 +44,29 @@ typedef struct {                                                                
     T* y; T* gates; T* hbn; T* hist; T* hd_next; T* rhat; T* rrstd;                                  \
     const T* gh; T eps; const T* zh; T zh_const;                                                     \
     int low; /* round hd_next to bfloat16 (fl_next_input) */                                         \
+    T* grow; /* where non-NULL, the row's gates and hbn (G + H values) go into this work space */    \
 } gru_fwd_##SUFFIX;                                                                                  \
+                                                                                                     \
+/* The gates from their inputs, shared by the forward and the backward's recomputation (where the    \
+ * forward kept none): with the input part x already in gr, from LNh's rhat: r, z = sig(x + gh *     \
+ * rhat + b_hh), hbn = gh * rhat_n + b_hn (b_hh may be NULL); then n = tanh(x_n + r * hbn). */       \
+static inline __attribute__((always_inline)) void gru_norm_gates_##SUFFIX(                           \
+    int64_t H, const T* restrict ghd, const T* restrict rh, const T* restrict bh, T* restrict gr,    \
+    T* restrict hbr)                                                                                 \
+{                                                                                                    \
+    if (bh) {                                                                                        \
+        for (int64_t k = 0; k < H; k++) hbr[k] = ghd[2 * H + k] * rh[2 * H + k] + bh[2 * H + k];     \
+        for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + (ghd[k] * rh[k] + bh[k])); \
+    } else {                                                                                         \
+        for (int64_t k = 0; k < H; k++) hbr[k] = ghd[2 * H + k] * rh[2 * H + k];                     \
+        for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + ghd[k] * rh[k]);           \
+    }                                                                                                \
+}                                                                                                    \
+static inline __attribute__((always_inline)) void gru_new_gate_##SUFFIX(                             \
+    int64_t H, const T* restrict hbr, T* restrict gr)                                                \
+{                                                                                                    \
+    for (int64_t k = 0; k < H; k++) gr[2 * H + k] = TANH(gr[2 * H + k] + gr[k] * hbr[k]);            \
+}                                                                                                    \
                                                                                                      \
 /* the state update; `masked` is a constant after inlining, so each call's loop vectorises */       \
 static inline __attribute__((always_inline)) void gru_update_##SUFFIX(                              \
@@ -63,7 +88,8 @@ static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)   
     const int64_t v = d * a->ss + b; /* the row of the saved buffers (gates, hbn, hist, statistics) */ \
     const T* xr = a->xp + row * G; /* may be gr: the projection turned into the gates in place */    \
     const T* restrict rr = a->r + (d * a->rs + b) * G;                                               \
-    T* restrict gr = a->gates + v * G; T* restrict hbr = a->hbn + v * H;                             \
+    T* restrict gr = a->grow ? a->grow : a->gates + v * G;                                           \
+    T* restrict hbr = a->grow ? a->grow + G : a->hbn + v * H;                                        \
     T* restrict hr = a->h + srow * H; T* restrict yr = a->y + row * H;                               \
     T* restrict h0r = a->hist + v * H;                                                             \
     const T* restrict bh = a->b_hh ? a->b_hh + d * G : 0;                                            \
@@ -76,15 +102,8 @@ static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)   
     }                                                                                                \
     /* hb = LNh(r) (or r) + b_hh: its n part into hbn; r and z: gates += hb, then the sigmoid */     \
     if (a->gh) {                                                                                     \
-        fl_layer_norm_##SUFFIX(rr, G, a->eps, a->rhat + v * G, a->rrstd + v);                    \
-        const T* restrict ghd = a->gh + d * G; const T* restrict rh = a->rhat + v * G;             \
-        if (bh) {                                                                                    \
-            for (int64_t k = 0; k < H; k++) hbr[k] = ghd[2 * H + k] * rh[2 * H + k] + bh[2 * H + k];  \
-            for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + (ghd[k] * rh[k] + bh[k])); \
-        } else {                                                                                     \
-            for (int64_t k = 0; k < H; k++) hbr[k] = ghd[2 * H + k] * rh[2 * H + k];                 \
-            for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + ghd[k] * rh[k]);       \
-        }                                                                                            \
+        fl_layer_norm_##SUFFIX(rr, G, a->eps, a->rhat + v * G, a->rrstd + v);                        \
+        gru_norm_gates_##SUFFIX(H, a->gh + d * G, a->rhat + v * G, bh, gr, hbr);                     \
     } else if (bh) {                                                                                 \
         for (int64_t k = 0; k < H; k++) hbr[k] = rr[2 * H + k] + bh[2 * H + k];                      \
         for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + (rr[k] + bh[k]));          \
@@ -92,7 +111,7 @@ static void gru_forward_row_##SUFFIX(const gru_fwd_##SUFFIX* a, int64_t task)   
         for (int64_t k = 0; k < H; k++) hbr[k] = rr[2 * H + k];                                      \
         for (int64_t k = 0; k < 2 * H; k++) gr[k] = gsig_##SUFFIX(gr[k] + rr[k]);                    \
     }                                                                                                \
-    for (int64_t k = 0; k < H; k++) gr[2 * H + k] = TANH(gr[2 * H + k] + gr[k] * hbr[k]);            \
+    gru_new_gate_##SUFFIX(H, hbr, gr);                                                               \
     if (a->zh) gru_update_##SUFFIX(H, gr, h0r, hr, yr, a->zh + row * H, 0, 1);                       \
     else gru_update_##SUFFIX(H, gr, h0r, hr, yr, 0, a->zh_const, 0);                                 \
     if (a->hd_next && b < a->n_next)                                                                 \
@@ -119,8 +138,8 @@ void gru_step_forward_##SUFFIX(                                                 
 {                                                                                                    \
     const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, ds, n, xp, xstat, gx, b_ih, r, h, rmask,     \
                                 b_hh, y, gates, hbn, hist, hd_next, rhat, rrstd, gh, eps, zh,        \
-                                zh_const, 0};                                                        \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
+                                zh_const, 0, 0};                                                     \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                               \
     for (int64_t task = 0; task < D * n; task++) gru_forward_row_##SUFFIX(&a, task);                 \
 }                                                                                                    \
                                                                                                      \
@@ -137,8 +156,19 @@ typedef struct {                                                                
     const T* rhat; const T* rrstd; const T* gh; const T* zh; T zh_const;                             \
     T* dpre; T* dhb; T* dr; T* acc_gx; T* acc_b; T* acc_gh;                                          \
     int low; /* dr rounded to bfloat16 after the row (dr its own buffer: copied from dhb) */         \
-    T* gs; /* G values of this thread's work space where dpre aliases gates or dr rhat, else NULL */ \
+    T* gs; /* G + H values of this thread's work space where dpre aliases gates or dr rhat, or the   \
+            * gates are recomputed, else NULL */                                                     \
+    const T* b_ih; const T* b_hh; /* the recomputation's biases (gates == NULL), else unused */      \
+    T* dz; /* dpre's values before the input LayerNorm's backward: NULL, in dpre's rows; else one    \
+            * step's, (D, B, G), reused */                                                           \
 } gru_bwd_##SUFFIX;                                                                                  \
+                                                                                                     \
+/* a row's gradients of the input part (before the input LayerNorm's backward): dpre's row or the    \
+ * step's own row of dz */                                                                           \
+static inline T* gru_dz_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t d, int64_t b)                    \
+{                                                                                                    \
+    return a->dz ? a->dz + (d * a->B + b) * 3 * a->H : a->dpre + (d * a->ds + b) * 3 * a->H;         \
+}                                                                                                    \
                                                                                                      \
 static inline __attribute__((always_inline)) void gru_back_##SUFFIX(                                \
     int64_t H, const T* restrict gr, const T* restrict hbr, const T* restrict h0r,                   \
@@ -162,12 +192,26 @@ static void gru_backward_row_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)  
 {                                                                                                    \
     const int64_t H = a->H, G = 3 * H, n = a->n;                                                     \
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
-    const T* gr = a->gates + row * G; const T* hbr = a->hbn + row * H; const T* h0r = a->hist + row * H; \
+    const T* h0r = a->hist + row * H;                                                                \
     const T* dyr = a->dy + row * H; T* dhr = a->dh + srow * H;                                       \
-    T* dp = a->dpre + row * G; T* db = a->dhb + row * G;                                             \
-    /* dpre written over the saved gates (gru_backward_loop, the graph's last backward): the row's   \
-     * gates read from a copy */                                                                     \
-    if (a->dpre == a->gates) { memcpy(a->gs, gr, sizeof(T) * G); gr = a->gs; }                       \
+    T* dp = gru_dz_##SUFFIX(a, d, b); T* db = a->dhb + row * G;                                      \
+    /* the row's gates and hbn: recomputed where the forward kept none (both LayerNorms: from xp and \
+     * rhat, as the forward computed them); read from a copy where dpre is written over them         \
+     * (gru_backward_loop, the graph's last backward) */                                             \
+    const T* gr; const T* hbr;                                                                       \
+    if (!a->gates) {                                                                                 \
+        T* gw = a->gs;                                                                               \
+        fl_affine_norm_##SUFFIX(a->xp + row * G, a->xstat + 2 * row, a->gx + d * G,                  \
+                                a->b_ih ? a->b_ih + d * G : 0, G, gw);                               \
+        gru_norm_gates_##SUFFIX(H, a->gh + d * G, a->rhat + row * G, a->b_hh ? a->b_hh + d * G : 0, gw, \
+                                gw + G);                                                             \
+        gru_new_gate_##SUFFIX(H, gw + G, gw);                                                        \
+        gr = gw; hbr = gw + G;                                                                       \
+    } else if (a->dpre == a->gates) {                                                                \
+        memcpy(a->gs, a->gates + row * G, sizeof(T) * G); gr = a->gs; hbr = a->hbn + row * H;        \
+    } else {                                                                                         \
+        gr = a->gates + row * G; hbr = a->hbn + row * H;                                             \
+    }                                                                                                \
     if (a->zh) gru_back_##SUFFIX(H, gr, hbr, h0r, dyr, dhr, dp, db, a->zh + row * H, 0, 1);          \
     else gru_back_##SUFFIX(H, gr, hbr, h0r, dyr, dhr, dp, db, 0, a->zh_const, 0);                    \
 }                                                                                                    \
@@ -202,7 +246,7 @@ static inline void gru_sum_row_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t d, in
     const int64_t G = 3 * a->H, row = d * a->ds + b;                                                 \
     if (a->acc_gx)                                                                                   \
         fl_accumulate_norm_##SUFFIX(a->acc_gx + d * G, a->acc_b ? a->acc_b + d * G : 0,              \
-                                    a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row, k0, k1); \
+                                    gru_dz_##SUFFIX(a, d, b), a->xp + row * G, a->xstat + 2 * row, k0, k1); \
     if (a->acc_gh) { const T* db = a->dhb + row * G; const T* rh = a->rhat + row * G;                \
         T* acc = a->acc_gh + d * G;                                                                  \
         for (int64_t k = k0; k < k1; k++) acc[k] += db[k] * rh[k]; }                                 \
@@ -215,11 +259,14 @@ static void gru_backward_sums_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task) 
     for (int64_t b = 0; b < a->n; b++) gru_sum_row_##SUFFIX(a, d, b, k0, k1);                        \
 }                                                                                                    \
                                                                                                      \
+/* through x = LNx(xp): dpre's row from dz (in place where dz is dpre's row; dpre may be xp, each    \
+ * value read before it is written) */                                                               \
 static void gru_backward_input_norm_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                \
 {                                                                                                    \
     const int64_t G = 3 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
-    fl_input_norm_backward_row_##SUFFIX(a->dpre + row * G, a->xp + row * G, a->xstat + 2 * row,      \
-                                        a->gx + d * G, G);                                           \
+    T* dz = gru_dz_##SUFFIX(a, d, task % a->n); const T* gxd = a->gx + d * G;                        \
+    for (int64_t k = 0; k < G; k++) dz[k] *= gxd[k];                                                 \
+    fl_layer_norm_backward_stat_##SUFFIX(dz, a->xp + row * G, a->xstat + 2 * row, G, a->dpre + row * G); \
 }                                                                                                    \
 /* as gru_forward_prefetch: the saved rows a backward row reads */                                   \
 static inline __attribute__((always_inline)) void gru_backward_prefetch_##SUFFIX(                    \
@@ -227,7 +274,7 @@ static inline __attribute__((always_inline)) void gru_backward_prefetch_##SUFFIX
 {                                                                                                    \
     const int64_t H = a->H, G = 3 * H, row = shift + d * a->ds + b;                                  \
     const int64_t g = G * sizeof(T), h = H * sizeof(T);                                              \
-    fl_prefetch(a->gates + row * G, g); fl_prefetch(a->hbn + row * H, h);                            \
+    if (a->gates) { fl_prefetch(a->gates + row * G, g); fl_prefetch(a->hbn + row * H, h); }          \
     fl_prefetch(a->hist + row * H, h); fl_prefetch(a->dy + row * H, h);                              \
     if (a->rhat) fl_prefetch(a->rhat + row * G, g);                                                  \
     if (a->xstat) fl_prefetch(a->xp + row * G, g);                                                   \
@@ -242,7 +289,7 @@ void gru_step_backward_##SUFFIX(                                                
     T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int nthreads)                            \
 {                                                                                                    \
     const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy, dh, hist, gates, hbn, xp, xstat, gx, rhat, rrstd, \
-                                gh, zh, zh_const, dpre, dhb, dr, acc_gx, acc_b, acc_gh, 0, 0};       \
+                                gh, zh, zh_const, dpre, dhb, dr, acc_gx, acc_b, acc_gh, 0, 0, 0, 0, 0}; \
     const int64_t nchunks = (3 * H + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;            \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) {                                                   \
@@ -262,8 +309,9 @@ void gru_step_backward_##SUFFIX(                                                
 /* The whole forward time loop of a layer, as lstm_forward_loop: w (D, G, H) contiguous (W_hh as  \
  * it is), wp of D * H * round_up(G, 32) values, r of D * active[0] * G; the caller fills hd's       \
  * first active[0] rows (h0 * rmask); the other buffers as gru_step_forward's, at packed row 0;     \
- * keep = 0: gates, hbn, hist and the statistics hold one step, (D, B, X), reused; low as            \
- * lstm_forward_loop's. */                                                                           \
+ * keep = 0: gates, hbn, hist and the statistics hold one step, (D, B, X), reused; keep = 2 (both    \
+ * LayerNorms): all kept but the gates and hbn, which the backward recomputes (gates: work space of  \
+ * nthreads * (G + H) values, hbn unused); low as lstm_forward_loop's. */                            \
 void gru_forward_loop_##SUFFIX(                                                                      \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w, T* wp, T* r,                                                                         \
@@ -271,7 +319,7 @@ void gru_forward_loop_##SUFFIX(                                                 
     T* y, T* gates, T* hbn, T* hist, T* hd, T* rhat, T* rrstd,                                       \
     const T* gh, T eps, const T* zh, T zh_const, int keep, int low, int nthreads)                    \
 {                                                                                                    \
-    const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0;                    \
+    const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(G), so = keep ? 1 : 0, sg = keep == 1 ? 1 : 0; \
     /* low = 2: the step products in bf16 where the CPU has them (gemm_bf16.h) */                    \
     uint16_t* const scratch = fl_bf16_scratch(fl_bf16_ok_##SUFFIX(low), nthreads, D * B, H);         \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
@@ -293,10 +341,10 @@ void gru_forward_loop_##SUFFIX(                                                 
             const int64_t sv = so * o; /* the saved buffers' first row of this step (0: reused) */   \
             const gru_fwd_##SUFFIX a = {D, B, n, n_next, H, ds, keep ? ds : B, active[0],            \
                 xp + o * G,                                                                          \
-                xstat ? xstat + 2 * sv : 0, gx, b_ih, r, h, rmask, b_hh, y + o * H, gates + sv * G,  \
-                hbn + sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0,                          \
+                xstat ? xstat + 2 * sv : 0, gx, b_ih, r, h, rmask, b_hh, y + o * H,                  \
+                gates + sg * sv * G, hbn + sg * sv * H, hist + sv * H, n_next ? hd + (o + n) * H : 0, \
                 rhat ? rhat + sv * G : 0, rrstd ? rrstd + sv : 0, gh, eps, zh ? zh + o * H : 0,      \
-                zh_const, low};                                                                      \
+                zh_const, low, keep == 2 ? gates + tid * (G + H) : 0};                               \
             if (by_rows || !sync) { /* this thread's rows, fl_row_block */                           \
                 int64_t d0, d1, b0, b1, pd, pb, sh;                                                  \
                 fl_row_block(by_rows, D, tid, nt, n, lo, hi, &d0, &d1, &b0, &b1);                    \
@@ -322,15 +370,17 @@ void gru_forward_loop_##SUFFIX(                                                 
  * three passes of gru_step_backward, then dh[d, :n] += (dr[d, o:o+n] @ w[d]) (* rmask); w (D, G, H) \
  * contiguous (W_hh), wp of D * G * round_up(H, 32) values, g of D * active[0] * H (used with       \
  * rmask); the other buffers as gru_step_backward's, at packed row 0. dpre may be gates and dr       \
- * rhat (the saved buffers written over, where the graph dies with this backward); then gs holds     \
- * nthreads * G values of work space (else it may be NULL). */                                       \
+ * rhat (the saved buffers written over, where the graph dies with this backward); gates and hbn     \
+ * NULL (the forward's keep = 2): each row's recomputed (b_ih, b_hh then the forward's), dz holds    \
+ * a step's input-part gradients (D * B * G values) and dpre may be xp. gs: nthreads * (G + H)       \
+ * values of work space where any of these holds (else it may be NULL). */                           \
 void gru_backward_loop_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w, T* wp, T* g, const T* rmask,                                                         \
     const T* dy, T* dh, const T* hist, const T* gates, const T* hbn,                                 \
-    const T* xp, const T* xstat, const T* gx,                                                        \
+    const T* xp, const T* xstat, const T* gx, const T* b_ih, const T* b_hh,                          \
     const T* rhat, const T* rrstd, const T* gh, const T* zh, T zh_const,                             \
-    T* dpre, T* dhb, T* dr, T* gs, T* acc_gx, T* acc_b, T* acc_gh, int low, int nthreads)            \
+    T* dpre, T* dhb, T* dr, T* gs, T* dz, T* acc_gx, T* acc_b, T* acc_gh, int low, int nthreads)     \
 {                                                                                                    \
     const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
     const int64_t nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;               \
@@ -354,11 +404,12 @@ void gru_backward_loop_##SUFFIX(                                                
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
             o -= n;                                                                                  \
-            const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy + o * H, dh, hist + o * H, gates + o * G, \
-                hbn + o * H, xp ? xp + o * G : 0, xstat ? xstat + 2 * o : 0, gx,                     \
+            const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy + o * H, dh, hist + o * H,                \
+                gates ? gates + o * G : 0, gates ? hbn + o * H : 0, xp ? xp + o * G : 0,             \
+                xstat ? xstat + 2 * o : 0, gx,                                                       \
                 rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, gh, zh ? zh + o * H : 0, zh_const,   \
                 dpre + o * G, dhb + o * G, dr + o * G, mine[0], mine[1], mine[2], low,               \
-                gs ? gs + tid * G : 0};                                                              \
+                gs ? gs + tid * (G + H) : 0, b_ih, b_hh, dz};                                        \
             const int drs = gru_has_dr_##SUFFIX(&a);                                                 \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \

@@ -61,7 +61,7 @@ def _gru_lib():
         "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT],
         "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT, INT,
                                                                                           INT],
-        "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 7
+        "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 5 + [P] * 4 + [real] + [P] * 8
         + [INT, INT]})
 
 
@@ -606,18 +606,22 @@ class GRURecurrence(torch.autograd.Function):
         threads = torch.get_num_threads()
         gx, b_ih, b_hh, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
         h = h0.to(acc, copy=True).contiguous()
+        round_bf16 = _rounds_bf16(mm)  # as the LSTM's
+        in_c = not mm.mixed or round_bf16  # the whole time loop in one C call (gru_forward_loop), as the LSTM's
+        # with both LayerNorms the C loops keep neither gates nor hbn: the backward recomputes them (as the LSTM's)
+        kept_gates = not (in_c and gx is not None and gh is not None)
         slab, buf = pool.views(dict(  # every row of these gets written
-            xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize), hbn=(dirs, rows, hidden),
+            xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize) if kept_gates else None,
+            hbn=(dirs, rows, hidden) if kept_gates else None,
             hist=(dirs, rows, hidden), hd=(dirs, rows, hidden), xstat=(dirs, rows, 2) if gx is not None else None,
             rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
             **_low_copies(mm, ctx, xs, hd=(dirs, rows, hidden))),
             acc, xs.device, fresh=getattr(ctx, "fresh", False))
         # the forward's own work space (the projection is saved for the input LayerNorm's backward, else
-        # written into the gates' rows, as the LSTM's)
-        round_bf16 = _rounds_bf16(mm)  # as the LSTM's
-        in_c = not mm.mixed or round_bf16  # the whole time loop in one C call (gru_forward_loop), as the LSTM's
+        # written into the gates' rows, as the LSTM's; without kept gates, a row of them and of hbn per thread)
         tmp_slab, tmp = pool.views(dict(r=(dirs * first * gsize,), y=(dirs, rows, hidden) if mm.mixed else None,
-                                         wp=_packed_weight(hidden, gsize, dirs) if in_c else None), acc, xs.device)
+                                         wp=_packed_weight(hidden, gsize, dirs) if in_c else None,
+                                         gw=None if kept_gates else (threads * (gsize + hidden),)), acc, xs.device)
         y = tmp["y"] if mm.mixed else pool.empty((dirs, rows, hidden), acc, xs)  # as in LSTMRecurrence
         xp, r, hd, hd_low = (buf["xp"] if gx is not None else buf["gates"]), tmp["r"], buf["hd"], buf.get("hd_low")
         xs_op = _into(buf.get("xs_low"), xs)
@@ -630,9 +634,10 @@ class GRURecurrence(torch.autograd.Function):
             getattr(_gru_lib(), f"gru_forward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(active), _active_array(active), hidden, rows, w_hh.data_ptr(), tmp["wp"].data_ptr(),
                 r.data_ptr(), xp.data_ptr(), address(buf["xstat"]), address(gx), address(b_ih), h.data_ptr(),
-                address(rmask), address(b_hh), y.data_ptr(), buf["gates"].data_ptr(), buf["hbn"].data_ptr(),
-                buf["hist"].data_ptr(), hd.data_ptr(), address(buf["rhat"]), address(buf["rrstd"]), address(gh), EPS,
-                address(zh), zh_const, 1, _low(round_bf16), threads)
+                address(rmask), address(b_hh), y.data_ptr(), (buf["gates"] if kept_gates else tmp["gw"]).data_ptr(),
+                (buf["hbn"] if kept_gates else tmp["gw"]).data_ptr(), buf["hist"].data_ptr(), hd.data_ptr(),
+                address(buf["rhat"]), address(buf["rrstd"]), address(gh), EPS, address(zh), zh_const,
+                1 if kept_gates else 2, _low(round_bf16), threads)
             if hd_low is not None:  # as the LSTM's
                 hd_low.copy_(hd)
         P_ = {} if in_c else {k: _steps(v, offsets) for k, v in {**buf, "xp": xp, "y": y, "zh": zh}.items()}
@@ -657,35 +662,39 @@ class GRURecurrence(torch.autograd.Function):
     def backward(ctx, dy, dh_n):
         if twice.recording(dy, dh_n):  # create_graph: a differentiable recomputation instead of the kernels
             return _recorded_backward("GRU", ctx, (dy, dh_n))
-        xs, w_ih, gx, _, _, w_hh, _, gh, rmask, zh = ctx.saved_tensors
+        xs, w_ih, gx, b_ih, _, w_hh, b_hh, gh, rmask, zh = ctx.saved_tensors
         buf, mm = ctx.buf, ctx.mm
-        gates, hd = buf["gates"], buf["hd"]
-        dirs, rows, gsize = gates.shape
-        hidden, batch = gsize // 3, ctx.batch
+        gates, hd = buf["gates"], buf["hd"]  # (gates None: the C loop recomputes them)
+        dirs, rows, hidden = hd.shape
+        gsize, batch = 3 * hidden, ctx.batch
         (zh_const,) = ctx.consts
-        bwd = getattr(_gru_lib(), f"gru_step_backward_{_SUFFIX[gates.dtype]}")
+        bwd = getattr(_gru_lib(), f"gru_step_backward_{_SUFFIX[hd.dtype]}")
         threads = torch.get_num_threads()
         need = ctx.needs_input_grad
-        acc = gates.dtype
-        gx, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, gh, rmask, zh))
-        dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else gates.new_zeros(dirs, batch, hidden)
+        acc = hd.dtype
+        gx, b_ih, b_hh, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
+        dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else hd.new_zeros(dirs, batch, hidden)
         round_bf16 = _rounds_bf16(mm)  # as the LSTM's: dr its own buffer, rounded in the C loop
         in_c = not mm.mixed or round_bf16  # the whole loop in one C call (gru_backward_loop), as the forward's
-        over = in_c and pool.graph_freed_after_this_backward()  # dpre over the gates, dr over rhat (as the LSTM's)
+        # dpre over the gates (or, where it recomputes them, over the projection, the input part's gradients of
+        # a step in dz), dr over rhat (as the LSTM's)
+        over = in_c and pool.graph_freed_after_this_backward()
         over_dr = over and gh is not None
         slab, tmp = pool.views(dict(dpre=None if over else (dirs, rows, gsize), dhb=(dirs, rows, gsize),
                                      dr=(dirs, rows, gsize) if (gh is not None or round_bf16) and not over_dr else None,
-                                     gs=(threads * gsize,) if over else None,
+                                     gs=(threads * (gsize + hidden),) if over or gates is None else None,
+                                     dz=(dirs * batch * gsize,) if gates is None else None,
                                      wp=_packed_weight(gsize, hidden, dirs) if in_c else None,
                                      g=(dirs * ctx.active[0] * hidden,), **_low_grads(mm, (dirs, rows, gsize), True),
-                                     dy=_copied(dy, acc, (dirs, rows, hidden))), acc, gates.device)
-        dy = _acc_grad(dy, tmp["dy"], gates, (dirs, rows, hidden))
-        dpre, dhb, g = (gates if over else tmp["dpre"]), tmp["dhb"], tmp["g"]
+                                     dy=_copied(dy, acc, (dirs, rows, hidden))), acc, hd.device)
+        dy = _acc_grad(dy, tmp["dy"], hd, (dirs, rows, hidden))
+        dpre = tmp["dpre"] if not over else gates if gates is not None else buf["xp"]
+        dhb, g = tmp["dhb"], tmp["g"]
         dr = buf["rhat"] if over_dr else dhb if tmp["dr"] is None else tmp["dr"]
         dr_low = tmp["dr_low"]
-        acc_gx = gates.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
-        acc_b = gates.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias[0] and need[3] else None
-        acc_gh = gates.new_zeros(dirs, gsize) if gh is not None and need[7] else None
+        acc_gx = hd.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
+        acc_b = hd.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias[0] and need[3] else None
+        acc_gh = hd.new_zeros(dirs, gsize) if gh is not None and need[7] else None
         offsets = ctx.offsets
         P_ = {} if in_c else {k: _steps(v, offsets)  # (per-step addresses: the Python loop only)
                               for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
@@ -695,10 +704,10 @@ class GRURecurrence(torch.autograd.Function):
             getattr(_gru_lib(), f"gru_backward_loop_{_SUFFIX[acc]}")(
                 dirs, batch, len(ctx.active), _active_array(ctx.active), hidden, rows, w_c.data_ptr(),
                 tmp["wp"].data_ptr(), g.data_ptr(), address(rmask), dy.data_ptr(), dh.data_ptr(), buf["hist"].data_ptr(),
-                gates.data_ptr(), buf["hbn"].data_ptr(), address(buf["xp"]), address(buf["xstat"]), address(gx),
-                address(buf["rhat"]), address(buf["rrstd"]), address(gh), address(zh), zh_const, dpre.data_ptr(),
-                dhb.data_ptr(), dr.data_ptr(), address(tmp["gs"]), address(acc_gx), address(acc_b), address(acc_gh),
-                _low(round_bf16), threads)
+                address(gates), address(buf["hbn"]), address(buf["xp"]), address(buf["xstat"]), address(gx),
+                address(b_ih), address(b_hh), address(buf["rhat"]), address(buf["rrstd"]), address(gh), address(zh),
+                zh_const, dpre.data_ptr(), dhb.data_ptr(), dr.data_ptr(), address(tmp["gs"]), address(tmp["dz"]),
+                address(acc_gx), address(acc_b), address(acc_gh), _low(round_bf16), threads)
             if dr_low is not None:  # as the LSTM's
                 dr_low.copy_(dr)
         for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
