@@ -311,6 +311,12 @@ def _acc_grad(g: Tensor | None, space: Tensor | None, like: Tensor, shape: tuple
     return g if space is None else space.copy_(g)
 
 
+def _operator(ctx) -> bool:
+    """Whether the Function runs inside an operator (``_ops_compile``: its buffers fresh tensors, the
+    forward's outputs and the backward's inputs, every one of them kept and none written over)."""
+    return getattr(ctx, "fresh", False)
+
+
 def _either(low: Tensor | None, t: Tensor) -> Tensor:
     """The low-precision copy where one was made, else ``t``."""
     return t if low is None else low
@@ -378,8 +384,8 @@ class LSTMRecurrence(torch.autograd.Function):
         in_c = not proj and (not mm.mixed or round_bf16)
         # with both LayerNorms the C loops keep no gates: the backward recomputes each row's from the
         # projection and rhat, which it keeps anyway (one (D, N, G) buffer fewer, as many values to compute
-        # again as the forward's gate pass)
-        kept_gates = not (in_c and gx is not None and gh is not None)
+        # again as the forward's gate pass); the operators (fresh: _ops_compile) return every buffer
+        kept_gates = _operator(ctx) or not (in_c and gx is not None and gh is not None)
         # every row of these gets written; the cell state before each step needs its own copy only
         # when zoneout mixes in c0 (otherwise it is the previous step's c1)
         slab, buf = pool.views(dict(
@@ -486,8 +492,9 @@ class LSTMRecurrence(torch.autograd.Function):
         in_c = not proj and (not mm.mixed or round_bf16)  # the whole loop in one C call (lstm_backward_loop)
         # where the graph dies with this backward, the C loop writes dpre over the saved gates (or, where it
         # recomputes them, over the projection, the gate gradients of a step in dz) and dr over the
-        # recurrent LayerNorm's rhat (each row read before it is written): two (D, N, G) buffers fewer
-        over = in_c and pool.graph_freed_after_this_backward()
+        # recurrent LayerNorm's rhat (each row read before it is written): two (D, N, G) buffers fewer; not
+        # in an operator's backward, whose buffers are its inputs (declared unmutated)
+        over = in_c and not _operator(ctx) and pool.graph_freed_after_this_backward()
         over_dr = over and gh is not None
         slab, tmp = pool.views(dict(
             dpre=None if over else (dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr and not over_dr else None,
@@ -609,7 +616,7 @@ class GRURecurrence(torch.autograd.Function):
         round_bf16 = _rounds_bf16(mm)  # as the LSTM's
         in_c = not mm.mixed or round_bf16  # the whole time loop in one C call (gru_forward_loop), as the LSTM's
         # with both LayerNorms the C loops keep neither gates nor hbn: the backward recomputes them (as the LSTM's)
-        kept_gates = not (in_c and gx is not None and gh is not None)
+        kept_gates = _operator(ctx) or not (in_c and gx is not None and gh is not None)
         slab, buf = pool.views(dict(  # every row of these gets written
             xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize) if kept_gates else None,
             hbn=(dirs, rows, hidden) if kept_gates else None,
@@ -678,7 +685,7 @@ class GRURecurrence(torch.autograd.Function):
         in_c = not mm.mixed or round_bf16  # the whole loop in one C call (gru_backward_loop), as the forward's
         # dpre over the gates (or, where it recomputes them, over the projection, the input part's gradients of
         # a step in dz), dr over rhat (as the LSTM's)
-        over = in_c and pool.graph_freed_after_this_backward()
+        over = in_c and not _operator(ctx) and pool.graph_freed_after_this_backward()
         over_dr = over and gh is not None
         slab, tmp = pool.views(dict(dpre=None if over else (dirs, rows, gsize), dhb=(dirs, rows, gsize),
                                      dr=(dirs, rows, gsize) if (gh is not None or round_bf16) and not over_dr else None,

@@ -392,14 +392,15 @@ class _CellOptionsMixin:
         layout directly; with ``checkpoint_every``, its segments too) and, for a layer with cell
         options, on the Triton engine (its buffers sized by the N value rows): no padded tensor,
         memory follows N, not B x T. Elsewhere (the reference backend, plain layers off the C engine,
-        recomputation off the C engine) through the padded path, and traced through the varlen
-        operators (:meth:`_LengthsMixin._forward_varlen`)."""
+        recomputation off the C engine or under torch.jit.trace) through the padded path, and traced
+        through the varlen operators (:meth:`_LengthsMixin._forward_varlen`)."""
         backend = select(self.mode.lower(), values) if isinstance(values, Tensor) else None
         on_engine = backend == "cpu" or (backend == "triton" and (not self.options.plain
                                                                   or self._engine_precision(values)))
         recomputes = self._recomputes()
         if not (isinstance(values, Tensor) and values.dim() == 2 and values.size(0) > 0) \
-                or torch.compiler.is_compiling() or not on_engine or (recomputes and backend != "cpu"):
+                or torch.compiler.is_compiling() or not on_engine \
+                or (recomputes and (backend != "cpu" or torch.jit.is_tracing())):
             return super()._forward_varlen(values, hx, cu_seqlens, max_seqlen)  # type: ignore[misc]
         lengths, rows = varlen_rows(backend, cu_seqlens, values.size(0), values.device, max_seqlen)
         states = self._varlen_states(values, hx, lengths.numel())  # type: ignore[attr-defined]
