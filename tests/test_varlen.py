@@ -32,6 +32,26 @@ def _states(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
+def _assert_like_padded(layer, x, y, final, padded, y_pad, final_pad) -> None:
+    """The varlen call's values, final states and gradients (input, every parameter) equal the padded
+    call's with lengths, float64, to 1e-12."""
+    want = _unpad(y_pad, layer.batch_first)
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+    for got, exp in zip(_states(final), _states(final_pad)):
+        torch.testing.assert_close(got, exp, rtol=0, atol=1e-12)
+    cotangent = torch.randn_like(y)
+    loss = (y * cotangent).sum() + sum(s.square().sum() for s in _states(final))
+    loss_pad = (want * cotangent).sum() + sum(s.square().sum() for s in _states(final_pad))
+    params = list(layer.parameters())
+    grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
+    grads_pad = torch.autograd.grad(loss_pad, [padded, *params], allow_unused=True)
+    torch.testing.assert_close(grads[0], _unpad(grads_pad[0], layer.batch_first), rtol=0, atol=1e-12)
+    for name, g, g_pad in zip([n for n, _ in layer.named_parameters()], grads[1:], grads_pad[1:]):
+        assert (g is None) == (g_pad is None), name
+        if g is not None:
+            torch.testing.assert_close(g, g_pad, rtol=0, atol=1e-12, msg=name)
+
+
 LAYERS = [
     (fastlayers.LSTM, {}),
     (fastlayers.LSTM, {"bidirectional": True, "num_layers": 2, "layer_norm": True, "peephole": True}),
@@ -62,22 +82,8 @@ def test_varlen_equals_padded_with_lengths(backend, cls, options, cu_dtype, with
     with fastlayers.backend(backend):
         y, final = layer(x, hx, cu_seqlens=torch.tensor(CU, dtype=cu_dtype))
         y_pad, final_pad = layer(padded, hx, lengths=torch.tensor(LENGTHS))
-    want = _unpad(y_pad, layer.batch_first)
     assert y.shape == (sum(LENGTHS), dirs * (options.get("proj_size") or 6))
-    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
-    for got, exp in zip(_states(final), _states(final_pad)):
-        torch.testing.assert_close(got, exp, rtol=0, atol=1e-12)
-    cotangent = torch.randn_like(y)
-    loss = (y * cotangent).sum() + sum(s.square().sum() for s in _states(final))
-    loss_pad = (want * cotangent).sum() + sum(s.square().sum() for s in _states(final_pad))
-    params = list(layer.parameters())
-    grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
-    grads_pad = torch.autograd.grad(loss_pad, [padded, *params], allow_unused=True)
-    torch.testing.assert_close(grads[0], _unpad(grads_pad[0], layer.batch_first), rtol=0, atol=1e-12)
-    for name, g, g_pad in zip([n for n, _ in layer.named_parameters()], grads[1:], grads_pad[1:]):
-        assert (g is None) == (g_pad is None), name
-        if g is not None:
-            torch.testing.assert_close(g, g_pad, rtol=0, atol=1e-12, msg=name)
+    _assert_like_padded(layer, x, y, final, padded, y_pad, final_pad)
 
 
 def test_varlen_in_training_mode_draws_the_padded_calls_masks():
@@ -113,21 +119,7 @@ def test_varlen_with_checkpoint_every_runs_on_the_value_rows(cls, options, train
     assert calls == [1]  # once a call, every layer on the value rows
     torch.manual_seed(7)
     y_pad, final_pad = layer(padded, lengths=torch.tensor(LENGTHS))
-    want = _unpad(y_pad, layer.batch_first)
-    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
-    for got, exp in zip(_states(final), _states(final_pad)):
-        torch.testing.assert_close(got, exp, rtol=0, atol=1e-12)
-    cotangent = torch.randn_like(y)
-    params = list(layer.parameters())
-    grads = torch.autograd.grad((y * cotangent).sum() + sum(s.square().sum() for s in _states(final)),
-                                [x, *params], allow_unused=True)
-    grads_pad = torch.autograd.grad((want * cotangent).sum() + sum(s.square().sum() for s in _states(final_pad)),
-                                    [padded, *params], allow_unused=True)
-    torch.testing.assert_close(grads[0], _unpad(grads_pad[0], layer.batch_first), rtol=0, atol=1e-12)
-    for name, g, g_pad in zip([n for n, _ in layer.named_parameters()], grads[1:], grads_pad[1:]):
-        assert (g is None) == (g_pad is None), name
-        if g is not None:
-            torch.testing.assert_close(g, g_pad, rtol=0, atol=1e-12, msg=name)
+    _assert_like_padded(layer, x, y, final, padded, y_pad, final_pad)
 
 
 def test_varlen_with_checkpoint_every_differentiates_twice():

@@ -165,6 +165,21 @@ static inline void fl_next_input_##SUFFIX(T* hn, const T* h, const T* mask, int6
     if (mask) for (int64_t k = 0; k < len; k++) hn[k] = h[k] * mask[k];                              \
     else memcpy(hn, h, sizeof(T) * len);                                                             \
     if (low) fl_round_bf16_##SUFFIX(hn, len);                                                        \
+}                                                                                                    \
+/* the recurrent product's gradient of a row from the gradient g of its LayerNorm's output: with     \
+ * the gain, LNh's backward of g * gain (dr may be hat itself: the product then goes through the     \
+ * work space gs, len values); else a copy of g (none where dr is g); with `round`, rounded to       \
+ * bfloat16 (the C loops' bf16 step products) */                                                     \
+static inline void fl_recurrent_grad_##SUFFIX(const T* g, const T* gain, const T* hat, T rstd, int64_t len, \
+                                              T* dr, T* gs, int round) {                             \
+    if (gain) {                                                                                      \
+        T* in = dr == hat ? gs : dr;                                                                 \
+        for (int64_t k = 0; k < len; k++) in[k] = g[k] * gain[k];                                    \
+        fl_layer_norm_backward_##SUFFIX(in, hat, rstd, len, dr);                                     \
+    } else if (dr != g) {                                                                            \
+        memcpy(dr, g, sizeof(T) * len);                                                              \
+    }                                                                                                \
+    if (round) fl_round_bf16_##SUFFIX(dr, len);                                                      \
 }
 FL_DEFINE_LAYER_NORM(float, f32, sqrtf)
 FL_DEFINE_LAYER_NORM(double, f64, sqrt)

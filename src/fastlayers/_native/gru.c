@@ -225,17 +225,9 @@ static inline int gru_has_dr_##SUFFIX(const gru_bwd_##SUFFIX* a)                
 static void gru_backward_dr_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                        \
 {                                                                                                    \
     const int64_t G = 3 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
-    const T* db = a->dhb + row * G;                                                                  \
-    T* drr = a->dr + row * G;                                                                        \
-    if (a->gh) {                                                                                     \
-        const T* rh = a->rhat + row * G; const T* ghd = a->gh + d * G;                               \
-        T* in = drr == rh ? a->gs : drr;                                                             \
-        for (int64_t k = 0; k < G; k++) in[k] = db[k] * ghd[k];                                      \
-        fl_layer_norm_backward_##SUFFIX(in, rh, a->rrstd[row], G, drr);                              \
-    } else if (drr != db) {                                                                          \
-        memcpy(drr, db, sizeof(T) * G);                                                              \
-    }                                                                                                \
-    if (a->low && a->dr != a->dhb) fl_round_bf16_##SUFFIX(drr, G);                                   \
+    fl_recurrent_grad_##SUFFIX(a->dhb + row * G, a->gh ? a->gh + d * G : 0, a->gh ? a->rhat + row * G : 0, \
+                               a->gh ? a->rrstd[row] : 0, G, a->dr + row * G, a->gs,                 \
+                               a->low && a->dr != a->dhb);                                           \
 }                                                                                                    \
                                                                                                      \
 enum { GRU_SUM_CHUNK_##SUFFIX = 64 };                                                                \

@@ -322,17 +322,9 @@ static inline int lstm_has_dr_##SUFFIX(const lstm_bwd_##SUFFIX* a)              
 static void lstm_backward_dr_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)                      \
 {                                                                                                    \
     const int64_t G = 4 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
-    const T* dp = lstm_dz_##SUFFIX(a, d, task % a->n);                                               \
-    T* drr = a->dr + row * G;                                                                        \
-    if (a->gh) {                                                                                     \
-        const T* rh = a->rhat + row * G; const T* ghd = a->gh + d * G;                               \
-        T* in = drr == rh ? a->gs : drr;                                                             \
-        for (int64_t k = 0; k < G; k++) in[k] = dp[k] * ghd[k];                                      \
-        fl_layer_norm_backward_##SUFFIX(in, rh, a->rrstd[row], G, drr);                              \
-    } else if (drr != dp) {                                                                          \
-        memcpy(drr, dp, sizeof(T) * G);                                                              \
-    }                                                                                                \
-    if (a->low && a->dr != a->dpre) fl_round_bf16_##SUFFIX(drr, G);                                  \
+    fl_recurrent_grad_##SUFFIX(lstm_dz_##SUFFIX(a, d, task % a->n), a->gh ? a->gh + d * G : 0,       \
+                               a->gh ? a->rhat + row * G : 0, a->gh ? a->rrstd[row] : 0, G,          \
+                               a->dr + row * G, a->gs, a->low && a->dr != a->dpre);                  \
 }                                                                                                    \
                                                                                                      \
 enum { LSTM_SUM_CHUNK_##SUFFIX = 64 };                                                               \
