@@ -161,7 +161,19 @@ typedef struct {                                                                
     const T* b_ih; const T* b_hh; /* the recomputation's biases (gates == NULL), else unused */      \
     T* dz; /* dpre's values before the input LayerNorm's backward: NULL, in dpre's rows; else one    \
             * step's, (D, B, G), reused */                                                           \
+    T* acc_bhh; /* [D,G] += dhb over the rows (b_hh's gradient, where dhb holds one step), or NULL */ \
+    int dbs; /* dhb holds one step's rows, (D, B, G), reused (with LNh: dr is not dhb) */            \
 } gru_bwd_##SUFFIX;                                                                                  \
+                                                                                                     \
+/* a row's dhb: in dhb's packed rows, or the step's own row (dbs) */                                 \
+static inline T* gru_db_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t d, int64_t b)                    \
+{                                                                                                    \
+    return a->dhb + (a->dbs ? d * a->B + b : d * a->ds + b) * 3 * a->H;                              \
+}                                                                                                    \
+static inline int gru_has_sums_##SUFFIX(const gru_bwd_##SUFFIX* a)                                   \
+{                                                                                                    \
+    return a->acc_gx || a->acc_gh || a->acc_bhh;                                                     \
+}                                                                                                    \
                                                                                                      \
 /* a row's gradients of the input part (before the input LayerNorm's backward): dpre's row or the    \
  * step's own row of dz */                                                                           \
@@ -194,7 +206,7 @@ static void gru_backward_row_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)  
     const int64_t d = task / n, b = task % n, row = d * a->ds + b, srow = d * a->B + b;             \
     const T* h0r = a->hist + row * H;                                                                \
     const T* dyr = a->dy + row * H; T* dhr = a->dh + srow * H;                                       \
-    T* dp = gru_dz_##SUFFIX(a, d, b); T* db = a->dhb + row * G;                                      \
+    T* dp = gru_dz_##SUFFIX(a, d, b); T* db = gru_db_##SUFFIX(a, d, b);                              \
     /* the row's gates and hbn: recomputed where the forward kept none (both LayerNorms: from xp and \
      * rhat, as the forward computed them); read from a copy where dpre is written over them         \
      * (gru_backward_loop, the graph's last backward) */                                             \
@@ -225,7 +237,8 @@ static inline int gru_has_dr_##SUFFIX(const gru_bwd_##SUFFIX* a)                
 static void gru_backward_dr_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                        \
 {                                                                                                    \
     const int64_t G = 3 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
-    fl_recurrent_grad_##SUFFIX(a->dhb + row * G, a->gh ? a->gh + d * G : 0, a->gh ? a->rhat + row * G : 0, \
+    fl_recurrent_grad_##SUFFIX(gru_db_##SUFFIX(a, d, task % a->n), a->gh ? a->gh + d * G : 0,        \
+                               a->gh ? a->rhat + row * G : 0,                                        \
                                a->gh ? a->rrstd[row] : 0, G, a->dr + row * G, a->gs,                 \
                                a->low && a->dr != a->dhb);                                           \
 }                                                                                                    \
@@ -239,9 +252,11 @@ static inline void gru_sum_row_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t d, in
     if (a->acc_gx)                                                                                   \
         fl_accumulate_norm_##SUFFIX(a->acc_gx + d * G, a->acc_b ? a->acc_b + d * G : 0,              \
                                     gru_dz_##SUFFIX(a, d, b), a->xp + row * G, a->xstat + 2 * row, k0, k1); \
-    if (a->acc_gh) { const T* db = a->dhb + row * G; const T* rh = a->rhat + row * G;                \
+    if (a->acc_gh) { const T* db = gru_db_##SUFFIX(a, d, b); const T* rh = a->rhat + row * G;        \
         T* acc = a->acc_gh + d * G;                                                                  \
         for (int64_t k = k0; k < k1; k++) acc[k] += db[k] * rh[k]; }                                 \
+    if (a->acc_bhh) { const T* db = gru_db_##SUFFIX(a, d, b); T* acc = a->acc_bhh + d * G;           \
+        for (int64_t k = k0; k < k1; k++) acc[k] += db[k]; }                                         \
 }                                                                                                    \
 static void gru_backward_sums_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                      \
 {                                                                                                    \
@@ -281,14 +296,14 @@ void gru_step_backward_##SUFFIX(                                                
     T* dpre, T* dhb, T* dr, T* acc_gx, T* acc_b, T* acc_gh, int nthreads)                            \
 {                                                                                                    \
     const gru_bwd_##SUFFIX a = {D, B, n, H, ds, dy, dh, hist, gates, hbn, xp, xstat, gx, rhat, rrstd, \
-                                gh, zh, zh_const, dpre, dhb, dr, acc_gx, acc_b, acc_gh, 0, 0, 0, 0, 0}; \
+                                gh, zh, zh_const, dpre, dhb, dr, acc_gx, acc_b, acc_gh, 0, 0, 0, 0, 0, 0, 0}; \
     const int64_t nchunks = (3 * H + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;            \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
     for (int64_t task = 0; task < D * n; task++) {                                                   \
         gru_backward_row_##SUFFIX(&a, task);                                                         \
         if (gru_has_dr_##SUFFIX(&a)) gru_backward_dr_##SUFFIX(&a, task);                             \
     }                                                                                                \
-    if (acc_gx || acc_gh) {                                                                          \
+    if (gru_has_sums_##SUFFIX(&a)) {                                                                 \
         _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
         for (int64_t task = 0; task < D * nchunks; task++) gru_backward_sums_##SUFFIX(&a, task);     \
     }                                                                                                \
@@ -365,20 +380,22 @@ void gru_forward_loop_##SUFFIX(                                                 
  * rhat (the saved buffers written over, where the graph dies with this backward); gates and hbn     \
  * NULL (the forward's keep = 2): each row's recomputed (b_ih, b_hh then the forward's), dz holds    \
  * a step's input-part gradients (D * B * G values) and dpre may be xp. gs: nthreads * (G + H)       \
- * values of work space where any of these holds (else it may be NULL). */                           \
+ * values of work space where any of these holds (else it may be NULL). dbs (with gh): dhb holds     \
+ * one step's rows (D * B * G values) and acc_bhh [D,G] (may be NULL) receives b_hh's gradient. */   \
 void gru_backward_loop_##SUFFIX(                                                                     \
     int64_t D, int64_t B, int64_t steps, const int64_t* active, int64_t H, int64_t ds,              \
     const T* w, T* wp, T* g, const T* rmask,                                                         \
     const T* dy, T* dh, const T* hist, const T* gates, const T* hbn,                                 \
     const T* xp, const T* xstat, const T* gx, const T* b_ih, const T* b_hh,                          \
     const T* rhat, const T* rrstd, const T* gh, const T* zh, T zh_const,                             \
-    T* dpre, T* dhb, T* dr, T* gs, T* dz, T* acc_gx, T* acc_b, T* acc_gh, int low, int nthreads)     \
+    T* dpre, T* dhb, T* dr, T* gs, T* dz, T* acc_gx, T* acc_b, T* acc_gh, T* acc_bhh, int dbs, int low, \
+    int nthreads)                                                                                    \
 {                                                                                                    \
     const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
     const int64_t nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;               \
     /* the split by rows' partial sums, as lstm_backward_loop's (acc_gx, acc_b, acc_gh) */           \
-    T* const acc[3] = {acc_gx, acc_b, acc_gh};                                                       \
-    const int64_t len[3] = {D * G, D * G, D * G}, L = 3 * D * G;                                     \
+    T* const acc[4] = {acc_gx, acc_b, acc_gh, acc_bhh};                                              \
+    const int64_t len[4] = {D * G, D * G, D * G, D * G}, L = 4 * D * G;                              \
     T* parts = nthreads > 1 ? (T*)calloc(nthreads * L, sizeof(T)) : 0;                               \
     uint16_t* const scratch = fl_bf16_scratch(fl_bf16_ok_##SUFFIX(low), nthreads, D * B, G);         \
     _Pragma("omp parallel num_threads(nthreads)")                                                    \
@@ -390,8 +407,8 @@ void gru_backward_loop_##SUFFIX(                                                
         const int by_rows = fl_step_pack_##SUFFIX(scratch != 0, parts && nt <= nthreads, tid, nt, D, \
                                                   B, G, H, w, 0, wp, &p0, &p1);                      \
         uint16_t* const ab = fl_bf16_mine(scratch, tid, D * B, G);                                   \
-        T* mine[3]; /* the accumulators this thread adds to */                                       \
-        fl_partials_mine_##SUFFIX(by_rows ? parts + tid * L : 0, acc, len, 3, mine);                 \
+        T* mine[4]; /* the accumulators this thread adds to */                                       \
+        fl_partials_mine_##SUFFIX(by_rows ? parts + tid * L : 0, acc, len, 4, mine);                 \
         int64_t o = ds;                                                                              \
         for (int64_t t = steps - 1; t >= 0; t--) {                                                   \
             const int64_t n = active[t];                                                             \
@@ -400,8 +417,9 @@ void gru_backward_loop_##SUFFIX(                                                
                 gates ? gates + o * G : 0, gates ? hbn + o * H : 0, xp ? xp + o * G : 0,             \
                 xstat ? xstat + 2 * o : 0, gx,                                                       \
                 rhat ? rhat + o * G : 0, rrstd ? rrstd + o : 0, gh, zh ? zh + o * H : 0, zh_const,   \
-                dpre + o * G, dhb + o * G, dr + o * G, mine[0], mine[1], mine[2], low,               \
-                gs ? gs + tid * (G + H) : 0, b_ih, b_hh, dz};                                        \
+                dpre + o * G, dbs ? dhb : dhb + o * G, dr + o * G, mine[0], mine[1], mine[2], low,   \
+                gs ? gs + tid * (G + H) : 0, b_ih, b_hh, dz, mine[3], dbs};                          \
+            const int sums = gru_has_sums_##SUFFIX(&a);                                              \
             const int drs = gru_has_dr_##SUFFIX(&a);                                                 \
             int64_t lo, hi;                                                                          \
             fl_own_rows(B, tid, nt, n, &lo, &hi);                                                    \
@@ -415,7 +433,7 @@ void gru_backward_loop_##SUFFIX(                                                
                                          &pd, &pb, &sh)) /* the row it runs next */                  \
                             gru_backward_prefetch_##SUFFIX(&a, sh, pd, pb);                          \
                         gru_backward_row_##SUFFIX(&a, d * n + b);                                    \
-                        if (acc_gx || acc_gh) gru_sum_row_##SUFFIX(&a, d, b, 0, G);                  \
+                        if (sums) gru_sum_row_##SUFFIX(&a, d, b, 0, G);                              \
                         if (drs) gru_backward_dr_##SUFFIX(&a, d * n + b);                            \
                         if (xstat) gru_backward_input_norm_##SUFFIX(&a, d * n + b);                  \
                     }                                                                                \
@@ -423,7 +441,7 @@ void gru_backward_loop_##SUFFIX(                                                
                 fl_share(D * n, tid, nt, &t0, &t1);                                                  \
                 for (int64_t task = t0; task < t1; task++) gru_backward_row_##SUFFIX(&a, task);      \
                 _Pragma("omp barrier")                                                               \
-                if (acc_gx || acc_gh) {                                                              \
+                if (sums) {                                                                          \
                     fl_share(D * nchunks, tid, nt, &t0, &t1);                                        \
                     for (int64_t task = t0; task < t1; task++) gru_backward_sums_##SUFFIX(&a, task); \
                     _Pragma("omp barrier")                                                           \
@@ -443,7 +461,7 @@ void gru_backward_loop_##SUFFIX(                                                
         }                                                                                            \
         if (by_rows) {                                                                               \
             _Pragma("omp barrier")                                                                   \
-            fl_partials_reduce_##SUFFIX(parts, L, tid, nt, acc, len, 3);                             \
+            fl_partials_reduce_##SUFFIX(parts, L, tid, nt, acc, len, 4);                             \
         }                                                                                            \
     }                                                                                                \
     free(parts);                                                                                     \

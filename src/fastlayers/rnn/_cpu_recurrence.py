@@ -61,8 +61,8 @@ def _gru_lib():
         "gru_step_backward": [I64] * 5 + [P] * 5 + [P] * 3 + [P] * 4 + [real] + [P] * 6 + [INT],
         "gru_forward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 3 + [P] * 7 + [P] * 7 + [P, real, P, real, INT, INT,
                                                                                           INT],
-        "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 5 + [P] * 4 + [real] + [P] * 8
-        + [INT, INT]})
+        "gru_backward_loop": [I64] * 3 + [P] + [I64] * 2 + [P] * 4 + [P] * 5 + [P] * 5 + [P] * 4 + [real] + [P] * 9
+        + [INT, INT, INT]})
 
 
 def _matmul_lib():
@@ -687,7 +687,11 @@ class GRURecurrence(torch.autograd.Function):
         # a step in dz), dr over rhat (as the LSTM's)
         over = in_c and not _operator(ctx) and pool.graph_freed_after_this_backward()
         over_dr = over and gh is not None
-        slab, tmp = pool.views(dict(dpre=None if over else (dirs, rows, gsize), dhb=(dirs, rows, gsize),
+        # with the recurrent LayerNorm, dr is LNh's backward of dhb, and dhb is needed after the loop only for
+        # b_hh's gradient, which the C loop sums: it holds one step's rows there
+        step_dhb = in_c and gh is not None
+        slab, tmp = pool.views(dict(dpre=None if over else (dirs, rows, gsize),
+                                     dhb=(dirs * batch * gsize,) if step_dhb else (dirs, rows, gsize),
                                      dr=(dirs, rows, gsize) if (gh is not None or round_bf16) and not over_dr else None,
                                      gs=(threads * (gsize + hidden),) if over or gates is None else None,
                                      dz=(dirs * batch * gsize,) if gates is None else None,
@@ -702,6 +706,7 @@ class GRURecurrence(torch.autograd.Function):
         acc_gx = hd.new_zeros(dirs, gsize) if gx is not None and (need[2] or need[3]) else None
         acc_b = hd.new_zeros(dirs, gsize) if acc_gx is not None and ctx.has_bias[0] and need[3] else None
         acc_gh = hd.new_zeros(dirs, gsize) if gh is not None and need[7] else None
+        acc_bhh = hd.new_zeros(dirs, gsize) if step_dhb and ctx.has_bias[1] and need[6] else None
         offsets = ctx.offsets
         P_ = {} if in_c else {k: _steps(v, offsets)  # (per-step addresses: the Python loop only)
                               for k, v in {**buf, "dy": dy, "zh": zh, "dpre": dpre, "dhb": dhb, "dr": dr}.items()}
@@ -714,7 +719,8 @@ class GRURecurrence(torch.autograd.Function):
                 address(gates), address(buf["hbn"]), address(buf["xp"]), address(buf["xstat"]), address(gx),
                 address(b_ih), address(b_hh), address(buf["rhat"]), address(buf["rrstd"]), address(gh), address(zh),
                 zh_const, dpre.data_ptr(), dhb.data_ptr(), dr.data_ptr(), address(tmp["gs"]), address(tmp["dz"]),
-                address(acc_gx), address(acc_b), address(acc_gh), _low(round_bf16), threads)
+                address(acc_gx), address(acc_b), address(acc_gh), address(acc_bhh), int(step_dhb), _low(round_bf16),
+                threads)
             if dr_low is not None:  # as the LSTM's
                 dr_low.copy_(dr)
         for t in range(len(ctx.active) - 1, -1, -1) if not in_c else ():
@@ -734,7 +740,7 @@ class GRURecurrence(torch.autograd.Function):
         d_w_ih = _weight_grad(mm, dp_op, _either(buf.get("xs_low"), xs), ctx.dtypes[1], ctx.src) if need[1] else None
         d_b_ih = (acc_b if gx is not None else dpre.sum(1)) if ctx.has_bias[0] and need[3] else None
         d_w_hh = _weight_grad(mm, _either(dr_low, dr), _either(buf.get("hd_low"), hd), mm.acc) if need[5] else None
-        d_b_hh = dhb.sum(1) if ctx.has_bias[1] and need[6] else None
+        d_b_hh = (acc_bhh if step_dhb else dhb.sum(1)) if ctx.has_bias[1] and need[6] else None
         pool.give(slab)
         if not getattr(ctx, "fresh", False) and pool.graph_freed_after_this_backward():
             ctx.release()
