@@ -12,13 +12,12 @@
  *   fl_affine_norm_SUFFIX(v, stat, gain, bias, len, out): out = gain * (v - mean) * rstd + bias
  *   (bias may be NULL; out may alias v),
  *   fl_layer_norm_backward_stat_SUFFIX(dhat, v, stat, len, dv): the backward above with hat
- *   recomputed from v (dv may alias dhat),
+ *   recomputed from v (dv may alias dhat or v),
  *   fl_accumulate_norm_SUFFIX(acc_g, acc_b, d, v, stat, k0, k1): acc_g[k] += d[k] * hat[k] and
  *   acc_b[k] += d[k] (acc_b may be NULL) for k in [k0, k1): the gain and bias gradients of a row.
- *   fl_input_norm_backward_SUFFIX(D, n, ds, G, dpre, xp, xstat, gx, nthreads): for the n packed
- *   rows of a step of both directions (row (d, b) at (d*ds + b)*G), dpre = d LN(xp; gx) / d xp
- *   applied to dpre in place (the step kernels' input LayerNorm); one row of it:
- *   fl_input_norm_backward_row_SUFFIX(dp, xp, xstat, gx_d, G).
+ *   fl_input_norm_backward_row_SUFFIX(dp, xp, xstat, gx_d, G, out): the step kernels' input
+ *   LayerNorm, one row: out = d LN(xp; gx_d) / d xp applied to dp (dp scaled by the gain in place;
+ *   out may be dp, or xp itself).
  *   Their row sums: fl_sum_SUFFIX(v, len), fl_sum_sq_SUFFIX(v, len, mean) (of (v - mean)^2),
  *   fl_sum_dot_SUFFIX(d, v, len, mean, rstd, &m1, &m2), on vectors of the variant's width in
  *   independent accumulators.
@@ -145,18 +144,10 @@ static inline void fl_accumulate_norm_##SUFFIX(T* acc_g, T* acc_b, const T* d, c
     for (int64_t k = k0; k < k1; k++) acc_g[k] += d[k] * ((v[k] - mean) * rstd);                     \
     if (acc_b) for (int64_t k = k0; k < k1; k++) acc_b[k] += d[k];                                   \
 }                                                                                                    \
-static inline void fl_input_norm_backward_row_##SUFFIX(T* dp, const T* xp, const T* xstat, const T* gxd,    \
-                                                      int64_t G) {                                   \
+static inline void fl_input_norm_backward_row_##SUFFIX(T* dp, const T* xp, const T* xstat, const T* gxd, \
+                                                      int64_t G, T* out) {                           \
     for (int64_t k = 0; k < G; k++) dp[k] *= gxd[k];                                                 \
-    fl_layer_norm_backward_stat_##SUFFIX(dp, xp, xstat, G, dp);                                      \
-}                                                                                                    \
-static inline void fl_input_norm_backward_##SUFFIX(int64_t D, int64_t n, int64_t ds, int64_t G, T* dpre,     \
-                                            const T* xp, const T* xstat, const T* gx, int nthreads) { \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                              \
-    for (int64_t task = 0; task < D * n; task++) {                                                   \
-        const int64_t d = task / n, row = d * ds + task % n;                                         \
-        fl_input_norm_backward_row_##SUFFIX(dpre + row * G, xp + row * G, xstat + 2 * row, gx + d * G, G); \
-    }                                                                                                \
+    fl_layer_norm_backward_stat_##SUFFIX(dp, xp, xstat, G, out);                                     \
 }                                                                                                    \
 /* the next step's recurrent input hn = h (* mask); with `low`, each value rounded to the nearest    \
  * bfloat16 (ties to even; float32 loops only): the mixed-precision rule's bf16 GEMM operand, held   \

@@ -271,9 +271,8 @@ static void gru_backward_sums_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task) 
 static void gru_backward_input_norm_##SUFFIX(const gru_bwd_##SUFFIX* a, int64_t task)                \
 {                                                                                                    \
     const int64_t G = 3 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
-    T* dz = gru_dz_##SUFFIX(a, d, task % a->n); const T* gxd = a->gx + d * G;                        \
-    for (int64_t k = 0; k < G; k++) dz[k] *= gxd[k];                                                 \
-    fl_layer_norm_backward_stat_##SUFFIX(dz, a->xp + row * G, a->xstat + 2 * row, G, a->dpre + row * G); \
+    fl_input_norm_backward_row_##SUFFIX(gru_dz_##SUFFIX(a, d, task % a->n), a->xp + row * G, a->xstat + 2 * row, \
+                                        a->gx + d * G, G, a->dpre + row * G);                        \
 }                                                                                                    \
 /* as gru_forward_prefetch: the saved rows a backward row reads */                                   \
 static inline __attribute__((always_inline)) void gru_backward_prefetch_##SUFFIX(                    \
@@ -393,7 +392,7 @@ void gru_backward_loop_##SUFFIX(                                                
 {                                                                                                    \
     const int64_t G = 3 * H, np = fl_gemm_panels_##SUFFIX(H);                                        \
     const int64_t nchunks = (G + GRU_SUM_CHUNK_##SUFFIX - 1) / GRU_SUM_CHUNK_##SUFFIX;               \
-    /* the split by rows' partial sums, as lstm_backward_loop's (acc_gx, acc_b, acc_gh) */           \
+    /* the split by rows' partial sums, as lstm_backward_loop's (acc_gx, acc_b, acc_gh, acc_bhh) */  \
     T* const acc[4] = {acc_gx, acc_b, acc_gh, acc_bhh};                                              \
     const int64_t len[4] = {D * G, D * G, D * G, D * G}, L = 4 * D * G;                              \
     T* parts = nthreads > 1 ? (T*)calloc(nthreads * L, sizeof(T)) : 0;                               \

@@ -371,9 +371,8 @@ static void lstm_backward_sums_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task
 static void lstm_backward_input_norm_##SUFFIX(const lstm_bwd_##SUFFIX* a, int64_t task)              \
 {                                                                                                    \
     const int64_t G = 4 * a->H, d = task / a->n, row = d * a->ds + task % a->n;                      \
-    T* dz = lstm_dz_##SUFFIX(a, d, task % a->n); const T* gxd = a->gx + d * G;                       \
-    for (int64_t k = 0; k < G; k++) dz[k] *= gxd[k];                                                 \
-    fl_layer_norm_backward_stat_##SUFFIX(dz, a->xp + row * G, a->xstat + 2 * row, G, a->dpre + row * G); \
+    fl_input_norm_backward_row_##SUFFIX(lstm_dz_##SUFFIX(a, d, task % a->n), a->xp + row * G, a->xstat + 2 * row, \
+                                        a->gx + d * G, G, a->dpre + row * G);                        \
 }                                                                                                    \
 /* as lstm_forward_prefetch: the saved rows a backward row reads */                                  \
 static inline __attribute__((always_inline)) void lstm_backward_prefetch_##SUFFIX(                   \

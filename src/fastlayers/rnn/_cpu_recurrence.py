@@ -317,6 +317,23 @@ def _operator(ctx) -> bool:
     return getattr(ctx, "fresh", False)
 
 
+def _keeps_gates(ctx, in_c: bool, gx: Tensor | None, gh: Tensor | None) -> bool:
+    """Whether a layer's forward keeps its gates (LSTM; the GRU's gates and hbn). With both LayerNorms
+    the C time loops keep none: the backward recomputes each row's from the projection and rhat, which
+    it keeps anyway (one (D, N, G) buffer fewer, as many values to compute again as the forward's gate
+    pass). The operators return every buffer (:func:`_operator`)."""
+    return _operator(ctx) or not (in_c and gx is not None and gh is not None)
+
+
+def _writes_over(ctx, in_c: bool) -> bool:
+    """Whether a layer's backward writes its gradients over the saved buffers it has read: the C time
+    loop, where the graph dies with this backward; dpre over the gates (or, where it recomputes them,
+    over the projection, the gate gradients of a step in dz) and dr over rhat, each row read before it
+    is written (two (D, N, G) buffers fewer). Not in an operator's backward, whose buffers are its
+    inputs, declared unmutated."""
+    return in_c and not _operator(ctx) and pool.graph_freed_after_this_backward()
+
+
 def _either(low: Tensor | None, t: Tensor) -> Tensor:
     """The low-precision copy where one was made, else ``t``."""
     return t if low is None else low
@@ -382,10 +399,7 @@ class LSTMRecurrence(torch.autograd.Function):
         # (:mod:`fastlayers._core.precision`), without a torch GEMM and a Python step per time step
         round_bf16 = _rounds_bf16(mm)
         in_c = not proj and (not mm.mixed or round_bf16)
-        # with both LayerNorms the C loops keep no gates: the backward recomputes each row's from the
-        # projection and rhat, which it keeps anyway (one (D, N, G) buffer fewer, as many values to compute
-        # again as the forward's gate pass); the operators (fresh: _ops_compile) return every buffer
-        kept_gates = _operator(ctx) or not (in_c and gx is not None and gh is not None)
+        kept_gates = _keeps_gates(ctx, in_c, gx, gh)
         # every row of these gets written; the cell state before each step needs its own copy only
         # when zoneout mixes in c0 (otherwise it is the previous step's c1)
         slab, buf = pool.views(dict(
@@ -490,11 +504,7 @@ class LSTMRecurrence(torch.autograd.Function):
         round_bf16 = _rounds_bf16(mm)
         separate_dr = gh is not None or gx is not None or round_bf16
         in_c = not proj and (not mm.mixed or round_bf16)  # the whole loop in one C call (lstm_backward_loop)
-        # where the graph dies with this backward, the C loop writes dpre over the saved gates (or, where it
-        # recomputes them, over the projection, the gate gradients of a step in dz) and dr over the
-        # recurrent LayerNorm's rhat (each row read before it is written): two (D, N, G) buffers fewer; not
-        # in an operator's backward, whose buffers are its inputs (declared unmutated)
-        over = in_c and not _operator(ctx) and pool.graph_freed_after_this_backward()
+        over = _writes_over(ctx, in_c)
         over_dr = over and gh is not None
         slab, tmp = pool.views(dict(
             dpre=None if over else (dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr and not over_dr else None,
@@ -615,8 +625,7 @@ class GRURecurrence(torch.autograd.Function):
         h = h0.to(acc, copy=True).contiguous()
         round_bf16 = _rounds_bf16(mm)  # as the LSTM's
         in_c = not mm.mixed or round_bf16  # the whole time loop in one C call (gru_forward_loop), as the LSTM's
-        # with both LayerNorms the C loops keep neither gates nor hbn: the backward recomputes them (as the LSTM's)
-        kept_gates = _operator(ctx) or not (in_c and gx is not None and gh is not None)
+        kept_gates = _keeps_gates(ctx, in_c, gx, gh)  # (and hbn)
         slab, buf = pool.views(dict(  # every row of these gets written
             xp=(dirs, rows, gsize) if gx is not None else None, gates=(dirs, rows, gsize) if kept_gates else None,
             hbn=(dirs, rows, hidden) if kept_gates else None,
@@ -683,9 +692,7 @@ class GRURecurrence(torch.autograd.Function):
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else hd.new_zeros(dirs, batch, hidden)
         round_bf16 = _rounds_bf16(mm)  # as the LSTM's: dr its own buffer, rounded in the C loop
         in_c = not mm.mixed or round_bf16  # the whole loop in one C call (gru_backward_loop), as the forward's
-        # dpre over the gates (or, where it recomputes them, over the projection, the input part's gradients of
-        # a step in dz), dr over rhat (as the LSTM's)
-        over = in_c and not _operator(ctx) and pool.graph_freed_after_this_backward()
+        over = _writes_over(ctx, in_c)
         over_dr = over and gh is not None
         # with the recurrent LayerNorm, dr is LNh's backward of dhb, and dhb is needed after the loop only for
         # b_hh's gradient, which the C loop sums: it holds one step's rows there

@@ -404,11 +404,10 @@ class _CellOptionsMixin:
             return super()._forward_varlen(values, hx, cu_seqlens, max_seqlen)  # type: ignore[misc]
         lengths, rows = varlen_rows(backend, cu_seqlens, values.size(0), values.device, max_seqlen)
         states = self._varlen_states(values, hx, lengths.numel())  # type: ignore[attr-defined]
-        if recomputes:  # the segments on the values' rows (checkpointed's starts)
-            starts = cu_seqlens[:-1].to(device="cpu", dtype=torch.int64)
+        if recomputes:  # the segments on the values' rows
             out, final = checkpointed(ENGINES[self.mode, backend], self.checkpoint_every, values, states,
                                       self._layer_parameters(), lengths, self.options, dropout=self.dropout,
-                                      training=self.training, cell=self.mode, starts=starts)
+                                      training=self.training, cell=self.mode, varlen=True)
             return out, (final if self.mode == "LSTM" else final[0])
         out, final = ENGINES[self.mode, backend](values, states, self._layer_parameters(), lengths, self.options,
                                                  dropout=self.dropout, training=self.training, **rows)

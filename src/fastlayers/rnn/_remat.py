@@ -33,7 +33,7 @@ rows flipped within each sequence's length so that the engine's reverse loop wal
 own time (:func:`_paired`); recorded backwards (second derivatives) and the reference engine run
 each direction's segment alone.
 
-The varlen form (values (N, F) with ``starts``, the C kernels' engine): the segments' rows are
+The varlen form (values (N, F), ``varlen=True``, the C kernels' engine): the segments' rows are
 read from and written to the values themselves through per-direction maps of value rows
 (:func:`._remat_segments.value_maps`; the masks keep the padded layout's maps), so the output
 (N, D*P) and the input gradient (N, F) are all there is; a recorded backward pads the values
@@ -102,14 +102,14 @@ def segment_length(every: int | str, steps: int, dirs: int = 1, batch: int = 0) 
 def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tensor, ...],
                  layers: list[list[dict[str, Tensor]]], lengths: Tensor | None, options: CellOptions, *,
                  dropout: float = 0.0, training: bool = False, masks: list[dict[str, Tensor]] | None = None,
-                 cell: str = "LSTM", starts: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
+                 cell: str = "LSTM", varlen: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
     """``engine(input, hx, layers, lengths, options, dropout=, training=, masks=)`` (same arguments,
     masks and results) with every layer and direction run as segments of :func:`segment_length`
     steps, recomputed in the backward (module docstring). ``cell``: "LSTM" or "GRU". With
-    ``starts`` (B,) int64, each sequence's first row (the varlen form, the C kernels' engine only):
-    ``input`` is the values (N, F), the sequences one after another, and the output (N, D*P); no
-    padded tensor is made (a recorded backward pads the values inside)."""
-    if starts is not None:
+    ``varlen`` (the C kernels' engine only): ``input`` is the values (N, F), the sequences of
+    ``lengths`` one after another, and the output (N, D*P); no padded tensor is made (a recorded
+    backward pads the values inside)."""
+    if varlen:
         steps, batch = int(lengths.max()), lengths.numel()
     else:
         steps, batch = input.shape[:2]
@@ -120,8 +120,8 @@ def checkpointed(engine: Engine, every: int | str, input: Tensor, hx: tuple[Tens
     plan = Plan(steps, k, lengths, dev, flips=triton and dirs == 2)
     maps = row_maps(lengths, steps, batch, dirs, dev)
     data_maps = flat_rows = None
-    if starts is not None:
-        data_maps, flat_rows = value_maps(maps, lengths.to(dev), starts.to(dev))
+    if varlen:
+        data_maps, flat_rows = value_maps(maps, lengths.to(dev))
     finals: list[Tensor] = []
     x = input
     for li, dir_params in enumerate(layers):

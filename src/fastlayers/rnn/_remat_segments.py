@@ -36,12 +36,13 @@ def row_maps(lengths: Tensor | None, steps: int, batch: int, dirs: int, device: 
     return maps
 
 
-def value_maps(maps: list[Tensor], lengths: Tensor, starts: Tensor) -> tuple[list[Tensor], Tensor]:
+def value_maps(maps: list[Tensor], lengths: Tensor) -> tuple[list[Tensor], Tensor]:
     """The varlen form's row maps: ``maps`` (:func:`row_maps`, flat rows of the padded (T*B, X) view)
-    turned into rows of the values (N, X), sequence b's step t at starts[b] + t (the padding rows,
-    which the C kernels' engine never reads, at the sequence's last row); and (N,) the padded flat
-    row of every value row. lengths, starts: (B,) int64 on the maps' device."""
+    turned into rows of the values (N, X), the sequences one after another, sequence b's step t at
+    starts[b] + t (the padding rows, which the C kernels' engine never reads, at the sequence's last
+    row); and (N,) the padded flat row of every value row. lengths: (B,) int64 on the maps' device."""
     steps, batch = maps[0].shape
+    starts = torch.cumsum(lengths, 0) - lengths
     last = (lengths - 1).unsqueeze(0)
     out = [starts.unsqueeze(0) + torch.minimum(torch.div(m, batch, rounding_mode="floor"), last) for m in maps]
     t = torch.arange(steps, device=lengths.device).unsqueeze(1)
