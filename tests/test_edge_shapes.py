@@ -109,3 +109,30 @@ def test_local_layers_and_attention_on_an_empty_batch(backend):
         assert fastlayers.LocallyConnected1d(2, 3, 8, 3)(torch.zeros(0, 2, 8)).shape == (0, 3, 6)
         context, weights = fastlayers.AttentionPooling(4, 4)(torch.zeros(0, 4), torch.zeros(0, 5, 4))
         assert context.shape == (0, 4) and weights.shape == (0, 5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layer", ["LocallyConnected2d", "LocallyConnected1d", "AttentionPooling-additive"])
+def test_empty_batch_gives_zero_parameter_gradients(layer, dtype, backend):
+    """As torch.nn.Conv2d / Linear: a sum over no sequences is zero, for every parameter (the C kernel
+    of the local layers' parameter gradients left them unwritten at B = 0: NaN or stale memory)."""
+    torch.manual_seed(0)
+    if layer == "LocallyConnected2d":
+        module, inputs = fastlayers.LocallyConnected2d(2, 3, (5, 4), (3, 2), stride=(1, 2), padding=1, dtype=dtype), \
+            [torch.zeros(0, 2, 5, 4, dtype=dtype)]
+    elif layer == "LocallyConnected1d":
+        module, inputs = fastlayers.LocallyConnected1d(2, 3, 9, 3, stride=2, dtype=dtype), [torch.zeros(0, 2, 9, dtype=dtype)]
+    else:
+        module, inputs = fastlayers.AttentionPooling(4, 6, score="additive", attention_size=5, dtype=dtype), \
+            [torch.zeros(0, 4, dtype=dtype), torch.zeros(0, 7, 6, dtype=dtype)]
+    inputs = [t.requires_grad_() for t in inputs]
+    with fastlayers.backend(backend):
+        out = module(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads = torch.autograd.grad(outs, [*inputs, *module.parameters()], [torch.ones_like(o) for o in outs])
+    for t, g in zip(inputs, grads):
+        assert g.shape == t.shape
+    for (name, p), g in zip(module.named_parameters(), grads[len(inputs):], strict=True):
+        assert g.shape == p.shape and g.dtype == p.dtype, name
+        assert torch.equal(g, torch.zeros_like(p)), f"{name}: {g.flatten()[:4]}"

@@ -189,6 +189,11 @@ void lc2d_backward_params_##SUFFIX(const T* restrict dy, const T* restrict x, T*
                                    int64_t dw, int nthreads, int64_t* restrict xoff)               \
 {                                                                                                  \
     const int64_t K = C * KH * KW;                                                                 \
+    if (B == 0) { /* no sequences: empty sums, zero gradients */                                   \
+        if (dw_) memset(dw_, 0, sizeof(T) * O * K * OH * OW);                                      \
+        if (db) memset(db, 0, sizeof(T) * O * OH * OW);                                            \
+        return;                                                                                    \
+    }                                                                                              \
     input_offsets(xoff, C, KH, KW, Hp, Wp, dh, dw);                                                \
     const int64_t blocks = row_blocks((int64_t)sizeof(T) * O * (K + 1) * OW, OH, nthreads);       \
     const int64_t dys = O * OH * OW, xs = C * Hp * Wp; /* sequence strides */                      \
