@@ -444,3 +444,20 @@ def test_cpu_without_bf16_instructions_multiplies_in_float32(monkeypatch):
     torch.testing.assert_close(fast.bmm(a, b), emulated.bmm(a, b), atol=1e-2, rtol=1e-2)
     exact = torch.bmm(a.to(BF16).double(), b.to(BF16).double())
     assert _rel(fast.bmm(a, b), exact) < 1e-6  # exact products, float32 sums
+
+
+@pytest.mark.parametrize("name", ["LSTMCell", "GRUCell", "RNNCell"])
+def test_cells_under_autocast_return_what_torchs_cells_return(name):
+    """docs/mixed-precision.md: a cell without options under CPU autocast gives torch's cell's dtype
+    (float32 for LSTMCell / GRUCell, bfloat16 for RNNCell) and values."""
+    torch.manual_seed(0)
+    theirs = getattr(nn, name)(8, 16)
+    ours = getattr(fastlayers, name)(8, 16)
+    ours.load_state_dict(theirs.state_dict())
+    x = _x(6, 8)
+    with torch.autocast("cpu", BF16):
+        want, got = theirs(x), ours(x)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
