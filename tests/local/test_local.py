@@ -248,6 +248,13 @@ def test_errors():
         locally_connected2d(x, w[0], b, s, p, d)
     with pytest.raises(ValueError, match=r"input: expected a 3-D \(B, C_in, L\)"):
         LocallyConnected1d(1, 1, 5)(torch.randn(1, 1, 1, 5))
+    # another rank gets the rank error, not a spatial-size one about its last dims
+    with pytest.raises(ValueError, match=r"input: expected a 4-D \(B, C_in, H, W\) or 3-D \(C_in, H, W\) tensor, got 5-D"):
+        m(torch.randn(1, 4, 8, 6, 1))
+    with pytest.raises(ValueError, match=r"input: expected a 4-D \(B, C_in, H, W\) or 3-D \(C_in, H, W\) tensor, got 2-D"):
+        m(torch.randn(8, 6))
+    with pytest.raises(ValueError, match=r"input: expected a 3-D \(B, C_in, L\) or 2-D \(C_in, L\) tensor, got 1-D"):
+        LocallyConnected1d(1, 1, 5)(torch.randn(5))
 
 
 def test_1d_module_follows_its_parameters_between_no_grad_calls():

@@ -166,9 +166,12 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
                 and (b is None or (b.shape == self._bias_shape and b.dtype == w.dtype)))
 
     def _check_spatial(self, input: Tensor) -> None:
+        """input_size against the input's last dims (a tensor of another rank: the functional's rank
+        error says so)."""
         check_tensor("input", input)
-        spatial = tuple(input.shape[-len(self.input_size):])
-        if spatial != self.input_size:
+        dims = len(self.input_size)
+        spatial = tuple(input.shape[-dims:])
+        if input.dim() in (dims + 1, dims + 2) and spatial != self.input_size:
             raise ValueError(f"input: expected spatial size {self.input_size} (input_size), got {spatial} "
                              f"(input shape {tuple(input.shape)})")
 
