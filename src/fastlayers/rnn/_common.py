@@ -55,7 +55,14 @@ def input_bias(cell: str, dir_params: list[dict[str, Tensor]], stack) -> tuple[b
     has_bias = "bias_ih" in dir_params[0]
     if not has_bias:
         return False, None
-    return True, stack("bias_ih") + stack("bias_hh") if cell == "LSTM" else stack("bias_ih")
+    if cell == "GRU":
+        return True, stack("bias_ih")
+    # LSTM: summed per direction, then stacked. Stacked first, b_ih and b_hh would each get a view
+    # of the one gradient of the sum, and AccumulateGrad keeps such a view as .grad without a copy
+    # (pytorch issue 34082): both .grad would be the same memory, so a second backward (gradient
+    # accumulation) or an in-place clip would change each twice. Summed first, autograd passes the
+    # sum's gradient to both as one tensor, which it copies for one of them.
+    return True, stack_directions([p["bias_ih"] + p["bias_hh"] for p in dir_params])
 
 
 def drawn_masks(cell: str, options: CellOptions, training: bool, given: dict[str, Tensor], recurrent_shape: tuple,
