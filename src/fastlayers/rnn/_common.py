@@ -65,6 +65,11 @@ def input_bias(cell: str, dir_params: list[dict[str, Tensor]], stack) -> tuple[b
     return True, stack_directions([p["bias_ih"] + p["bias_hh"] for p in dir_params])
 
 
+def draws(options: CellOptions, training: bool) -> bool:
+    """Whether a layer call draws masks: in training, with recurrent dropout or zoneout."""
+    return training and (options.recurrent_dropout > 0 or any(z > 0 for z in options.zoneout))
+
+
 def drawn_masks(cell: str, options: CellOptions, training: bool, given: dict[str, Tensor], recurrent_shape: tuple,
                 zoneout_rows: tuple, hidden: int, out_size: int, like: Tensor) -> dict[str, Tensor]:
     """The masks of one layer that ``given`` lacks, drawn in training in the engines' order: the

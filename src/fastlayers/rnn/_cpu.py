@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .._core import precision
 from ._lengths import LengthPlan, full_plan, make_plan
-from ._common import drawn_masks, input_bias, stack_directions
+from ._common import draws, drawn_masks, input_bias, stack_directions
 from ._options import CellOptions
 from ._cpu_recurrence import own_bf16, reads_rows
 from ._ops_compile import run_layer
@@ -119,6 +119,23 @@ def given_layout(drawn: dict[str, Tensor], plan: LengthPlan, steps: int, batch: 
             flat[d].index_copy_(0, rows, mask[d])
         out[key] = flat.view(dirs, steps, batch, -1)
     return out
+
+
+def engine_draws(cell: str, options: CellOptions, training: bool, given: dict[str, Tensor], x: Tensor,
+                 lengths: Tensor | None, sizes: tuple[int, int, int, int, int]) -> dict[str, Tensor]:
+    """One layer's masks that ``given`` lacks, drawn as this engine draws them when it runs the layer
+    with input ``x`` (:func:`drawn_masks` over the packed rows of its plan, in this order), in the
+    layout of given masks (:func:`given_layout`). ``sizes``: (D, T, B, width, hidden). Callers that
+    run the same layer otherwise (:mod:`._remat`'s segments, the operators of a call without
+    autograd) draw through this, so a seed gives the same masks on each."""
+    if not draws(options, training):
+        return {}  # nothing to draw: no packing plan to build
+    dirs, steps, batch, width, hidden = sizes
+    plan = layer_plan(lengths, steps, batch, x.device)
+    rows = sum(span * n for span, n in plan.segments)
+    drawn = drawn_masks(cell, options, training, given, (dirs, batch, width), (dirs, rows), hidden, width,
+                        mask_like(x, precision.Products.of(x)))
+    return given_layout(drawn, plan, steps, batch)
 
 
 def mask_like(x: Tensor, mm: precision.Products) -> Tensor:

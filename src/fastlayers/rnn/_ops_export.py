@@ -82,8 +82,8 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
                                                    p["bias_ih"], p["bias_hh"], module.mode == "RNN_RELU")
             last: tuple[Tensor, ...] = (h,)
         else:
-            rmask, zc, zh = operator_masks(options, training, xt, dirs, batch, (steps, batch), states[0].size(2),
-                                           module.hidden_size if mode == "LSTM" else None)
+            rmask, zc, zh = _layer_masks(mode, options, training, xt, lengths, dirs, states[0].size(2),
+                                         module.hidden_size)
             if mode == "LSTM":
                 y, h, c = torch.ops.fastlayers.lstm_padded(
                     xt, lengths, states[0][k], states[1][k], p["weight_ih"], p["weight_hh"], p["bias_ih"],
@@ -142,6 +142,22 @@ def operator_masks(options: CellOptions, training: bool, like: Tensor, dirs: int
     if training and hidden is not None and z_c > 0:
         zc = draw_mask("zoneout_c", options, (dirs, *rows, hidden), like)
     return rmask, zc, zh
+
+
+def _layer_masks(cell: str, options: CellOptions, training: bool, x: Tensor, lengths: Tensor | None, dirs: int,
+                 width: int, hidden: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """A padded layer's operator masks (rmask, zc, zh; as :func:`operator_masks`). Eager (a call
+    without autograd): drawn as the C engine draws them when the same call records gradients
+    (:func:`._cpu.engine_draws`), so a training-mode call gives the same masks from a seed with or
+    without gradients (torch.utils.checkpoint's reentrant form reruns a no_grad forward with them).
+    Exported: :func:`operator_masks`, whose draws the traced program can repeat (T and B dynamic)."""
+    if torch.compiler.is_exporting():
+        return operator_masks(options, training, x, dirs, x.size(1), (x.size(0), x.size(1)), width,
+                              hidden if cell == "LSTM" else None)
+    from ._cpu import engine_draws
+
+    m = engine_draws(cell, options, training, {}, x, lengths, (dirs, x.size(0), x.size(1), width, hidden))
+    return m.get("recurrent"), m.get("zoneout_c"), m.get("zoneout_h")
 
 
 def engine_masks(masks: dict) -> dict:

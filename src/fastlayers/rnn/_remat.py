@@ -58,8 +58,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._core import precision
-from ._common import draw_mask, drawn_masks
-from ._cpu import given_layout, gru_engine, layer_plan, lstm_engine, mask_like
+from ._common import draw_mask, drawn_masks, draws
+from ._cpu import engine_draws, gru_engine, lstm_engine
 from ._gpu import gru_engine_gpu, lstm_engine_gpu
 from ._masks import keep_mask
 from ._options import CellOptions
@@ -151,16 +151,12 @@ def _engine_draws(engine: Engine, cell: str, options: CellOptions, training: boo
     from the same seed (the reference's per-step draws: :func:`_reference_draws`)."""
     dirs, steps, batch, width, hidden = sizes
     m = dict(given) if given else {}
-    if not (training and (options.recurrent_dropout > 0 or any(z > 0 for z in options.zoneout))):
+    if not draws(options, training):
         return m or None  # nothing to draw: no packing plan to build
     if engine in (lstm_engine_gpu, gru_engine_gpu):
         m.update(drawn_masks(cell, options, training, m, (dirs, batch, width), (dirs, steps, batch), hidden, width, x))
     elif engine in (lstm_engine, gru_engine):
-        plan = layer_plan(lengths, steps, batch, x.device)
-        rows = sum(span * n for span, n in plan.segments)
-        drawn = drawn_masks(cell, options, training, m, (dirs, batch, width), (dirs, rows), hidden, width,
-                            mask_like(x, precision.Products.of(x)))
-        m.update(given_layout(drawn, plan, steps, batch))
+        m.update(engine_draws(cell, options, training, m, x, lengths, sizes))
     elif engine in (lstm_reference, gru_reference):
         m.update(_reference_draws(cell, options, m, sizes, x))
     return m or None
