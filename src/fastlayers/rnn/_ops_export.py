@@ -41,7 +41,8 @@ from torch import Tensor
 
 from .._core import exporter
 from .._native import ops_lib
-from ._common import draw_mask
+from ._common import draw_mask, draws
+from ._cpu import engine_draws
 from ._options import CellOptions
 
 _LSTM_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "ln_hh_weight", "ln_cell_weight",
@@ -151,11 +152,11 @@ def _layer_masks(cell: str, options: CellOptions, training: bool, x: Tensor, len
     (:func:`._cpu.engine_draws`), so a training-mode call gives the same masks from a seed with or
     without gradients (torch.utils.checkpoint's reentrant form reruns a no_grad forward with them).
     Exported: :func:`operator_masks`, whose draws the traced program can repeat (T and B dynamic)."""
+    if not draws(options, training):
+        return None, None, None
     if torch.compiler.is_exporting():
         return operator_masks(options, training, x, dirs, x.size(1), (x.size(0), x.size(1)), width,
                               hidden if cell == "LSTM" else None)
-    from ._cpu import engine_draws
-
     m = engine_draws(cell, options, training, {}, x, lengths, (dirs, x.size(0), x.size(1), width, hidden))
     return m.get("recurrent"), m.get("zoneout_c"), m.get("zoneout_h")
 
