@@ -275,7 +275,7 @@ def _low_copies(mm: _precision.Products, ctx, xs: Tensor, hd: tuple[int, ...]) -
     """Forward buffers for the low-precision copies of GEMM operands the backward reads again, when
     the products run in hardware bf16/fp16 (pooled calls only): the packed input (unless it is low
     already) and the recurrent inputs, converted once each instead of once per GEMM."""
-    if not mm.lowered or getattr(ctx, "fresh", False):
+    if not mm.lowered or _operator(ctx):
         return {}
     return {"xs_low": (tuple(xs.shape), mm.low) if xs.dtype != mm.low else None, "hd_low": (hd, mm.low)}
 
@@ -325,13 +325,14 @@ def _keeps_gates(ctx, in_c: bool, gx: Tensor | None, gh: Tensor | None) -> bool:
     return _operator(ctx) or not (in_c and gx is not None and gh is not None)
 
 
-def _writes_over(ctx, in_c: bool) -> bool:
-    """Whether a layer's backward writes its gradients over the saved buffers it has read: the C time
-    loop, where the graph dies with this backward; dpre over the gates (or, where it recomputes them,
-    over the projection, the gate gradients of a step in dz) and dr over rhat, each row read before it
-    is written (two (D, N, G) buffers fewer). Not in an operator's backward, whose buffers are its
-    inputs, declared unmutated."""
-    return in_c and not _operator(ctx) and pool.graph_freed_after_this_backward()
+def _frees(ctx) -> bool:
+    """Whether the saved buffers die with this backward: the graph is freed (no retain_graph /
+    create_graph) and the Function is not an operator's, whose buffers are its inputs, declared
+    unmutated. Then the backward gives them back to the pool, and the C time loop writes its
+    gradients over those it has read: dpre over the gates (or, where it recomputes them, over the
+    projection, the gate gradients of a step in dz) and dr over rhat, each row read before it is
+    written (two (D, N, G) buffers fewer)."""
+    return not _operator(ctx) and pool.graph_freed_after_this_backward()
 
 
 def _either(low: Tensor | None, t: Tensor) -> Tensor:
@@ -410,7 +411,7 @@ class LSTMRecurrence(torch.autograd.Function):
             cstat=(dirs, rows, 2) if gc is not None else None,
             chist=(dirs, rows, hidden) if zc is not None or zc_const else None, y1=(dirs, rows, hidden) if proj else None,
             **_low_copies(mm, ctx, xs, hd=(dirs, rows, out_size))),
-            acc, xs.device, fresh=getattr(ctx, "fresh", False))
+            acc, xs.device, fresh=_operator(ctx))
         # the forward's own work space: the recurrent product; the projection is saved with the input
         # LayerNorm (its backward reads it), else written into the gates' rows, which the kernel turns
         # into the gates in place; without kept gates, a row of them per thread
@@ -504,7 +505,8 @@ class LSTMRecurrence(torch.autograd.Function):
         round_bf16 = _rounds_bf16(mm)
         separate_dr = gh is not None or gx is not None or round_bf16
         in_c = not proj and (not mm.mixed or round_bf16)  # the whole loop in one C call (lstm_backward_loop)
-        over = _writes_over(ctx, in_c)
+        frees = _frees(ctx)
+        over = in_c and frees  # (gradients written over saved buffers: _frees)
         over_dr = over and gh is not None
         slab, tmp = pool.views(dict(
             dpre=None if over else (dirs, rows, gsize), dr=(dirs, rows, gsize) if separate_dr and not over_dr else None,
@@ -583,7 +585,7 @@ class LSTMRecurrence(torch.autograd.Function):
         d_w_hh = _weight_grad(mm, _either(dr_low, dr), _either(buf.get("hd_low"), hd), mm.acc) if need[6] else None
         d_w_hr = mm.bmm(dhp.transpose(1, 2), y1) if proj and need[11] else None
         pool.give(slab)
-        if not getattr(ctx, "fresh", False) and pool.graph_freed_after_this_backward():
+        if frees:
             ctx.release()
             del ctx.buf
         grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_bias, dh if need[4] else None, dc if need[5] else None,
@@ -632,7 +634,7 @@ class GRURecurrence(torch.autograd.Function):
             hist=(dirs, rows, hidden), hd=(dirs, rows, hidden), xstat=(dirs, rows, 2) if gx is not None else None,
             rhat=(dirs, rows, gsize) if gh is not None else None, rrstd=(dirs, rows) if gh is not None else None,
             **_low_copies(mm, ctx, xs, hd=(dirs, rows, hidden))),
-            acc, xs.device, fresh=getattr(ctx, "fresh", False))
+            acc, xs.device, fresh=_operator(ctx))
         # the forward's own work space (the projection is saved for the input LayerNorm's backward, else
         # written into the gates' rows, as the LSTM's; without kept gates, a row of them and of hbn per thread)
         tmp_slab, tmp = pool.views(dict(r=(dirs * first * gsize,), y=(dirs, rows, hidden) if mm.mixed else None,
@@ -692,7 +694,8 @@ class GRURecurrence(torch.autograd.Function):
         dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else hd.new_zeros(dirs, batch, hidden)
         round_bf16 = _rounds_bf16(mm)  # as the LSTM's: dr its own buffer, rounded in the C loop
         in_c = not mm.mixed or round_bf16  # the whole loop in one C call (gru_backward_loop), as the forward's
-        over = _writes_over(ctx, in_c)
+        frees = _frees(ctx)
+        over = in_c and frees  # (gradients written over saved buffers: _frees)
         over_dr = over and gh is not None
         # with the recurrent LayerNorm, dr is LNh's backward of dhb, and dhb is needed after the loop only for
         # b_hh's gradient, which the C loop sums: it holds one step's rows there
@@ -749,7 +752,7 @@ class GRURecurrence(torch.autograd.Function):
         d_w_hh = _weight_grad(mm, _either(dr_low, dr), _either(buf.get("hd_low"), hd), mm.acc) if need[5] else None
         d_b_hh = (acc_bhh if step_dhb else dhb.sum(1)) if ctx.has_bias[1] and need[6] else None
         pool.give(slab)
-        if not getattr(ctx, "fresh", False) and pool.graph_freed_after_this_backward():
+        if frees:
             ctx.release()
             del ctx.buf
         grads = (d_xs, d_w_ih, acc_gx if need[2] else None, d_b_ih, dh if need[4] else None, d_w_hh, d_b_hh, acc_gh)
