@@ -13,6 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import fastlayers
+from module_cases import flat
 
 BACKENDS = ["cpu", "reference", "triton"]  # triton: CPU tensors under the interpreter (tests/conftest.py)
 OPTIONS = {
@@ -30,11 +31,6 @@ def _layer(options, dtype):
     return getattr(fastlayers, cell)(3, 4, num_layers=2, bidirectional=True, dropout=0.3, dtype=dtype, **kw).train()
 
 
-def _flat(out):
-    y, states = out
-    return [y, *(states if isinstance(states, tuple) else (states,))]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("with_lengths", [False, True])
 @pytest.mark.parametrize("options", list(OPTIONS))
@@ -48,7 +44,7 @@ def test_training_draws_are_the_same_with_and_without_gradients(options, with_le
         for grad in (True, False):
             torch.manual_seed(5)
             with torch.set_grad_enabled(grad):
-                results.append([t.detach() for t in _flat(m(x, lengths=lengths))])
+                results.append([t.detach() for t in flat(m(x, lengths=lengths))])
     with_grad, without = results
     for a, b in zip(with_grad, without, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12)
