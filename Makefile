@@ -57,7 +57,8 @@ AS_IS := -m "subprocess or compile or reference_only or each_triton"
 POISONED := --poison-memory -m "not subprocess and not compile and not reference_only"
 INTERPRETER_TESTS := tests/local/test_local_triton.py tests/attention/test_attention_triton.py tests/rnn/test_rnn_triton.py
 LONGEST_FIRST := tests/test_train.py tests/test_install.py tests/test_grad_accumulation.py tests/test_onnx.py tests/test_second_order.py \
-	tests/test_kernel_failures.py tests/rnn/test_rnn_triton.py tests/test_aoti.py tests/test_compile.py tests/test_docs.py
+	tests/test_kernel_failures.py tests/rnn/test_rnn_triton.py tests/test_aoti.py tests/test_compile.py tests/test_docs.py \
+	tests/test_nonfinite.py
 ORDERED_TESTS := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py tests/*/test_*.py)))
 test: setup $(VENV)/.triton-installed $(TRITON_NEWEST_DIR)/.installed
 	$(BIN)/lint-imports --no-cache

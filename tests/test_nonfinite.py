@@ -71,6 +71,74 @@ def test_rnn_nonfinite_input_reaches_what_the_reference_says(case, value):
     _backward_runs(outs, [x, *module.parameters()])
 
 
+PADDED_CASES = [c for c in RNN_CASES if "lengths" in c.inputs(torch.float32)[1]]
+BACKENDS = ["cpu", "reference", "triton"]  # triton: CPU tensors under the interpreter (tests/conftest.py)
+
+
+def _fill_padded_steps(x: torch.Tensor, batch_first: bool, value: float) -> torch.Tensor:
+    """x with every padded step (t >= LENGTHS[b]) set to ``value``."""
+    x = x.clone()
+    for b, n in enumerate(LENGTHS):
+        (x[b, n:] if batch_first else x[n:, b]).fill_(value)
+    return x
+
+
+def _call_and_grads(module, x, kwargs, create_graph=False):
+    """Every output and final state of one training-mode call (masks from one seed), and the
+    gradients of a weighted sum of them for the input and every parameter."""
+    torch.manual_seed(1)
+    outs = flat(module(x, **kwargs))
+    loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs)
+    leaves = [x, *module.parameters()]
+    return outs, torch.autograd.grad(loss, leaves, create_graph=create_graph)
+
+
+# (the interpreter's triton runs with inf alone: a minute of CPU time fewer)
+PADDED_RUNS = [(c, v, b) for b in BACKENDS for v in ([INF] if b == "triton" else [NAN, INF]) for c in PADDED_CASES]
+
+
+@pytest.mark.parametrize(("case", "value", "backend"), PADDED_RUNS,
+                         ids=[f"{c.id}-{v}-{b}" for c, v, b in PADDED_RUNS])
+def test_rnn_padded_steps_are_never_read(case, value, backend):
+    """NaN or inf at every padded step changes nothing: outputs, final states and every gradient
+    equal those of zero padding exactly, and the input's gradient there is 0 (torch's packed
+    semantics). The reference backend once ran its cell on the padded steps and dropped the result:
+    the zero gradient through that cell turned NaN (0 * inf), in the parameters' gradients too."""
+    torch.manual_seed(0)
+    module = case.build().train()
+    (x,), kwargs = case.inputs(torch.float32)
+    batch_first = x.size(0) == len(LENGTHS) and x.size(1) != len(LENGTHS)
+    with fastlayers.backend(backend):
+        runs = [_call_and_grads(module, _fill_padded_steps(x, batch_first, v).requires_grad_(True), kwargs)
+                for v in (0.0, value)]
+    (outs, grads), (outs_bad, grads_bad) = runs
+    for a, b in zip([*outs, *grads], [*outs_bad, *grads_bad], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(grads_bad[0], _fill_padded_steps(grads_bad[0], batch_first, 0.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", [c for c in PADDED_CASES if c.id in ("LSTM-all+proj", "GRU-all")],
+                         ids=lambda c: c.id)
+def test_rnn_padded_steps_are_never_read_twice(case, backend):
+    """The same for a second derivative (a gradient penalty's backward), which recomputes through
+    the reference's differentiable loop on every backend (fastlayers._core.twice)."""
+    torch.manual_seed(0)
+    module = case.build().train()
+    (x,), kwargs = case.inputs(torch.float32)
+    batch_first = x.size(0) == len(LENGTHS) and x.size(1) != len(LENGTHS)
+    results = []
+    with fastlayers.backend(backend):
+        for v in (0.0, INF):
+            xv = _fill_padded_steps(x, batch_first, v).requires_grad_(True)
+            _, grads = _call_and_grads(module, xv, kwargs, create_graph=True)
+            penalty = sum(g.pow(2).sum() for g in grads)
+            results.append(torch.autograd.grad(penalty, [xv, *module.parameters()]))
+    for a, b in zip(*results, strict=True):
+        assert a.isfinite().all() and b.isfinite().all()
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("case", RNN_CASES, ids=[c.id for c in RNN_CASES])
 def test_rnn_large_input_stays_finite(case):
     module = _module(case)

@@ -52,8 +52,9 @@ COMMON_DOC = """
     sequence b from step t on (forward direction), up to step t (reverse direction), and what
     later layers compute from those; other sequences stay finite. +-inf saturates the gates
     (the sigmoid / tanh limits, as torch) and becomes NaN where a LayerNorm subtracts it from
-    itself. Values at padded steps (t >= lengths[b]) are never read. Inputs of size 1e4 keep
-    every output, state and gradient finite (gates saturate; LayerNorm normalises).
+    itself. Values at padded steps (t >= lengths[b]) are never read, on any backend: outputs and
+    gradients are those of zero padding, and the input's gradient there is 0. Inputs of size 1e4
+    keep every output, state and gradient finite (gates saturate; LayerNorm normalises).
 
     Initialisation (``reset_parameters()``, called once by the constructor): torch's rule,
     uniform(-1/sqrt(H), 1/sqrt(H)), for every weight and bias; with options see below.

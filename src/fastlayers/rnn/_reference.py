@@ -118,6 +118,7 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
     matrix-product operands in the low dtype, outputs and final states in the low dtype."""
     mm = _precision.Products.of(input)
     steps, batch, _ = input.shape
+    padded = lengths is not None
     if lengths is None:
         lengths = torch.full((batch,), steps, dtype=torch.int64)
     lengths = lengths.to(input.device)
@@ -139,8 +140,12 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
             ys: list[Tensor] = [None] * steps  # type: ignore[list-item]
             for t in (range(steps) if d == 0 else range(steps - 1, -1, -1)):
                 alive = (t < lengths).unsqueeze(1)
-                h_in = states[0] * rmask if rmask is not None else states[0]
-                new = step(x[t], states, h_in, p, mm)
+                # a padded step's cell runs on zeros: its result is dropped below, and the zero
+                # gradient it gets back would turn NaN on non-finite operands (0 * inf); so a
+                # padded input is never read, and no NaN of a sequence reaches its padded steps
+                live = [torch.where(alive, s, 0.0) for s in states] if padded else states
+                h_in = live[0] * rmask if rmask is not None else live[0]
+                new = step(torch.where(alive, x[t], 0.0) if padded else x[t], live, h_in, p, mm)
                 for i, (old, upd) in enumerate(zip(states, new)):
                     key = ("zoneout_h", "zoneout_c")[i]
                     if key in m:  # given masks apply in any mode (as in the engine)
