@@ -91,11 +91,13 @@ def _step_on_operator(mode: str, x: Tensor, states: tuple[Tensor, ...], params: 
 
     with torch._C._AutoDispatchBelowAutograd():  # (serves(): never under torch.compile)
         if mode == "LSTM":
+            zh = keep(z_h, states[0].size(1))  # h's mask first, then c's, as the equations draw them
+            zc = keep(z_c, states[1].size(1))
             _, h, c = torch.ops.fastlayers.lstm_padded.default(
                 xt, None, states[0].unsqueeze(0), states[1].unsqueeze(0), params["weight_ih"], params["weight_hh"],
                 get("bias_ih"), get("bias_hh"), get("ln_ih_weight"), get("ln_hh_weight"), get("ln_cell_weight"),
-                get("ln_cell_bias"), get("weight_peephole"), get("weight_hr"), recurrent_mask,
-                keep(z_c, states[1].size(1)), keep(z_h, states[0].size(1)), float(options.cell_clip or 0.0),
+                get("ln_cell_bias"), get("weight_peephole"), get("weight_hr"), recurrent_mask, zc, zh,
+                float(options.cell_clip or 0.0),
                 0.0 if training else float(z_c), 0.0 if training else float(z_h), float(options.proj_clip or 0.0))
             return h[0], c[0]
         _, h = torch.ops.fastlayers.gru_padded.default(
