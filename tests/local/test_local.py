@@ -1,6 +1,7 @@
 """Locally connected layers: tied weights == conv, explicit float64 loop, gradcheck, errors."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -255,6 +256,52 @@ def test_errors():
         m(torch.randn(8, 6))
     with pytest.raises(ValueError, match=r"input: expected a 3-D \(B, C_in, L\) or 2-D \(C_in, L\) tensor, got 1-D"):
         LocallyConnected1d(1, 1, 5)(torch.randn(5))
+
+
+TORCH_MIRRORED = {  # bad input -> (ours, the same input to torch.nn's convolution)
+    "rank 5-D": (lambda: LocallyConnected2d(4, 2, (8, 6), 3)(torch.randn(1, 4, 8, 6, 1)),
+                 lambda: torch.nn.Conv2d(4, 2, 3)(torch.randn(1, 4, 8, 6, 1))),
+    "rank 2-D": (lambda: LocallyConnected2d(4, 2, (8, 6), 3)(torch.randn(8, 6)),
+                 lambda: torch.nn.Conv2d(4, 2, 3)(torch.randn(8, 6))),
+    "channels": (lambda: LocallyConnected2d(4, 2, (8, 6), 3)(torch.randn(1, 3, 8, 6)),
+                 lambda: torch.nn.Conv2d(4, 2, 3)(torch.randn(1, 3, 8, 6))),
+    "channels unbatched": (lambda: LocallyConnected2d(4, 2, (8, 6), 3)(torch.randn(3, 8, 6)),
+                           lambda: torch.nn.Conv2d(4, 2, 3)(torch.randn(3, 8, 6))),
+    "kernel > padded input": (lambda: LocallyConnected2d(1, 1, (4, 9), kernel_size=3, dilation=2),
+                              lambda: torch.nn.Conv2d(1, 1, 3, dilation=2)(torch.randn(1, 1, 4, 9))),
+    "stride 0": (lambda: LocallyConnected2d(1, 1, 5, stride=0),
+                 lambda: torch.nn.Conv2d(1, 1, 1, stride=0)(torch.randn(1, 1, 5, 5))),
+    "padding -1": (lambda: LocallyConnected2d(1, 1, 5, padding=-1),
+                   lambda: torch.nn.Conv2d(1, 1, 1, padding=-1)(torch.randn(1, 1, 5, 5))),
+    "dilation (1, 0)": (lambda: LocallyConnected2d(1, 1, 5, dilation=(1, 0)),
+                        lambda: torch.nn.Conv2d(1, 1, 1, dilation=(1, 0))(torch.randn(1, 1, 5, 5))),
+    "1-D rank": (lambda: LocallyConnected1d(1, 1, 5)(torch.randn(1, 1, 1, 5)),
+                 lambda: torch.nn.Conv1d(1, 1, 1)(torch.randn(1, 1, 1, 5))),
+    "1-D channels": (lambda: LocallyConnected1d(2, 1, 5, 3)(torch.randn(1, 1, 5)),
+                     lambda: torch.nn.Conv1d(2, 1, 3)(torch.randn(1, 1, 5))),
+    "1-D kernel > padded input": (lambda: LocallyConnected1d(1, 1, 4, kernel_size=3, dilation=2),
+                                  lambda: torch.nn.Conv1d(1, 1, 3, dilation=2)(torch.randn(1, 1, 4))),
+    "1-D functional channels": (lambda: locally_connected1d(torch.randn(4, 3, 8), torch.randn(3, 2, 3, 6)),
+                                lambda: torch.nn.functional.conv1d(torch.randn(4, 3, 8), torch.randn(3, 2, 3))),
+}
+
+
+@pytest.mark.parametrize("bad", list(TORCH_MIRRORED))
+def test_errors_torch_convolutions_raise_too_carry_their_class_and_message(bad):
+    """Where torch.nn's convolution refuses the same input, ours raises its class (RuntimeError, and
+    ValueError as before) with its message first, ours after it. Two words differ: the operator's
+    name (locally_connected2d for conv2d) and the weight's size, which is ours."""
+    ours, theirs = TORCH_MIRRORED[bad]
+    with pytest.raises(RuntimeError) as torch_error:
+        theirs()
+    with pytest.raises(RuntimeError) as our_error:
+        ours()
+    assert isinstance(our_error.value, ValueError)
+
+    def torch_form(message: str) -> str:
+        return re.sub(r"weight of size \[[^\]]*\]", "weight of size [...]", message).replace("locally_connected", "conv")
+
+    assert torch_form(str(our_error.value)).startswith(torch_form(str(torch_error.value)) + "; ")
 
 
 def test_1d_module_follows_its_parameters_between_no_grad_calls():

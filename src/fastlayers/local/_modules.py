@@ -11,10 +11,18 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._core.checks import check_floating, check_same_dtype_device, check_tensor
+from .._core.checks import ShapeError, check_floating, check_same_dtype_device, check_tensor
 from .._core.jit import NotScriptable
 from ._reference import Pair
 from ._routing import run
+
+
+# what F.conv1d / F.conv2d raise (RuntimeError) for the same geometry: our errors start with it
+_TORCH_REFUSES = {
+    "stride": lambda values: "non-positive stride is not supported",
+    "padding": lambda values: "negative padding is not supported",
+    "dilation": lambda values: f"dilation should be greater than zero, but got {list(values)}",
+}
 
 
 def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2) -> tuple[int, ...]:
@@ -22,18 +30,28 @@ def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2) 
     if len(values) != dims or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
     if any(v < minimum for v in values):
-        raise ValueError(f"{name}: expected every value >= {minimum}, got {value!r}")
+        torch_says = _TORCH_REFUSES[name](values) + "; " if name in _TORCH_REFUSES else ""
+        raise ShapeError(f"{torch_says}{name}: expected every value >= {minimum}, got {value!r}")
     return values
+
+
+def _sizes(values) -> str:
+    return "(" + " x ".join(str(v) for v in values) + ")"
 
 
 def output_size(input_size: tuple[int, ...], kernel_size: tuple[int, ...], stride: tuple[int, ...],
                 padding: tuple[int, ...], dilation: tuple[int, ...]) -> tuple[int, ...]:
-    """nn.Conv2d's output size; ValueError if the (dilated) kernel is larger than the padded input."""
+    """nn.Conv2d's output size; ShapeError (ValueError, RuntimeError: F.conv2d's) if the (dilated)
+    kernel is larger than the padded input."""
     out = []
     for n, k, s, p, d in zip(input_size, kernel_size, stride, padding, dilation):
         span = d * (k - 1) + 1
         if span > n + 2 * p:
-            raise ValueError(
+            padded = [m + 2 * q for m, q in zip(input_size, padding)]
+            spans = [e * (j - 1) + 1 for j, e in zip(kernel_size, dilation)]
+            raise ShapeError(
+                f"Calculated padded input size per channel: {_sizes(padded)}. Kernel size: {_sizes(spans)}. "
+                "Kernel size can't be greater than actual input size; "
                 f"kernel_size: the dilated kernel spans {span} but the padded input is only {n + 2 * p} "
                 f"(input_size {tuple(input_size)}, padding {tuple(padding)}, kernel_size {tuple(kernel_size)}, "
                 f"dilation {tuple(dilation)})"
@@ -59,7 +77,10 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         TypeError: non-tensor or integer input, dtype mismatch, malformed stride/padding/dilation.
         ValueError: wrong ranks, channel count, an (OH, OW) in weight that the geometry does not
             produce from the input, a kernel larger than the padded input, stride/dilation < 1,
-            padding < 0, a bias of the wrong shape.
+            padding < 0, a bias of the wrong shape. These are RuntimeError too (what F.conv2d
+            raises), and where F.conv2d refuses the same input (the input's rank, its channel count,
+            the kernel against the padded input, stride, padding, dilation) the message starts
+            with F.conv2d's, ours after it.
 
     A NaN or inf in the input reaches exactly the outputs whose receptive field holds it (as
     F.conv2d); the kernels assume nothing about finiteness.
@@ -68,21 +89,23 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     check_tensor("weight", weight)
     check_floating("input", input)
     if input.dim() not in (3, 4):
-        raise ValueError(f"input: expected a 4-D (B, C_in, H, W) or 3-D (C_in, H, W) tensor, got {input.dim()}-D "
-                         f"with shape {tuple(input.shape)}")
+        raise ShapeError("Expected 3D (unbatched) or 4D (batched) input to locally_connected2d, but got input of "
+                         f"size: {list(input.shape)}; input: expected a 4-D (B, C_in, H, W) or 3-D (C_in, H, W) "
+                         f"tensor, got {input.dim()}-D with shape {tuple(input.shape)}")
     if weight.dim() != 6:
-        raise ValueError(f"weight: expected a 6-D tensor (C_out, C_in, KH, KW, OH, OW), got {weight.dim()}-D "
+        raise ShapeError(f"weight: expected a 6-D tensor (C_out, C_in, KH, KW, OH, OW), got {weight.dim()}-D "
                          f"with shape {tuple(weight.shape)}")
     check_same_dtype_device("weight", weight, "input", input)
     stride2, padding2, dilation2 = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
     batched = input.dim() == 4
     x = input if batched else input.unsqueeze(0)
     if x.size(1) != weight.size(1):
-        raise ValueError(f"input: expected C_in = {weight.size(1)} channels (weight.shape[1]), got {x.size(1)} "
-                         f"(input shape {tuple(input.shape)})")
+        raise ShapeError(f"Given groups=1, weight of size {list(weight.shape)}, expected input{list(x.shape)} to have "
+                         f"{weight.size(1)} channels, but got {x.size(1)} channels instead; input: expected C_in = "
+                         f"{weight.size(1)} channels (weight.shape[1]), got {x.size(1)} (input shape {tuple(input.shape)})")
     expected = output_size(tuple(x.shape[2:]), tuple(weight.shape[2:4]), stride2, padding2, dilation2)
     if tuple(weight.shape[4:]) != expected:
-        raise ValueError(
+        raise ShapeError(
             f"input: spatial size {tuple(x.shape[2:])} gives output size {expected} with kernel_size "
             f"{tuple(weight.shape[2:4])}, stride {stride2}, padding {padding2}, dilation {dilation2}, but weight is for "
             f"output size {tuple(weight.shape[4:])} (weight.shape[4:])"
@@ -92,7 +115,7 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         check_same_dtype_device("bias", bias, "input", input)
         want = (weight.size(0), *expected)
         if tuple(bias.shape) != want:
-            raise ValueError(f"bias: expected shape {want} (C_out, OH, OW), got {tuple(bias.shape)}")
+            raise ShapeError(f"bias: expected shape {want} (C_out, OH, OW), got {tuple(bias.shape)}")
     y = run(x, weight, bias, stride2, padding2, dilation2)
     return y if batched else y.squeeze(0)
 
@@ -111,16 +134,28 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     check_tensor("input", input)
     check_tensor("weight", weight)
     if input.dim() not in (2, 3):
-        raise ValueError(f"input: expected a 3-D (B, C_in, L) or 2-D (C_in, L) tensor, got {input.dim()}-D "
-                         f"with shape {tuple(input.shape)}")
+        raise ShapeError("Expected 2D (unbatched) or 3D (batched) input to locally_connected1d, but got input of "
+                         f"size: {list(input.shape)}; input: expected a 3-D (B, C_in, L) or 2-D (C_in, L) tensor, "
+                         f"got {input.dim()}-D with shape {tuple(input.shape)}")
     if weight.dim() != 4:
-        raise ValueError(f"weight: expected a 4-D tensor (C_out, C_in, K, OL), got {weight.dim()}-D "
+        raise ShapeError(f"weight: expected a 4-D tensor (C_out, C_in, K, OL), got {weight.dim()}-D "
                          f"with shape {tuple(weight.shape)}")
     (s,), (p,), (d,) = _pair("stride", stride, 1, 1), _pair("padding", padding, 0, 1), _pair("dilation", dilation, 1, 1)
+    channels = input.size(-2)
+    if channels != weight.size(1):  # (checked here for F.conv1d's message with the 1-D shapes)
+        raise ShapeError(f"Given groups=1, weight of size {list(weight.shape)}, expected input"
+                         f"{list(input.shape if input.dim() == 3 else (1, *input.shape))} to have {weight.size(1)} "
+                         f"channels, but got {channels} channels instead; input: expected C_in = {weight.size(1)} "
+                         f"channels (weight.shape[1]), got {channels} (input shape {tuple(input.shape)})")
+    (length,) = output_size((input.size(-1),), (weight.size(2),), (s,), (p,), (d,))
+    if weight.size(3) != length:
+        raise ShapeError(f"input: length {input.size(-1)} gives output length {length} with kernel_size "
+                         f"{weight.size(2)}, stride {s}, padding {p}, dilation {d}, but weight is for output length "
+                         f"{weight.size(3)} (weight.shape[3])")
     if bias is not None:
         check_tensor("bias", bias)
         if bias.dim() != 2:
-            raise ValueError(f"bias: expected shape ({weight.size(0)}, {weight.size(3)}) (C_out, OL), "
+            raise ShapeError(f"bias: expected shape ({weight.size(0)}, {weight.size(3)}) (C_out, OL), "
                              f"got {tuple(bias.shape)}")
         bias = bias.unsqueeze(1)  # (O, 1, OL)
     y = locally_connected2d(input.unsqueeze(-2), weight.unsqueeze(2).unsqueeze(4), bias, (1, s), (0, p), (1, d))
@@ -172,7 +207,7 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
         dims = len(self.input_size)
         spatial = tuple(input.shape[-dims:])
         if input.dim() in (dims + 1, dims + 2) and spatial != self.input_size:
-            raise ValueError(f"input: expected spatial size {self.input_size} (input_size), got {spatial} "
+            raise ShapeError(f"input: expected spatial size {self.input_size} (input_size), got {spatial} "
                              f"(input shape {tuple(input.shape)})")
 
     def extra_repr(self) -> str:
