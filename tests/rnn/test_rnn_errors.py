@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fastlayers
+from module_cases import flat
 
 
 @pytest.fixture
@@ -44,6 +45,28 @@ def test_float_lengths(lstm):
         lstm(torch.randn(6, 3, 4), lengths=torch.tensor([6.0, 2.0, 3.0]))
     with pytest.raises(TypeError, match=r"lengths: expected a sequence of ints, got an element of type float"):
         lstm(torch.randn(6, 3, 4), lengths=[6, 2.0, 3])
+
+
+def test_numpy_lengths_as_torch_takes_them(lstm):
+    """torch's pack_padded_sequence takes a NumPy array or NumPy ints as lengths; so do we (integer
+    ones: a float or bool array is the TypeError float lengths get)."""
+    import numpy as np
+
+    x = torch.randn(6, 3, 4)
+    expected = lstm(x, lengths=[6, 2, 3])
+    for lengths in (np.array([6, 2, 3]), np.array([6, 2, 3], dtype=np.uint8), [np.int64(6), np.int32(2), 3]):
+        for a, b in zip(flat(lstm(x, lengths=lengths)), flat(expected), strict=True):
+            assert torch.equal(a, b)
+    pool = fastlayers.attention_pool(x[0], x.transpose(0, 1), lengths=np.array([6, 2, 3]))
+    torch.testing.assert_close(pool, fastlayers.attention_pool(x[0], x.transpose(0, 1), lengths=[6, 2, 3]), rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"lengths: expected an integer array, got dtype float64"):
+        lstm(x, lengths=np.array([6.0, 2.0, 3.0]))
+    with pytest.raises(TypeError, match=r"lengths: expected an integer array, got dtype bool"):
+        lstm(x, lengths=np.array([True, True, True]))
+    with pytest.raises(TypeError, match=r"lengths: expected a sequence of ints, got an element of type bool"):
+        lstm(x, lengths=[np.True_] * 3)
+    with pytest.raises(ValueError, match=r"lengths: expected a 1-D tensor of shape \(3,\), got shape \(1, 3\)"):
+        lstm(x, lengths=np.array([[6, 2, 3]]))
 
 
 def test_lengths_wrong_size(lstm):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -67,8 +69,9 @@ def check_same_dtype_device(name: str, value: Tensor, ref_name: str, ref: Tensor
 def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths") -> Tensor:
     """Validate a per-sequence lengths argument and return it as a CPU int64 tensor of shape (B,).
 
-    Accepts a 1-D integer tensor on any device or a sequence of Python ints. Every value must
-    satisfy 1 <= length <= max_len.
+    Accepts a 1-D integer tensor on any device, a 1-D integer NumPy array, or a sequence of ints
+    (Python's or NumPy's), as torch's ``pack_padded_sequence`` does (which also takes floats and
+    truncates them; here they are a TypeError). Every value must satisfy 1 <= length <= max_len.
     """
     if isinstance(lengths, Tensor):
         t = lengths
@@ -76,9 +79,13 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
             raise TypeError(f"{name}: expected an integer tensor, got dtype {t.dtype}")
     elif isinstance(lengths, (list, tuple)):
         for v in lengths:
-            if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"{name}: expected a sequence of ints, got an element of type {type(v).__name__} ({v!r})")
-        t = torch.tensor(list(lengths), dtype=torch.int64)
+        t = torch.tensor([int(v) for v in lengths], dtype=torch.int64)
+    elif type(lengths).__module__ == "numpy" and hasattr(lengths, "dtype") and hasattr(lengths, "shape"):
+        if getattr(lengths.dtype, "kind", None) not in ("i", "u"):  # (bool is kind "b", floats "f")
+            raise TypeError(f"{name}: expected an integer array, got dtype {lengths.dtype}")
+        t = torch.as_tensor(lengths).to(torch.int64)
     else:
         raise TypeError(f"{name}: expected a 1-D integer tensor or a sequence of ints, got {type(lengths).__name__}")
     if t.dim() != 1:

@@ -71,8 +71,8 @@ def attention_pool(
         query: (B, Dq) float tensor.
         keys: (B, T, Dk), same dtype and device.
         values: (B, T, Dv); default ``keys``.
-        lengths: optional (B,) integer tensor (any device) or list of ints, 1 <= len_b <= T:
-            steps t >= len_b get weight exactly 0. Default: every step is valid.
+        lengths: optional (B,) integer tensor (any device), integer NumPy array or list of ints,
+            1 <= len_b <= T: steps t >= len_b get weight exactly 0. Default: every step is valid.
         score: ``"dot"`` (Dq == Dk), ``"scaled_dot"`` (Dq == Dk) or ``"additive"``.
         additive: for ``score="additive"``: ``(weight_query (A, Dq), weight_key (A, Dk), v (A,),
             bias (A,) or None)``; :class:`AttentionPooling` owns these.

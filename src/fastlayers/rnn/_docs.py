@@ -11,12 +11,12 @@ COMMON_DOC = """
     * ``input``: (T, B, F) float tensor, (B, T, F) if ``batch_first``, unbatched (T, F), or a
       PackedSequence (then the output is a PackedSequence, exactly as torch).
     * ``hx``: initial state{hx_doc}; zeros if omitted.
-    * ``lengths``: optional per-sequence lengths, a 1-D integer tensor on any device or a sequence
-      of B Python ints, ``1 <= lengths[b] <= T``, any order, duplicates allowed (for unbatched
-      input: one length). Semantics are exactly those of torch's PackedSequence path: output
-      rows at ``t >= lengths[b]`` are zero; the final state of the forward direction is taken
-      after each sequence's own last step, that of the reverse direction after t = 0, and the
-      reverse direction starts at each sequence's own last step.
+    * ``lengths``: optional per-sequence lengths, a 1-D integer tensor on any device, a 1-D integer
+      NumPy array or a sequence of B ints (Python's or NumPy's), ``1 <= lengths[b] <= T``, any
+      order, duplicates allowed (for unbatched input: one length). Semantics are exactly those of
+      torch's PackedSequence path: output rows at ``t >= lengths[b]`` are zero; the final state
+      of the forward direction is taken after each sequence's own last step, that of the reverse
+      direction after t = 0, and the reverse direction starts at each sequence's own last step.
 
     Returns ``(output, {ret_doc})``: output (T, B, D*H_out) (or (B, T, D*H_out), or (T, D*H_out)),
     {final_doc}
