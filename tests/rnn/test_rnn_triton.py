@@ -317,6 +317,31 @@ def test_module_as_constructed_forced_triton_equals_reference(cls, kwargs):
     assert_close_all(got, want, atol=1e-10, rtol=1e-10)
 
 
+SIZE_ONE = {  # (class, input_size, hidden_size, options): an operand of the step products 1 wide
+    "lstm-proj1-ln": (fastlayers.LSTM, F, H, dict(proj_size=1, layer_norm=True, bidirectional=True, num_layers=2)),
+    "lstm-proj1-clip": (fastlayers.LSTM, F, H, dict(proj_size=1, cell_clip=0.3, proj_clip=0.2, num_layers=2)),
+    "lstm-proj1-checkpoint": (fastlayers.LSTM, F, H, dict(proj_size=1, peephole=True, checkpoint_every=2)),
+    "lstm-h1": (fastlayers.LSTM, 1, 1, dict(layer_norm=True, bidirectional=True, num_layers=2)),
+    "gru-h1": (fastlayers.GRU, 1, 1, dict(layer_norm=True, bidirectional=True, num_layers=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(SIZE_ONE))
+def test_size_one_projection_and_hidden_on_the_triton_engine(case):
+    """proj_size=1 made the projection's weight a (D, H, 1) view whose last stride is H, which
+    torch calls contiguous (a size-1 dimension); the step product asserted unit stride there and
+    every LSTM with proj_size=1 and an option raised AssertionError on the Triton engine."""
+    cls, f, h, kwargs = SIZE_ONE[case]
+    torch.manual_seed(0)
+    module = cls(f, h, **kwargs).double().eval()
+    x = torch.randn(T, B, f, dtype=torch.float64)
+    with fastlayers.backend("triton"):
+        got = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
+    with fastlayers.backend("reference"):
+        want = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
+    assert_close_all(got, want, atol=1e-10, rtol=1e-10)
+
+
 def test_module_forced_triton_runs_the_triton_layer():
     module = fastlayers.LSTM(F, H, layer_norm=True).double()
     x = torch.randn(T, B, F, dtype=torch.float64)
