@@ -342,6 +342,44 @@ def test_size_one_projection_and_hidden_on_the_triton_engine(case):
     assert_close_all(got, want, atol=1e-10, rtol=1e-10)
 
 
+HX_VIEWS = {
+    "lstm-ln": (fastlayers.LSTM, dict(layer_norm=True)),
+    "gru-ln": (fastlayers.GRU, dict(layer_norm=True)),
+    "lstm-proj-peephole": (fastlayers.LSTM, dict(proj_size=2, peephole=True)),
+}
+
+
+@pytest.mark.parametrize("checkpoint_every", [None, 2])
+@pytest.mark.parametrize("view", ["transposed", "expanded"])
+@pytest.mark.parametrize("case", list(HX_VIEWS))
+def test_initial_states_given_as_views_on_the_triton_engine(case, view, checkpoint_every):
+    """hx as torch.nn takes it: a view of a batch-major tensor (h.transpose(0, 1)) or one learned
+    state expanded over the batch (h0.expand(-1, B, -1), stride 0). The Triton engine copied the
+    states with to(copy=True), which keeps a transposed view's strides, into buffers its kernels
+    index as contiguous (every output wrong), and its backward read the saved c0 as contiguous
+    (an expanded c0's gradients came back as NaN or 1e35)."""
+    cls, kwargs = HX_VIEWS[case]
+    torch.manual_seed(0)
+    module = cls(F, H, num_layers=2, bidirectional=True, checkpoint_every=checkpoint_every, **kwargs).eval()
+    out = kwargs.get("proj_size") or H
+    g = torch.Generator().manual_seed(1)
+    shapes = ((B, L * D, out), (B, L * D, H)) if view == "transposed" else ((L * D, 1, out), (L * D, 1, H))
+    bases = [torch.randn(*shape, generator=g) for shape in shapes[:2 if cls is fastlayers.LSTM else 1]]
+    x = torch.randn(T, B, F, generator=g)
+    results = []
+    for backend in ("triton", "reference"):
+        leaves = [t.clone().requires_grad_(True) for t in bases]
+        views = [t.transpose(0, 1) if view == "transposed" else t.expand(-1, B, -1) for t in leaves]
+        with fastlayers.backend(backend):
+            y, finals = module(x, tuple(views) if cls is fastlayers.LSTM else views[0], lengths=LENGTHS)
+            outs = [y, *(finals if isinstance(finals, tuple) else (finals,))]
+            grads = torch.autograd.grad(sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs),
+                                        [*leaves, *module.parameters()])
+        results.append([o.detach() for o in outs] + list(grads))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_module_forced_triton_runs_the_triton_layer():
     module = fastlayers.LSTM(F, H, layer_norm=True).double()
     x = torch.randn(T, B, F, dtype=torch.float64)

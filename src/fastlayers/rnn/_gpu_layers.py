@@ -110,6 +110,11 @@ def numbers_tensor(kernels, consts: tuple, like: Tensor) -> Tensor:
                             lambda: _gpu_graphs.values(kernels.scalars(consts, EPS), like.dtype, like.device), like.device)
 
 
+def _state_buffer(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A state the time loop writes over: a contiguous copy of ``t`` in ``dtype``."""
+    return t.to(dtype, copy=True, memory_format=torch.contiguous_format)
+
+
 def _result(loop: _gpu_graphs.Loop, t: Tensor, dtype: torch.dtype) -> Tensor:
     """A result of the loops in ``dtype``: a copy where the loop's buffers are an entry's (the next
     call replays into the same memory), else the buffer itself when already in ``dtype``."""
@@ -206,7 +211,9 @@ class LSTMLayer(torch.autograd.Function):
             gx, bias, gh, gc, bc, peep, rmask, zc, zh = (as_dtype(t, acc) for t in (gx, bias, gh, gc, bc, peep, rmask, zc,
                                                                                zh))
             xp = _project_input(mm, x, w_ih, None if ln else bias)  # with LayerNorm the kernel adds the bias
-            ins = dict(xp=xp, bias=bias, gx=gx, h=h0.to(acc, copy=True), c=c0.to(acc, copy=True),
+            # the state buffers: fresh contiguous copies (to(copy=True) alone keeps a transposed hx's
+            # strides, and the kernels index rows of a contiguous (D, B, *) state)
+            ins = dict(xp=xp, bias=bias, gx=gx, h=_state_buffer(h0, acc), c=_state_buffer(c0, acc),
                        w_t=mm.operand(w_hh.transpose(1, 2)).contiguous(),
                        w_hr_t=mm.operand(w_hr.transpose(1, 2)).contiguous() if proj else None,
                        gh=gh, gc=gc, bc=bc, peep=peep, rmask=rmask, zc=zc, zh=zh,
@@ -224,7 +231,9 @@ class LSTMLayer(torch.autograd.Function):
             loop.run("forward", loop.st, _first_inputs,
                      lambda st, js: _lstm_forward_steps(kernels, mm, st, consts, js))
             st = loop.st
-        ctx.save_for_backward(*originals, x, w_ih, c0 if c0.dtype == acc else c0.to(acc), w_hh, w_hr)
+        # c0 as the backward's kernels read it: contiguous rows (an initial state expanded over the
+        # batch, h0.expand(-1, B, -1), has stride 0 there), in the accumulation dtype
+        ctx.save_for_backward(*originals, x, w_ih, c0.to(acc).contiguous(), w_hh, w_hr)
         ctx.loop, ctx.mm, ctx.consts, ctx.has_bias = loop, mm, consts, bias is not None
         ctx.varlen = varlen
         # captured: the state and output are copies (the next call replays into the same memory)
@@ -359,7 +368,7 @@ class GRULayer(torch.autograd.Function):
             ln = gx is not None
             gx, b_ih, b_hh, gh, rmask, zh = (as_dtype(t, acc) for t in (gx, b_ih, b_hh, gh, rmask, zh))
             xp = _project_input(mm, x, w_ih, None if ln else b_ih)
-            ins = dict(xp=xp, b_ih=b_ih, gx=gx, h=h0.to(acc, copy=True),
+            ins = dict(xp=xp, b_ih=b_ih, gx=gx, h=_state_buffer(h0, acc),
                        w_t=mm.operand(w_hh.transpose(1, 2)).contiguous(), b_hh=b_hh, gh=gh, rmask=rmask, zh=zh,
                        lengths=lengths_tensor(lengths, steps, batch, x), starts=varlen.starts if varlen else None,
                        first=_first_rows(varlen, lengths, dirs), numbers=numbers_tensor(kernels, consts[0], xp))
