@@ -54,7 +54,8 @@ def test_numpy_lengths_as_torch_takes_them(lstm):
 
     x = torch.randn(6, 3, 4)
     expected = lstm(x, lengths=[6, 2, 3])
-    for lengths in (np.array([6, 2, 3]), np.array([6, 2, 3], dtype=np.uint8), [np.int64(6), np.int32(2), 3]):
+    for lengths in (np.array([6, 2, 3]), np.array([6, 2, 3], dtype=np.uint8), np.array([3, 2, 6])[::-1],
+                    [np.int64(6), np.int32(2), 3]):
         for a, b in zip(flat(lstm(x, lengths=lengths)), flat(expected), strict=True):
             assert torch.equal(a, b)
     pool = fastlayers.attention_pool(x[0], x.transpose(0, 1), lengths=np.array([6, 2, 3]))

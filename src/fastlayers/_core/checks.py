@@ -85,7 +85,7 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
     elif type(lengths).__module__ == "numpy" and hasattr(lengths, "dtype") and hasattr(lengths, "shape"):
         if getattr(lengths.dtype, "kind", None) not in ("i", "u"):  # (bool is kind "b", floats "f")
             raise TypeError(f"{name}: expected an integer array, got dtype {lengths.dtype}")
-        t = torch.as_tensor(lengths).to(torch.int64)
+        t = torch.tensor(lengths.tolist(), dtype=torch.int64)  # (any strides, a reversed view too)
     else:
         raise TypeError(f"{name}: expected a 1-D integer tensor or a sequence of ints, got {type(lengths).__name__}")
     if t.dim() != 1:
