@@ -266,16 +266,20 @@ def test_training_with_checkpoint_every_draws_what_the_run_without_it_draws(cell
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="no GPU and Triton's interpreter is off")
-@pytest.mark.parametrize("cell, options, lengths, every", [
-    ("LSTM", dict(zoneout=(0.3, 0.2), recurrent_dropout=0.25, layer_norm=True), [7, 3, 5], 3),
-    ("GRU", dict(zoneout=0.3, recurrent_dropout=0.25), None, 2),
+@pytest.mark.parametrize("cell, options, lengths, every, layers", [
+    ("LSTM", dict(zoneout=(0.3, 0.2), recurrent_dropout=0.25, layer_norm=True), [7, 3, 5], 3, 1),
+    ("GRU", dict(zoneout=0.3, recurrent_dropout=0.25), None, 2, 1),
+    # two layers, the longest sequence shorter than T: the plain call runs (and drew the dropout
+    # between layers over) the longest length only, the segments all T steps
+    ("LSTM", dict(recurrent_dropout=0.25, proj_size=2), [5, 3, 2], 2, 2),
+    ("GRU", dict(zoneout=0.3, recurrent_dropout=0.25, layer_norm=True), [4, 6, 1], "auto", 2),
 ])
-def test_triton_engine_with_checkpoint_every_draws_what_the_run_without_it_draws(cell, options, lengths, every):
+def test_triton_engine_with_checkpoint_every_draws_what_the_run_without_it_draws(cell, options, lengths, every, layers):
     """The same on the Triton engine (CPU tensors under the interpreter; the GPU's code path)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(7, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
-    want = _seeded_training_call(cell, options, None, x, lengths, "triton", 1)
-    got = _seeded_training_call(cell, options, every, x, lengths, "triton", 1)
+    want = _seeded_training_call(cell, options, None, x, lengths, "triton", layers)
+    got = _seeded_training_call(cell, options, every, x, lengths, "triton", layers)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 

@@ -193,6 +193,16 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
     return x, finals
 
 
+def _between_layers(x: Tensor, p: float, steps: int | None) -> Tensor:
+    """Training dropout between layers on x (longest, B, W), the first rows of the call's ``steps``:
+    its mask drawn over all ``steps`` rows, as a call that runs them all draws it (``checkpoint_every``'s
+    segments, :mod:`._remat`), so that the same seed gives the same masks with and without it."""
+    if steps is None or x.size(-3) == steps:
+        return F.dropout(x, p, True)
+    mask = F.dropout(x.new_ones(*x.shape[:-3], steps, *x.shape[-2:]), p, True)
+    return x * mask[..., :x.size(-3), :, :]
+
+
 def _layers(cell, x, hx, layers, options, dropout, training, masks, lens, batch, zoneout_rows, varlen,
             longest=None):
     """The layers of one call, each one autograd Function over all its directions: x (T, B, F) (or
@@ -235,7 +245,7 @@ def _layers(cell, x, hx, layers, options, dropout, training, masks, lens, batch,
                                       zmasks[1], lens, (0.0 if training else z_h,), varlen)
         x = y
         if dropout > 0 and training and li < len(layers) - 1:
-            x = F.dropout(x, dropout, True)
+            x = _between_layers(x, dropout, None if varlen is not None else zoneout_rows[1])
         for acc, s in zip(finals, last):
             acc.append(s)
     return x, tuple(torch.cat(f) if len(f) > 1 else f[0] for f in finals)
