@@ -35,6 +35,16 @@ def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2) 
     return values
 
 
+def _check_channels(input: Tensor, batched: tuple[int, ...], weight: Tensor) -> None:
+    """F.conv1d / F.conv2d's channel check and message (theirs, then ours): ``batched`` is the
+    input's shape with a batch dimension (1 for an unbatched input), channels at index 1."""
+    want, got = weight.size(1), batched[1]
+    if got != want:
+        raise ShapeError(f"Given groups=1, weight of size {list(weight.shape)}, expected input{list(batched)} to "
+                         f"have {want} channels, but got {got} channels instead; input: expected C_in = {want} "
+                         f"channels (weight.shape[1]), got {got} (input shape {tuple(input.shape)})")
+
+
 def _sizes(values) -> str:
     return "(" + " x ".join(str(v) for v in values) + ")"
 
@@ -99,10 +109,7 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     stride2, padding2, dilation2 = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
     batched = input.dim() == 4
     x = input if batched else input.unsqueeze(0)
-    if x.size(1) != weight.size(1):
-        raise ShapeError(f"Given groups=1, weight of size {list(weight.shape)}, expected input{list(x.shape)} to have "
-                         f"{weight.size(1)} channels, but got {x.size(1)} channels instead; input: expected C_in = "
-                         f"{weight.size(1)} channels (weight.shape[1]), got {x.size(1)} (input shape {tuple(input.shape)})")
+    _check_channels(input, tuple(x.shape), weight)
     expected = output_size(tuple(x.shape[2:]), tuple(weight.shape[2:4]), stride2, padding2, dilation2)
     if tuple(weight.shape[4:]) != expected:
         raise ShapeError(
@@ -141,12 +148,8 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         raise ShapeError(f"weight: expected a 4-D tensor (C_out, C_in, K, OL), got {weight.dim()}-D "
                          f"with shape {tuple(weight.shape)}")
     (s,), (p,), (d,) = _pair("stride", stride, 1, 1), _pair("padding", padding, 0, 1), _pair("dilation", dilation, 1, 1)
-    channels = input.size(-2)
-    if channels != weight.size(1):  # (checked here for F.conv1d's message with the 1-D shapes)
-        raise ShapeError(f"Given groups=1, weight of size {list(weight.shape)}, expected input"
-                         f"{list(input.shape if input.dim() == 3 else (1, *input.shape))} to have {weight.size(1)} "
-                         f"channels, but got {channels} channels instead; input: expected C_in = {weight.size(1)} "
-                         f"channels (weight.shape[1]), got {channels} (input shape {tuple(input.shape)})")
+    # (checked here, before the 2-D call, for F.conv1d's message with the 1-D shapes)
+    _check_channels(input, tuple(input.shape) if input.dim() == 3 else (1, *input.shape), weight)
     (length,) = output_size((input.size(-1),), (weight.size(2),), (s,), (p,), (d,))
     if weight.size(3) != length:
         raise ShapeError(f"input: length {input.size(-1)} gives output length {length} with kernel_size "
