@@ -184,6 +184,12 @@ def flat(value: Any) -> list[Tensor]:
     return [t for v in value for t in flat(v)]
 
 
+def weighted_sum(outs: list[Tensor]) -> Tensor:
+    """A loss that weighs every element of every tensor differently (a ramp from -1 to 1 in each),
+    so that a gradient sent to the wrong element or tensor shows."""
+    return sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum() for o in outs)
+
+
 def run(module: nn.Module, case: Case, dtype: torch.dtype = torch.float32, backward: bool = True,
         inputs: tuple[tuple, dict] | None = None) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One forward (and backward with fixed cotangents): outputs, and the gradients of every input

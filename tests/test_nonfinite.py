@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fastlayers
-from module_cases import CASES, LENGTHS, Case, flat
+from module_cases import CASES, LENGTHS, Case, flat, weighted_sum
 
 NAN, INF = float("nan"), float("inf")
 RNN_CASES = [c for c in CASES if isinstance(c.build(device="meta"), nn.RNNBase)]
@@ -88,9 +88,7 @@ def _call_and_grads(module, x, kwargs, create_graph=False):
     gradients of a weighted sum of them for the input and every parameter."""
     torch.manual_seed(1)
     outs = flat(module(x, **kwargs))
-    loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs)
-    leaves = [x, *module.parameters()]
-    return outs, torch.autograd.grad(loss, leaves, create_graph=create_graph)
+    return outs, torch.autograd.grad(weighted_sum(outs), [x, *module.parameters()], create_graph=create_graph)
 
 
 # (the interpreter's triton runs with inf alone: a minute of CPU time fewer)

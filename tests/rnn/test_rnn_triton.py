@@ -22,6 +22,7 @@ from fastlayers.rnn._reference import gru_reference, lstm_reference  # noqa: E40
 from fastlayers.rnn._options import CellOptions  # noqa: E402
 
 from rnn_helpers import assert_close_all, make_hx, make_pair, run_and_grad, torch_packed  # noqa: E402
+from module_cases import weighted_sum  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="no GPU and Triton's interpreter is off")
@@ -373,8 +374,7 @@ def test_initial_states_given_as_views_on_the_triton_engine(case, view, checkpoi
         with fastlayers.backend(backend):
             y, finals = module(x, tuple(views) if cls is fastlayers.LSTM else views[0], lengths=LENGTHS)
             outs = [y, *(finals if isinstance(finals, tuple) else (finals,))]
-            grads = torch.autograd.grad(sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs),
-                                        [*leaves, *module.parameters()])
+            grads = torch.autograd.grad(weighted_sum(outs), [*leaves, *module.parameters()])
         results.append([o.detach() for o in outs] + list(grads))
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
