@@ -78,10 +78,14 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
             raise TypeError(f"{name}: expected an integer tensor, got dtype {t.dtype}")
     elif isinstance(lengths, (list, tuple)):
+        plain = True  # Python ints only (checked first: the ABC check costs ten times as much)
         for v in lengths:
+            if type(v) is int:
+                continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"{name}: expected a sequence of ints, got an element of type {type(v).__name__} ({v!r})")
-        t = torch.tensor([int(v) for v in lengths], dtype=torch.int64)
+            plain = False
+        t = torch.tensor(list(lengths) if plain else [int(v) for v in lengths], dtype=torch.int64)
     elif type(lengths).__module__ == "numpy" and hasattr(lengths, "dtype") and hasattr(lengths, "shape"):
         if getattr(lengths.dtype, "kind", None) not in ("i", "u"):  # (bool is kind "b", floats "f")
             raise TypeError(f"{name}: expected an integer array, got dtype {lengths.dtype}")
