@@ -201,3 +201,19 @@ def test_stacked_lstm_state():
     with pytest.raises(TypeError, match=r"^lstm\(\) received an invalid combination of arguments - hx: expected a "
                                         r"tuple \(h_0, c_0\) of two tensors, got a tensor of shape \(2, 1, 3, 5\)$"):
         fastlayers.LSTM(4, 5)(x, hx)
+
+
+def test_rnn_cell_unknown_nonlinearity():
+    """torch.nn.RNNCell takes any nonlinearity string at construction and refuses an unknown one at the
+    call; ours too (it once ran ReLU for it)."""
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError) as expected:
+        nn.RNNCell(4, 5, nonlinearity="gelu")(x)
+    with pytest.raises(RuntimeError) as got:
+        fastlayers.RNNCell(4, 5, nonlinearity="gelu")(x)
+    assert str(got.value) == f"{expected.value}; nonlinearity: expected 'tanh' or 'relu', got 'gelu'"
+    for nonlinearity in ("tanh", "relu"):
+        torch.manual_seed(0)
+        theirs = nn.RNNCell(4, 5, nonlinearity=nonlinearity)
+        torch.manual_seed(0)
+        torch.testing.assert_close(fastlayers.RNNCell(4, 5, nonlinearity=nonlinearity)(x), theirs(x))

@@ -138,6 +138,9 @@ class _Cell(NotScriptable):
                                         sizes=self._state_sizes())
         if recurrent_mask is not None:
             recurrent_mask = check_mask("recurrent_mask", recurrent_mask, batched, x.size(0), self._state_sizes()[0])
+        if self.mode == "RNN" and self.nonlinearity not in ("tanh", "relu"):  # torch.nn.RNNCell checks it per call
+            raise RuntimeError(f"Unknown nonlinearity: {self.nonlinearity}; nonlinearity: expected 'tanh' or "
+                               f"'relu', got {self.nonlinearity!r}")
         # torch's cells never read self.training; ours only where an option draws masks in training
         training = any(self.options.zoneout) and self.training
         new = step(self.mode, x, states, self._params(), self.options, training=training,
@@ -206,7 +209,8 @@ _CELL_DOC = """
     inconsistent input_size``, ``hidden0 has inconsistent hidden_size``, ``mat1 and mat2 must have
     the same dtype``), then ``"; "`` and our details, checked in torch's order (sizes before dtype):
     TypeError and AttributeError for a non-tensor input or state (TypeError, IndexError,
-    RuntimeError and AttributeError for an LSTM state that is not a pair); TypeError, ValueError
+    RuntimeError and AttributeError for an LSTM state that is not a pair); RuntimeError for an
+    RNNCell nonlinearity other than ``"tanh"`` or ``"relu"`` (torch's check at the call); TypeError, ValueError
     and RuntimeError for an input dtype other than the parameters' or an integer input; ValueError
     for an input or state of rank other than 1 or 2; ValueError and RuntimeError for a feature size
     other than input_size or a state of the wrong shape; TypeError and RuntimeError for a state of
