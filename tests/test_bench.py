@@ -1,6 +1,7 @@
 """The comparison harness flags planted wrong values, dropped gradients and cliffs; JSON; CLI."""
 
 import json
+import re
 import time
 
 import pytest
@@ -186,6 +187,54 @@ def test_cli_small_runs_every_workload(workload, tmp_path, capsys):
             assert correctness == [], (r["name"], r["flags"])
     assert out_png.stat().st_size > 1000
     assert "reference:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--repeats", "0"], r"--repeats: expected >= 1, got 0"),
+    (["--warmup", "-1"], r"--warmup: expected >= 0, got -1"),
+    (["--size", "seed-large"], r"--size seed-large: only the local2d workload has it, got attention"),
+    (["--device", "tpu"], r"--device tpu: not usable here with torch \S+ \(RuntimeError: Expected one of .*"),
+    (["--device", "cuda:99"], r"--device cuda:99: not usable here with torch \S+ \(\w+: .*"),
+    (["--json", "{tmp}/no/such/folder/r.json"], r"--json \S+/no/such/folder/r.json: cannot write there \(no writable "
+                                                r"folder '\S+/no/such/folder'\)"),
+    (["--json", "{tmp}"], r"--json \S+: is a folder; expected a file name"),
+    (["--plot", "{tmp}/r.txt"], r"--plot \S+/r.txt: expected a file name ending in one of matplotlib's formats "
+                                r"\(.*\.png.*\), got '.txt'"),
+])
+def test_cli_refuses_bad_settings_before_measuring(extra, message, tmp_path, monkeypatch):
+    """A setting the run would fail on (a device torch cannot use, a report file that cannot be
+    written) is one line before the measurement, not a traceback at its start or after it."""
+    from fastlayers.bench import _cli
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(_cli, "compare", measured)
+    with pytest.raises(SystemExit) as got:
+        main(["bench", "attention", "--size", "small", *[a.format(tmp=tmp_path) for a in extra]])
+    assert re.fullmatch("fastlayers bench: " + message, str(got.value)), str(got.value)
+
+
+def test_cli_report_files_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A report whose writing fails midway leaves the file the user had there as it was, and no
+    stray file beside it."""
+    from fastlayers.bench import _cli
+
+    out = tmp_path / "r.json"
+    out.write_text("the user's earlier report")
+    real = _cli.write_atomic
+
+    def write_then_fail(path, write):
+        def broken(f):
+            write(f)
+            raise OSError("disk full")
+        real(path, broken)
+
+    monkeypatch.setattr(_cli, "write_atomic", write_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        main(["bench", "attention", "--size", "small", "--repeats", "1", "--no-memory", "--json", str(out)])
+    assert out.read_text() == "the user's earlier report"
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
 def test_cli_list(capsys):

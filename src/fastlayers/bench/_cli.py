@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 import torch
 
+from .._core.files import write_atomic
 from ._harness import compare
 from ._workloads import WORKLOADS
 
@@ -36,10 +39,7 @@ def run(args: argparse.Namespace) -> int:
         for name, make in sorted(WORKLOADS.items()):
             console.print(f"{name:10s} {(make.__doc__ or '').strip().splitlines()[0]}")
         return 0
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats: expected >= 1, got {args.repeats}")
-    if args.size == "seed-large" and args.workload != "local2d":
-        raise SystemExit(f"--size seed-large: only the local2d workload has it, got {args.workload}")
+    _check(args)
     workload = WORKLOADS[args.workload](args.size, dtype=DTYPES[args.dtype], device=args.device)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True) as progress:
@@ -60,10 +60,45 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"note: {note}")
     console.print(f"reference: {report.reference}; CPU: {report.cpu}")
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(report.to_json())
+        text = report.to_json().encode()
+        write_atomic(Path(args.json), lambda f: f.write(text))
     if args.plot:
         from ._plot import plot_report
 
         plot_report(report, args.plot)
     return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, in one line and before minutes of measurement, settings the run would fail on at
+    its end or on its first tensor: counts, the device, and the files to write."""
+    def refuse(message: str) -> None:
+        raise SystemExit(f"fastlayers bench: {message}")
+
+    if args.repeats < 1:
+        refuse(f"--repeats: expected >= 1, got {args.repeats}")
+    if args.warmup < 0:
+        refuse(f"--warmup: expected >= 0, got {args.warmup}")
+    if args.size == "seed-large" and args.workload != "local2d":
+        refuse(f"--size seed-large: only the local2d workload has it, got {args.workload}")
+    try:
+        torch.empty(0, device=torch.device(args.device))
+    except Exception as e:  # a malformed name (RuntimeError), or a device this torch cannot use
+        refuse(f"--device {args.device}: not usable here with torch {torch.__version__} "
+               f"({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    for option, name in (("--json", args.json), ("--plot", args.plot)):
+        if name is None:
+            continue
+        path = Path(name)
+        folder = path.parent
+        if path.is_dir():
+            refuse(f"{option} {name}: is a folder; expected a file name")
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            refuse(f"{option} {name}: cannot write there (no writable folder {str(folder)!r})")
+    if args.plot is not None and Path(args.plot).suffix:
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        if Path(args.plot).suffix[1:].lower() not in formats:
+            refuse(f"--plot {args.plot}: expected a file name ending in one of matplotlib's formats "
+                   f"({', '.join('.' + f for f in sorted(formats))}), got {Path(args.plot).suffix!r}")

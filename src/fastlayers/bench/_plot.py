@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from .._core.files import write_atomic
 from ._harness import Report
 
 
 def plot_report(report: Report, path: str) -> None:
-    """Write a horizontal bar chart (log time axis, ms) of fwd and fwd+bwd medians to ``path``."""
+    """Write a horizontal bar chart (log time axis, ms) of fwd and fwd+bwd medians to ``path``, in
+    the format its suffix names (PNG without one), whole or not at all."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,5 +34,8 @@ def plot_report(report: Report, path: str) -> None:
                  fontsize=9)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fmt = Path(path).suffix[1:].lower() or "png"
+    try:
+        write_atomic(Path(path), lambda f: fig.savefig(f, format=fmt, dpi=110))
+    finally:
+        plt.close(fig)

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from .._core.files import write_atomic
 from .._core.system import cpu_name
 from ..data import batches, concat_batch, pad_batch
 from . import _distributed, _outdir
-from ._checkpoint import CheckpointError, load_latest, rng_state, save_checkpoint, set_rng_state, write_atomic
+from ._checkpoint import CheckpointError, load_latest, rng_state, save_checkpoint, set_rng_state
 from ._config import TrainConfig
 from ._data import Splits, epoch_order, load_splits
 from ._model import SequenceClassifier
