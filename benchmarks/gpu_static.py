@@ -305,14 +305,14 @@ def _local(batch: int, chans: int, hw: int, k: int, out: int, dtype: torch.dtype
     return run
 
 
-def _attention(dtype: torch.dtype, values_grad: bool):
+def _attention(dtype: torch.dtype, values_grad: bool, score: str = "dot"):
     def run():
         g = torch.Generator().manual_seed(0)
         q = torch.randn(128, 32, generator=g).to(dtype).requires_grad_(True)
         k = torch.randn(128, 256, 32, generator=g).to(dtype).requires_grad_(True)
         v = torch.randn(128, 256, 100, generator=g).to(dtype).requires_grad_(values_grad)
         lengths = torch.randint(128, 257, (128,), generator=g)
-        context, weights = fastlayers.attention_pool(q, k, v, lengths)
+        context, weights = fastlayers.attention_pool(q, k, v, lengths, score=score)
         (context.sum() + weights.sum()).backward()
     return run
 
@@ -351,6 +351,7 @@ def workloads(which: str) -> dict[str, Callable[[], None]]:
     for dtype in (F32, BF16, F64):
         for values_grad in (False, True):
             out[f"attention {str(dtype)[6:]}{', values grad' if values_grad else ''}"] = _attention(dtype, values_grad)
+        out[f"attention scaled_dot {str(dtype)[6:]}, values grad"] = _attention(dtype, True, "scaled_dot")
     return out
 
 

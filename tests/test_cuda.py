@@ -108,6 +108,56 @@ def test_attention_triton_equals_reference(score):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_attention_triton_float64_scaled_dot_is_exact():
+    """The scaled-dot scale reached the kernels as a float argument, which a compiled kernel takes
+    as float32: float64 weights were off by about 5e-9. The kernels form 1 / sqrt(Dk) in float64."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (3 * torch.randn(*s, generator=g, dtype=torch.float64) for s in ((8, 3), (8, 40, 3)))
+    lengths = torch.tensor([40, 3, 17, 1, 40, 9, 22, 30])
+
+    def run():
+        q_, k_ = q.to(DEV).requires_grad_(), k.to(DEV).requires_grad_()
+        context, weights = attention_pool(q_, k_, k_, lengths, score="scaled_dot")
+        (context.sum() + (weights * weights).sum()).backward()
+        return context, weights, q_.grad, k_.grad
+
+    got = run()
+    with fastlayers.backend("reference"):
+        want = run()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-13, rtol=1e-13)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_layers_on_a_second_gpu_run_there_while_the_first_is_current():
+    """Triton launches on the current device; the layers' kernels launch on their tensors' device."""
+    dev = torch.device("cuda", 1)
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    cases = {
+        "LSTM": (fastlayers.LSTM(8, 16, bidirectional=True, layer_norm=True, device=dev),
+                 lambda m, x: m(x, lengths=[9, 4, 7])[0], torch.randn(9, 3, 8, device=dev)),
+        "GRU": (fastlayers.GRU(8, 16, layer_norm=True, device=dev), lambda m, x: m(x)[0],
+                torch.randn(9, 3, 8, device=dev)),
+        "local": (fastlayers.LocallyConnected2d(3, 4, (9, 7), 3, padding=1, device=dev), lambda m, x: m(x),
+                  torch.randn(2, 3, 9, 7, device=dev)),
+        "attention": (nn.Identity(), lambda m, x: attention_pool(x[:, 0], x, lengths=[9, 4, 7])[0],
+                      torch.randn(3, 9, 8, device=dev)),
+    }
+    for name, (module, call, x) in cases.items():
+        results = []
+        for backend in ("triton", "reference"):
+            leaf = x.clone().requires_grad_(True)
+            with fastlayers.backend(backend):
+                out = call(module, leaf)
+            grads = torch.autograd.grad(out.square().sum(), [leaf, *module.parameters()])
+            results.append([out, *grads])
+        assert torch.cuda.current_device() == 0
+        for a, b in zip(*results, strict=True):
+            assert a.device == dev
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+
+
 LAYERS = {  # name -> (module, call, torch.nn counterpart call or None: the engine's own path, plain ones too)
     "LSTM options": lambda: (fastlayers.LSTM(8, 16, bidirectional=True, layer_norm=True, peephole=True, device=DEV),
                              lambda m, x: m(x, lengths=torch.tensor([9, 4, 7]))[0], None),

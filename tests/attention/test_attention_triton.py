@@ -48,6 +48,19 @@ def test_attention_pool_matches_the_float64_reference(score, lengths, dtype):
     assert_close_all(got, want, 1e-5 if dtype == torch.float32 else 1e-10)
 
 
+@pytest.mark.parametrize("score", ["dot", "scaled_dot"])
+def test_attention_lengths_given_as_a_strided_view(score):
+    """lengths as a view with stride 2 (t[:, 0]): the kernel read them as contiguous (NaN out)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((3, 4), (3, 5, 4), (3, 5, 2)))
+    lens = torch.tensor([[5, 0], [2, 0], [3, 0]])[:, 0]
+    with fastlayers.backend("triton"):
+        got = grads(lambda q, k, v: attention_pool(q, k, v, lens, score=score), q, k, v)
+    scale = 1 / math.sqrt(4) if score == "scaled_dot" else 1.0
+    want = grads(lambda q, k, v: _attention_reference(q, k, v, lens.contiguous(), scale), q, k, v)
+    assert_close_all(got, want, 1e-12)
+
+
 def test_attention_values_default_to_keys_and_without_grad():
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(3, 4, generator=g, requires_grad=True), torch.randn(3, 9, 4, generator=g, requires_grad=True)

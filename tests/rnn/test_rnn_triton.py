@@ -380,6 +380,30 @@ def test_initial_states_given_as_views_on_the_triton_engine(case, view, checkpoi
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layers,checkpoint_every", [(1, None), (2, 2)])
+@pytest.mark.parametrize("case", list(HX_VIEWS))
+def test_column_major_weights_and_strided_lengths_on_the_triton_engine(case, layers, checkpoint_every):
+    """A one-direction layer whose recurrent weights are column-major (a transposed checkpoint
+    tensor, w.t().contiguous().t()) ran its forward and then raised AssertionError in the step
+    product of its backward, which read the weights as given; lengths given as a strided view
+    (t[:, 0]) were read by the kernels as contiguous (outputs off by 0.6)."""
+    cls, kwargs = HX_VIEWS[case]
+    torch.manual_seed(0)
+    module = cls(F, H, num_layers=layers, checkpoint_every=checkpoint_every, **kwargs).double().eval()
+    with torch.no_grad():
+        for name, p in list(module.named_parameters()):
+            if name.startswith(("weight_hh", "weight_hr")):
+                setattr(module, name, torch.nn.Parameter(p.t().contiguous().t()))  # same values, column-major
+    assert not module.weight_hh_l0.is_contiguous()
+    lengths = torch.stack([LENGTHS, LENGTHS], 1)[:, 0]  # stride 2
+    x = torch.randn(T, B, F, dtype=torch.float64)
+    with fastlayers.backend("triton"):
+        got = run_and_grad(lambda x, h: module(x, h, lengths=lengths), module, x, None)
+    with fastlayers.backend("reference"):
+        want = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
+    assert_close_all(got, want, atol=1e-10, rtol=1e-10)
+
+
 def test_module_forced_triton_runs_the_triton_layer():
     module = fastlayers.LSTM(F, H, layer_norm=True).double()
     x = torch.randn(T, B, F, dtype=torch.float64)

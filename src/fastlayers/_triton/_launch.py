@@ -19,10 +19,15 @@ Every other case takes Triton's own path: another Triton version, a launch hook 
 ``triton.knobs.runtime.launch_enter_hook``), CPU tensors (Triton's interpreter), or a first call.
 The constexprs are passed to the launcher by position: the first call of a kernel checks that
 they are named in the kernel's order (AssertionError otherwise, on any device).
+
+Triton launches on the current CUDA device and its current stream; :func:`launch` makes the device
+of the first tensor argument current around the launch (as ``torch.cuda.device`` does), so that a
+layer on ``cuda:1`` runs there while ``cuda:0`` is current, as torch's own ops do.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 from torch import Tensor
 
@@ -78,10 +83,16 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, **optio
     takes them all, positionally, as Triton passes them), ``options`` the launch options
     (num_warps, ...)."""
     if not ENABLED or not SUPPORTED or not args[0].is_cuda or _hooked():
+        if args[0].is_cuda and args[0].get_device() != torch.cuda.current_device():
+            with torch.cuda.device(args[0].device):
+                return launch(kernel, grid, args, constexprs, **options)
         _check_order(kernel, args, constexprs)
         kernel[grid](*args, **constexprs, **options)
         return
     device = _driver.active.get_current_device()  # where Triton launches: the current device
+    if args[0].get_device() != device:  # tensors on another GPU than the current one: launch on theirs
+        with torch.cuda.device(args[0].device):
+            return launch(kernel, grid, args, constexprs, **options)
     key = (device, *map(_key, args), *constexprs.values(), *options.items())
     cache = _CACHE.setdefault(kernel, {})
     compiled = cache.get(key)

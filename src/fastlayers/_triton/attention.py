@@ -31,10 +31,22 @@ BACKWARD_BLOCK_T, BACKWARD_WARPS = 32, 8
 
 
 @triton.jit
-def _forward_kernel(q, k, v, lengths, ctx, w, T, DK, DV, scale,
-                    HAS_LENGTHS: tl.constexpr, F64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
+def _scale(DK, SCALED: tl.constexpr, acc_t: tl.constexpr):
+    """1 / sqrt(DK) (SCALED; 1 otherwise), correctly rounded in float64 then cast to ``acc_t``: the
+    float32 value the wrappers once passed as a float argument, and the exact float64 one (a float
+    argument of a compiled kernel is float32)."""
+    if SCALED:
+        return (1.0 / tl.sqrt(DK.to(tl.float64))).to(acc_t)  # (float64 sqrt and division: IEEE-rounded)
+    else:
+        return tl.full([], 1.0, acc_t)
+
+
+@triton.jit
+def _forward_kernel(q, k, v, lengths, ctx, w, T, DK, DV,
+                    SCALED: tl.constexpr, HAS_LENGTHS: tl.constexpr, F64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr,
                     BLOCK_DV: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
+    scale = _scale(DK, SCALED, acc_t)
     b = tl.program_id(0).to(tl.int64)
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
@@ -83,10 +95,11 @@ def _weights_and_upstream(w, v, dw_ext, dc, b, t, dv, T, DV, HAS_DW: tl.constexp
 
 
 @triton.jit
-def _backward_kernel(q, k, v, w, dctx, dw_ext, dq, dk_out, dv_out, T, DK, DV, scale,
-                     HAS_DW: tl.constexpr, NEED_DV: tl.constexpr, F64: tl.constexpr, BLOCK_T: tl.constexpr,
+def _backward_kernel(q, k, v, w, dctx, dw_ext, dq, dk_out, dv_out, T, DK, DV,
+                     SCALED: tl.constexpr, HAS_DW: tl.constexpr, NEED_DV: tl.constexpr, F64: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
+    scale = _scale(DK, SCALED, acc_t)
     b = tl.program_id(0).to(tl.int64)
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
@@ -117,21 +130,23 @@ def _blocks(dk: int, dv: int, block_t: int = BLOCK_T) -> dict[str, int]:
     return {"BLOCK_T": block_t, "BLOCK_DK": next_power_of_2(dk), "BLOCK_DV": next_power_of_2(dv)}
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scale: float,
+def forward(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scaled: bool,
             out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(context (B, Dv) in ``out_dtype``, weights (B, T) in float32 / float64); q (B, Dk), k (B, T, Dk),
-    v (B, T, Dv) contiguous; lengths (B,) int64 on q's device or None."""
+    v (B, T, Dv) contiguous; lengths (B,) int64 on q's device, contiguous, or None; ``scaled``: scores
+    times 1 / sqrt(Dk) (scaled dot) or not (dot)."""
     batch, steps, d_k = k.shape
     d_v = v.size(2)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     ctx = q.new_empty(batch, d_v, dtype=out_dtype)
     w = q.new_empty(batch, steps, dtype=acc)  # float32 scores and weights; cast at the end
-    launch(_forward_kernel, (batch,), (q, k, v, lengths if lengths is not None else q, ctx, w, steps, d_k, d_v, scale),
-           {"HAS_LENGTHS": lengths is not None, "F64": acc == torch.float64, **_blocks(d_k, d_v)})
+    launch(_forward_kernel, (batch,), (q, k, v, lengths if lengths is not None else q, ctx, w, steps, d_k, d_v),
+           {"SCALED": scaled and d_k > 1, "HAS_LENGTHS": lengths is not None, "F64": acc == torch.float64,
+            **_blocks(d_k, d_v)})
     return ctx, w
 
 
-def backward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, dctx: Tensor, dw: Tensor | None, scale: float,
+def backward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, dctx: Tensor, dw: Tensor | None, scaled: bool,
              need_dv: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv or None) in the dtypes of q, k, v; w the forward's weights (B, T)."""
     batch, steps, d_k = k.shape
@@ -141,7 +156,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, dctx: Tensor, dw: Tenso
     dk = k.new_empty(k.shape, dtype=acc)
     dv = v.new_empty(v.shape, dtype=acc) if need_dv else None
     launch(_backward_kernel, (batch,), (q, k, v, w, dctx, dw if dw is not None else w, dq, dk,
-                                        dv if dv is not None else dk, steps, d_k, d_v, scale),
-           {"HAS_DW": dw is not None, "NEED_DV": need_dv, "F64": acc == torch.float64,
+                                        dv if dv is not None else dk, steps, d_k, d_v),
+           {"SCALED": scaled and d_k > 1, "HAS_DW": dw is not None, "NEED_DV": need_dv, "F64": acc == torch.float64,
             **_blocks(d_k, d_v, BACKWARD_BLOCK_T)}, num_warps=BACKWARD_WARPS)
     return dq.to(q.dtype), dk.to(k.dtype), (dv.to(v.dtype) if dv is not None else None)

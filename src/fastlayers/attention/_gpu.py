@@ -22,14 +22,14 @@ class AttentionTriton(torch.autograd.Function):
     operands rounded to the low dtype, float32 scores, softmax and sums, results in the low dtype."""
 
     @staticmethod
-    def forward(ctx, query, keys, values, lengths, scale):
+    def forward(ctx, query, keys, values, lengths, scaled: bool):
         from .._triton import attention as kernels
 
         low = precision.dtypes(query)[0]  # operands rounded to it, float32 sums, results in it
         q, k, v = (t.to(low).contiguous() for t in (query, keys, values))
-        context, weights = kernels.forward(q, k, v, lengths, scale, low)
+        context, weights = kernels.forward(q, k, v, lengths, scaled, low)
         ctx.save_for_backward(q, k, v, weights, query, keys, values, lengths)  # the weights in float32 (float64)
-        ctx.scale, ctx.dtypes, ctx.low = scale, (query.dtype, keys.dtype, values.dtype), low
+        ctx.scaled, ctx.dtypes, ctx.low = scaled, (query.dtype, keys.dtype, values.dtype), low
         return context, weights.to(low)
 
     @staticmethod
@@ -42,7 +42,7 @@ class AttentionTriton(torch.autograd.Function):
         need = ctx.needs_input_grad
         d_context = d_context.contiguous() if d_context is not None else q.new_zeros(q.size(0), v.size(2))
         dq, dk, dv = kernels.backward(q, k, v, weights, d_context,
-                                      d_weights.contiguous() if d_weights is not None else None, ctx.scale, need[2])
+                                      d_weights.contiguous() if d_weights is not None else None, ctx.scaled, need[2])
         grads = (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None)
         return (*(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)), None, None)
 
@@ -53,7 +53,7 @@ class AttentionTriton(torch.autograd.Function):
 
         def reference(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
             with torch.autocast(q.device.type, dtype=low, enabled=low in precision.LOW and q.dtype != low):
-                return attention_pool_reference(q, k, v, lengths, score="dot" if ctx.scale == 1.0 else "scaled_dot")
+                return attention_pool_reference(q, k, v, lengths, score="scaled_dot" if ctx.scaled else "dot")
 
         grads = twice.recorded_vjp(reference, (query, keys, values), (d_context, d_weights), ctx.needs_input_grad[:3])
         return (*grads, None, None)

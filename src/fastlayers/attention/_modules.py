@@ -122,7 +122,8 @@ def attention_pool(
             return cpu.pool(query, keys, values, padded_steps(lens, steps) if lens is not None else None, lens, scale,
                             params)
         refuse_trace("fastlayers.attention_pool on the Triton backend", TRITON)  # one fused kernel per pass
-        return AttentionTriton.apply(query, keys, values, lens if lens is None else lens.to(keys.device), scale)
+        return AttentionTriton.apply(query, keys, values, lens if lens is None else lens.to(keys.device),
+                                     score == "scaled_dot")
     return attention_pool_reference(query, keys, values, lengths, score=score, additive=additive)
 
 

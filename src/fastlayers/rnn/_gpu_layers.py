@@ -261,8 +261,8 @@ class LSTMLayer(torch.autograd.Function):
                   ).view(*lead, dirs, out_size)
             dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else like.new_zeros(dirs, batch, out_size)
             dc = dc_n.to(acc, copy=True).contiguous() if dc_n is not None else like.new_zeros(dirs, batch, hidden)
-            w = mm.operand(w_hh)
-            ins = dict(dy=dy, dh=dh, dc=dc, c0=c0, w_hh=w, w_hr=mm.operand(w_hr) if proj else None)
+            w = mm.operand(w_hh).contiguous()  # (a user's column-major weight: step_matmul reads rows)
+            ins = dict(dy=dy, dh=dh, dc=dc, c0=c0, w_hh=w, w_hr=mm.operand(w_hr).contiguous() if proj else None)
             row = (dirs, batch)  # the parameter gradients' per-row sums over the steps
             outs = dict(
                 dpre=(*timed, gsize), dr=(*step, gsize),
@@ -405,7 +405,7 @@ class GRULayer(torch.autograd.Function):
                   ).view(*lead, dirs, hidden)
             dh = dh_n.to(acc, copy=True).contiguous() if dh_n is not None else like.new_zeros(dirs, batch, hidden)
             row = (dirs, batch, gsize)  # the parameter gradients' per-row sums over the steps
-            w = mm.operand(w_hh)
+            w = mm.operand(w_hh).contiguous()  # (a user's column-major weight: step_matmul reads rows)
             outs = dict(dpre=(*timed, gsize), dr=(*step, gsize),
                         dhb=row if ln and ctx.has_bias[1] and need[6] else None,
                         pgx=row if ln and need[2] else None,
