@@ -5,6 +5,8 @@ no GPU needed (tests/test_cuda.py runs the real kernels through it)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -14,11 +16,20 @@ from fastlayers._triton import _launch  # noqa: E402
 
 
 class _Cuda(torch.Tensor):
-    """A CPU tensor that says it is on CUDA (only the launcher's checks look)."""
+    """A CPU tensor that says it is on CUDA device 0 (only the launcher's checks look)."""
+
+    index = 0
 
     @property
     def is_cuda(self) -> bool:  # type: ignore[override]
         return True
+
+    def get_device(self) -> int:  # type: ignore[override]
+        return self.index
+
+
+class _Cuda1(_Cuda):
+    index = 1
 
 
 class _Compiled:
@@ -46,9 +57,11 @@ class _Kernel:
 
 class _Driver:
     class active:  # noqa: N801 - Triton's attribute name
-        @staticmethod
-        def get_current_device() -> int:
-            return 0
+        current = 0
+
+        @classmethod
+        def get_current_device(cls) -> int:
+            return cls.current
 
         @staticmethod
         def get_current_stream(device: int) -> str:
@@ -74,6 +87,33 @@ def test_a_repeated_signature_calls_the_compiled_launcher(cuda_launch):
     assert [entry[0] for entry in cuda_launch.log] == ["triton", "direct"]
     assert cuda_launch.log[0][2:] == ((x, 5, 4), {"F": True, "num_warps": 4})  # Triton's path: constexprs by name
     assert cuda_launch.log[1][1] == (7, 2, 1, "stream0", "function", "packed", None, None, None, x, 5, 4, True)
+
+
+def test_tensors_on_another_gpu_launch_with_that_gpu_current(cuda_launch, monkeypatch):
+    """Triton launches on the current device (and its stream): a layer's tensors on cuda:1 while
+    cuda:0 is current launch inside torch.cuda.device(1), Triton's path first, then the direct one
+    on device 1's stream; the current device is 0 again after each."""
+    entered = []
+
+    @contextlib.contextmanager
+    def on_device(index):
+        entered.append(index)
+        before, _Driver.active.current = _Driver.active.current, index
+        try:
+            yield
+        finally:
+            _Driver.active.current = before
+
+    monkeypatch.setattr(_launch, "_on_device", on_device)
+    x = torch.zeros(8).as_subclass(_Cuda1)
+    for _ in range(2):
+        _launch.launch(cuda_launch, (3,), (x, 5), {}, num_warps=4)
+        assert _Driver.active.current == 0
+    assert entered == [1, 1]
+    assert [entry[0] for entry in cuda_launch.log] == ["triton", "direct"]
+    assert cuda_launch.log[1][1][3] == "stream1"
+    _launch.launch(cuda_launch, (3,), (_tensor(), 5), {}, num_warps=4)  # device 0: compiled for it separately
+    assert entered == [1, 1] and cuda_launch.log[-1][0] == "triton"
 
 
 def test_ints_of_one_class_share_the_compiled_kernel_with_their_own_values(cuda_launch):

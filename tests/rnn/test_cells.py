@@ -158,3 +158,47 @@ def test_forced_reference_backend_runs_the_equations_without_autograd(monkeypatc
     assert calls == [1]
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+PRUNE_KINDS = KINDS + [(m + "Cell", o) for m, sets in OPTION_SETS.items() for o in sets]
+
+
+def _states(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("how", ["prune", "weight_norm hooks", "spectral_norm hooks"])
+@pytest.mark.parametrize("name,kwargs", PRUNE_KINDS)
+def test_cells_read_pruned_and_hook_normalised_parameters(name, kwargs, how):
+    """torch.nn.utils.prune and the hook-based weight_norm / spectral_norm turn a Parameter into
+    ``<name>_orig`` (or ``_g`` / ``_v``) and set the tensor they compute as a plain attribute before
+    each call. The cells read registered Parameters only: KeyError for a weight, a pruned bias
+    silently dropped (outputs 0.1-0.5 off). The call equals a cell holding the computed tensors,
+    with and without autograd, and its input gradient that cell's."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    cell = getattr(fastlayers, name)(4, 5, **kwargs).double().eval()
+    if how == "prune":
+        for param, _ in list(cell.named_parameters()):
+            prune.random_unstructured(cell, param, amount=0.4)
+    elif how == "weight_norm hooks":
+        with pytest.warns(FutureWarning):  # (torch deprecates it for the parametrization)
+            nn.utils.weight_norm(cell, "weight_hh")
+    else:
+        nn.utils.spectral_norm(cell, "weight_hh")
+    twin = getattr(fastlayers, name)(4, 5, **kwargs).double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            got = _states(cell(x))
+        with torch.no_grad():
+            for param, p in twin.named_parameters():
+                p.copy_(getattr(cell, param))  # the tensors this call computed
+        with torch.set_grad_enabled(grad):
+            want = _states(twin(x))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(sum(s.sum() for s in _states(cell(x))), [x, *cell.parameters()])
+    torch.testing.assert_close(grads[0], torch.autograd.grad(sum(s.sum() for s in _states(twin(x))), x)[0],
+                               rtol=1e-12, atol=1e-12)

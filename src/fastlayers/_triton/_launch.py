@@ -77,22 +77,32 @@ def _hooked() -> bool:
     return False
 
 
+def _current_device() -> int:
+    return _driver.active.get_current_device() if _driver is not None else torch.cuda.current_device()
+
+
+def _on_device(index: int):
+    """``torch.cuda.device(index)``: that GPU current inside the block."""
+    return torch.cuda.device(index)
+
+
 def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
     """``kernel[grid](*args, **constexprs, **options)``: ``args`` the kernel's leading parameters in
     its order (the first a tensor), ``constexprs`` the rest, by name, in its order (the launcher
     takes them all, positionally, as Triton passes them), ``options`` the launch options
     (num_warps, ...)."""
-    if not ENABLED or not SUPPORTED or not args[0].is_cuda or _hooked():
-        if args[0].is_cuda and args[0].get_device() != torch.cuda.current_device():
-            with torch.cuda.device(args[0].device):
-                return launch(kernel, grid, args, constexprs, **options)
+    if not args[0].is_cuda:  # CPU tensors: Triton's interpreter
         _check_order(kernel, args, constexprs)
         kernel[grid](*args, **constexprs, **options)
         return
-    device = _driver.active.get_current_device()  # where Triton launches: the current device
+    device = _current_device()  # where Triton launches: the current device
     if args[0].get_device() != device:  # tensors on another GPU than the current one: launch on theirs
-        with torch.cuda.device(args[0].device):
+        with _on_device(args[0].get_device()):
             return launch(kernel, grid, args, constexprs, **options)
+    if not ENABLED or not SUPPORTED or _hooked():
+        _check_order(kernel, args, constexprs)
+        kernel[grid](*args, **constexprs, **options)
+        return
     key = (device, *map(_key, args), *constexprs.values(), *options.items())
     cache = _CACHE.setdefault(kernel, {})
     compiled = cache.get(key)

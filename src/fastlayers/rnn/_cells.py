@@ -107,6 +107,11 @@ def _step_on_operator(mode: str, x: Tensor, states: tuple[Tensor, ...], params: 
     return (h[0],)
 
 
+# every parameter a cell can have: torch's cells' and the options' (see _register_options)
+_PARAMETER_NAMES = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr", "ln_ih_weight", "ln_hh_weight",
+                    "ln_cell_weight", "ln_cell_bias", "weight_peephole")
+
+
 class _Cell(NotScriptable):
     """Validation, options and the shared step of the three cells (mixed into torch's classes)."""
 
@@ -121,11 +126,22 @@ class _Cell(NotScriptable):
         return (self.hidden_size,)
 
     def _params(self) -> dict[str, Tensor]:
-        params = self._parameters  # type: ignore[attr-defined]  (nn.Module's own dict: no per-call walk)
-        found = {name: p for name, p in params.items() if p is not None}
+        """The step's parameters by name, as the module holds them now: a registered Parameter; a
+        tensor that torch.nn.utils.prune or the hook-based weight_norm / spectral_norm set as a
+        plain attribute in their forward pre-hook (the Parameter is then ``<name>_orig`` / ``_g``,
+        ``_v``); or a torch.nn.utils.parametrize one, computed at each access."""
+        params = self._parameters  # type: ignore[attr-defined]  (nn.Module's own dicts: no per-call walk)
+        plain = self.__dict__
         parametrized = self._modules.get("parametrizations")  # type: ignore[attr-defined]
-        if parametrized is not None:  # torch.nn.utils.parametrize (weight_norm, ...): computed at each access
-            found.update((name, getattr(self, name)) for name in parametrized.keys())
+        found = {}
+        for name in _PARAMETER_NAMES:
+            p = params.get(name)
+            if p is None:
+                p = plain.get(name)
+                if p is None and parametrized is not None and name in parametrized:
+                    p = getattr(self, name)
+            if p is not None:
+                found[name] = p
         return found
 
     def forward(self, input: Any, hx: Any = None, *, recurrent_mask: Tensor | None = None) -> Any:
@@ -182,10 +198,10 @@ class _Cell(NotScriptable):
         if getattr(self, "options", None) is None:
             return  # torch's __init__: the option parameters are not registered yet
         super().reset_parameters()  # type: ignore[misc]
-        with torch.no_grad():
-            for name, p in self._params().items():
-                if name.startswith("ln_"):
-                    p.fill_(0.0 if name == "ln_cell_bias" else 1.0)
+        with torch.no_grad():  # the registered Parameters (a pruned one's is <name>_orig)
+            for name, p in self._parameters.items():  # type: ignore[attr-defined]
+                if p is not None and name.startswith("ln_"):
+                    p.fill_(0.0 if name.startswith("ln_cell_bias") else 1.0)
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()  # type: ignore[misc]
