@@ -98,6 +98,53 @@ def test_recurrent_layers_fullgraph_on_padded_input_with_allow_rnn(name):
     assert _graph_breaks(m, torch.randn(7, 3, 4)) == 0
 
 
+CELLS = {
+    "LSTMCell options": lambda: fastlayers.LSTMCell(4, 5, layer_norm=True, peephole=True, proj_size=2, cell_clip=0.5),
+    "GRUCell options": lambda: fastlayers.GRUCell(4, 5, layer_norm=True, zoneout=0.2),
+    "LSTMCell": lambda: fastlayers.LSTMCell(4, 5),
+    "RNNCell": lambda: fastlayers.RNNCell(4, 5, nonlinearity="relu"),
+}
+
+
+@pytest.mark.parametrize("name", list(CELLS))
+def test_cells_in_a_step_loop_fullgraph(name):
+    """A decoder's per-step loop over a cell compiles to one graph (torch.nn's cells do): a cell
+    with options read the backend's context variable first, which Dynamo cannot trace
+    ("Unsupported method call")."""
+    torch.manual_seed(0)
+    cell = CELLS[name]().eval()
+
+    def loop(xs):
+        state, outs = None, []
+        for t in range(xs.size(0)):
+            state = cell(xs[t], state)
+            outs.append(state[0] if isinstance(state, tuple) else state)
+        return torch.stack(outs)
+
+    _assert_compiled_equals_eager(loop, cell, [torch.randn(3, 2, 4)], fullgraph=True, backend="aot_eager")
+    assert _graph_breaks(loop, torch.randn(3, 2, 4)) == 0
+
+
+def test_cell_training_masks_compiled_draw_the_eager_masks():
+    """Training zoneout and recurrent dropout inside a compiled step loop draw what the eager loop
+    draws from the same seed (aot_eager keeps torch's random numbers)."""
+    cell = fastlayers.LSTMCell(4, 5, layer_norm=True, zoneout=(0.2, 0.3), recurrent_dropout=0.3).train()
+
+    def loop(xs):
+        state, outs, mask = None, [], cell.recurrent_mask(xs.size(1))
+        for t in range(xs.size(0)):
+            state = cell(xs[t], state, recurrent_mask=mask)
+            outs.append(state[0])
+        return torch.stack(outs)
+
+    compiled = torch.compile(loop, fullgraph=True, backend="aot_eager")
+    xs = torch.randn(4, 3, 4)
+    torch.manual_seed(5)
+    eager = loop(xs)
+    torch.manual_seed(5)
+    torch.testing.assert_close(compiled(xs), eager, rtol=1e-6, atol=1e-6)
+
+
 @torch._dynamo.config.patch(allow_rnn=True)
 def test_reference_backend_compiles_too(monkeypatch):
     """Forced to the reference (what runs without a C compiler): the per-step torch loop is traced."""

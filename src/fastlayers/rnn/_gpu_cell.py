@@ -41,13 +41,13 @@ _DTYPES = (torch.float32, torch.float64)
 
 def serves(mode: str, x: Tensor, recurrent_mask: Tensor | None) -> bool:
     """Whether :func:`step` runs this call of a cell with options (module docstring)."""
-    if mode == "RNN" or (recurrent_mask is not None and recurrent_mask.requires_grad):
-        return False
+    if mode == "RNN" or (recurrent_mask is not None and recurrent_mask.requires_grad) or torch.compiler.is_compiling():
+        return False  # (traced: the equations, torch ops; the backend's context variable is not read there)
     if not x.is_cuda:  # CPU tensors: Triton's interpreter, only where "triton" is forced (select may refuse it)
         chosen = forced()
         if chosen is None or chosen[0] != "triton":
             return False
-    if x.dtype not in _DTYPES or x.size(0) == 0 or torch.jit.is_tracing() or torch.compiler.is_compiling() \
+    if x.dtype not in _DTYPES or x.size(0) == 0 or torch.jit.is_tracing() \
             or torch._C._are_functorch_transforms_active():  # (torch.func.vmap / grad: torch ops)
         return False
     if torch.is_autocast_enabled(x.device.type):
