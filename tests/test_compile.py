@@ -125,6 +125,25 @@ def test_cells_in_a_step_loop_fullgraph(name):
     assert _graph_breaks(loop, torch.randn(3, 2, 4)) == 0
 
 
+@pytest.mark.parametrize("name", list(RECURRENT) + list(CELLS))
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_modules_compile_fullgraph_before_any_eager_call(name):
+    """A module compiled before its first eager call: the options' cached ``plain`` was filled at
+    that first read, under Dynamo, which refused cached_property's lock (Python 3.11: "Unsupported
+    context manager"); every test above ran the module eagerly first."""
+    torch.manual_seed(0)
+    module = (RECURRENT | CELLS)[name]().eval()
+    x = torch.randn(2, 4) if name in CELLS else torch.randn(5, 2, 4)
+    got = torch.compile(module, fullgraph=True, backend="eager")(x)  # (Dynamo's tracing is what failed; aot_eager
+    want = module(x)  # fails torch.nn.LSTM's own plain layer here, parameters with grad and an input without)
+    for a, b in zip(_flat(got), _flat(want), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def _flat(out):
+    return [out] if isinstance(out, torch.Tensor) else [t for o in out for t in ((o,) if isinstance(o, torch.Tensor) else o)]
+
+
 def test_cell_training_masks_compiled_draw_the_eager_masks():
     """Training zoneout and recurrent dropout inside a compiled step loop draw what the eager loop
     draws from the same seed (aot_eager keeps torch's random numbers)."""

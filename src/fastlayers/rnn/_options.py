@@ -33,6 +33,10 @@ class CellOptions:
     recurrent_dropout: float = 0.0
     proj_clip: float | None = None
 
+    def __post_init__(self) -> None:
+        self.plain  # noqa: B018 - fills the cache now: a first read under torch.compile would trace
+        # cached_property's lock (Python 3.11), which Dynamo refuses ("Unsupported context manager")
+
     def changed(self) -> dict[str, object]:
         """The options that differ from their defaults, by name (for reprs)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -41,7 +45,8 @@ class CellOptions:
     @functools.cached_property  # (writes the instance __dict__ directly: fine for a frozen dataclass)
     def plain(self) -> bool:
         """True when the options change no math (the vendor kernel applies)."""
-        return self == CellOptions()
+        return (not self.layer_norm and not self.peephole and self.cell_clip is None and self.proj_clip is None
+                and tuple(self.zoneout) == (0.0, 0.0) and self.recurrent_dropout == 0.0)  # (the defaults)
 
     @classmethod
     def make_gru(cls, layer_norm=False, zoneout=None, recurrent_dropout=0.0) -> "CellOptions":
