@@ -202,3 +202,19 @@ def test_cells_read_pruned_and_hook_normalised_parameters(name, kwargs, how):
     grads = torch.autograd.grad(sum(s.sum() for s in _states(cell(x))), [x, *cell.parameters()])
     torch.testing.assert_close(grads[0], torch.autograd.grad(sum(s.sum() for s in _states(twin(x))), x)[0],
                                rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_rnn_cell_recurrent_mask_multiplies_h_before_torchs_kernel(nonlinearity):
+    """RNNCell documents ``recurrent_mask=``; it ran the GRU's step equations for it (a size error)."""
+    ours, theirs = _pair("RNNCell", {"nonlinearity": nonlinearity})
+    x, h = torch.randn(3, 4, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+    mask = torch.bernoulli(torch.full((3, 5), 0.7)) / 0.7
+    got = ours(x, h, recurrent_mask=mask)
+    want = theirs(x, h * mask)
+    assert torch.equal(got, want)
+    leaves = [x, h, *ours.parameters()]
+    g_ours = torch.autograd.grad(got.square().sum(), leaves)
+    g_theirs = torch.autograd.grad(want.square().sum(), [x, h, *theirs.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(g_ours, g_theirs, strict=True))
+    assert torch.equal(ours(x[0], h[0], recurrent_mask=mask[0]), theirs(x[0], h[0] * mask[0]))  # unbatched

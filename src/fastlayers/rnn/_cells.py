@@ -40,14 +40,15 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
     otherwise the expectation z * prev + (1 - z) * new. ``recurrent_mask`` (B, P) multiplies h
     before W_hh (recurrent dropout: draw it once per sequence, see :meth:`LSTMCell.recurrent_mask`).
     """
+    if mode == "RNN":  # (no options: torch's kernel, on h times the recurrent mask where one is given)
+        cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
+        h = states[0] if recurrent_mask is None else states[0] * recurrent_mask
+        return (cell(x, h, params["weight_ih"], params["weight_hh"], params.get("bias_ih"), params.get("bias_hh")),)
     if options.plain and "weight_hr" not in params and recurrent_mask is None:
         args = (params["weight_ih"], params["weight_hh"], params.get("bias_ih"), params.get("bias_hh"))
         if mode == "LSTM":
             return tuple(torch._VF.lstm_cell(x, states, *args))
-        if mode == "GRU":
-            return (torch._VF.gru_cell(x, states[0], *args),)
-        cell = torch._VF.rnn_tanh_cell if nonlinearity == "tanh" else torch._VF.rnn_relu_cell
-        return (cell(x, states[0], *args),)
+        return (torch._VF.gru_cell(x, states[0], *args),)
     if mode != "RNN" and ops_lib.serves(x) and _on_operator(mode, x):  # no autograd: the layer's C++ operator
         # over one step (the C kernels' backend: a forced "reference" keeps the equations below)
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
@@ -211,14 +212,17 @@ class _Cell(NotScriptable):
         return extra + "".join(f", {k}={v!r}" for k, v in opts.items())
 
 
+_OPTIONS_DOC = """; float32 under ``torch.autocast`` runs the low-precision rule of
+    :mod:`fastlayers._core.precision` when an option is on). Options off: torch's cell kernel,
+    exactly torch.nn.{name}. Options on: the fastlayers engine's step equations (see
+    :class:`fastlayers.{layer}`), the same function as ``fastlayers.{layer}(...).cell(layer,
+    direction)``; on CUDA in float32 / float64 the layers' Triton step kernel (forward and
+    backward, one launch each beside torch's GEMMs)."""
 _CELL_DOC = """
     Forward: ``forward(input, hx=None, *, recurrent_mask=None)``; ``input`` (B, F) or unbatched
-    (F,); {forward_doc} Dtype: that of the parameters (float32, float64, bfloat16, float16; float32
-    under ``torch.autocast`` runs the low-precision rule of :mod:`fastlayers._core.precision` when an
-    option is on). Options off: torch's cell kernel, exactly torch.nn.{name}. Options on: the
-    fastlayers engine's step equations (see :class:`fastlayers.{layer}`), the same function as
-    ``fastlayers.{layer}(...).cell(layer, direction)``; on CUDA in float32 / float64 the layers'
-    Triton step kernel (forward and backward, one launch each beside torch's GEMMs).
+    (F,); {forward_doc} ``recurrent_mask`` (B, P) or None multiplies h before W_hh (recurrent
+    dropout: one mask for every step of a sequence). Dtype: that of the parameters (float32, float64,
+    bfloat16, float16{kernels}
 
     Errors: for every input torch.nn.{name} rejects, an instance of torch's class whose message
     starts with torch's message for it (its Python checks, then its kernel's: ``input has
@@ -241,8 +245,9 @@ class LSTMCell(_Cell, nn.LSTMCell):
         "of :class:`fastlayers.LSTM` (keyword-only: ``proj_size``, ``layer_norm``, ``peephole``, "
         "``cell_clip``, ``zoneout``, ``recurrent_dropout``, ``proj_clip``; same equations and "
         "parameter names without the ``_l{k}`` suffix).\n"
-        + _CELL_DOC.format(name="LSTMCell", layer="LSTM", forward_doc=(
-            "``hx`` = (h (B, P), c (B, H)), zeros if omitted. Returns (h_1, c_1)."))
+        + _CELL_DOC.format(name="LSTMCell", forward_doc=(
+            "``hx`` = (h (B, P), c (B, H)), zeros if omitted. Returns (h_1, c_1)."),
+            kernels=_OPTIONS_DOC.format(name="LSTMCell", layer="LSTM"))
     )
 
     mode = "LSTM"
@@ -277,7 +282,8 @@ class GRUCell(_Cell, nn.GRUCell):
     __doc__ = (
         "GRU cell (Cho et al. 2014, torch's form) as :class:`torch.nn.GRUCell`, plus the cell options of "
         ":class:`fastlayers.GRU` (keyword-only: ``layer_norm``, ``zoneout``, ``recurrent_dropout``).\n"
-        + _CELL_DOC.format(name="GRUCell", layer="GRU", forward_doc="``hx`` h (B, H), zeros if omitted. Returns h_1.")
+        + _CELL_DOC.format(name="GRUCell", forward_doc="``hx`` h (B, H), zeros if omitted. Returns h_1.",
+                           kernels=_OPTIONS_DOC.format(name="GRUCell", layer="GRU"))
     )
 
     mode = "GRU"
@@ -292,8 +298,10 @@ class GRUCell(_Cell, nn.GRUCell):
 class RNNCell(_Cell, nn.RNNCell):
     __doc__ = (
         "Elman RNN cell with tanh or ReLU nonlinearity as :class:`torch.nn.RNNCell` (torch's kernel; "
-        "fastlayers' validation).\n"
-        + _CELL_DOC.format(name="RNNCell", layer="RNN", forward_doc="``hx`` h (B, H), zeros if omitted. Returns h_1.")
+        "fastlayers' validation; a recurrent-dropout mask).\n"
+        + _CELL_DOC.format(name="RNNCell", forward_doc="``hx`` h (B, H), zeros if omitted. Returns h_1.",
+                           kernels=("). No cell options: torch's cell kernel, exactly torch.nn.RNNCell (on h "
+                                    "times ``recurrent_mask`` where one is given)."))
     )
 
     mode = "RNN"
