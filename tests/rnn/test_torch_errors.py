@@ -95,6 +95,7 @@ def _layer_cases(mode: str) -> dict[str, tuple]:
     x = torch.randn(6, 3, 4)
     cases = {
         "input dtype": (x.double(), None), "feature size": (torch.randn(6, 3, 7), None),
+        "input float16": (x.half(), None), "input bfloat16": (x.bfloat16(), None),  # (RNN once ran them)
         "integer input": (torch.ones(6, 3, 4, dtype=torch.int64), None),
         "feature size and dtype": (torch.randn(6, 3, 7).double(), None),
         "hx batch": (x, st(1, 2, 5)), "hx rank": (x, st(3, 5)), "hx size": (x, st(1, 3, 6)),

@@ -522,8 +522,9 @@ class RNN(_LengthsMixin, nn.RNN):
         semantics; errors as torch.nn.RNN's (the class docstring)."""
         if cu_seqlens is not None or max_seqlen is not None or (isinstance(input, Tensor) and input.is_nested):
             return super().forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        if isinstance(input, Tensor) and input.device.type == "cpu" and _precision.is_low(input):
-            return self._forward_in_float32(input, hx, lengths)
+        if isinstance(input, Tensor) and input.device.type == "cpu" and _precision.is_low(input) \
+                and (input.dtype == self._flat_weights[0].dtype or torch.is_autocast_enabled("cpu")):
+            return self._forward_in_float32(input, hx, lengths)  # (another dtype: torch's error, below)
         return super().forward(input, hx, lengths=lengths)
 
     def _forward_in_float32(self, input: Tensor, hx: Any, lengths: Any) -> Any:
