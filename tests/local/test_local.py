@@ -235,6 +235,10 @@ def test_errors():
         LocallyConnected2d(1, 1, 5, padding=-1)
     with pytest.raises(TypeError, match=r"kernel_size: expected an int or a tuple of 2 ints, got \(1, 2, 3\)"):
         LocallyConnected2d(1, 1, 5, kernel_size=(1, 2, 3))
+    with pytest.raises(TypeError, match=r"stride: expected an int or a tuple of 2 ints, got 1.0"):  # (not "'float'
+        LocallyConnected2d(1, 1, 5, stride=1.0)  # object is not iterable")
+    with pytest.raises(TypeError, match=r"dilation: expected an int or a tuple of 1 ints, got 2.0"):
+        LocallyConnected1d(1, 1, 5, dilation=2.0)
     x, w, b, s, p, d = _random(GEOMETRIES[1])
     with pytest.raises(ValueError, match=r"input: spatial size \(6, 6\) gives output size \(6, 6\) .* weight is for "
                                          r"output size \(6, 5\)"):

@@ -32,8 +32,10 @@ TRITON = "its Triton kernels run outside TorchScript (on CPU tensors it traces)"
 class NotScriptable:
     """Mixed into fastlayers' modules: ``torch.jit.script`` raises one clear error."""
 
+    _TRACES = "torch.jit.trace records its calls"  # (the recurrent layers: not with cell options or lengths)
+
     def __prepare_scriptable__(self):
         name = type(self).__name__
-        raise RuntimeError(f"torch.jit.script cannot compile fastlayers.{name} (its forward is Python that TorchScript "
+        raise RuntimeError(f"torch.jit.script cannot compile fastlayers.{name} (its forward is Python that "
                            f"TorchScript does not support, and TorchScript is deprecated in torch). {_EXPORT}; "
-                           f"torch.jit.trace works for fastlayers.{name} without cell options and lengths.")
+                           f"for fastlayers.{name}, {self._TRACES}.")

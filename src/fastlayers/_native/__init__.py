@@ -186,9 +186,11 @@ def own_products_from() -> int | None:
     """The fewest rows per direction whose large products :func:`own_products` puts on ``matmul.c``
     by this CPU's choice, where it would on an AMD CPU (640; on AMD family 26, Zen 5, and newer: 64
     in the avx512 build, 256 in the avx2 one: ``matmul.c``'s ``fl_matmul_min_rows``); None without
-    the library."""
+    the library, and in the default variant (no AVX2), which never chooses ``matmul.c`` by itself."""
     lib = library()
-    return int(lib.fl_matmul_min_rows()) if lib is not None else None
+    if lib is None or built_as() == "default":
+        return None
+    return int(lib.fl_matmul_min_rows())
 
 
 def prefer_own_products(choice: bool | None) -> None:

@@ -94,11 +94,14 @@ def attention_pool(
     products take low-precision operands and sum in float32; tanh, masking and softmax run in
     float32; context and weights are returned in the low dtype (see :mod:`fastlayers._core.precision`).
 
-    Non-finite input: a NaN or inf in ``query`` or in ``keys`` at a valid step makes that
-    sequence's weights and context NaN; keys at padded steps (t >= len_b) are masked out and
-    have no effect. Values at padded steps get an exact 0 weight, and 0 * NaN = NaN (as
-    torch.bmm), so keep them finite (an LSTM with ``lengths`` writes zeros there). Large scores
-    (keys of size 1e4) stay finite: the softmax subtracts each row's maximum.
+    Non-finite input: a NaN in ``query`` or in ``keys`` at a valid step makes that sequence's
+    weights and context NaN, and so does an inf that makes a score +inf or NaN (one that makes it
+    -inf gives that step weight 0, as torch.softmax). Padded steps (t >= len_b) get an exact 0
+    weight (their scores are masked) and finite keys there an exact 0 gradient, but the products
+    still read them: a NaN or inf key at a padded step reaches the gradients (the query's; the
+    key's own with the additive score), and such a value the context too, as in torch.bmm
+    (0 * NaN = NaN). Keep padded steps finite (an LSTM with ``lengths`` writes zeros there).
+    Large scores (keys of size 1e4) stay finite: the softmax subtracts each row's maximum.
     """
     if isinstance(keys, Tensor) and keys.is_nested:
         return _nested(query, keys, values, lengths, cu_seqlens, score, additive)

@@ -26,7 +26,12 @@ _TORCH_REFUSES = {
 
 
 def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2) -> tuple[int, ...]:
-    values = (value,) * dims if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        values = (value,) * dims
+    elif isinstance(value, (tuple, list)):
+        values = tuple(value)
+    else:  # (a float, a tensor, ...: named here, not "'float' object is not iterable")
+        raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
     if len(values) != dims or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
     if any(v < minimum for v in values):
@@ -90,7 +95,8 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
             padding < 0, a bias of the wrong shape. These are RuntimeError too (what F.conv2d
             raises), and where F.conv2d refuses the same input (the input's rank, its channel count,
             the kernel against the padded input, stride, padding, dilation) the message starts
-            with F.conv2d's, ours after it.
+            with F.conv2d's (naming locally_connected2d where it says conv2d, and our weight's
+            size), ours after it.
 
     A NaN or inf in the input reaches exactly the outputs whose receptive field holds it (as
     F.conv2d); the kernels assume nothing about finiteness.

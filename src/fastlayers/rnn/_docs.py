@@ -13,10 +13,11 @@ COMMON_DOC = """
     * ``hx``: initial state{hx_doc}; zeros if omitted.
     * ``lengths``: optional per-sequence lengths, a 1-D integer tensor on any device, a 1-D integer
       NumPy array or a sequence of B ints (Python's or NumPy's), ``1 <= lengths[b] <= T``, any
-      order, duplicates allowed (for unbatched input: one length). Semantics are exactly those of
-      torch's PackedSequence path: output rows at ``t >= lengths[b]`` are zero; the final state
-      of the forward direction is taken after each sequence's own last step, that of the reverse
-      direction after t = 0, and the reverse direction starts at each sequence's own last step.
+      order, duplicates allowed (for unbatched input: one length, as ``[n]`` or a (1,) tensor).
+      Semantics are exactly those of torch's PackedSequence path: output rows at
+      ``t >= lengths[b]`` are zero; the final state of the forward direction is taken after each
+      sequence's own last step, that of the reverse direction after t = 0, and the reverse
+      direction starts at each sequence's own last step.
 
     Returns ``(output, {ret_doc})``: output (T, B, D*H_out) (or (B, T, D*H_out), or (T, D*H_out)),
     {final_doc}
@@ -99,8 +100,10 @@ OPTIONS_DOC = """
       one more forward; the same gradients up to the order of sums. Not a parameter nor in
       ``state_dict``; with it on, a call without options runs the engine too.
 
-    PackedSequence input: run as its padded batch with ``lengths=`` (the same call, the same numbers),
-    the output packed again as torch returns it (the input's batch_sizes and indices). Bad option values raise
+    PackedSequence input: without options, torch's own packed call (exactly torch.nn's numbers;
+    the ``lengths=`` call equals them up to the order of sums, about 1e-7 in float32);
+    with options, run as its padded batch with ``lengths=`` (the same call, the same numbers), the
+    output packed again as torch returns it (the input's batch_sizes and indices). Bad option values raise
     ValueError/TypeError naming the option. ``cell(layer, direction)`` returns a step-wise cell
     sharing the weights (eval semantics) for decoding one step at a time.
 
@@ -129,7 +132,7 @@ GRU_OPTIONS_DOC = """
       the unmasked state), the same at every step.
     * ``checkpoint_every=k`` or ``"auto"``: recomputation through time, as :class:`LSTM`'s.
 
-    PackedSequence input: as its padded batch with ``lengths=``, the output packed again as torch
-    returns it. Bad option values raise ValueError/TypeError
+    PackedSequence input: without options torch's own packed call, with options as its padded
+    batch with ``lengths=``, the output packed again as torch returns it. Bad option values raise ValueError/TypeError
     naming the option. ``cell(layer, direction)`` returns a step-wise cell sharing the weights.
 """

@@ -1,6 +1,8 @@
 """The masks the recurrent layers draw in training (zoneout keep-masks, recurrent-dropout masks
 before their 1 / keep scale): :func:`keep_mask`, which every engine, cell, operator and the
-reference twin call, so that they all draw the same masks from the same seed on a device.
+reference twin call: one mask function per device, each engine drawing in its own layout and
+order (:func:`._common.drawn_masks`; the reference step by step), so that one engine draws the same
+masks from the same seed with or without gradients, threads or ``checkpoint_every``.
 
 On CPU a mask comes from a counter-based generator (``_native/masks.c``; :func:`counter_mask` is
 the same function in torch ops, the fallback without the library and the tests' oracle): one seed

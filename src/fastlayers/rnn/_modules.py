@@ -39,6 +39,8 @@ from ._varlen import varlen_rnn
 class _LengthsMixin(NotScriptable):
     """Validation and lengths dispatch shared by LSTM, GRU and RNN (mixed into torch's classes)."""
 
+    _TRACES = "torch.jit.trace works without cell options and lengths"
+
     mode: str
     input_size: int
     hidden_size: int
