@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 LAYER_NORM_MODES = (False, True)
@@ -34,19 +33,24 @@ class CellOptions:
     proj_clip: float | None = None
 
     def __post_init__(self) -> None:
-        self.plain  # noqa: B018 - fills the cache now: a first read under torch.compile would trace
-        # cached_property's lock (Python 3.11), which Dynamo refuses ("Unsupported context manager")
+        # ``plain``: True when the options change no math (the vendor kernel applies). A plain instance
+        # attribute, set here (a frozen dataclass sets its own through object.__setattr__): read on
+        # every call, and traceable by torch.compile, which refused functools.cached_property's lock
+        # (Python 3.11) at a first read under Dynamo ("Unsupported context manager")
+        object.__setattr__(self, "plain", not self.layer_norm and not self.peephole and self.cell_clip is None
+                           and self.proj_clip is None and tuple(self.zoneout) == (0.0, 0.0)
+                           and self.recurrent_dropout == 0.0)
+
+    def __getattr__(self, name: str):
+        if name == "plain":  # an instance unpickled from a release that cached it lazily
+            self.__post_init__()
+            return self.__dict__["plain"]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def changed(self) -> dict[str, object]:
         """The options that differ from their defaults, by name (for reprs)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != f.default}
-
-    @functools.cached_property  # (writes the instance __dict__ directly: fine for a frozen dataclass)
-    def plain(self) -> bool:
-        """True when the options change no math (the vendor kernel applies)."""
-        return (not self.layer_norm and not self.peephole and self.cell_clip is None and self.proj_clip is None
-                and tuple(self.zoneout) == (0.0, 0.0) and self.recurrent_dropout == 0.0)  # (the defaults)
 
     @classmethod
     def make_gru(cls, layer_norm=False, zoneout=None, recurrent_dropout=0.0) -> "CellOptions":
