@@ -219,6 +219,49 @@ def test_attention_pool_varlen_exports_with_n_and_b_dynamic():
             torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-6)
 
 
+    for bad in ([0, 2, 2, 9], [0, 7, 2, 9], [1, 2, 7, 9], [0, 2, 7, 8]):  # eager: ValueError for each
+        with pytest.raises(RuntimeError, match=r"^cu_seqlens: "):  # (exported, they gave weights summing to 2 or 3)
+            ep.module()(*example[:2], torch.tensor(bad))
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_exported_layers_under_autocast_return_the_low_dtype(mode):
+    """A layer called under torch.autocast in the exported model: the operators ran in float32 and
+    returned float32 where eager returns bfloat16 (the mixed-precision rule: operands rounded)."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = _build(mode, "layer_norm", False)
+
+        def forward(self, x, lengths):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.rnn(x, lengths=lengths)
+
+    model = Model()
+    ep = torch.export.export(model, (torch.randn(7, 4, 5), torch.tensor([7, 2, 5, 3])),
+                             dynamic_shapes=({0: T, 1: B}, {0: B}))
+    x, lengths = torch.randn(9, 3, 5), torch.tensor([4, 9, 1])
+    got, want = tree_leaves(ep.module()(x, lengths)), tree_leaves(model(x, lengths))
+    for a, w in zip(got, want, strict=True):
+        assert a.dtype == w.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), w.float(), rtol=0.05, atol=0.05)  # (bf16: eager rounds h per step)
+
+
+def test_exported_layer_refuses_t_0_and_names_no_symbol():
+    """Eager raises torch's error for T = 0; the exported program returned h_0 (tracing takes a
+    dynamic size as >= 2). Its lengths assertion named a symbol ("T = s81") for T."""
+    model = _build("GRU", "plain", False)
+    ep = torch.export.export(model, (torch.randn(7, 4, 5),), dynamic_shapes=({0: T, 1: B},))
+    with pytest.raises(RuntimeError, match=r"^Expected sequence length to be larger than 0 in RNN$"):
+        ep.module()(torch.randn(0, 2, 5))
+    assert ep.module()(torch.randn(1, 2, 5))[0].shape == (1, 2, 12)
+    lstm = _build("LSTM", "plain", False)
+    ep = torch.export.export(lstm, (torch.randn(7, 4, 5),), {"lengths": torch.tensor([7, 2, 5, 3])},
+                             dynamic_shapes={"input": {0: T, 1: B}, "lengths": {0: B}})
+    with pytest.raises(RuntimeError, match=r"^lengths: every length must be in \[1, T\] \(T the padded time size\)$"):
+        ep.module()(torch.randn(5, 2, 5), lengths=torch.tensor([9, 1]))
+
+
 def test_varlen_operators_differentiate_twice():
     """The varlen operators' backward (and the padded ones', whose recomputation it shares) is
     differentiable: gradgradcheck in float64, not zeros."""

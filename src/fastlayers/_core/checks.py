@@ -98,7 +98,8 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
         raise ValueError(f"{name}: expected {batch} lengths (one per sequence in the batch), got {t.numel()}")
     if torch.compiler.is_compiling():  # the values are not known when tracing: checked in the graph
         t = t.to(torch.int64).contiguous()
-        torch._assert_async(((t >= 1) & (t <= max_len)).all(), f"{name}: every length must be in [1, T = {max_len}]")
+        torch._assert_async(((t >= 1) & (t <= max_len)).all(),  # (T is a symbol when traced: not in the message)
+                            f"{name}: every length must be in [1, T] (T the padded time size)")
         return t
     t = t.to(device="cpu", dtype=torch.int64).contiguous()  # kernels read lengths[b] (a strided view: a copy)
     if batch:

@@ -62,6 +62,16 @@ def check_form(cu_seqlens: object, device: torch.device, *, name: str = "cu_seql
     return cu_seqlens
 
 
+def assert_values(cu_seqlens: Tensor, total, *, name: str = "cu_seqlens") -> None:
+    """In a traced call (torch.compile, torch.export), where the values are not known: assertions
+    the compiled or exported program runs on them (starting at 0, every sequence of length >= 1,
+    ending at ``total``, the number of value rows), as :func:`check_cu_seqlens` checks eagerly."""
+    cu = cu_seqlens.to(torch.int64)
+    torch._assert_async(cu[0] == 0, f"{name}: expected cu_seqlens[0] = 0")
+    torch._assert_async((cu[1:] > cu[:-1]).all(), f"{name}: every sequence must have length >= 1 (increasing offsets)")
+    torch._assert_async(cu[-1] == total, f"{name}: expected cu_seqlens[-1] = N (the number of value rows)")
+
+
 def check_max_seqlen(max_seqlen: object) -> None:
     """TypeError unless ``max_seqlen`` is an int (not a bool)."""
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):

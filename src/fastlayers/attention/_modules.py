@@ -154,9 +154,11 @@ def _varlen(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additiv
 
 def _traced_varlen(query, keys, values, cu_seqlens, max_seqlen, score, additive) -> tuple[Tensor, Tensor]:
     """The varlen form while torch.compile or torch.export traces: the checks that read no value
-    (cu_seqlens' form, the tensors' ranks, dtypes and sizes), then the segment operations of
+    (cu_seqlens' form, the tensors' ranks, dtypes and sizes) and assertions on its values that the
+    compiled or exported program runs, then the segment operations of
     :func:`attention_pool_varlen_reference` (any backend)."""
     jagged.check_form(cu_seqlens, keys.device)
+    jagged.assert_values(cu_seqlens, keys.size(0))
     if max_seqlen is not None:
         jagged.check_max_seqlen(max_seqlen)
     if score not in SCORES:

@@ -138,7 +138,10 @@ class _LengthsMixin(NotScriptable):
             return eagerly(self.forward, input, hx, lengths=lengths)
         input, states = self._check_args(input, hx)
         time_dim = 1 if self.batch_first and input.dim() == 3 else 0
-        if input.size(time_dim) == 0:  # torch.nn's RNNs raise this (their kernel's message)
+        if exporting:  # T is a symbol there, which tracing takes as >= 2: an assertion the exported program runs
+            torch._assert_async(torch.scalar_tensor(input.size(time_dim)) > 0,
+                                "Expected sequence length to be larger than 0 in RNN")
+        elif input.size(time_dim) == 0:  # torch.nn's RNNs raise this (their kernel's message)
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
         if input.dim() == 3 and input.size(1 - time_dim) == 0 and not exporting:
             return self._empty_batch(input, states, lengths)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._core import exporter
+from .._core import precision as _precision
 from .._native import ops_lib
 from ._common import draw_mask, draws
 from ._cpu import engine_draws
@@ -49,6 +50,7 @@ _LSTM_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "l
               "ln_cell_bias", "weight_peephole", "weight_hr")
 _GRU_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "ln_hh_weight")
 _RNN_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+_PLAIN = CellOptions()
 
 
 def operator_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None
@@ -66,9 +68,14 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
             ) -> tuple[Tensor, tuple[Tensor, ...]]:
     mode = "RNN" if module.mode.startswith("RNN") else module.mode
     dirs = 2 if module.bidirectional else 1
-    options: CellOptions = getattr(module, "options", CellOptions())
+    options: CellOptions = getattr(module, "options", None) or _PLAIN
     training = module.training
     z_h, z_c = options.zoneout
+    low = _precision.dtypes(x)[0]
+    # float32 under autocast (bf16 / fp16): the operators in float32 on the products' operands rounded to
+    # the low dtype, the outputs and final states in it, as the eager call (mixed_precision.md's rule)
+    rounded = (lambda t: t if t is None else t.to(low).float()) if low != x.dtype else (lambda t: t)
+    x, states = rounded(x), tuple(rounded(s) for s in states)
     xt = x.transpose(0, 1) if module.batch_first else x  # (T, B, F)
     steps, batch = xt.shape[:2]
     finals: list[list[Tensor]] = [[] for _ in states]
@@ -77,6 +84,9 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
         sfx = ("", "_reverse")[:dirs]
         p = {k: torch.stack([getattr(module, f"{k}_l{li}{s}") for s in sfx]) if hasattr(module, f"{k}_l0") else None
              for k in keys}
+        for k in ("weight_ih", "weight_hh", "weight_hr"):
+            if k in p:
+                p[k] = rounded(p[k])
         k = slice(li * dirs, (li + 1) * dirs)
         if mode == "RNN":
             y, h = torch.ops.fastlayers.rnn_padded(xt, lengths, states[0][k], p["weight_ih"], p["weight_hh"],
@@ -103,7 +113,7 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
         for acc, s in zip(finals, last):
             acc.append(s)
     out = xt.transpose(0, 1) if module.batch_first else xt
-    return out, tuple(torch.cat(f) for f in finals)
+    return out.to(low), tuple(torch.cat(f).to(low) for f in finals)
 
 
 # ---- the Python side of the operators (run once the library loads: ops_lib.on_load at the end)
