@@ -335,11 +335,16 @@ def test_size_one_projection_and_hidden_on_the_triton_engine(case):
     cls, f, h, kwargs = SIZE_ONE[case]
     torch.manual_seed(0)
     module = cls(f, h, **kwargs).double().eval()
-    x = torch.randn(T, B, f, dtype=torch.float64)
+    _assert_triton_equals_reference(module, torch.randn(T, B, f, dtype=torch.float64), LENGTHS)
+
+
+def _assert_triton_equals_reference(module, x, lengths, reference_lengths=LENGTHS):
+    """The module's outputs and every gradient on the Triton engine (given ``lengths``) equal the
+    reference's (given ``reference_lengths``, the same values) in float64."""
     with fastlayers.backend("triton"):
-        got = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
+        got = run_and_grad(lambda x, h: module(x, h, lengths=lengths), module, x, None)
     with fastlayers.backend("reference"):
-        want = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
+        want = run_and_grad(lambda x, h: module(x, h, lengths=reference_lengths), module, x, None)
     assert_close_all(got, want, atol=1e-10, rtol=1e-10)
 
 
@@ -396,12 +401,7 @@ def test_column_major_weights_and_strided_lengths_on_the_triton_engine(case, lay
                 setattr(module, name, torch.nn.Parameter(p.t().contiguous().t()))  # same values, column-major
     assert not module.weight_hh_l0.is_contiguous()
     lengths = torch.stack([LENGTHS, LENGTHS], 1)[:, 0]  # stride 2
-    x = torch.randn(T, B, F, dtype=torch.float64)
-    with fastlayers.backend("triton"):
-        got = run_and_grad(lambda x, h: module(x, h, lengths=lengths), module, x, None)
-    with fastlayers.backend("reference"):
-        want = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
-    assert_close_all(got, want, atol=1e-10, rtol=1e-10)
+    _assert_triton_equals_reference(module, torch.randn(T, B, F, dtype=torch.float64), lengths)
 
 
 def test_module_forced_triton_runs_the_triton_layer():
