@@ -59,13 +59,13 @@ def _export(model, dtype):
 @pytest.mark.parametrize("mode,name", CASES)
 @pytest.mark.parametrize("lengths,hx", [(True, True), (False, False), (True, False)])
 def test_exported_equals_eager(mode, name, lengths, hx):
-    batch_first = (hash(name) + lengths) % 2 == 0  # both layouts over the cases
+    batch_first = (CASES.index((mode, name)) + lengths) % 2 == 0  # both layouts over the cases, the same each run
     model = CallAsUser(_build(mode, name, batch_first), lengths, hx)
     exported = _export(model, torch.float32).module()
     for i, (batch, steps) in enumerate(SHAPES):
         args = _inputs(model.layer, batch, steps, torch.float32, i + 1)
         got, want = exported(*args), model(*args)
-        for a, b in zip(tree_leaves(got), tree_leaves(want)):
+        for a, b in zip(tree_leaves(got), tree_leaves(want), strict=True):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -244,7 +244,7 @@ def test_exported_layers_under_autocast_return_the_low_dtype(mode):
     got, want = tree_leaves(ep.module()(x, lengths)), tree_leaves(model(x, lengths))
     for a, w in zip(got, want, strict=True):
         assert a.dtype == w.dtype == torch.bfloat16
-        torch.testing.assert_close(a.float(), w.float(), rtol=0.05, atol=0.05)  # (bf16: eager rounds h per step)
+        torch.testing.assert_close(a.float(), w.float(), rtol=0.02, atol=0.02)  # (bf16: eager rounds h per step)
 
 
 def test_exported_layer_refuses_t_0_and_names_no_symbol():

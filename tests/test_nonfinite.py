@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 import fastlayers
-from module_cases import CASES, LENGTHS, Case, flat, weighted_sum
+from module_cases import CASES, CELL_CASES, LENGTHS, Case, flat, weighted_sum
 
 NAN, INF = float("nan"), float("inf")
 RNN_CASES = [c for c in CASES if isinstance(c.build(device="meta"), nn.RNNBase)]
 OTHER_CASES = [c for c in CASES if c not in RNN_CASES]
+assert CELL_CASES and all(c in OTHER_CASES for c in CELL_CASES)
 B_BAD, T_BAD = 2, 3  # sequence 2 has length 7: a valid step in the middle
 
 
@@ -222,3 +223,34 @@ def test_attention_large_keys_stay_finite(case):
     outs = flat(module(q, k * 1e4, v, **kwargs))
     assert all(o.isfinite().all() for o in outs)
     _assert_same_nonfinite(outs, _reference(module, (q, k * 1e4, v), kwargs), atol=1e-3)
+
+
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+@pytest.mark.parametrize("case", CELL_CASES, ids=lambda c: c.id)
+def test_cells_nonfinite_input_reaches_exactly_its_sample(case, value):
+    """A NaN / inf in one sample's input reaches that sample's new state only (the others stay
+    finite; a NaN makes it NaN), in the float64 reference's pattern; the backward completes and
+    reaches every leaf."""
+    module = _module(case)
+    (x,), _ = case.inputs(torch.float32)
+    x = x.clone()
+    x[..., 0] = 0.0
+    bad = (0,) if x.dim() == 1 else (1, 0)
+    x[bad] = value
+    x.requires_grad_(True)
+    outs = flat(module(x))
+    _assert_same_nonfinite(outs, _reference(module, (x.detach(),), {}))
+    if x.dim() == 2:  # (an inf can saturate the gates into a finite state; a NaN cannot)
+        assert all(o[[0, *range(2, o.size(0))]].isfinite().all() for o in outs)
+        if value != value:
+            assert not any(o[1].isfinite().all() for o in outs)
+    _backward_runs(outs, [x, *module.parameters()])
+
+
+@pytest.mark.parametrize("case", CELL_CASES, ids=lambda c: c.id)
+def test_cells_large_input_stays_finite(case):
+    module = _module(case)
+    (x,), _ = case.inputs(torch.float32)
+    outs = flat(module(x * 1e4))
+    assert all(o.isfinite().all() for o in outs)
+    _assert_same_nonfinite(outs, _reference(module, (x * 1e4,), {}), atol=1e-3)

@@ -137,7 +137,7 @@ def test_bf16_second_derivative_close_to_float64():
     got = hvp(lambda x: low(x, lengths=lengths)[0].float().pow(2).sum(), x.bfloat16(), v.bfloat16())[1]
     assert got.dtype == torch.bfloat16
     err = (got.double() - expected).norm() / expected.norm()
-    assert err < 0.1, err
+    assert err < 0.06, err  # (0.026 measured on an AMD EPYC Zen 5; bf16's unit roundoff 0.004)
 
 
 def test_gradient_penalty_training_step():
@@ -238,7 +238,7 @@ def test_bf16_plain_call_without_lengths_has_second_derivatives(cls):
     low = m.to(torch.bfloat16)
     got = hvp(lambda x: low(x)[0].float().pow(2).sum(), x.bfloat16(), v.bfloat16())[1]
     err = (got.double() - expected).norm() / expected.norm()
-    assert err < 0.1, err
+    assert err < 0.02, err  # (0.0055 measured on an AMD EPYC Zen 5)
 
 
 def _aliased_cases():

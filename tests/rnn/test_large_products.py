@@ -250,7 +250,7 @@ def test_bf16_kernel_gives_the_products_of_bf16_operands(dirs, rows, k, n, trans
     AVX512-BF16 the layers never choose it."""
     if not _native.bf16_products():
         assert not _native.bf16_large_products(1 << 40)
-        return
+        pytest.skip("no AVX512-BF16 on this CPU: the layers never choose the kernel (checked above)")
     torch.manual_seed(0)
     a = torch.randn(dirs, rows, k).to(torch.bfloat16)
     b = torch.randn(dirs, n, k) if trans else torch.randn(dirs, k, n)

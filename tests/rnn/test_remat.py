@@ -5,6 +5,7 @@ option's checks, repr and state_dict."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -20,6 +21,32 @@ from fastlayers.rnn._remat import checkpointed, segment_length
 LSTM_OPTIONS = [{}, {"layer_norm": True}, {"peephole": True, "cell_clip": 0.5}, {"proj_size": 3, "proj_clip": 0.4},
                 {"layer_norm": True, "peephole": True, "zoneout": (0.1, 0.2)}]
 GRU_OPTIONS = [{}, {"layer_norm": True}, {"zoneout": 0.1}]
+
+
+_CALLS = [0]  # calls of the modules' checkpointed (the fixture counts them): a test of the option checks
+# that the call it compares with the run without it did recompute (equal results alone would also hold
+# for a module that ignored the option)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _count_recomputations():
+    from fastlayers.rnn import _modules
+
+    def counted(*args, **kwargs):
+        _CALLS[0] += 1
+        return checkpointed(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_modules, "checkpointed", counted)
+        yield
+
+
+@contextlib.contextmanager
+def _recomputing():
+    """Asserts that the block called the modules' recomputation through time."""
+    before = _CALLS[0]
+    yield
+    assert _CALLS[0] > before, "checkpoint_every was set, but the call ran no recomputed segments"
 
 
 def _loss_and_grads(module, x, hx, lengths):
@@ -60,8 +87,9 @@ def test_gradients_equal_the_run_without_it_float64(seed):
         hx = (h, torch.randn(kw["num_layers"] * dirs, batch, 6, dtype=torch.float64, requires_grad=True)) \
             if mode == "LSTM" else h
     a_out, a_grads = _loss_and_grads(plain, x, hx, lengths)
-    b_out, b_grads = _loss_and_grads(ours, x, hx, lengths)
-    for a, b in zip(a_out + a_grads, b_out + b_grads):
+    with _recomputing():
+        b_out, b_grads = _loss_and_grads(ours, x, hx, lengths)
+    for a, b in zip(a_out + a_grads, b_out + b_grads, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
@@ -73,12 +101,14 @@ def test_float32_within_1e_6_relative_and_bitwise_with_one_segment():
     x = torch.randn(60, 4, 8, requires_grad=True)
     lengths = torch.tensor([60, 41, 13, 59])
     a_out, a_grads = _loss_and_grads(plain, x, None, lengths)
-    b_out, b_grads = _loss_and_grads(ours, x, None, lengths)
-    for a, b in zip(a_out + a_grads, b_out + b_grads):
+    with _recomputing():
+        b_out, b_grads = _loss_and_grads(ours, x, None, lengths)
+    for a, b in zip(a_out + a_grads, b_out + b_grads, strict=True):
         assert ((a - b).norm() / a.norm()).item() <= 1e-6
     ours.checkpoint_every = 60  # one segment: the same kernels in the same order
-    c_out, c_grads = _loss_and_grads(ours, x, None, lengths)
-    for a, c in zip(a_out + a_grads, c_out + c_grads):
+    with _recomputing():
+        c_out, c_grads = _loss_and_grads(ours, x, None, lengths)
+    for a, c in zip(a_out + a_grads, c_out + c_grads, strict=True):
         assert torch.equal(a, c)
 
 
@@ -131,7 +161,8 @@ def test_frozen_parameters_and_lengths_that_end_on_a_segment_bound(cell, lengths
     x = torch.randn(15, 3, 4, dtype=torch.float64, requires_grad=True)
     lengths = torch.tensor(lengths) if lengths is not None else None
     a_out, a_grads = _loss_and_grads_of_trainable(plain, x, lengths)
-    b_out, b_grads = _loss_and_grads_of_trainable(ours, x, lengths)
+    with _recomputing():
+        b_out, b_grads = _loss_and_grads_of_trainable(ours, x, lengths)
     for a, b in zip(a_out + a_grads, b_out + b_grads, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
     if lengths is not None:
@@ -173,7 +204,8 @@ def test_auto_with_the_batch_rule_equals_the_run_without_it(cell):
     x = torch.randn(160, 4, 3, dtype=torch.float64, requires_grad=True)
     lengths = torch.tensor([160, 97, 10, 150])
     a_out, a_grads = _loss_and_grads(plain, x, None, lengths)
-    b_out, b_grads = _loss_and_grads(ours, x, None, lengths)
+    with _recomputing():
+        b_out, b_grads = _loss_and_grads(ours, x, None, lengths)
     for a, b in zip(a_out, b_out, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
     # the gradients up to the order of sums over 160 steps (3.6e-12 apart in a sanitizer build)
@@ -194,7 +226,8 @@ def test_training_draws_masks_once_per_call():
         return lstm(x, lengths=lengths)[0]
 
     x = torch.randn(7, 2, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(f, (x,))
+    with _recomputing():
+        assert torch.autograd.gradcheck(f, (x,))
 
 
 def test_second_derivatives():
@@ -202,7 +235,8 @@ def test_second_derivatives():
     gru = fastlayers.GRU(3, 4, bidirectional=True, layer_norm=True, checkpoint_every=2).double()
     lengths = torch.tensor([5, 2, 4])
     x = torch.randn(5, 3, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradgradcheck(lambda x: gru(x, lengths=lengths)[0], (x,))
+    with _recomputing():
+        assert torch.autograd.gradgradcheck(lambda x: gru(x, lengths=lengths)[0], (x,))
 
 
 def test_the_option_checks_its_value_shows_in_repr_and_stays_out_of_state_dict():
@@ -227,7 +261,7 @@ def _seeded_training_call(cell, options, every, x, lengths, backend, num_layers)
                                   **options).double().train()
     x = x.detach().requires_grad_(True)
     torch.manual_seed(1)
-    with fastlayers.backend(backend):
+    with fastlayers.backend(backend), _recomputing() if every is not None else contextlib.nullcontext():
         out, states = m(x, lengths=lengths)
     states = states if isinstance(states, tuple) else (states,)
     loss = (out * out.detach().cos()).sum() + sum((s * s.detach().sin()).sum() for s in states)
