@@ -64,7 +64,7 @@ def _rnn_inputs(batch_first: bool, lengths: bool):
 
 def _rnn_case(id, cls, torch_cls, *, lengths=True, stochastic=False, repr_has=(), **kwargs) -> Case:
     options = {k: v for k, v in kwargs.items() if k in ("layer_norm", "peephole", "cell_clip", "zoneout",
-                                                          "recurrent_dropout", "proj_clip")}
+                                                          "recurrent_dropout", "proj_clip", "checkpoint_every")}
     base = {k: v for k, v in kwargs.items() if k not in options}
 
     def build(**factory):
@@ -140,6 +140,8 @@ CASES: list[Case] = [
     _rnn_case("LSTM-all+proj", LSTM, nn.LSTM, num_layers=2, bidirectional=True, proj_size=6, layer_norm=True,
               peephole=True, cell_clip=1.5, zoneout=0.1, recurrent_dropout=0.2, proj_clip=0.7, stochastic=True,
               repr_has=("layer_norm=True", "peephole=True", "proj_clip=0.7")),
+    _rnn_case("LSTM-checkpoint_every", LSTM, nn.LSTM, bidirectional=True, checkpoint_every=2,
+              repr_has=("checkpoint_every=2",)),
     _rnn_case("GRU", GRU, nn.GRU, lengths=False, bidirectional=True),
     _rnn_case("GRU-lengths", GRU, nn.GRU, num_layers=2, bidirectional=True),
     _rnn_case("GRU-layer_norm", GRU, nn.GRU, bidirectional=True, layer_norm=True, repr_has=("layer_norm=True",)),

@@ -2,7 +2,6 @@
 
 import json
 import re
-import time
 
 import pytest
 import torch
@@ -35,14 +34,21 @@ class _DropsGradient(torch.autograd.Function):
         return grad * y, (torch.zeros_like(y) if ctx.zeros else None), None
 
 
-class _SlowBackward(torch.autograd.Function):
+_CLOCK = [0.0]  # the harness's clock in test_flags_cliff: advanced by the candidates, not by time
+
+
+class _ClockedPasses(torch.autograd.Function):
+    """x.clone() whose forward takes 1 ms and backward 10 ms of the fake clock: a 10x cliff, with
+    no timing of real work (a timing assertion would be flaky)."""
+
     @staticmethod
     def forward(ctx, x):
+        _CLOCK[0] += 1e-3
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.05)
+        _CLOCK[0] += 1e-2
         return grad
 
 
@@ -100,11 +106,21 @@ def test_flags_gradient_mismatch_of_a_parameter():
     assert "value mismatch" not in rep["bad"].flags
 
 
-def test_flags_cliff():
-    rep = compare({"ref": lambda x, y: x * y, "cliff": lambda x, y: _SlowBackward.apply(x) * y}, _inputs,
-                  repeats=2, memory=False, cliff_threshold=5)
-    assert "cliff" in rep["cliff"].flags
-    assert rep["cliff"].backward_ratio > 5
+def test_flags_cliff(monkeypatch):
+    """A backward 10x its forward is flagged at the threshold 5, one whose passes cost the same is
+    not (the harness's clock is the candidates' fake one: deterministic)."""
+    from fastlayers.bench import _harness
+
+    monkeypatch.setattr(_harness, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: _CLOCK[0])}))
+
+    def even(x, y):
+        _CLOCK[0] += 1e-3
+        return x * y
+
+    rep = compare({"ref": even, "cliff": lambda x, y: _ClockedPasses.apply(x) * y}, _inputs, repeats=2, memory=False,
+                  cliff_threshold=5)
+    assert "cliff" in rep["cliff"].flags and "cliff" not in rep["ref"].flags
+    assert rep["cliff"].backward_ratio == pytest.approx(11.0) and rep["ref"].backward_ratio == pytest.approx(1.0)
 
 
 def test_json_round_trip_and_memory():

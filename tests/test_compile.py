@@ -203,7 +203,7 @@ def test_lengths_cost_one_graph_break_and_no_recompilation():
 
 class EveryLayer(nn.Module):
     """A model of every fastlayers layer: LSTM with options and lengths, GRU, RNN, attention pooling,
-    a locally connected 1-D layer over the pooled features."""
+    the three cells over the pooled features, locally connected 1-D and 2-D layers after them."""
 
     def __init__(self):
         super().__init__()
@@ -211,14 +211,19 @@ class EveryLayer(nn.Module):
         self.gru = fastlayers.GRU(12, 6, layer_norm=True)
         self.rnn = fastlayers.RNN(6, 6)
         self.pool = fastlayers.AttentionPooling(6, score="additive")
+        self.lstm_cell = fastlayers.LSTMCell(6, 6, layer_norm=True)
+        self.gru_cell = fastlayers.GRUCell(6, 6)
+        self.rnn_cell = fastlayers.RNNCell(6, 6)
         self.local = fastlayers.LocallyConnected1d(1, 2, 6, 3, padding=1)
+        self.local2d = fastlayers.LocallyConnected2d(1, 1, (2, 6), 3, padding=1)
 
     def forward(self, x, lengths):
         y, _ = self.lstm(x, lengths=lengths)
         y, h = self.gru(y)
         y, _ = self.rnn(y)
         ctx, _ = self.pool(h[-1], y.transpose(0, 1), lengths=lengths)
-        return self.local(ctx.unsqueeze(1)).flatten(1)
+        ctx = self.rnn_cell(self.gru_cell(self.lstm_cell(ctx)[0]))
+        return self.local2d(self.local(ctx.unsqueeze(1)).unsqueeze(1)).flatten(1)
 
 
 def test_a_model_of_every_layer_compiles_with_default_settings():

@@ -61,13 +61,16 @@ def test_attention_lengths_given_as_a_strided_view(score):
     assert_close_all(got, want, 1e-12)
 
 
-def test_attention_values_default_to_keys_and_without_grad():
+def test_attention_values_default_to_keys_and_values_without_grad():
+    """values=None pools the keys; values that need no gradient (data, as in seed 001) take the
+    kernel's NEED_DV=False backward; both on the Triton kernels."""
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(3, 4, generator=g, requires_grad=True), torch.randn(3, 9, 4, generator=g, requires_grad=True)
     v = torch.randn(3, 9, 2, generator=g)  # data, as in seed 001
     with fastlayers.backend("triton"):
         c1, w1 = attention_pool(q, k, lengths=[9, 4, 1])
         c2, _ = attention_pool(q, k, v, lengths=[9, 4, 1])
+    assert type(c1.grad_fn).__name__ == type(c2.grad_fn).__name__ == "AttentionTritonBackward"
     r1, rw1 = attention_pool(q, k, lengths=[9, 4, 1])
     r2, _ = attention_pool(q, k, v, lengths=[9, 4, 1])
     torch.testing.assert_close(c1, r1)
@@ -84,4 +87,5 @@ def test_attention_additive_score_uses_the_torch_path_under_triton():
     q, k = torch.randn(2, 4), torch.randn(2, 5, 4)
     with fastlayers.backend("triton"):
         got = pool(q, k, lengths=[5, 2])
+    assert type(got[0].grad_fn).__name__ != "AttentionTritonBackward"  # (the parameters need gradients: a graph)
     torch.testing.assert_close(got, pool(q, k, lengths=[5, 2]))
