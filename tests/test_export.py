@@ -110,6 +110,14 @@ def test_training_mode_export_draws_masks_and_trains():
     assert torch.isfinite(out).all() and args[0].grad is not None and bool(args[0].grad.abs().sum() > 0)
     targets = [n for n, _ in exported.named_parameters()]
     assert all(p.grad is not None for p in exported.parameters()), targets
+    plain = [a.detach() for a in args]  # the masks: drawn at each call, from torch's generator
+    torch.manual_seed(3)
+    first = exported(*plain)[0]
+    torch.manual_seed(3)
+    assert torch.equal(exported(*plain)[0], first)  # the same seed, the same masks
+    assert not torch.equal(exported(*plain)[0], first)  # the next draw, others
+    layer.eval()
+    assert not torch.equal(_export(model, torch.float32).module()(*plain)[0], first)  # eval: the expectation
 
 
 @pytest.mark.parametrize("build,args,dynamic,others", [

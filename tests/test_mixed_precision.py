@@ -1,7 +1,10 @@
-"""Every layer under torch.autocast (CPU bfloat16) and with bfloat16 parameters: it runs, returns the
-low dtype, and its error against a float64 reference (output and every gradient) is at most twice
-that of the corresponding torch module, or a plain-torch formulation, in the same precision
-(flash-attention's same-precision budget)."""
+"""The layers (LSTM, GRU, RNN with and without cell options and lengths, LocallyConnected2d, attention
+pooling's dot and additive scores) under torch.autocast (CPU bfloat16) and with bfloat16 parameters:
+each runs, returns the low dtype, and its error against a float64 reference (output and every
+gradient) is at most twice that of the corresponding torch module, or a plain-torch formulation, in
+the same precision (flash-attention's same-precision budget); the cells under autocast return what
+torch's cells return. Not here: LocallyConnected1d (LocallyConnected2d's kernels with H = 1) and the
+scaled-dot score (the dot score's kernels with a scale)."""
 
 from __future__ import annotations
 
