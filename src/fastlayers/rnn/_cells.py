@@ -49,7 +49,7 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
         if mode == "LSTM":
             return tuple(torch._VF.lstm_cell(x, states, *args))
         return (torch._VF.gru_cell(x, states[0], *args),)
-    if mode != "RNN" and ops_lib.serves(x) and _on_operator(mode, x):  # no autograd: the layer's C++ operator
+    if ops_lib.serves(x) and _on_operator(mode, x):  # no autograd: the layer's C++ operator
         # over one step (the C kernels' backend: a forced "reference" keeps the equations below)
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
     if _gpu_cell.serves(mode, x, recurrent_mask):

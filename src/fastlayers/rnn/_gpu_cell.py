@@ -41,7 +41,7 @@ _DTYPES = (torch.float32, torch.float64)
 
 def serves(mode: str, x: Tensor, recurrent_mask: Tensor | None) -> bool:
     """Whether :func:`step` runs this call of a cell with options (module docstring)."""
-    if mode == "RNN" or (recurrent_mask is not None and recurrent_mask.requires_grad) or torch.compiler.is_compiling():
+    if (recurrent_mask is not None and recurrent_mask.requires_grad) or torch.compiler.is_compiling():
         return False  # (traced: the equations, torch ops; the backend's context variable is not read there)
     if not x.is_cuda:  # CPU tensors: Triton's interpreter, only where "triton" is forced (select may refuse it)
         chosen = forced()
