@@ -51,6 +51,13 @@ def is_low(x: Tensor) -> bool:
     return dtypes(x)[0] in LOW
 
 
+def rounded(t: object, low: torch.dtype) -> object:
+    """A product operand of a low-precision call that runs torch's float32 kernels: ``t`` rounded
+    to ``low`` and back, a float32 tensor holding ``low`` values (a product of two is exact in
+    float32); anything but a tensor (None, a tuple of states) passes through."""
+    return t.to(low).float() if isinstance(t, Tensor) else t
+
+
 _STATES_IN_ACC = contextvars.ContextVar("fastlayers_states_in_acc", default=False)
 
 

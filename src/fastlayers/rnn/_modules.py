@@ -539,7 +539,7 @@ class RNN(_LengthsMixin, nn.RNN):
         the low dtype."""
         low = _precision.dtypes(input)[0]
         self._update_flat_weights()  # (the parameters this call sees: see _LengthsMixin._run)
-        rounded = lambda t: t.to(low).float() if isinstance(t, Tensor) else t  # noqa: E731
+        rounded = lambda t: _precision.rounded(t, low)  # noqa: E731
         own = self._flat_weights  # what torch's RNN kernels read: swapped for this call only
         self._flat_weights = [rounded(w) for w in own]
         try:

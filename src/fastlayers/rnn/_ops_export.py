@@ -74,7 +74,7 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
     low = _precision.dtypes(x)[0]
     # float32 under autocast (bf16 / fp16): the operators in float32 on the products' operands rounded to
     # the low dtype, the outputs and final states in it, as the eager call (mixed_precision.md's rule)
-    rounded = (lambda t: t if t is None else t.to(low).float()) if low != x.dtype else (lambda t: t)
+    rounded = (lambda t: _precision.rounded(t, low)) if low != x.dtype else (lambda t: t)
     x, states = rounded(x), tuple(rounded(s) for s in states)
     xt = x.transpose(0, 1) if module.batch_first else x  # (T, B, F)
     steps, batch = xt.shape[:2]

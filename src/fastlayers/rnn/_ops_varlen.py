@@ -34,8 +34,8 @@ from torch import Tensor
 from .._core import jagged
 from .._core.backend import select
 from ._lengths import varlen_rows
-from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _RNN_KEYS, _layer_args, _layer_eagerly, _rnn_eagerly, engine_masks,
-                          operator_masks, vjp)
+from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _PLAIN, _RNN_KEYS, _layer_args, _layer_eagerly, _rnn_eagerly,
+                          engine_masks, operator_masks, vjp)
 from ._options import CellOptions
 from ._routing import engine
 
@@ -205,7 +205,7 @@ def varlen_operator_layers(module: Any, values: Tensor, states: tuple[Tensor, ..
     operator per layer -> (output (N, D*P), final states), as the eager varlen call returns them."""
     mode = module.mode
     dirs = 2 if module.bidirectional else 1
-    options: CellOptions = getattr(module, "options", CellOptions())
+    options: CellOptions = getattr(module, "options", None) or _PLAIN
     training = module.training
     z_h, z_c = options.zoneout
     rows, batch = values.size(0), cu_seqlens.size(0) - 1
