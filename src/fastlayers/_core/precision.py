@@ -36,11 +36,18 @@ def accumulator(low: torch.dtype) -> torch.dtype:
     return torch.float32 if low in LOW else low
 
 
+def autocasting(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``; False for a device autocast does not know (meta,
+    where ``torch.is_autocast_enabled`` raises: shape inference and deferred initialisation run
+    layers on meta tensors, as torch.nn's run)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def dtypes(x: Tensor) -> tuple[torch.dtype, torch.dtype]:
     """(operand dtype of matrix products, dtype of everything else) for a call on ``x``; the two
     are equal unless the call is low precision, so the first is also the dtype of the results."""
     low = x.dtype
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+    if x.dtype == torch.float32 and autocasting(x.device.type):
         autocast = torch.get_autocast_dtype(x.device.type)
         if autocast in LOW:
             low = autocast
@@ -128,7 +135,7 @@ class Products:
         self.lowered = self.mixed and self.native
         # one dtype and no autocast: the products are torch's own, without the autocast guard (which
         # costs microseconds a call, per step in a time loop)
-        self.plain = not self.mixed and not torch.is_autocast_enabled(device.type)
+        self.plain = not self.mixed and not autocasting(device.type)
 
     @classmethod
     def of(cls, x: Tensor) -> "Products":

@@ -34,7 +34,7 @@ def attention_pool_reference(
     ``values`` given): batched matmuls and a softmax, any device and dtype. It is what the reference
     backend runs, and what the CPU binding's and the Triton kernels' double backwards differentiate."""
     batch, steps = keys.shape[:2]
-    if score != "additive" and query.dtype in _ONE_DTYPE and not torch.is_autocast_enabled(query.device.type):
+    if score != "additive" and query.dtype in _ONE_DTYPE and not precision.autocasting(query.device.type):
         return _dot_one_dtype(query, keys, values, lengths, score == "scaled_dot")
     mm = precision.Products.of(query)
     if score == "additive":

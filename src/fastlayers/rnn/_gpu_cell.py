@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._core import twice
+from .._core import precision, twice
 from .._core.backend import forced, select, triton_kernels
 from . import _gpu_graphs
 from ._gpu_layers import lengths_tensor, numbers_tensor
@@ -50,7 +50,7 @@ def serves(mode: str, x: Tensor, recurrent_mask: Tensor | None) -> bool:
     if x.dtype not in _DTYPES or x.size(0) == 0 or torch.jit.is_tracing() \
             or torch._C._are_functorch_transforms_active():  # (torch.func.vmap / grad: torch ops)
         return False
-    if torch.is_autocast_enabled(x.device.type):
+    if precision.autocasting(x.device.type):
         return False
     op = mode.lower()
     return triton_kernels(op, x) if x.is_cuda else select(op, x) == "triton"

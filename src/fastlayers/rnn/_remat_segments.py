@@ -10,6 +10,7 @@ D directions, k steps per segment.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterator, NamedTuple
 
 import torch
@@ -178,14 +179,16 @@ class Segments(torch.autograd.Function):
         # the recomputation runs under the forward's autocast state (the backward usually runs
         # outside the user's autocast region), as torch.utils.checkpoint does
         device = x.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.autocast = ((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                        if torch.amp.is_autocast_available(device) else None)  # (None: meta, which has no autocast)
         ctx.save_for_backward(x, *tensors, *kept)
         return (out, *states)
 
     @staticmethod
     def backward(ctx, dy: Tensor, *dfinal: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        device, enabled, dtype = ctx.autocast
-        with torch.autocast(device, dtype=dtype, enabled=enabled), precision.states_in_acc():
+        autocast = contextlib.nullcontext() if ctx.autocast is None else torch.autocast(
+            ctx.autocast[0], dtype=ctx.autocast[2], enabled=ctx.autocast[1])
+        with autocast, precision.states_in_acc():
             return Segments._backward(ctx, dy, *dfinal)
 
     @staticmethod
