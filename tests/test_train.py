@@ -148,10 +148,13 @@ def test_atomic_save_keeps_the_newest_of_its_own(tmp_path):
     assert all((p.stat().st_mode & 0o777) == 0o666 & ~umask for p in tmp_path.iterdir())  # as any file the user makes
 
 
+def _quick_cli(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fastlayers.cli", "train", "--dataset", "vowels", "--max-samples", "32",
+            "--batch-size", "8", "--hidden-size", "6", "--checkpoint-every", "3", "--keep", "2", "--out", str(out), *extra]
+
+
 def _quick(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "fastlayers.cli", "train", "--dataset", "vowels", "--max-samples", "32",
-           "--batch-size", "8", "--hidden-size", "6", "--checkpoint-every", "3", "--keep", "2", "--out", str(out), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    return subprocess.run(_quick_cli(out, *extra), capture_output=True, text=True, env=_env(), timeout=600)
 
 
 def _one_line_error(proc: subprocess.CompletedProcess, pattern: str) -> None:
@@ -207,12 +210,91 @@ def test_epoch_order_is_seeded_and_split_across_processes():
     ({"dataset": "mnist"}, r"dataset: expected one of \('digits', 'vowels'\), got 'mnist'"),
     ({"batch_size": 0}, r"batch_size: expected an int >= 1, got 0"),
     ({"cell": "gru", "peephole": True}, r"peephole / cell_clip: LSTM options"),
-    ({"lr": 0}, r"lr: expected a learning rate > 0"),
+    ({"lr": 0}, r"lr: expected a finite learning rate > 0, got 0"),
     ({"batching": "ragged"}, r"batching: expected one of \('padded', 'varlen'\), got 'ragged'"),
+    # the layer's own checks, before anything runs (they raised mid-run with a traceback)
+    ({"zoneout": 2.0}, r"zoneout\[0\] \(z_h\): expected a probability in \[0, 1\), got 2\.0"),
+    ({"recurrent_dropout": -1.0}, r"recurrent_dropout: expected a probability in \[0, 1\), got -1\.0"),
+    ({"cell_clip": -1.0}, r"cell_clip: expected None or a number > 0, got -1\.0"),
+    ({"dropout": 1.5, "num_layers": 2}, r"dropout: expected a probability in \[0, 1\), got 1\.5"),
+    ({"dropout": 0.3}, r"dropout: applies between layers, and num_layers=1 has none; got dropout=0\.3"),
+    ({"seed": -1}, r"seed: expected an int >= 0, got -1"),
+    ({"lr": float("inf")}, r"lr: expected a finite learning rate > 0, got inf"),
+    ({"lr": float("nan")}, r"lr: expected a finite learning rate > 0, got nan"),
+    ({"batch_size": 8.5}, r"batch_size: expected an int >= 1, got 8\.5"),
+    ({"epochs": 2.0}, r"epochs: expected an int >= 1, got 2\.0"),
+    ({"keep": True}, r"keep: expected an int >= 1, got True"),
+    ({"max_steps": 1.5}, r"max_steps: expected None or an int >= 1, got 1\.5"),
 ])
 def test_bad_settings(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         TrainConfig(**kwargs)
+
+
+def test_max_steps_ends_at_an_epoch_end_with_its_metrics_and_never_runs_past(uninterrupted, tmp_path):
+    """--max-steps on an epoch's last step: that epoch's metrics row, curves and count (they were
+    skipped); a --resume already at max_steps runs no step (it ran one more)."""
+    full, _ = uninterrupted
+    out = tmp_path / "run"
+    first = subprocess.run(_cli(out, "--max-steps", "6"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert _metrics(out) == _metrics(full)[:1] and (out / "curves.png").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epochs_done"] == 1 and summary["steps"] == 6
+    again = subprocess.run(_cli(out, "--max-steps", "6", "--resume"), capture_output=True, text=True, env=_env(),
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert list_checkpoints(out / "checkpoints")[-1].name == "step-00000006.pt"
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6 and _metrics(out) == _metrics(full)[:1]
+    middle = subprocess.run(_cli(out, "--max-steps", "9", "--resume"), capture_output=True, text=True, env=_env(),
+                            timeout=600)
+    assert middle.returncode == 0, middle.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 9 and len(_metrics(out)) == 1
+    rest = subprocess.run(_cli(out, "--resume"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert rest.returncode == 0, rest.stderr[-2000:]
+    theirs, ours = _weights(full), _weights(out)
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs) and _metrics(out) == _metrics(full)
+
+
+def test_a_refused_command_leaves_the_earlier_run_as_it_was(uninterrupted, tmp_path):
+    """--overwrite with data that cannot be loaded, or a --resume that the checkpoints refuse,
+    changes nothing in --out (the earlier run's files were deleted, or config.json rewritten)."""
+    full, _ = uninterrupted
+    out = tmp_path / "run"
+    first = _quick(out, "--epochs", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    (out / "checkpoints" / ".step-00000009.pt.x1y2.tmp").write_bytes(b"a killed write")  # (pruned below)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    offline = subprocess.run(_quick_cli(out, "--epochs", "1", "--overwrite"), capture_output=True, text=True,
+                             timeout=600, env={**_env(), "FASTLAYERS_DATA": str(tmp_path / "empty"),
+                                               "FASTLAYERS_OFFLINE": "1"})
+    assert offline.returncode != 0 and "FASTLAYERS_OFFLINE is set" in offline.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    copied = tmp_path / "copied"
+    shutil.copytree(full / "checkpoints", copied / "checkpoints")
+    other = [a if a != "12" else "16" for a in _cli(copied, "--resume")]  # another hidden size
+    refused = subprocess.run(other, capture_output=True, text=True, env=_env(), timeout=600)
+    assert refused.returncode != 0 and "written by a run with other settings" in refused.stderr
+    assert not (copied / "config.json").exists()
+    resumed = subprocess.run(_cli(copied, "--resume"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]  # (it was refused: "the run in ... has other settings")
+    again = _quick(out, "--epochs", "1", "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert not list((out / "checkpoints").glob(".*")), "a killed write's temporary file is left"
+
+
+def test_demo_flags_are_checked(capsys):
+    from fastlayers.cli import main
+
+    for argv, message in ((["demo", "--epochs", "0"], "expected an int >= 1, got '0'"),
+                          (["demo", "local", "--epochs", "-1"], "expected an int >= 1, got '-1'"),
+                          (["demo", "--hidden-size", "0"], "expected an int >= 1, got '0'"),
+                          (["demo", "--seed", "-1"], "expected an int >= 0, got '-1'")):
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        assert exit.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"fastlayers demo local: --hidden-size: the speech demo's option"):
+        main(["demo", "local", "--hidden-size", "8"])
 
 
 DDP_CASES = {
@@ -327,6 +409,22 @@ def test_torchrun_two_processes(tmp_path):
     assert [r["epoch"] for r in _metrics(tmp_path)] == [1, 2]
 
 
+def test_torchrun_resume_logs_the_uninterrupted_metrics(tmp_path):
+    """Each process's running metrics are in the checkpoint: a 2-process run stopped mid-epoch and
+    resumed logs the metrics the uninterrupted run logs (rank 0's sums were given to both)."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    cmd = [torchrun, "--standalone", "--nproc_per_node=2", "-m", "fastlayers.cli", "train", "--dataset", "vowels",
+           "--max-samples", "64", "--batch-size", "8", "--hidden-size", "8", "--epochs", "2", "--checkpoint-every", "0"]
+    env = {**_env(), "OMP_NUM_THREADS": "1"}
+    for extra in (["--out", str(tmp_path / "full")], ["--out", str(tmp_path / "cut"), "--max-steps", "3"],
+                  ["--out", str(tmp_path / "cut"), "--resume"]):
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _metrics(tmp_path / "cut") == _metrics(tmp_path / "full")
+    theirs, ours = _weights(tmp_path / "full"), _weights(tmp_path / "cut")
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+
 def test_varlen_batching_gives_the_padded_runs_metrics_and_weights(uninterrupted, tmp_path):
     """--batching varlen (the sequences concatenated with cu_seqlens, issue 66) trains the same
     model: the same metrics and final weights as the padded run (zoneout masks, LayerNorm and the
@@ -342,3 +440,33 @@ def test_varlen_batching_gives_the_padded_runs_metrics_and_weights(uninterrupted
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     for name, w in _weights(padded_out).items():
         torch.testing.assert_close(_weights(out)[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_damaged_data_wheel_is_a_one_line_error(tmp_path, monkeypatch):
+    """A wheel whose member does not inflate (a damaged download or copy) is named in
+    DataUnavailable's one line, as an unreadable zip is (it raised zlib.error with a traceback)."""
+    import zipfile
+
+    from fastlayers.data import _shipped
+
+    wheel = tmp_path / f"aeon-{_shipped.RELEASES['aeon']}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("aeon/datasets/member.ts", bytes(range(256)) * 64)
+    data = bytearray(wheel.read_bytes())
+    start = data.index(b"member.ts") + len("member.ts")  # the compressed bytes follow the local header's name
+    data[start + 20:start + 80] = bytes(60)
+    wheel.write_bytes(bytes(data))
+    monkeypatch.setenv("FASTLAYERS_DATA", str(tmp_path))
+    monkeypatch.setattr(_shipped.importlib.util, "find_spec", lambda name: None)  # (not an installed aeon)
+    with pytest.raises(_shipped.DataUnavailable, match=r"aeon==1\.6\.0: .*\.whl holds no readable "
+                                                       r"aeon/datasets/member\.ts; remove it to fetch it again"):
+        _shipped.read_shipped("aeon", "datasets/member.ts")
+
+
+def test_cuda_without_a_gpu_is_a_one_line_error(tmp_path, monkeypatch):
+    from fastlayers.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"^fastlayers train: device: 'cuda' requested, but "
+                                         r"torch\.cuda\.is_available\(\) is False$"):
+        main(["train", "--device", "cuda", "--out", str(tmp_path / "run")])

@@ -16,12 +16,29 @@ def _demo(args: argparse.Namespace) -> int:
     if args.which == "local":
         from .demo import local
 
+        if args.hidden_size is not None:
+            raise SystemExit("fastlayers demo local: --hidden-size: the speech demo's option (the local demo's "
+                             "models have no hidden size)")
         local.run(local.Config(epochs=args.epochs or local.Config.epochs, seed=args.seed))
         return 0
     from .demo import speech
 
-    speech.run(speech.Config(epochs=args.epochs or speech.Config.epochs, hidden_size=args.hidden_size, seed=args.seed))
+    speech.run(speech.Config(epochs=args.epochs or speech.Config.epochs,
+                             hidden_size=args.hidden_size or speech.Config.hidden_size, seed=args.seed))
     return 0
+
+
+def _at_least(low: int):
+    """An argparse type: an int >= ``low`` (argparse's one-line error otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}")
+        return value
+    return parse
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -59,7 +76,7 @@ def _user_error(e: BaseException) -> str | None:
         return f"needs {e.name}, which comes with the command line's extra: pip install 'fastlayers[cli]'"
     kinds = [getattr(sys.modules.get(module), name, None) for module, name in (
         ("fastlayers.data._shipped", "DataUnavailable"), ("fastlayers.train._checkpoint", "CheckpointError"),
-        ("fastlayers.train._outdir", "OutputInUse"))]
+        ("fastlayers.train._outdir", "OutputInUse"), ("fastlayers.train._distributed", "DeviceUnavailable"))]
     return str(e) if any(kind is not None and isinstance(e, kind) for kind in kinds) else None
 
 
@@ -132,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train on real data: 'speech' (BLSTM + lengths on spoken digits, default) "
                                        "or 'local' (LocallyConnected2d on 8x8 digits)")
     demo.add_argument("which", nargs="?", choices=["speech", "local"], default="speech")
-    demo.add_argument("--epochs", type=int, default=None, help="default: 12 (speech), 40 (local)")
-    demo.add_argument("--hidden-size", type=int, default=64)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--epochs", type=_at_least(1), default=None, help="default: 12 (speech), 40 (local)")
+    demo.add_argument("--hidden-size", type=_at_least(1), default=None, help="speech only (default: 64)")
+    demo.add_argument("--seed", type=_at_least(0), default=0)
     demo.set_defaults(func=_demo)
     train = sub.add_parser("train", help="train a sequence classifier on real recordings (checkpoints, --resume, "
                                          "torchrun for several processes)")

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 # package -> the release whose files the loaders expect (what `make setup` downloads)
@@ -117,7 +118,7 @@ def read_shipped(package: str, member: str) -> bytes:
         try:
             with zipfile.ZipFile(wheel) as z:
                 return z.read(f"{module}/{member}")
-        except (KeyError, zipfile.BadZipFile):
+        except (KeyError, zipfile.BadZipFile, zlib.error, EOFError, OSError):  # (a damaged download or copy)
             continue
     raise DataUnavailable(f"{package}=={RELEASES[package]}: {', '.join(map(str, wheels))} holds no readable "
                           f"{module}/{member}; remove it to fetch it again, or {_offline_hint(package)}")

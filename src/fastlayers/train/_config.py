@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ..rnn._options import CellOptions
 from ..rnn._remat import check_every
 
 DATASETS = ("digits", "vowels")
@@ -82,21 +84,32 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         for name in ("hidden_size", "num_layers", "epochs", "batch_size", "keep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
         for name in ("max_samples", "max_steps"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}: expected None or an int >= 1, got {value}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every: expected an int >= 0 (0: at epoch ends only), got {self.checkpoint_every}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: expected a learning rate > 0, got {self.lr}")
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name}: expected None or an int >= 1, got {value!r}")
+        if not _is_int(self.checkpoint_every) or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every: expected an int >= 0 (0: at epoch ends only), got "
+                             f"{self.checkpoint_every!r}")
+        if not _is_int(self.seed) or self.seed < 0:  # (numpy's generators take seeds >= 0)
+            raise ValueError(f"seed: expected an int >= 0, got {self.seed!r}")
+        if not _is_number(self.lr) or not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr: expected a finite learning rate > 0, got {self.lr!r}")
+        if not _is_number(self.dropout) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: expected a probability in [0, 1), got {self.dropout!r}")
+        if self.dropout and self.num_layers == 1:  # (torch.nn's layers only warn: the run's record would claim it)
+            raise ValueError(f"dropout: applies between layers, and num_layers=1 has none; got dropout={self.dropout}")
         check_every("rnn_checkpoint_every", self.rnn_checkpoint_every)
         if self.resume and self.overwrite:
             raise ValueError("resume / overwrite: continue the run in out, or replace it; got both")
         if self.cell == "gru" and (self.peephole or self.cell_clip is not None):
             raise ValueError("peephole / cell_clip: LSTM options; got them with cell='gru'")
+        try:  # the layer's own checks (zoneout, recurrent_dropout, cell_clip), before anything runs
+            CellOptions.make(self.layer_norm, self.peephole, self.cell_clip, self.zoneout, self.recurrent_dropout)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
 
     def to_json(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -107,3 +120,11 @@ class TrainConfig:
     def run_defining_json(self) -> dict:
         """:meth:`run_defining` as :meth:`to_json` writes it (config.json, checkpoints)."""
         return {k: v for k, v in self.to_json().items() if k in RUN_DEFINING}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -16,6 +16,10 @@ import torch
 import torch.distributed as dist
 
 
+class DeviceUnavailable(RuntimeError):
+    """The run's device is not available here (``device="cuda"`` without a usable GPU)."""
+
+
 @dataclass(frozen=True)
 class Processes:
     rank: int
@@ -35,7 +39,7 @@ def start(device: str) -> Processes:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("device: 'cuda' requested, but torch.cuda.is_available() is False")
+            raise DeviceUnavailable("device: 'cuda' requested, but torch.cuda.is_available() is False")
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
     else:

@@ -95,12 +95,15 @@ class _Run:
                                          "history": [], "seconds": 0.0, "checkpoints": []}
 
     def payload(self) -> dict[str, Any]:
-        rngs = [rng_state()]
+        """What a checkpoint holds: rank 0's progress, and each process's RNG state and running
+        sums of the epoch's metrics (``rank_sums``: its own share of the batches)."""
+        rngs, sums = [rng_state()], [self.progress["sums"]]
         if self.procs.world > 1:
-            rngs = [None] * self.procs.world
+            rngs, sums = [None] * self.procs.world, [None] * self.procs.world
             torch.distributed.all_gather_object(rngs, rng_state())
+            torch.distributed.all_gather_object(sums, self.progress["sums"])
         return {"config": self.cfg.to_json(), "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                "scheduler": self.sched.state_dict(), "rng": rngs, "progress": self.progress,
+                "scheduler": self.sched.state_dict(), "rng": rngs, "progress": self.progress, "rank_sums": sums,
                 "world_size": self.procs.world}
 
     def checkpoint(self) -> None:
@@ -130,18 +133,28 @@ class _Run:
         self.sched.load_state_dict(payload["scheduler"])
         set_rng_state(payload["rng"][self.procs.rank])
         self.progress = payload["progress"]
+        if "rank_sums" in payload:  # (checkpoints of earlier releases hold rank 0's sums only)
+            self.progress["sums"] = payload["rank_sums"][self.procs.rank]
         self.log(f"resumed from {path}: epoch {self.progress['epoch'] + 1}, step {self.progress['global_step']}")
 
+    def stopped(self) -> bool:
+        """max_steps optimisation steps have run (in all, across resumes)."""
+        return self.cfg.max_steps is not None and self.progress["global_step"] >= self.cfg.max_steps
+
     def train_epoch(self, epoch: int) -> bool:
-        """Run the rest of ``epoch``; False when max_steps stopped it early."""
+        """Run the rest of ``epoch``, up to max_steps; True when every batch of it has run (then
+        :meth:`end_epoch` follows). Stopped early by max_steps, it checkpoints where it stopped."""
         cfg, p = self.cfg, self.progress
         order = batches(epoch_order(len(self.splits.train.features), epoch, cfg.seed, self.procs.rank, self.procs.world),
                         cfg.batch_size)
         bar = tqdm(total=len(order), initial=p["step_in_epoch"], desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
                    disable=not self.procs.main or None)
         start = time.perf_counter()
+        saved = True  # the last step that ran is in a checkpoint
         try:
             for idx in order[p["step_in_epoch"]:]:
+                if self.stopped():  # (checked before a step: a resumed run at max_steps runs none)
+                    break
                 args, kwargs, y = model_inputs(cfg, self.splits.train, idx, self.procs.device)
                 with _autocast(cfg, self.procs.device):
                     logits = self.net(*args, **kwargs).float()
@@ -156,17 +169,18 @@ class _Run:
                 p["global_step"] += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.3f}")
-                done = cfg.max_steps is not None and p["global_step"] >= cfg.max_steps
-                if (cfg.checkpoint_every and p["global_step"] % cfg.checkpoint_every == 0) or done:
+                saved = bool(cfg.checkpoint_every) and p["global_step"] % cfg.checkpoint_every == 0
+                if saved:
                     p["seconds"] += time.perf_counter() - start
                     start = time.perf_counter()
                     self.checkpoint()
-                if done:
-                    return False
         finally:
             bar.close()
         p["seconds"] += time.perf_counter() - start
-        return True
+        complete = p["step_in_epoch"] == len(order)
+        if not complete and not saved:
+            self.checkpoint()  # stopped by max_steps: where --resume continues
+        return complete
 
     def end_epoch(self, epoch: int) -> None:
         cfg, p = self.cfg, self.progress
@@ -201,22 +215,25 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     state = None
     try:
         replaced = _outdir.check(cfg.out, cfg.resume, cfg.overwrite, cfg.run_defining_json())  # every process, before any writes
+        # everything that can refuse the run (data, model, the checkpoint to resume) before out changes:
+        # a run that cannot start leaves the earlier run's files as they were
+        splits = load_splits(cfg.dataset, cfg.seed, cfg.max_samples)
+        state = _Run(cfg, procs, splits, say)
+        if cfg.resume:
+            state.resume()
         _distributed.barrier(procs)
         if procs.main:
             if replaced:
                 _outdir.remove(replaced)
                 say(f"--overwrite: removed the earlier run's {len(replaced)} file(s) from {cfg.out}")
+            _outdir.remove(_outdir.unfinished_writes(cfg.out))  # left by a process killed mid-write
             cfg.out.mkdir(parents=True, exist_ok=True)
             write_atomic(cfg.out / "config.json", lambda f: f.write(json.dumps(cfg.to_json(), indent=2).encode()))
-        splits = load_splits(cfg.dataset, cfg.seed, cfg.max_samples)
-        state = _Run(cfg, procs, splits, say)
-        if cfg.resume:
-            state.resume()
         say(f"{_title(cfg)}: {len(splits.train.features)} train / {len(splits.val.features)} validation / "
             f"{len(splits.test.features)} test sequences, {state.steps_per_epoch} steps per epoch, "
             f"{procs.world} process(es), torch {torch.__version__}, {torch.get_num_threads()} threads")
         for epoch in range(state.progress["epoch"], cfg.epochs):
-            if not state.train_epoch(epoch):
+            if state.stopped() or not state.train_epoch(epoch):
                 break
             state.end_epoch(epoch)
         test_loss, test_acc = evaluate(state.model, splits.test, cfg, procs.device)

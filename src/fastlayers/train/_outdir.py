@@ -54,6 +54,14 @@ def check(out: Path, resume: bool, overwrite: bool, settings: dict[str, Any]) ->
     return files
 
 
+def unfinished_writes(out: Path) -> list[Path]:
+    """The temporary files of run files that a process killed mid-write left in ``out`` (a write
+    goes to ``.NAME.<random>.tmp`` and is renamed to NAME when whole: :func:`fastlayers._core.files.write_atomic`)."""
+    found = [p for name in RUN_FILES for p in out.glob(f".{name}.*.tmp")]
+    checkpoints = out / "checkpoints"
+    return sorted(found) + (sorted(checkpoints.glob(".step-*.pt.*.tmp")) if checkpoints.is_dir() else [])
+
+
 def remove(files: list[Path]) -> None:
     for path in files:
         path.unlink(missing_ok=True)
