@@ -109,6 +109,29 @@ def test_triton_unusable_here_is_a_clear_error(monkeypatch):
         select("lstm", X32)
 
 
+@pytest.mark.subprocess
+def test_a_triton_that_does_not_import_is_not_chosen(tmp_path):
+    """A broken triton install (it raises at import: a driver or CUDA mismatch) warns once and is
+    never chosen: CUDA tensors take the reference (find_spec alone said it was there, and the
+    layers' first CUDA call failed importing the kernels)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text('raise RuntimeError("libcuda.so: version mismatch")\n')
+    code = ("import warnings; warnings.simplefilter('always'); import torch, fastlayers\n"
+            "from fastlayers._core import backend\n"
+            "print(backend._triton_importable(), backend._triton_importable())\n"
+            "print(backend.unavailable('triton', 'lstm', torch.zeros(1, device='meta')))\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["False False", "the triton package is not installed, or does not import"]
+    assert proc.stderr.count("the triton package is installed but does not import (RuntimeError: libcuda.so: "
+                             "version mismatch)") == 1
+
+
 def test_forced_reference_runs_the_twins_with_the_same_results():
     torch.manual_seed(0)
     lstm = fastlayers.LSTM(4, 5, bidirectional=True, layer_norm=True, peephole=True).eval()

@@ -129,6 +129,27 @@ def test_attention_triton_float64_scaled_dot_is_exact():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_loops_captured_on_a_second_gpu_after_the_first():
+    """torch's default capture stream is made on the device of the process's first capture: loops
+    on cuda:1 captured after loops on cuda:0 are captured on cuda:1's own stream (on the default
+    one, its launches ran uncaptured and the replays did nothing)."""
+    from fastlayers.rnn import _gpu_graphs
+
+    for index in (0, 1):
+        dev = torch.device("cuda", index)
+        torch.manual_seed(0)
+        layer = fastlayers.LSTM(8, 16, bidirectional=True, layer_norm=True, device=dev)
+        captures = _gpu_graphs.stats["captures"]
+        for _ in range(2):  # the first captures, the second replays; each on new values
+            x = torch.randn(40, 3, 8, device=dev)
+            with fastlayers.backend("triton"):
+                got = layer(x)[0]
+            with fastlayers.backend("reference"):
+                torch.testing.assert_close(got, layer(x)[0], atol=1e-4, rtol=1e-4, msg=str(dev))
+        assert _gpu_graphs.stats["captures"] > captures
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_layers_on_a_second_gpu_run_there_while_the_first_is_current():
     """Triton launches on the current device; the layers' kernels launch on their tensors' device."""
     dev = torch.device("cuda", 1)

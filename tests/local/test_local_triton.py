@@ -140,3 +140,23 @@ def test_locally_connected2d_low_precision_equals_the_c_kernels():
     assert results["triton"][0][0].dtype == torch.bfloat16
     assert_close_all(results["triton"], results["cpu"], 1e-2)
 
+
+
+@pytest.mark.parametrize("batch, chans, kernel", [(70000, 1, 1), (2, 260, 16)])
+def test_gradient_grids_stay_within_cudas_limits(batch, chans, kernel, monkeypatch):
+    """CUDA grids stop at 65535 programs in y and z (2^31 - 1 in x): a batch of 70000, or C*KH*KW
+    = 66560 filter taps, launched the gradient kernels on those axes (an invalid-argument launch on
+    a GPU; the interpreter does not check). The launches are recorded here, not run (meta tensors)."""
+    from fastlayers._triton import local as kernels
+
+    grids = []
+    monkeypatch.setattr(kernels, "launch", lambda kernel, grid, *args, **kwargs: grids.append(grid))
+    size = kernel + 1
+    out = (size - kernel + 1, size - kernel + 1)
+    w_shape = (1, chans, kernel, kernel, *out)
+    dy = torch.empty(batch, 1, *out, device="meta")
+    kernels.input_grad(dy, torch.empty(w_shape, device="meta"), (batch, chans, size, size), (1, 1), (1, 1), dy.dtype)
+    kernels.param_grads(dy, torch.empty(batch, chans, size, size, device="meta"), w_shape, (1, 1), (1, 1), dy.dtype)
+    assert len(grids) == 2
+    for grid in grids:
+        assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), grid

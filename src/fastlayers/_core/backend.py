@@ -157,7 +157,18 @@ _TRITON_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 @functools.lru_cache(maxsize=None)
 def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether the triton package is installed and imports (asked for CUDA tensors, and where
+    "triton" is forced): a broken install (a driver or CUDA mismatch raising at import) warns once
+    and the layers take the reference backend, as they do without the C library."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception as e:
+        _native.warn_once(f"fastlayers: the triton package is installed but does not import ({type(e).__name__}: "
+                          f"{e}); CUDA tensors run on the reference backend (plain PyTorch ops)", stacklevel=4)
+        return False
+    return True
 
 
 def unavailable(name: str, op: str, x: Tensor) -> str | None:
@@ -179,7 +190,7 @@ def unavailable(name: str, op: str, x: Tensor) -> str | None:
                 return f"the C library {library!r} is unavailable: {why}"
         return None
     if not _triton_importable():
-        return "the triton package is not installed"
+        return "the triton package is not installed, or does not import"
     if x.device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             return "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton"

@@ -87,9 +87,12 @@ def _forward_kernel(x, w, bias, y, B, C, H, W, O, OH, OW, sh, sw, dh, dw, ph, pw
 def _input_grad_kernel(dy, w, dx, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
                        KH: tl.constexpr, KW: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    # one grid axis (CUDA's y and z stop at 65535): block of positions fastest, then channel, then sequence
+    pid = tl.program_id(0).to(tl.int64)
+    blocks = tl.cdiv(Hp * Wp, BLOCK)
+    offs = (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
+    c = (pid // blocks) % C
+    b = pid // blocks // C
     inside = offs < Hp * Wp
     h = offs // Wp
     col = offs % Wp
@@ -114,10 +117,14 @@ def _input_grad_kernel(dy, w, dx, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
 def _param_grad_kernel(dy, x, dwt, db, B, C, Hp, Wp, O, OH, OW, sh, sw, dh, dw,
                        KH: tl.constexpr, KW: tl.constexpr, F64: tl.constexpr, BLOCK: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    o = tl.program_id(1).to(tl.int64)
-    k = tl.program_id(2).to(tl.int64)  # filter pair (c, p, q), or C*KH*KW: the bias
+    # one grid axis (CUDA's y and z stop at 65535): block of positions fastest, then output channel,
+    # then k: the filter pair (c, p, q), or C*KH*KW: the bias
+    pid = tl.program_id(0).to(tl.int64)
     ohw = OH * OW
+    blocks = tl.cdiv(ohw, BLOCK)
+    offs = (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
+    o = (pid // blocks) % O
+    k = pid // blocks // O
     inside = offs < ohw
     i = offs // OW
     j = offs % OW
@@ -190,7 +197,7 @@ def input_grad(dy: Tensor, w: Tensor, padded_shape: tuple[int, ...], stride: tup
     batch, chans, hp, wp = padded_shape
     out_ch, _, kh, kw, oh, ow = w.shape
     dx = dy.new_empty(batch, chans, hp, wp, dtype=out_dtype)
-    grid = (cdiv(hp * wp, BLOCK), chans, batch)
+    grid = (cdiv(hp * wp, BLOCK) * chans * batch,)
     launch(_input_grad_kernel, grid, (dy, w, dx, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1], dilation[0],
                                       dilation[1]), {"KH": kh, "KW": kw, "F64": dy.dtype == torch.float64, "BLOCK": BLOCK})
     return dx
@@ -203,7 +210,7 @@ def param_grads(dy: Tensor, x: Tensor, w_shape: tuple[int, ...], stride: tuple[i
     out_ch, _, kh, kw, oh, ow = w_shape
     dwt = dy.new_empty(w_shape, dtype=out_dtype)
     db = dy.new_empty(out_ch, oh, ow, dtype=out_dtype)
-    grid = (cdiv(oh * ow, BLOCK), out_ch, chans * kh * kw + 1)
+    grid = (cdiv(oh * ow, BLOCK) * out_ch * (chans * kh * kw + 1),)
     launch(_param_grad_kernel, grid, (dy, x, dwt, db, batch, chans, hp, wp, out_ch, oh, ow, stride[0], stride[1],
                                       dilation[0], dilation[1]),
            {"KH": kh, "KW": kw, "F64": dy.dtype == torch.float64, "BLOCK": BLOCK})

@@ -67,7 +67,7 @@ from .._core import jagged, precision as _precision
 from . import _gpu_graphs
 from ._common import drawn_masks, input_bias, stack_directions
 from ._options import CellOptions
-from ._gpu_layers import GRULayer, LSTMLayer, Varlen
+from ._gpu_layers import GRULayer, LSTMLayer, Varlen, _tf32
 
 
 
@@ -121,14 +121,23 @@ def replays(module, input: Tensor) -> bool:
     module._update_flat_weights()  # (the parameters this call sees, as torch's forward: functional_call)
     grad = torch.is_grad_enabled() and (input.requires_grad or any(w.requires_grad for w in module._flat_weights))
     sig = (module.mode, batch, features, module.hidden_size, getattr(module, "proj_size", 0), module.num_layers,
-           module.bidirectional, module.bias, _precision.dtypes(input), input.device, grad)
+           module.bidirectional, module.bias, _precision.dtypes(input), input.device, grad, _tf32())
     ready = _READY.get(sig)
     if ready is not None and ready[0] == _gpu_graphs.generation and steps <= ready[1]:
         _READY.move_to_end(sig)
         return True
-    if sig not in _UNREADY:
+    if sig not in _UNREADY and not _saving_through_hooks():
         _prepare(module, x, steps, grad, sig)
     return False
+
+
+def _saving_through_hooks() -> bool:
+    """Whether tensors that autograd saves now go through saved-tensor hooks (a non-reentrant
+    ``torch.utils.checkpoint``, ``torch.autograd.graph.saved_tensors_hooks`` / ``save_on_cpu``):
+    no capture-only preparation then (its forward and backward would run inside the hooks, and a
+    checkpoint's recomputation counts the tensors its forward saved); the call is cuDNN's."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # (torch >= 2.4)
+    return top is not None and top(True) is not None
 
 
 def _prepare(module, x: Tensor, steps: int, grad: bool, sig: tuple) -> None:
@@ -142,10 +151,14 @@ def _prepare(module, x: Tensor, steps: int, grad: bool, sig: tuple) -> None:
         with _gpu_graphs.preparing(steps) as claimed, torch.set_grad_enabled(grad):
             dummy = x.new_zeros(1, batch, features, requires_grad=grad and x.requires_grad)
             states = tuple(x.new_zeros(module.num_layers * dirs, batch, size) for size in module._state_sizes())
-            out, final = engine(dummy, states, module._layer_parameters(), None, module.options, dropout=0.0,
-                                training=module.training)
+            # the parameters' values through aliases: the user's hooks on them never see this run's
+            # gradients (the loops copy the values into their buffers, so the captures are the same)
+            layers = [[{k: w.detach().requires_grad_(w.requires_grad) for k, w in d.items()} for d in layer]
+                      for layer in module._layer_parameters()]
+            out, final = engine(dummy, states, layers, None, module.options, dropout=0.0, training=module.training)
             if grad:
-                inputs = [w for w in module._flat_weights if w.requires_grad] + ([dummy] if dummy.requires_grad else [])
+                inputs = [w for layer in layers for d in layer for w in d.values() if w.requires_grad]
+                inputs += [dummy] if dummy.requires_grad else []
                 total = out.float().sum() + sum(f.float().sum() for f in final)
                 torch.autograd.grad(total, inputs, allow_unused=True)
     except Exception as e:  # a failing speed path falls back, it does not fail the call

@@ -336,7 +336,11 @@ def capture(fn: Callable[[], None], device: torch.device) -> Any:
             fn()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # captured on this device's own stream (torch's default capture stream is one for the process,
+        # made on the device of its first capture: work for another device would run uncaptured, and
+        # its graph replay nothing); thread_local: another thread's CUDA calls meanwhile (a
+        # DataLoader's pin-memory thread allocating pinned memory) neither fail nor break the capture
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
             fn()
     return graph
 
