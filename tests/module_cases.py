@@ -159,6 +159,10 @@ CASES: list[Case] = [
          lambda **f: fastlayers.LocallyConnected2d(2, 3, (6, 70), 1, bias=False, **f),
          lambda dtype: ((_randn(3, 2, 6, 70, g=_gen(), dtype=dtype),), {}),
          _local_init, ("bias=False",)),
+    Case("LocallyConnected2d-same",  # padding="same" with an even kernel: its extra row / column after the input
+         lambda **f: fastlayers.LocallyConnected2d(3, 2, (7, 6), (2, 3), padding="same", dilation=(1, 2), **f),
+         lambda dtype: ((_randn(2, 3, 7, 6, g=_gen(), dtype=dtype),), {}),
+         _local_init, ("padding=same",)),
     Case("LocallyConnected1d",
          lambda **f: fastlayers.LocallyConnected1d(3, 2, 20, 3, dilation=2, **f),
          lambda dtype: ((_randn(4, 3, 20, g=_gen(), dtype=dtype),), {}),

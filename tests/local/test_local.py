@@ -328,3 +328,71 @@ def test_1d_module_follows_its_parameters_between_no_grad_calls():
         torch.testing.assert_close(m(x), expected())
     m(x).sum().backward()
     assert m.weight.grad is not None and m.bias.grad is not None and bool(m.bias.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+@pytest.mark.parametrize("kernel, dilation", [((3, 3), (1, 1)), ((2, 4), (1, 1)), ((2, 3), (3, 2)), ((1, 1), (1, 1))])
+def test_padding_strings_as_conv2d(kernel, dilation, backend):
+    """padding="same" / "valid" as nn.Conv2d and F.conv2d take them: tied weights give the
+    convolution's values and gradients, an odd total padding's extra row / column after the input."""
+    import fastlayers
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 7, 6, dtype=torch.float64)
+    for padding in ("same", "valid"):
+        conv = torch.nn.Conv2d(3, 4, kernel, padding=padding, dilation=dilation, dtype=torch.float64)
+        layer = LocallyConnected2d(3, 4, (7, 6), kernel, padding=padding, dilation=dilation, dtype=torch.float64)
+        assert layer.padding == padding == conv.padding and f"padding={padding}," in repr(layer)
+        oh, ow = layer.output_size
+        assert (oh, ow) == tuple(conv(x).shape[2:])
+        with torch.no_grad():
+            layer.weight.copy_(conv.weight[..., None, None].expand(-1, -1, -1, -1, oh, ow))
+            layer.bias.copy_(conv.bias[:, None, None].expand(-1, oh, ow))
+        want_x = x.clone().requires_grad_()
+        want = conv(want_x)
+        want.square().sum().backward()
+        with fastlayers.backend(backend):
+            for call in (layer, lambda t: locally_connected2d(t, layer.weight, layer.bias, 1, padding, dilation)):
+                got_x = x.clone().requires_grad_()
+                got = call(got_x)
+                torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+                got.square().sum().backward()
+                torch.testing.assert_close(got_x.grad, want_x.grad, atol=1e-12, rtol=1e-12)
+            # unbatched: the module's full checks
+            torch.testing.assert_close(layer(x[1]), want[1], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kernel, dilation", [(4, 1), (3, 2), (2, 3)])
+def test_padding_strings_as_conv1d(kernel, dilation):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 11, dtype=torch.float64)
+    conv = torch.nn.Conv1d(3, 2, kernel, padding="same", dilation=dilation, dtype=torch.float64)
+    layer = LocallyConnected1d(3, 2, 11, kernel, padding="same", dilation=dilation, dtype=torch.float64)
+    assert layer.padding == "same" and layer.output_size == (11,)
+    with torch.no_grad():
+        layer.weight.copy_(conv.weight[..., None].expand(-1, -1, -1, 11))
+        layer.bias.copy_(conv.bias[:, None].expand(-1, 11))
+    torch.testing.assert_close(layer(x), conv(x), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(layer(x[0]), conv(x[0]), atol=1e-12, rtol=1e-12)  # (the full checks' path)
+    torch.testing.assert_close(locally_connected1d(x, layer.weight, layer.bias, 1, "same", dilation), conv(x),
+                               atol=1e-12, rtol=1e-12)
+
+
+def test_padding_string_errors_as_torchs():
+    for ours, theirs in ((lambda: LocallyConnected2d(1, 1, 5, 2, stride=2, padding="same"),
+                          lambda: torch.nn.Conv2d(1, 1, 2, stride=2, padding="same")),
+                         (lambda: LocallyConnected1d(1, 1, 5, 2, padding="full"),
+                          lambda: torch.nn.Conv1d(1, 1, 2, padding="full"))):
+        with pytest.raises(ValueError) as torch_error:
+            theirs()
+        with pytest.raises(ValueError) as our_error:
+            ours()
+        # (torch prints a set of the two strings: their order follows the process's string hashing)
+        same_set = "{'same', 'valid'}"
+        assert str(our_error.value) == str(torch_error.value).replace("{'valid', 'same'}", same_set)
+    x, w = torch.randn(1, 1, 5, 5), torch.randn(1, 1, 2, 2)
+    for kwargs in (dict(stride=2, padding="same"), dict(padding="SAME")):
+        with pytest.raises(RuntimeError) as torch_error:
+            torch.nn.functional.conv2d(x, w, **kwargs)
+        with pytest.raises(RuntimeError, match=re.escape(str(torch_error.value))):
+            locally_connected2d(x, torch.randn(1, 1, 2, 2, 5, 5), **kwargs)

@@ -40,6 +40,35 @@ def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2) 
     return values
 
 
+_PADDING_STRINGS = ("same", "valid")
+
+
+def _padding(value: object, kernel_size: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...],
+             dims: int, module: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(symmetric padding, extra padding after the input) per spatial dim, from an int, a tuple or
+    nn.Conv2d's strings: ``"valid"`` (none) and ``"same"`` (an output the input's size; stride 1;
+    total dilation * (k - 1), its odd remainder after: right / bottom, as F.conv2d pads). Errors
+    as nn.Conv2d (``module``: ValueError) and F.conv2d (RuntimeError) raise them, ShapeError being both."""
+    if not isinstance(value, str):
+        return _pair("padding", value, 0, dims), (0,) * dims
+    if value not in _PADDING_STRINGS:
+        raise ShapeError(f"Invalid padding string {value!r}, should be one of {{'same', 'valid'}}" if module
+                         else f"Invalid padding string: {value!r}")
+    if value == "valid":
+        return (0,) * dims, (0,) * dims
+    if any(s != 1 for s in stride):
+        raise ShapeError("padding='same' is not supported for strided convolutions")
+    totals = [d * (k - 1) for k, d in zip(kernel_size, dilation)]
+    return tuple(t // 2 for t in totals), tuple(t - 2 * (t // 2) for t in totals)
+
+
+def _pad_after(x: Tensor, extra: tuple[int, ...]) -> Tensor:
+    """x zero-padded by ``extra`` after its last len(extra) dims (the odd part of padding='same')."""
+    if not any(extra):
+        return x
+    return torch.nn.functional.pad(x, [v for e in reversed(extra) for v in (0, e)])
+
+
 def _check_channels(input: Tensor, batched: tuple[int, ...], weight: Tensor) -> None:
     """F.conv1d / F.conv2d's channel check and message (theirs, then ours): ``batched`` is the
     input's shape with a batch dimension (1 for an unbatched input), channels at index 1."""
@@ -76,14 +105,16 @@ def output_size(input_size: tuple[int, ...], kernel_size: tuple[int, ...], strid
 
 
 def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int | Pair = 1,
-                        padding: int | Pair = 0, dilation: int | Pair = 1) -> Tensor:
+                        padding: int | Pair | str = 0, dilation: int | Pair = 1) -> Tensor:
     """Locally connected 2-D layer (unshared convolution), functional form.
 
     Args:
         input: (B, C_in, H, W) or unbatched (C_in, H, W), floating point.
         weight: (C_out, C_in, KH, KW, OH, OW), same dtype and device.
         bias: (C_out, OH, OW) or None.
-        stride, padding, dilation: int or (h, w) pair as in F.conv2d (zero padding).
+        stride, padding, dilation: int or (h, w) pair as in F.conv2d (zero padding); padding also
+            ``"valid"`` (none) or ``"same"`` (output of the input's size, stride 1; an odd total
+            padding puts its extra row / column after the input, as F.conv2d does).
 
     Returns:
         (B, C_out, OH, OW) (unbatched: (C_out, OH, OW)).
@@ -112,10 +143,12 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         raise ShapeError(f"weight: expected a 6-D tensor (C_out, C_in, KH, KW, OH, OW), got {weight.dim()}-D "
                          f"with shape {tuple(weight.shape)}")
     check_same_dtype_device("weight", weight, "input", input)
-    stride2, padding2, dilation2 = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
+    stride2, dilation2 = _pair("stride", stride, 1), _pair("dilation", dilation, 1)
+    padding2, extra = _padding(padding, tuple(weight.shape[2:4]), stride2, dilation2, 2)
     batched = input.dim() == 4
     x = input if batched else input.unsqueeze(0)
     _check_channels(input, tuple(x.shape), weight)
+    x = _pad_after(x, extra)
     expected = output_size(tuple(x.shape[2:]), tuple(weight.shape[2:4]), stride2, padding2, dilation2)
     if tuple(weight.shape[4:]) != expected:
         raise ShapeError(
@@ -134,12 +167,12 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
 
 
 def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int = 1,
-                        padding: int = 0, dilation: int = 1) -> Tensor:
+                        padding: int | str = 0, dilation: int = 1) -> Tensor:
     """Locally connected 1-D layer, functional form (as :func:`locally_connected2d` with H = 1).
 
     Args:
         input: (B, C_in, L) or unbatched (C_in, L). weight: (C_out, C_in, K, OL). bias: (C_out, OL) or None.
-        stride, padding, dilation: ints as in F.conv1d.
+        stride, padding, dilation: ints as in F.conv1d (padding also ``"valid"`` or ``"same"``).
 
     Returns:
         (B, C_out, OL) (unbatched: (C_out, OL)). Raises as :func:`locally_connected2d`.
@@ -153,9 +186,11 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     if weight.dim() != 4:
         raise ShapeError(f"weight: expected a 4-D tensor (C_out, C_in, K, OL), got {weight.dim()}-D "
                          f"with shape {tuple(weight.shape)}")
-    (s,), (p,), (d,) = _pair("stride", stride, 1, 1), _pair("padding", padding, 0, 1), _pair("dilation", dilation, 1, 1)
+    (s,), (d,) = _pair("stride", stride, 1, 1), _pair("dilation", dilation, 1, 1)
+    (p,), extra = _padding(padding, (weight.size(2),), (s,), (d,), 1)
     # (checked here, before the 2-D call, for F.conv1d's message with the 1-D shapes)
     _check_channels(input, tuple(input.shape) if input.dim() == 3 else (1, *input.shape), weight)
+    input = _pad_after(input, extra)
     (length,) = output_size((input.size(-1),), (weight.size(2),), (s,), (p,), (d,))
     if weight.size(3) != length:
         raise ShapeError(f"input: length {input.size(-1)} gives output length {length} with kernel_size "
@@ -182,9 +217,13 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
         self.input_size = _pair("input_size", input_size, 1, dims)
         self.kernel_size = _pair("kernel_size", kernel_size, 1, dims)
         self.stride = _pair("stride", stride, 1, dims)
-        self.padding = _pair("padding", padding, 0, dims)
         self.dilation = _pair("dilation", dilation, 1, dims)
-        self.output_size = output_size(self.input_size, self.kernel_size, self.stride, self.padding, self.dilation)
+        # padding: as given when a string (nn.Conv2d keeps "same" / "valid"), else the tuple; the
+        # kernels take the symmetric part, the odd rest of "same" pads the input after it
+        self._padding, self._extra = _padding(padding, self.kernel_size, self.stride, self.dilation, dims, module=True)
+        self.padding: tuple[int, ...] | str = padding if isinstance(padding, str) else self._padding
+        padded = tuple(n + e for n, e in zip(self.input_size, self._extra))
+        self.output_size = output_size(padded, self.kernel_size, self.stride, self._padding, self.dilation)
         kw = {"device": device, "dtype": dtype}
         self._weight_shape = (out_channels, in_channels, *self.kernel_size, *self.output_size)
         self._bias_shape, self._input_shape = (out_channels, *self.output_size), (in_channels, *self.input_size)
@@ -233,7 +272,8 @@ class LocallyConnected2d(_LocallyConnectedNd):
     Args:
         in_channels, out_channels: C_in, C_out.
         input_size: (H, W) (or int) of the inputs this layer takes; fixes the output size.
-        kernel_size, stride, padding, dilation: as nn.Conv2d (zero padding).
+        kernel_size, stride, padding, dilation: as nn.Conv2d (zero padding; padding also
+            ``"valid"`` or ``"same"``, stride 1, as nn.Conv2d, which keeps the string in ``padding``).
         bias: learn a bias per output channel and location.
 
     Parameters: ``weight`` (C_out, C_in, KH, KW, OH, OW), ``bias`` (C_out, OH, OW); initialised
@@ -256,7 +296,8 @@ class LocallyConnected2d(_LocallyConnectedNd):
         and device -> (B, C_out, OH, OW) or (C_out, OH, OW). ValueError for another spatial size
         or channel count, TypeError for integer input or another dtype."""
         if self._common(input, 4):  # the module's own weight: its geometry was checked at construction
-            return run(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
+            return run(_pad_after(input, self._extra), self.weight, self.bias, self.stride, self._padding,
+                       self.dilation)
         self._check_spatial(input)
         return locally_connected2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
@@ -298,8 +339,9 @@ class LocallyConnected1d(_LocallyConnectedNd):
         -> (B, C_out, OL) or (C_out, OL); errors as :meth:`LocallyConnected2d.forward`."""
         if self._common(input, 3):  # as LocallyConnected2d's, with H = 1
             weight, bias = self._as_2d()
-            y = run(input.unsqueeze(-2), weight, bias, (1, self.stride[0]), (0, self.padding[0]),
-                     (1, self.dilation[0]))
+            y = run(_pad_after(input, self._extra).unsqueeze(-2), weight, bias, (1, self.stride[0]),
+                    (0, self._padding[0]), (1, self.dilation[0]))
             return y.squeeze(-2)
         self._check_spatial(input)
-        return locally_connected1d(input, self.weight, self.bias, self.stride[0], self.padding[0], self.dilation[0])
+        padding = self.padding if isinstance(self.padding, str) else self.padding[0]
+        return locally_connected1d(input, self.weight, self.bias, self.stride[0], padding, self.dilation[0])
