@@ -470,3 +470,18 @@ def test_cuda_without_a_gpu_is_a_one_line_error(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"^fastlayers train: device: 'cuda' requested, but "
                                          r"torch\.cuda\.is_available\(\) is False$"):
         main(["train", "--device", "cuda", "--out", str(tmp_path / "run")])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc (Linux)")
+def test_the_umask_is_read_without_setting_it(monkeypatch):
+    """write_atomic's permissions read the umask without os.umask (which sets it: another thread's
+    files made meanwhile would get the temporary mask)."""
+    from fastlayers._core import files
+
+    previous = os.umask(0o027)
+    try:
+        monkeypatch.setattr(files.os, "umask", lambda mask: pytest.fail("os.umask called"))
+        assert files._umask() == 0o027
+    finally:
+        monkeypatch.undo()
+        os.umask(previous)

@@ -32,7 +32,15 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], Any]) -> None:
 
 
 def _umask() -> int:
-    """The process's umask (read back by setting it, as the os module offers no getter)."""
+    """The process's umask: from /proc/self/status on Linux (read-only), else read back by setting
+    it (the os module offers no getter; setting it races with files other threads create meanwhile)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
