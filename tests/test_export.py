@@ -1,6 +1,8 @@
 """torch.export of every layer: dynamic batch and time (and lengths as data), the exported program
 equal to eager at shapes other than the export's, in value and gradient; the C++ operators pass
-torch.library.opcheck."""
+torch.library.opcheck. Every test runs in torch.export's default non-strict mode and with
+``strict=True`` (Dynamo's tracing: the recurrent layers' export stopped at the operator library's
+loader, ``Unsupported context manager``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,20 @@ from fastlayers._native import ops_lib
 from rnn_helpers import CallAsUser
 
 pytestmark = pytest.mark.compile  # (see pyproject's markers: tracing, no kernel path of its own)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["nonstrict", "strict"])
+def strict(request, monkeypatch):
+    """torch.export.export in this module's tests: in the default non-strict mode, then strict."""
+    export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: export(*args, strict=request.param, **kwargs))
+    return request.param
+
+
+def _parameters(module) -> list[torch.Tensor]:
+    """The parameters by name, in the eager module's order (a strict export lists them as used)."""
+    named = dict(module.named_parameters())
+    return [named[k] for k in sorted(named)]
 
 B, T = Dim("B"), Dim("T")
 SHAPES = [(3, 9), (6, 2), (1, 12)]  # (batch, time), none of them the export's (4, 7)
@@ -80,7 +96,7 @@ def test_exported_gradients_equal_eager(mode, name):
         for module in (exported, model):
             args = _inputs(model.layer, batch, steps, torch.float64, i + 1, grad=True)
             outs = tree_leaves(module(*args))
-            leaves = [args[0], args[2], args[3]] + list(module.parameters())
+            leaves = [args[0], args[2], args[3]] + _parameters(module)
             torch.manual_seed(5)
             loss = sum((o * torch.randn_like(o)).sum() for o in outs)
             grads.append(torch.autograd.grad(loss, leaves, allow_unused=True))
@@ -193,7 +209,7 @@ def test_varlen_export_keeps_the_total_length_and_batch_dynamic(mode, name):
             a = _varlen_inputs(model.layer, lengths, torch.float64, i + 1, grad=True)
             outs = tree_leaves(module(*a))
             assert outs[0].shape == (sum(lengths), 6 if mode == "LSTM" else 12)  # (proj_size 3 with LSTM)
-            leaves = [a[0], *a[2:], *module.parameters()]
+            leaves = [a[0], *a[2:], *_parameters(module)]
             torch.manual_seed(5)
             loss = sum((o * torch.randn_like(o)).sum() for o in outs)
             grads.append((outs, torch.autograd.grad(loss, leaves, allow_unused=True)))
@@ -316,3 +332,20 @@ def test_operators_pass_opcheck():
         None, None, 0.0), test_utils=checks)
     torch.library.opcheck(torch.ops.fastlayers.rnn_padded, (
         r(steps, batch, f), lengths, r(d, batch, h), r(d, h, f), r(d, h, h), r(d, h), r(d, h), True), test_utils=checks)
+
+
+@pytest.mark.subprocess
+def test_a_fresh_process_exports_a_recurrent_layer_first(strict):
+    """The first thing a process does is export (the operator library not loaded yet): strict export
+    traced the loader's lock and failed ("Unsupported context manager"); the loader runs for real."""
+    import subprocess
+    import sys
+
+    code = ("import torch, fastlayers\n"
+            "m = fastlayers.LSTM(4, 5, layer_norm=True).eval()\n"
+            "x = torch.randn(6, 2, 4)\n"
+            f"ep = torch.export.export(m, (x,), strict={strict})\n"
+            "torch.testing.assert_close(ep.module()(x)[0], m(x)[0])\n"
+            "print('exported')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "exported", proc.stderr[-3000:]

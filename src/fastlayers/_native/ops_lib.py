@@ -66,6 +66,19 @@ def load() -> bool:
     return bool(_STATE["loaded"])
 
 
+@torch.compiler.assume_constant_result
+def unavailable_reason() -> str:
+    """Load the library and its operators (:func:`library_path`, :func:`load`): '' when they are
+    loaded, else why not. Run for real even while Dynamo traces the caller (a strict torch.export
+    or torch.compile, which cannot trace the loader's lock), its result taken as a constant."""
+    try:
+        library_path()
+    except RuntimeError as e:
+        return str(e)
+    load()
+    return ""
+
+
 def on_load(register: Callable[[], None]) -> None:
     """A layer family's Python half of its operators (fake functions, autograd, CUDA kernels):
     ``register()`` runs once the library is loaded (:func:`load`), now if it is loaded already.
