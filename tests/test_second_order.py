@@ -287,3 +287,76 @@ def test_a_recorded_backward_of_a_tensor_passed_twice(case, backend):
                    - fn(*(t - eps * d for t, d in zip(inputs, tangents)))) / (2 * eps)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(got, central, rtol=1e-5, atol=1e-7)
+
+
+RECORDED_LAYERS = {
+    **{f"LSTM-{k}": (fastlayers.LSTM, v) for k, v in OPTIONS.items()},
+    "LSTM-all": (fastlayers.LSTM, {"layer_norm": True, "peephole": True, "cell_clip": 0.5, "zoneout": (0.2, 0.3),
+                                   "proj_size": 2, "proj_clip": 0.4}),
+    "LSTM-checkpoint_every": (fastlayers.LSTM, {"layer_norm": True, "zoneout": (0.2, 0.3), "checkpoint_every": 2}),
+    "GRU-plain": (fastlayers.GRU, {}),
+    "GRU-all": (fastlayers.GRU, {"layer_norm": True, "zoneout": 0.25}),
+    "RNN-relu": (fastlayers.RNN, {"nonlinearity": "relu"}),
+}
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=triton), "reference"])
+@pytest.mark.parametrize("call", ["lengths", "padded", "varlen"])
+@pytest.mark.parametrize("name", list(RECORDED_LAYERS))
+def test_recorded_first_derivatives_equal_the_plain_backward(name, call, backend):
+    """A backward recorded for a second derivative (create_graph=True: the differentiable
+    reference recomputes, with the layer's options) gives the plain backward's first derivatives,
+    for the input, the initial states and every parameter (gradgradcheck differentiates the
+    recorded backward against itself: options read wrongly there passed it)."""
+    cls, options = RECORDED_LAYERS[name]
+    m = _module(cls, options, bidirectional=True, num_layers=2).eval()
+    torch.manual_seed(1)
+    x = torch.randn(4, 3, 3, dtype=torch.double, requires_grad=True)
+    h0 = torch.randn(4, 3, m.proj_size or 3 if cls is fastlayers.LSTM else 3, dtype=torch.double, requires_grad=True)
+    states = [h0] + ([torch.randn(4, 3, 3, dtype=torch.double, requires_grad=True)] if cls is fastlayers.LSTM else [])
+    hx = tuple(states) if cls is fastlayers.LSTM else h0
+
+    def run():
+        with fastlayers.backend(backend):
+            if call == "varlen":
+                values = torch.cat([x[:n, b] for b, n in enumerate(LENGTHS)])
+                cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+                return m(values, hx, cu_seqlens=cu)
+            return m(x, hx, lengths=LENGTHS if call == "lengths" else None)
+
+    inputs = [x, *states, *m.parameters()]
+    outs = torch.utils._pytree.tree_leaves(run())
+    weights = [torch.randn_like(o) for o in outs]
+    plain = torch.autograd.grad(outs, inputs, weights)
+    recorded = torch.autograd.grad(torch.utils._pytree.tree_leaves(run()), inputs, weights, create_graph=True)
+    for (pname, _), a, b in zip([("input", x)] * (1 + len(states)) + list(m.named_parameters()), recorded, plain,
+                                strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=pname)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=triton), "reference"])
+@pytest.mark.parametrize("cls, options", [
+    (fastlayers.LSTMCell, {"layer_norm": True, "peephole": True, "cell_clip": 0.5, "zoneout": (0.2, 0.3)}),
+    (fastlayers.LSTMCell, {"proj_size": 2, "proj_clip": 0.4}),
+    (fastlayers.GRUCell, {"layer_norm": True, "zoneout": 0.25}),
+], ids=["LSTMCell-all", "LSTMCell-proj", "GRUCell-all"])
+def test_recorded_first_derivatives_of_a_cell_equal_the_plain_backward(cls, options, backend):
+    m = _module(cls, options).eval()
+    torch.manual_seed(1)
+    x = torch.randn(3, 3, dtype=torch.double, requires_grad=True)
+    width = options.get("proj_size", 3)
+    states = [torch.randn(3, width, dtype=torch.double, requires_grad=True)]
+    if cls is fastlayers.LSTMCell:
+        states.append(torch.randn(3, 3, dtype=torch.double, requires_grad=True))
+
+    def run():
+        with fastlayers.backend(backend):
+            return torch.utils._pytree.tree_leaves(m(x, tuple(states) if len(states) == 2 else states[0]))
+
+    inputs = [x, *states, *m.parameters()]
+    outs = run()
+    weights = [torch.randn_like(o) for o in outs]
+    plain = torch.autograd.grad(outs, inputs, weights)
+    recorded = torch.autograd.grad(run(), inputs, weights, create_graph=True)
+    for a, b in zip(recorded, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
