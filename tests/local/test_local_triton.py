@@ -160,3 +160,18 @@ def test_gradient_grids_stay_within_cudas_limits(batch, chans, kernel, monkeypat
     assert len(grids) == 2
     for grid in grids:
         assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), grid
+
+
+@pytest.mark.parametrize("stride, padding, dilation", [(1, 0, 1), (2, 1, 2), (1, "same", 2)])
+def test_locally_connected1d_values_and_gradients_equal_the_reference(stride, padding, dilation):
+    torch.manual_seed(0)
+    layer = fastlayers.LocallyConnected1d(3, 2, 13, 3, stride=stride, padding=padding, dilation=dilation,
+                                          dtype=torch.float64)
+    results = []
+    for backend in ("triton", "reference"):
+        x = torch.randn(4, 3, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        with fastlayers.backend(backend):
+            y = layer(x)
+        results.append((y, *torch.autograd.grad((y * y.detach().cos()).sum(), [x, *layer.parameters()])))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)

@@ -85,12 +85,16 @@ def test_functional_twins_agree(mode):
         torch.testing.assert_close(s, t, atol=1e-6, rtol=1e-5)
 
 
-def test_no_bias():
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_no_bias(mode, backend):
     torch.manual_seed(0)
-    ours, ref = make_pair("GRU", 3, 4, bias=False, num_layers=2, bidirectional=True)
+    ours, ref = make_pair(mode, 3, 4, bias=False, num_layers=2, bidirectional=True)
+    assert not any("bias" in n for n, _ in ours.named_parameters())
     x = torch.randn(5, 3, 3)
     lengths = [5, 2, 4]
-    got = run_and_grad(lambda x, h: ours(x, h, lengths=lengths), ours, x, None)
+    with fastlayers.backend(backend):
+        got = run_and_grad(lambda x, h: ours(x, h, lengths=lengths), ours, x, None)
     want = run_and_grad(lambda x, h: torch_packed(ref, x, h, lengths), ref, x, None)
     assert_close_all(got, want)
 
@@ -114,3 +118,20 @@ def test_hypothesis_random_configs(mode, num_layers, bidirectional, batch_first,
     compare_with_torch(mode, lengths, num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first,
                        with_hx=with_hx, input_size=input_size, hidden_size=hidden_size,
                        steps=max(lengths) + extra_steps, seed=seed)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("mode, options", [("LSTM", dict(layer_norm=True, peephole=True)), ("LSTM", dict(proj_size=2,
+                                           layer_norm=True)), ("GRU", dict(layer_norm=True))])
+def test_no_bias_with_options_equals_the_reference(mode, options, backend):
+    """bias=False with cell options (no torch counterpart): the engines against the reference backend."""
+    torch.manual_seed(0)
+    layer = getattr(fastlayers, mode)(3, 4, bias=False, num_layers=2, bidirectional=True, dtype=torch.float64,
+                                      **options)
+    assert not any("bias" in n and "ln_" not in n for n, _ in layer.named_parameters())
+    x = torch.randn(5, 3, 3, dtype=torch.float64)
+    results = []
+    for name in (backend, "reference"):
+        with fastlayers.backend(name):
+            results.append(run_and_grad(lambda x, h: layer(x, h, lengths=[5, 2, 4]), layer, x, None))
+    assert_close_all(*results, atol=1e-12, rtol=1e-10)
