@@ -485,3 +485,23 @@ def test_the_umask_is_read_without_setting_it(monkeypatch):
     finally:
         monkeypatch.undo()
         os.umask(previous)
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_one_runs(tmp_path):
+    """Two runs on one --out at once would mix their checkpoints: the second is refused in one line
+    while the first holds the folder's lock (held here by this process), and runs once it is free."""
+    import fcntl
+
+    from fastlayers.train import _outdir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / _outdir.LOCK, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        refused = _quick(out, "--epochs", "1")
+        fcntl.flock(held, fcntl.LOCK_UN)
+    _one_line_error(refused, r"fastlayers train: --out .*/run: another fastlayers train run is using it \(it holds "
+                             r".*\.fastlayers-train\.lock\); wait for it to end, or choose another --out")
+    assert [p.name for p in out.iterdir()] == [_outdir.LOCK]
+    again = _quick(out, "--epochs", "1")
+    assert again.returncode == 0, again.stderr[-2000:]

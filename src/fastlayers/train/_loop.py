@@ -212,6 +212,22 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     (also written to ``cfg.out / "summary.json"`` by rank 0)."""
     procs = _distributed.start(cfg.device)
     say = log if procs.main else (lambda message: None)
+    try:
+        with contextlib.ExitStack() as stack:
+            refused = None
+            if procs.main:  # one lock per --out, held by rank 0; every process learns whether it got it
+                try:
+                    stack.enter_context(_outdir.exclusive(cfg.out))
+                except _outdir.OutputInUse as e:
+                    refused = e
+            if _distributed.all_sum(procs, [float(refused is not None) if procs.main else 0.0])[0]:
+                raise refused or _outdir.OutputInUse(f"--out {cfg.out}: another fastlayers train run is using it")
+            return _run(cfg, procs, say)
+    finally:
+        _distributed.stop()
+
+
+def _run(cfg: TrainConfig, procs: _distributed.Processes, say: Callable[[str], None]) -> dict[str, Any]:
     state = None
     try:
         replaced = _outdir.check(cfg.out, cfg.resume, cfg.overwrite, cfg.run_defining_json())  # every process, before any writes
@@ -252,4 +268,3 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         if state is not None:
             state.net = None  # the DDP wrapper goes before the process group (see _distributed.stop)
         del state
-        _distributed.stop()

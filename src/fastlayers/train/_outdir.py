@@ -7,9 +7,15 @@ removed first, and only those); anything else in the folder is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock
+    fcntl = None  # type: ignore[assignment]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "curves.png", "summary.json", "model.pt")
 
@@ -60,6 +66,34 @@ def unfinished_writes(out: Path) -> list[Path]:
     found = [p for name in RUN_FILES for p in out.glob(f".{name}.*.tmp")]
     checkpoints = out / "checkpoints"
     return sorted(found) + (sorted(checkpoints.glob(".step-*.pt.*.tmp")) if checkpoints.is_dir() else [])
+
+
+LOCK = ".fastlayers-train.lock"
+
+
+@contextlib.contextmanager
+def exclusive(out: Path) -> Iterator[None]:
+    """Hold ``out``'s lock (an advisory ``flock`` on ``out / LOCK``, released when the process ends,
+    however it ends) for a run: a second run on the same ``out`` meanwhile is refused, never mixed
+    with this one. Without fcntl (not POSIX) it locks nothing.
+
+    Raises:
+        OutputInUse: another process holds the lock.
+    """
+    if fcntl is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOCK, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputInUse(f"--out {out}: another fastlayers train run is using it (it holds {out / LOCK}); "
+                              f"wait for it to end, or choose another --out") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def remove(files: list[Path]) -> None:
