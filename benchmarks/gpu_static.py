@@ -63,8 +63,11 @@ from fastlayers.local import locally_connected2d  # noqa: E402
 from fastlayers.rnn import _gpu_graphs  # noqa: E402
 from fastlayers.rnn._gpu import gru_engine_gpu, lstm_engine_gpu  # noqa: E402
 
-# per SM: (registers, warps, programs, shared memory bytes, SMs on the card)
-ARCH = {"sm_90a": (65536, 64, 32, 227 * 1024, 132, 90), "sm_80": (65536, 64, 32, 163 * 1024, 108, 80)}
+# per SM: (registers, warps, programs, shared memory bytes, SMs on the card, compute capability);
+# sm_86 (A10G, 80 SMs) and sm_75 (T4, 40 SMs, no bf16 MMA) on request (--arch): the cloud's
+# common smaller GPUs, checked to compile (BENCHMARKS.md)
+ARCH = {"sm_90a": (65536, 64, 32, 227 * 1024, 132, 90), "sm_80": (65536, 64, 32, 163 * 1024, 108, 80),
+        "sm_86": (65536, 48, 16, 99 * 1024, 80, 86), "sm_75": (65536, 32, 16, 64 * 1024, 40, 75)}
 SPILL_LIMIT = 16  # bytes, float32 / bfloat16 kernels
 # kernels allowed more, with the measurement that chose their spilling configuration: the local
 # forward's default blocks of 4 warps spill 144-232 bytes at the 3x3 shapes and were the fastest
