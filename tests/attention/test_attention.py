@@ -2,6 +2,7 @@
 binding's own backward (fastlayers.attention._cpu) against the twin's autograd."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -287,3 +288,59 @@ def test_cpu_binding_values_default_to_keys(score):
             context, weights = attention_pool(*leaves, lengths=[5, 1, 3], score=score)
         grads.append(torch.autograd.grad((context ** 2).sum() + weights[:, 0].sum(), leaves))
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
+def test_additive_parameter_errors_name_the_argument(backend):
+    """The additive tuple is checked whole, on every backend alike: each element's type, shape
+    (A from weight_query; the query's and keys' sizes named where theirs differ), device, and dtype
+    outside autocast (a wrong v was blamed on weight_query, a bias of another shape gave torch's
+    broadcast error or broadcast silently, a (A, 1) v ran on one backend only, float64 parameters
+    with float32 inputs ran silently)."""
+    import fastlayers
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4), torch.randn(2, 3, 5)
+    w_q, w_k, v, b = torch.randn(3, 4), torch.randn(3, 5), torch.randn(3), torch.randn(3)
+    bad = [
+        ((w_q, w_k, torch.randn(4), b), ValueError, r"additive v: expected shape \(3,\) \(A,\), got \(4,\)"),
+        ((w_q, w_k, v[:, None], b), ValueError, r"additive v: expected shape \(3,\) \(A,\), got \(3, 1\)"),
+        ((w_q, w_k, v, torch.randn(5)), ValueError, r"additive bias: expected shape \(3,\) \(A,\), got \(5,\)"),
+        ((w_q, w_k, v, torch.randn(1, 3)), ValueError, r"additive bias: expected shape \(3,\) \(A,\), got \(1, 3\)"),
+        ((w_q, w_k, v, torch.tensor(1.0)), ValueError, r"additive bias: expected shape \(3,\) \(A,\), got \(\)"),
+        ((w_q, w_k[:2], v, b), ValueError, r"additive weight_key: expected shape \(3, 5\) \(A, Dk\), got \(2, 5\)"),
+        ((w_q[:, :3], w_k, v, b), ValueError, r"query: expected feature size Dq = 3 \(additive weight_query's"),
+        ((w_q, w_k[:, :4], v, b), ValueError, r"keys: expected feature size Dk = 4 \(additive weight_key's"),
+        ((w_q.double(), w_k, v, b), TypeError, r"additive weight_query: expected dtype torch.float32 \(that of "
+                                               r"query\), got torch.float64"),
+        ((w_q, w_k, v, b.double()), TypeError, r"additive bias: expected dtype torch.float32"),
+        ((w_q, w_k, v), TypeError, r"additive: expected a tuple \(weight_query, weight_key, v, bias or None\), got "
+                                   r"a tuple of 3"),
+        ((w_q.numpy(), w_k, v, b), TypeError, r"additive weight_query: expected a torch.Tensor, got ndarray"),
+    ]
+    with fastlayers.backend(backend):
+        for additive, error, message in bad:
+            with pytest.raises(error, match=message):
+                attention_pool(q, k, score="additive", additive=additive)
+        with pytest.raises(ValueError, match=r"additive: expected None for score='dot'"):
+            attention_pool(q, torch.randn(2, 3, 4), score="dot", additive=(w_q, w_k, v, b))
+        with torch.autocast("cpu", torch.bfloat16):  # (the products take autocast's dtype: parameters of any)
+            context, weights = attention_pool(q, k, score="additive", additive=(w_q.double(), w_k, v, b))
+        assert context.dtype == weights.dtype == torch.bfloat16
+
+
+def test_module_sizes_are_checked():
+    for kwargs, message in ((dict(attention_size=0), "attention_size: expected a positive int or None, got 0"),
+                            (dict(attention_size=-1), "attention_size: expected a positive int or None, got -1"),
+                            (dict(attention_size=2.5), "attention_size: expected a positive int or None, got 2.5"),
+                            (dict(attention_size=True), "attention_size: expected a positive int or None, got True")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            AttentionPooling(4, score="additive", **kwargs)
+    with pytest.raises(ValueError, match=re.escape("query_size: expected a positive int, got True")):
+        AttentionPooling(True)
+    assert AttentionPooling(4, score="additive", attention_size=7).v.shape == (7,)
+
+
+def test_varlen_query_batch_is_named_against_cu_seqlens():
+    with pytest.raises(ValueError, match=re.escape("query: expected batch size 2 (cu_seqlens' length - 1), got 3")):
+        attention_pool(torch.randn(3, 4), torch.randn(10, 4), cu_seqlens=torch.tensor([0, 3, 10]))

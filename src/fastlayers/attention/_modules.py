@@ -86,9 +86,12 @@ def attention_pool(
         ``(context, weights)``: context (B, Dv), weights (B, T) summing to 1 over valid steps.
 
     Raises:
-        TypeError: non-tensor or integer inputs, float lengths, mismatched dtypes.
-        ValueError: wrong ranks or sizes, unknown score, lengths out of [1, T] or of the wrong size,
-            missing additive parameters.
+        TypeError: non-tensor or integer inputs, float lengths, mismatched dtypes (the additive
+            parameters' too, outside autocast), an ``additive`` that is not a 4-tuple of tensors
+            (bias or None).
+        ValueError: wrong ranks or sizes (the additive parameters' against A = weight_query's
+            rows and the query's and keys' sizes), unknown score, lengths out of [1, T] or of the
+            wrong size, missing additive parameters, or ``additive`` given for another score.
 
     Low precision (bf16/fp16 inputs, or float32 under ``torch.autocast``): the score and context
     products take low-precision operands and sum in float32; tanh, masking and softmax run in
@@ -114,6 +117,9 @@ def attention_pool(
     which = select("attention", query)
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+    if score != "additive" and additive is not None:
+        raise ValueError(f"additive: expected None for score={score!r} (the additive score's parameters), got "
+                         f"{type(additive).__name__}")
     params = additive_parameters(additive, query, keys) if score == "additive" else None
     if which == "triton" and params is None or which == "cpu" and cpu.serves(query, keys, values, params):
         batch, steps = keys.shape[:2]
@@ -146,6 +152,8 @@ def _varlen(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additiv
         return _traced_varlen(query, keys, keys if values is None else values, cu_seqlens, max_seqlen, score,
                               additive)
     plan = jagged.varlen(cu_seqlens, keys.size(0), keys.device, batch_first=True, max_seqlen=max_seqlen)
+    if isinstance(query, Tensor) and query.dim() == 2 and query.size(0) != plan.batch:
+        raise ValueError(f"query: expected batch size {plan.batch} (cu_seqlens' length - 1), got {query.size(0)}")
     padded_values = jagged.pad(values, plan, batch_first=True) if values is not None else None
     context, weights = attention_pool(query, jagged.pad(keys, plan, batch_first=True), padded_values, plan.lengths,
                                       score=score, additive=additive)
@@ -210,15 +218,17 @@ class AttentionPooling(NotScriptable, nn.Module):
         if score not in SCORES:
             raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
         key_size = query_size if key_size is None else key_size
-        for name, value in (("query_size", query_size), ("key_size", key_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        for name, value in (("query_size", query_size), ("key_size", key_size), ("attention_size", attention_size)):
+            if (value is not None or name != "attention_size") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name}: expected a positive int{' or None' if name == 'attention_size' else ''}, "
+                                 f"got {value!r}")
         if score != "additive" and query_size != key_size:
             raise ValueError(f"key_size: expected {query_size} (= query_size) for score={score!r}, got {key_size}")
         self.query_size, self.key_size, self.score = query_size, key_size, score
         kw = {"device": device, "dtype": dtype}
         if score == "additive":
-            size = attention_size or key_size
+            size = key_size if attention_size is None else attention_size
             self.weight_query = nn.Parameter(torch.empty(size, query_size, **kw))
             self.weight_key = nn.Parameter(torch.empty(size, key_size, **kw))
             self.v = nn.Parameter(torch.empty(size, **kw))

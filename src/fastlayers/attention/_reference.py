@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .._core import precision
-from .._core.checks import as_lengths, check_shape
+from .._core.checks import DeviceError, ShapeError, as_lengths, check_same_dtype_device, check_shape, check_tensor
 
 SCORES = ("dot", "scaled_dot", "additive")
 _ONE_DTYPE = (torch.float32, torch.float64)
@@ -96,13 +96,40 @@ def _additive_scores(mm: precision.Products, query: Tensor, keys: Tensor,
 def additive_parameters(additive: tuple[Tensor, Tensor, Tensor, Tensor | None] | None, query: Tensor,
                         keys: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """The additive score's ``(weight_query (A, Dq), weight_key (A, Dk), v (A,), bias (A,) or None)``,
-    their shapes checked against query (B, Dq) and keys (..., Dk)."""
+    checked: tensors (bias or None), A from weight_query, each shape against it and against query
+    (B, Dq) and keys (..., Dk) (the query's or keys' size named where it is theirs that differs),
+    query's device, and query's dtype outside autocast (as nn.Linear's weights)."""
     if additive is None:
         raise ValueError("additive: expected (weight_query, weight_key, v, bias) for score='additive', got None")
+    if not isinstance(additive, (tuple, list)) or len(additive) != 4:
+        got = f"{type(additive).__name__} of {len(additive)}" if isinstance(additive, (tuple, list)) else \
+            type(additive).__name__
+        raise TypeError(f"additive: expected a tuple (weight_query, weight_key, v, bias or None), got a {got}")
     w_q, w_k, v, bias = additive
-    size = v.size(0)
-    check_shape("additive weight_query", w_q, (size, query.size(1)), "(A, Dq)")
+    named = [("additive weight_query", w_q), ("additive weight_key", w_k), ("additive v", v)]
+    named += [("additive bias", bias)] if bias is not None else []
+    for name, t in named:
+        check_tensor(name, t)
+    for name, t, legend in (("additive weight_query", w_q, "(A, Dq)"), ("additive weight_key", w_k, "(A, Dk)")):
+        if t.dim() != 2:
+            raise ShapeError(f"{name}: expected a 2-D tensor {legend}, got shape {tuple(t.shape)}")
+    size = w_q.size(0)
+    if query.size(1) != w_q.size(1):
+        raise ShapeError(f"query: expected feature size Dq = {w_q.size(1)} (additive weight_query's (A, Dq)), got "
+                         f"{query.size(1)}")
+    if keys.size(-1) != w_k.size(1):
+        raise ShapeError(f"keys: expected feature size Dk = {w_k.size(1)} (additive weight_key's (A, Dk)), got "
+                         f"{keys.size(-1)}")
     check_shape("additive weight_key", w_k, (size, keys.size(-1)), "(A, Dk)")
+    check_shape("additive v", v, (size,), "(A,)")
+    if bias is not None:
+        check_shape("additive bias", bias, (size,), "(A,)")
+    autocast = precision.autocasting(query.device.type)  # (under autocast the products take its dtype)
+    for name, t in named:
+        if not autocast:
+            check_same_dtype_device(name, t, "query", query)
+        elif t.device != query.device:
+            raise DeviceError(f"{name}: expected device {query.device} (that of query), got {t.device}")
     return w_q, w_k, v, bias
 
 
