@@ -66,11 +66,11 @@ def load() -> bool:
     return bool(_STATE["loaded"])
 
 
-@torch.compiler.assume_constant_result
 def unavailable_reason() -> str:
     """Load the library and its operators (:func:`library_path`, :func:`load`): '' when they are
-    loaded, else why not. Run for real even while Dynamo traces the caller (a strict torch.export
-    or torch.compile, which cannot trace the loader's lock), its result taken as a constant."""
+    loaded, else why not. Callers that Dynamo may trace (a strict torch.export, torch.compile)
+    call it through :func:`fastlayers._core.compiling.constant` there: Dynamo cannot trace the
+    loader's lock, and the result is a constant of the process."""
     try:
         library_path()
     except RuntimeError as e:

@@ -58,7 +58,12 @@ def operator_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths:
     """A layer call as one operator per layer: x batched (layout per batch_first), states batched
     3-D, lengths validated (or None) -> (output, final states), as :meth:`_LengthsMixin._run`.
     Under torch.export it raises RuntimeError with the reason where the operators cannot be built."""
-    why = ops_lib.unavailable_reason()
+    if torch.compiler.is_compiling():  # (Dynamo: the loader runs for real, its answer a constant)
+        from .._core.compiling import constant
+
+        why = constant(ops_lib.unavailable_reason)
+    else:
+        why = ops_lib.unavailable_reason()
     if why:
         raise RuntimeError(why)
     with ops_lib.eager_below_autograd():
