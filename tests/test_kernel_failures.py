@@ -121,6 +121,25 @@ def test_library_that_does_not_load_warns_once(tmp_path, reference):
     _same(run["results"], reference)
 
 
+def test_a_variant_that_does_not_load_falls_to_the_next_one_down(tmp_path, reference):
+    """The best variant's file damaged, the others as built: one warning naming the file, the next
+    variant down loaded (its C kernels and operators on), the reference's results."""
+    runnable = _runnable()
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs one variant only ({runnable})")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for variant, path in _native.built().items():
+        shutil.copy(path, mixed / path.name)
+    shutil.copy(shutil.which("true"), mixed / _native.built()[runnable[-1]].name)
+    run = _run(tmp_path, library_dir=mixed)
+    assert len(run["warnings"]) == 1, run["warnings"]
+    assert "does not load" in run["warnings"][0] and f"loaded the {runnable[-2]} variant" in run["warnings"][0]
+    assert run["variant"] == runnable[-2] and run["operators"] is True
+    assert run["backends"] == {"lstm": "cpu", "gru": "cpu", "local2d": "cpu"}
+    _same(run["results"], reference)
+
+
 def test_library_built_against_another_torch_is_not_loaded(tmp_path, reference):
     """The libraries as built, their record of the torch they were built against changed to another
     release (2.99): not loaded (loading would register the operators with this torch, whose C++ ABI

@@ -12,9 +12,11 @@ best variant the CPU runs, read from torch's own CPU check
 (``torch.backends.cpu.get_cpu_capability()``: ``AVX512`` needs AVX-512 F/BW/VL/DQ and FMA, ``AVX2``
 AVX2 and FMA). ``fastlayers doctor`` prints the choice and why (:func:`describe`).
 
-Failures never raise from a layer: no library (a source checkout that was not built: ``pip install
--e . --no-build-isolation`` builds it), or one that does not load (built against another torch
-version: its C++ ABI differs) ends in one warning per process, after which :func:`load` returns None
+Failures never raise from a layer: a variant's file that does not load (damaged, an older glibc)
+gives one warning and the next variant down that the build holds; no library (a source checkout
+that was not built: ``pip install -e . --no-build-isolation`` builds it), one built against another
+torch release (recorded in the file, read before loading it: its C++ ABI differs), or no variant
+that loads ends in one warning per process, after which :func:`load` returns None
 and the callers take their pure-PyTorch path (:func:`fastlayers._core.backend.select` then picks
 ``"cpu"`` only for an op that needs no C library). ``FASTLAYERS_NO_NATIVE=1`` switches the library
 off without a warning. The C kernels run only on CPU tensors: other devices take their own path
@@ -139,23 +141,38 @@ def _open() -> ctypes.CDLL | None:
         warn_once(f"fastlayers: {why}; the C kernels and C++ operators are unavailable and the layers use the "
                   f"slower pure-PyTorch path", stacklevel=5)
         return None
-    path = built()[variant]
+    have = built()
+    path = have[variant]
     other = _other_torch(path)
     if other is not None:
         _STATE["error"] = other
         warn_once(f"fastlayers: the native library {other}; the layers use the slower pure-PyTorch path (install "
                   f"the torch it was built against, or rebuild fastlayers against this one)", stacklevel=5)
         return None
-    try:
-        import torch
+    # the chosen variant, else the next ones down that this build holds (a damaged file of one
+    # variant costs its speed, not the library)
+    candidates = [v for v in VARIANTS[VARIANTS.index(variant)::-1] if v in have]
+    failed: list[str] = []
+    lib = None
+    for candidate in candidates:
+        try:
+            import torch
 
-        torch.ops.load_library(str(path))  # the operators (TORCH_LIBRARY); the same file holds the C kernels
-        lib = ctypes.CDLL(str(path))
-    except Exception as e:  # (OSError: built for another torch, undefined symbols; never raise from a layer)
-        _STATE["error"] = f"{path} does not load ({type(e).__name__}: {e})"
+            torch.ops.load_library(str(have[candidate]))  # the operators (TORCH_LIBRARY); the same file holds the C kernels
+            lib = ctypes.CDLL(str(have[candidate]))
+            break
+        except Exception as e:  # (OSError: undefined symbols, an older glibc, a damaged file; never raise from a layer)
+            failed.append(f"{have[candidate]} does not load ({type(e).__name__}: {e})")
+    if lib is None:
+        _STATE["error"] = "; ".join(failed)
         warn_once(f"fastlayers: the native library {_STATE['error']}; the layers use the slower pure-PyTorch path "
                   f"(rebuild fastlayers against the installed torch)", stacklevel=5)
         return None
+    if failed:
+        _STATE["variant"], _STATE["why"] = candidate, f"{variant} does not load; the next variant down"
+        warn_once(f"fastlayers: the native library {'; '.join(failed)}; loaded the {candidate} variant instead "
+                  f"(slower)", stacklevel=5)
+    path = have[candidate]
     _STATE["path"] = path
     lib.fl_matmul_preferred.argtypes, lib.fl_matmul_preferred.restype = [ctypes.c_int64], ctypes.c_int
     lib.fl_matmul_prefer.argtypes, lib.fl_matmul_prefer.restype = [ctypes.c_int], None
