@@ -23,9 +23,11 @@ def fresh(monkeypatch):
     _gpu._READY.clear()
     _gpu._UNREADY.clear()
     monkeypatch.setattr(_gpu_graphs, "EAGER_STEPS", 0)
+    before = dict(_gpu_graphs.stats)
     with _gpu_graphs.emulated(), fastlayers.backend("triton"), warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed preparation warns: none may
         yield
+    _gpu_graphs.stats.update(before)
     _gpu_graphs.clear()
     _gpu._READY.clear()
     _gpu._UNREADY.clear()

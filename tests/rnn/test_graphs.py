@@ -24,6 +24,7 @@ def fresh(monkeypatch):
     monkeypatch.setattr(_gpu_graphs, "CHUNK", 4)
     monkeypatch.setattr(_gpu_graphs, "EAGER_STEPS", 0)  # every loop captured (test_small_loops_run_eagerly: not)
     before = dict(_gpu_graphs.stats)
+    _gpu_graphs.stats.update(dict.fromkeys(before, 0))  # (counted from 0 here, whatever ran before)
     yield
     _gpu_graphs.stats.update(before)
     _gpu_graphs.clear()
