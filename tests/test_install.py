@@ -57,9 +57,13 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def _needed(library: Path) -> set[str]:
-    proc = _run(["readelf", "-d", str(library)])
-    assert proc.returncode == 0, proc.stderr
-    return set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", proc.stdout))
+    """The shared libraries ``library`` names as NEEDED (its dynamic section, read with pyelftools)."""
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+
+    with open(library, "rb") as f:
+        sections = [s for s in ELFFile(f).iter_sections() if isinstance(s, DynamicSection)]
+        return {tag.needed for s in sections for tag in s.iter_tags() if tag.entry.d_tag == "DT_NEEDED"}
 
 
 def test_wheel_tags_contents_and_dependencies(wheel, tmp_path):
@@ -203,8 +207,8 @@ def test_fresh_venv_without_a_compiler_runs_the_kernels_export_and_aoti(wheel, t
     assert json.loads(aoti.stdout.strip().splitlines()[-1])["error"] <= 1e-6
 
     # the C++ example, built against the fresh venv's LibTorch, runs the package with the installed library
-    cmake = shutil.which("cmake")
-    assert cmake is not None, "cmake is part of the set-up (the C++ example is built by this test)"
+    cmake = shutil.which("cmake", path=str(Path(sys.executable).parent)) or shutil.which("cmake")
+    assert cmake is not None, "cmake is part of the set-up (the test extra; the C++ example is built by this test)"
     prefix = _run([py, "-c", "import torch.utils; print(torch.utils.cmake_prefix_path)"], env).stdout.strip()
     build = tmp_path / "build"
     for command in ([cmake, "-S", str(EXAMPLE), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}",
