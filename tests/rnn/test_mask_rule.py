@@ -58,9 +58,17 @@ def _call(layer, how: str, x: torch.Tensor):
     return layer(x, lengths=LENGTHS if how == "lengths" else None)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("how", CALLS)
-@pytest.mark.parametrize("name", list(LAYERS))
+def _cases():
+    """every layer x call x backend, but checkpoint_every on Triton's interpreter for the layers
+    without LayerNorm only (the same segments; 8-14 s each with it under the interpreter)"""
+    for name in LAYERS:
+        for how in CALLS:
+            for backend in BACKENDS:
+                if not (backend == "triton" and how == "checkpoint_every" and "-ln" in name):
+                    yield pytest.param(name, how, backend, id=f"{name}-{how}-{backend}")
+
+
+@pytest.mark.parametrize("name, how, backend", list(_cases()))
 def test_expected_masks_make_training_equal_eval(name, how, backend, expected_masks):
     cls, options, probabilities = LAYERS[name]
     if how == "checkpoint_every":
