@@ -59,7 +59,7 @@ def _padding(value: object, kernel_size: tuple[int, ...], stride: tuple[int, ...
     if any(s != 1 for s in stride):
         raise ShapeError("padding='same' is not supported for strided convolutions")
     totals = [d * (k - 1) for k, d in zip(kernel_size, dilation)]
-    return tuple(t // 2 for t in totals), tuple(t - 2 * (t // 2) for t in totals)
+    return tuple(t // 2 for t in totals), tuple(t % 2 for t in totals)
 
 
 def _pad_after(x: Tensor, extra: tuple[int, ...]) -> Tensor:

@@ -220,7 +220,7 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
                     stack.enter_context(_outdir.exclusive(cfg.out))
                 except _outdir.OutputInUse as e:
                     refused = e
-            if _distributed.all_sum(procs, [float(refused is not None) if procs.main else 0.0])[0]:
+            if _distributed.all_sum(procs, [float(refused is not None)])[0]:  # (None off rank 0)
                 raise refused or _outdir.OutputInUse(f"--out {cfg.out}: another fastlayers train run is using it")
             return _run(cfg, procs, say)
     finally:
