@@ -139,6 +139,46 @@ def test_lstm_with_a_projection(mode):
                [_x(12, 6, 8, seed=seed)], mode)
 
 
+def _results(out):
+    """The tensors of a layer's (output, h_n or (h_n, c_n)) or a cell's h or (h, c), flat."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _results(o)]
+
+
+@pytest.mark.parametrize("name,options", [(n, False) for n in ("LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell")]
+                         + [(n, True) for n in ("LSTM", "GRU", "LSTMCell", "GRUCell")])
+@pytest.mark.parametrize("state", [None, torch.float32, BF16], ids=["no state", "float32 state", "bf16 state"])
+def test_an_autocast_activation_feeds_a_float32_module(name, options, state):
+    """An autocast layer's bf16 output (or a bf16 state) reaching a float32 module inside the
+    autocast region: torch.nn's modules take it (ours once raised "input dtype ... does not match
+    weight dtype"). Ours runs it as the float32 call under autocast, bitwise (the conversion is
+    exact); the results in torch's dtype (a layer's: the autocast dtype; a cell's: that of the
+    state its step adds to), the input's gradient in bf16."""
+    cell = name.endswith("Cell")
+    kw = {"layer_norm": True} if options else {}
+    torch.manual_seed(0)
+    ours = getattr(fastlayers, name)(8, 16, **kw).eval()
+    theirs = getattr(nn, name)(8, 16)
+    theirs.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith("ln_")})
+    x = _x(6, 8) if cell else _x(12, 6, 8)
+    shape = (6, 16) if cell else (1, 6, 16)
+    hx = None if state is None else _x(*shape, seed=1).to(state)
+    hx = (hx, hx.clone()) if hx is not None and name.startswith("LSTM") else hx
+    a = x.to(BF16).requires_grad_()
+    with torch.autocast("cpu", BF16):
+        got = _results(ours(a, hx))
+        as_float32 = _results(ours(a.detach().float(), None if hx is None else _precision.autocast_operand(
+            hx, torch.float32)))
+        want_dtypes = [t.dtype for t in _results(theirs(a, hx))]
+    if not options and name != "GRU":  # (torch's GRU layer returns float32 here: ours the autocast dtype, as
+        assert [t.dtype for t in got] == want_dtypes  # documented in docs/precision.md)
+    for g, f in zip(got, as_float32, strict=True):
+        assert torch.equal(g, f.to(g.dtype))
+    grad, = torch.autograd.grad(sum(t.float().sum() for t in got), a)
+    assert grad.dtype == BF16 and grad.abs().sum() > 0
+
+
 class _NaiveLoop(nn.Module):
     """The LayerNorm / peephole / clip cell written the plain way, one step at a time, every op in
     the parameters' dtype (bf16 state included): the plain-torch formulation of the options."""

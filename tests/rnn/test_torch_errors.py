@@ -128,10 +128,15 @@ def _cell_cases(name: str) -> dict[str, tuple]:
         "input rank 3": (torch.randn(2, 3, 4), None), "input rank 0": (torch.tensor(1.0), None),
         "unbatched input, batched hx": (torch.randn(4), st(1, 5)), "batched input, unbatched hx": (x, st(5)),
         "input not a tensor": ([[1.0] * 4] * 3, None), "hx not a tensor": (x, "h"),
+        # two faults: torch's LSTM and RNN cells multiply the state first, its GRU cell the input
+        "input and hx dtype": (x.double(), st(3, 5, dtype=torch.bfloat16)),
+        "hx bfloat16": (x, st(3, 5, dtype=torch.bfloat16)),
     }
     if lstm:
         cases.update({"hx one tensor": (x, torch.zeros(3, 5)), "hx of three": (x, (torch.zeros(3, 5),) * 3),
-                      "hx of one": (x, (torch.zeros(3, 5),)), "c size": (x, (torch.zeros(3, 5), torch.zeros(3, 6)))})
+                      "hx of one": (x, (torch.zeros(3, 5),)), "c size": (x, (torch.zeros(3, 5), torch.zeros(3, 6))),
+                      "hx an iterator": (x, iter(st(3, 5))),  # (torch uses it up checking ranks, then refuses it)
+                      "unbatched input, hx an iterator": (torch.randn(4), iter(st(5)))})
     else:
         cases["hx a tuple"] = (x, (torch.zeros(3, 5),))
     return cases
@@ -155,6 +160,47 @@ def test_torchs_message_first(name, case):
     message = str(expected.value).splitlines()[0]
     assert str(got.value).startswith(message + "; "), (str(got.value), message)
     assert len(str(got.value)) > len(message) + 10  # our details follow
+
+
+_DTYPE_CASES = ("input dtype", "integer input", "hx dtype", "input and hx dtype", "hx bfloat16")
+
+
+@pytest.mark.parametrize("name", ["LSTMCell", "GRUCell", "RNNCell"])
+@pytest.mark.parametrize("case", _DTYPE_CASES)
+def test_cells_without_bias_report_the_products_message(name, case):
+    """Without biases torch's cells multiply with mm, whose message differs from addmm's ("expected
+    m1 and m2 to have the same dtype, but got: double != float"): ours starts with that one then."""
+    x, hx = _cell_cases(name)[case]
+    with pytest.raises(Exception) as expected:
+        getattr(nn, name)(4, 5, bias=False)(x, hx)
+    with pytest.raises(Exception) as got:
+        getattr(fastlayers, name)(4, 5, bias=False)(x, hx)
+    assert str(expected.value).startswith("expected m1 and m2 to have the same dtype")
+    assert isinstance(got.value, type(expected.value))
+    assert str(got.value).startswith(str(expected.value) + "; "), (str(got.value), str(expected.value))
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_layers_with_bf16_parameters_check_the_state_dtype(mode, dtype):
+    """A bfloat16 layer given a state of another dtype: an error as torch's (fastlayers.RNN once
+    rounded any state, an int64 one too, and ran)."""
+    ours = getattr(fastlayers, mode)(4, 5, dtype=torch.bfloat16)
+    x, h = torch.randn(6, 3, 4, dtype=torch.bfloat16), torch.ones(1, 3, 5, dtype=dtype)
+    with pytest.raises(RuntimeError, match=r"^Input and hidden tensors are not the same dtype, found input tensor "
+                                           r"with BFloat16 and hidden tensor with"):
+        ours(x, (h, h) if mode == "LSTM" else h)
+
+
+def test_lstm_cell_sizes_as_torchs_constructor():
+    """LSTMCell(F, 0) is a valid torch cell (an empty state); a negative hidden_size is torch's own
+    error (ours once refused both with a proj_size message)."""
+    assert fastlayers.LSTMCell(3, 0)(torch.randn(2, 3))[0].shape == nn.LSTMCell(3, 0)(torch.randn(2, 3))[0].shape
+    with pytest.raises(RuntimeError) as expected:
+        nn.LSTMCell(3, -1)
+    with pytest.raises(RuntimeError) as got:
+        fastlayers.LSTMCell(3, -1)
+    assert str(got.value) == str(expected.value)
 
 
 @pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])

@@ -26,6 +26,7 @@ from typing import Iterator
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
 
 LOW = (torch.bfloat16, torch.float16)
 
@@ -56,6 +57,23 @@ def dtypes(x: Tensor) -> tuple[torch.dtype, torch.dtype]:
 
 def is_low(x: Tensor) -> bool:
     return dtypes(x)[0] in LOW
+
+
+def autocast_operand(t: object, weight_dtype: torch.dtype) -> object:
+    """An activation in a low dtype (an autocast layer's bf16 output) reaching float32 parameters
+    while autocast is on for its device: converted to float32, so the call runs as a float32 call
+    under autocast (products in the autocast dtype, results in it). torch.nn's recurrent modules take
+    it (their dtype check is skipped under autocast, and autocast casts the products' operands); the
+    conversion is exact and differentiable (the gradient comes back in ``t``'s dtype). Anything else
+    (None, a float32 or float64 tensor, autocast off) passes through, itself; a tuple or list element-wise."""
+    if isinstance(t, PackedSequence):
+        return t.to(torch.float32) if autocast_operand(t.data, weight_dtype) is not t.data else t
+    if isinstance(t, (tuple, list)):
+        converted = [autocast_operand(e, weight_dtype) for e in t]
+        return t if all(a is b for a, b in zip(converted, t)) else type(t)(converted)
+    if isinstance(t, Tensor) and t.dtype in LOW and weight_dtype == torch.float32 and autocasting(t.device.type):
+        return t.float()
+    return t
 
 
 def rounded(t: object, low: torch.dtype) -> object:

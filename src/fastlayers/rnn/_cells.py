@@ -150,9 +150,12 @@ class _Cell(NotScriptable):
         ``(h, c)``, c (B, H)), zeros if None; ``recurrent_mask`` (B, P) from :meth:`recurrent_mask`
         (the same for every step of a sequence) or None. Returns the next state in the input's
         dtype: h (B, P) (LSTMCell: ``(h, c)``). Errors as torch.nn's cells (the class docstring)."""
+        given = input, hx
+        if self.weight_ih.dtype == torch.float32:  # an autocast layer's bf16 output: as torch.nn's cells take it
+            input, hx = _precision.autocast_operand(input, torch.float32), _precision.autocast_operand(hx, torch.float32)
         x, states, batched = check_cell(f"{self.mode}Cell", self.mode, input, hx,
                                         input_size=self.input_size, weight_dtype=self.weight_ih.dtype,
-                                        sizes=self._state_sizes())
+                                        sizes=self._state_sizes(), bias=self.bias)
         if recurrent_mask is not None:
             recurrent_mask = check_mask("recurrent_mask", recurrent_mask, batched, x.size(0), self._state_sizes()[0])
         if self.mode == "RNN" and self.nonlinearity not in ("tanh", "relu"):  # torch.nn.RNNCell checks it per call
@@ -163,6 +166,9 @@ class _Cell(NotScriptable):
         new = step(self.mode, x, states, self._params(), self.options, training=training,
                    recurrent_mask=recurrent_mask, nonlinearity=self.nonlinearity if self.mode == "RNN" else "tanh")
         new = new if batched else tuple(s.squeeze(0) for s in new)
+        if (input is not given[0] or hx is not given[1]) and self.mode != "RNN" and self.options.plain:  # converted for autocast: torch's result dtype, that of
+            out = _autocast_result(self.mode, *given)  # the state its pointwise step adds to (the input's if none)
+            new = tuple(s.to(out) for s in new)
         return new if self.mode == "LSTM" else new[0]
 
     def recurrent_mask(self, batch: int) -> Tensor | None:
@@ -239,6 +245,15 @@ _CELL_DOC = """
 """
 
 
+def _autocast_result(mode: str, input: Tensor, hx: Any) -> torch.dtype:
+    """The dtype torch.nn's LSTMCell / GRUCell return under autocast: its gates come out of the
+    autocast products, then the step adds the given state (LSTM: c, GRU: h) to them, so the result
+    takes that state's dtype (the input's when no state is given, as its zeros)."""
+    if hx is None:
+        return input.dtype
+    return (hx[1] if mode == "LSTM" else hx).dtype
+
+
 class LSTMCell(_Cell, nn.LSTMCell):
     __doc__ = (
         "LSTM cell (Hochreiter & Schmidhuber 1997) as :class:`torch.nn.LSTMCell`, plus the cell options "
@@ -257,7 +272,8 @@ class LSTMCell(_Cell, nn.LSTMCell):
                  zoneout: float | tuple[float, float] | None = None, recurrent_dropout: float = 0.0,
                  proj_clip: float | None = None) -> None:
         options = CellOptions.make(layer_norm, peephole, cell_clip, zoneout, recurrent_dropout, proj_clip)
-        if isinstance(proj_size, bool) or not isinstance(proj_size, int) or not 0 <= proj_size < hidden_size:
+        if isinstance(proj_size, bool) or not isinstance(proj_size, int) or proj_size != 0 and not \
+                0 < proj_size < hidden_size:  # (0 whatever hidden_size is: torch's constructor then checks it)
             raise ValueError(f"proj_size: expected an int in [0, hidden_size = {hidden_size}), got {proj_size!r}")
         if options.proj_clip is not None and proj_size == 0:
             raise ValueError(f"proj_clip: clips the projection, so it needs proj_size > 0; got proj_clip="

@@ -77,6 +77,14 @@ class _LengthsMixin(NotScriptable):
         return check_layer("RNN" if self.mode.startswith("RNN") else self.mode, input, hx, input_size=self.input_size,
                            weight_dtype=self._flat_weights[0].dtype, expected=expected)
 
+    def _autocast_operands(self, input: Any, hx: Any) -> tuple[Any, Any]:
+        """(input, hx) with a low-precision activation converted to float32 where autocast is on and
+        the parameters are float32 (:func:`fastlayers._core.precision.autocast_operand`)."""
+        weight = self._flat_weights[0].dtype if self._flat_weights else None
+        if weight != torch.float32:
+            return input, hx
+        return _precision.autocast_operand(input, weight), _precision.autocast_operand(hx, weight)
+
     def _options_plain(self) -> bool:
         return True
 
@@ -103,7 +111,13 @@ class _LengthsMixin(NotScriptable):
         ``input`` runs the same way and returns a jagged (B, j, D*P) output with its offsets.
         ValueError / TypeError for a bad ``cu_seqlens`` (not starting at 0, decreasing, a sequence
         of length 0, not ending at N, another dtype or device), ``cu_seqlens`` with ``lengths``,
-        a strided nested tensor or ragged features (:mod:`fastlayers._core.jagged`)."""
+        a strided nested tensor or ragged features (:mod:`fastlayers._core.jagged`).
+
+        Under ``torch.autocast`` a bfloat16 / float16 ``input`` or state reaching float32
+        parameters (an autocast layer's output) runs as the float32 call (as torch.nn's modules
+        take it); outputs in the autocast dtype."""
+        given = input, hx
+        input, hx = self._autocast_operands(input, hx)
         if isinstance(input, Tensor) and input.is_nested:
             if cu_seqlens is not None or lengths is not None:
                 raise ValueError("cu_seqlens, lengths: expected None for a NestedTensor input (it carries its offsets)")
@@ -123,7 +137,7 @@ class _LengthsMixin(NotScriptable):
                 raise ValueError("lengths: expected None for PackedSequence input (it carries its own lengths)")
             if not self._options_plain():
                 return self._forward_packed(input, hx)
-            return super().forward(input, hx)  # type: ignore[misc]
+            return super().forward(*given)  # type: ignore[misc]  (torch's own, autocast and all)
         exporting = torch.compiler.is_exporting()  # every layer one operator (._ops_export): T and B stay dynamic
         # an input that _check_args passes as it is: the backend is decided first (once), and the plain
         # call goes straight to torch's forward
@@ -486,7 +500,7 @@ class CellView(NotScriptable, nn.Module):
         w = params["weight_ih"]
         sizes = (rnn.proj_size or rnn.hidden_size, rnn.hidden_size) if rnn.mode == "LSTM" else (rnn.hidden_size,)
         x, states, batched = check_cell(f"{rnn.mode}Cell", rnn.mode, input, hx, input_size=w.size(1),
-                                        weight_dtype=w.dtype, sizes=sizes)
+                                        weight_dtype=w.dtype, sizes=sizes, bias=rnn.bias)
         # the step function of fastlayers.LSTMCell / GRUCell: bitwise-equal steps for equal parameters
         new = step(rnn.mode, x, states, params, rnn.options)
         new = new if batched else tuple(s.squeeze(0) for s in new)
@@ -525,6 +539,7 @@ class RNN(_LengthsMixin, nn.RNN):
         varlen (N, F) with ``cu_seqlens``, a jagged NestedTensor), ``hx`` (L*D, B, H) or None,
         ``lengths`` (B,) or None -> ``(output (T, B, D*H), h_n (L*D, B, H))`` with the packed
         semantics; errors as torch.nn.RNN's (the class docstring)."""
+        input, hx = self._autocast_operands(input, hx)
         if cu_seqlens is not None or max_seqlen is not None or (isinstance(input, Tensor) and input.is_nested):
             return super().forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if isinstance(input, Tensor) and input.device.type == "cpu" and _precision.is_low(input) \
@@ -539,6 +554,7 @@ class RNN(_LengthsMixin, nn.RNN):
         the low dtype."""
         low = _precision.dtypes(input)[0]
         self._update_flat_weights()  # (the parameters this call sees: see _LengthsMixin._run)
+        self._check_args(input, hx)  # torch's errors for a state of another dtype, before it is rounded
         rounded = lambda t: _precision.rounded(t, low)  # noqa: E731
         own = self._flat_weights  # what torch's RNN kernels read: swapped for this call only
         self._flat_weights = [rounded(w) for w in own]

@@ -148,11 +148,12 @@ def _same_dtype_device(name: str, state: Tensor, input: Tensor) -> None:
 # ---- cells (torch.nn.LSTMCell / GRUCell / RNNCell .forward, then the checks of their ATen kernels)
 
 def check_cell(cls: str, mode: str, input: object, hx: object, *, input_size: int, weight_dtype: torch.dtype,
-               sizes: tuple[int, ...]) -> tuple[Tensor, tuple[Tensor, ...], bool]:
+               sizes: tuple[int, ...], bias: bool = True) -> tuple[Tensor, tuple[Tensor, ...], bool]:
     """Validate a cell call; returns (input (B, F), states as batched 2-D tensors, whether batched).
 
     ``cls``: the torch class name in messages ("LSTMCell", ...); ``mode``: "LSTM", "GRU" or "RNN";
-    ``sizes``: the state sizes, (P, H) for LSTM (P = H without a projection), (H,) otherwise.
+    ``sizes``: the state sizes, (P, H) for LSTM (P = H without a projection), (H,) otherwise;
+    ``bias``: whether the cell has biases (torch's message for a dtype differs without them).
     A missing state (None) is zeros.
     """
     fast = _cell_fast_path(mode, input, hx, input_size, weight_dtype, sizes)
@@ -186,19 +187,37 @@ def check_cell(cls: str, mode: str, input: object, hx: object, *, input_size: in
             theirs = (f"hidden{i} has inconsistent hidden_size: got {state.size(1)}, expected {size}; "
                       if state.dim() > 1 and state.size(1) != size else "")
             raise ShapeError(f"{theirs}{name}: expected shape {want} {'(B, H)' if batched else '(H,)'}, got {got}")
-    if x.dtype != weight_dtype:
+    # torch's LSTM and RNN cells multiply the state first (its GRU cell the input): with both of
+    # another dtype than the parameters, the state's is the one reported
+    state_first = hx is not None and mode != "GRU" and states[0].dtype != weight_dtype
+    if x.dtype != weight_dtype and not state_first:
         raise InputDtypeError(
-            f"mat1 and mat2 must have the same dtype, but got {_scalar(x.dtype)} and {_scalar(weight_dtype)}; input: "
-            f"expected dtype {weight_dtype} (the parameters' dtype), got {x.dtype}. Convert input: "
-            f"input.to({weight_dtype}), or convert model: model.to({x.dtype})")
+            f"{_product_dtype_message(x.dtype, weight_dtype, bias)}; input: expected dtype {weight_dtype} (the "
+            f"parameters' dtype), got {x.dtype}. Convert input: input.to({weight_dtype}), or convert model: "
+            f"model.to({x.dtype})")
     for i, (name, state) in enumerate(zip(names, states)):
-        if state.dtype != x.dtype:
-            theirs = (f"mat1 and mat2 must have the same dtype, but got {_scalar(state.dtype)} and "
-                      f"{_scalar(weight_dtype)}; " if i == 0 else "")
-            raise DtypeError(f"{theirs}{name}: expected dtype {x.dtype} (that of input), got {state.dtype}")
+        if state.dtype != x.dtype or i == 0 and state_first:
+            theirs = f"{_product_dtype_message(state.dtype, weight_dtype, bias)}; " if i == 0 else ""
+            want = f"{x.dtype} (that of input)" if x.dtype == weight_dtype else f"{weight_dtype} (the parameters')"
+            raise DtypeError(f"{theirs}{name}: expected dtype {want}, got {state.dtype}")
         if state.device != x.device:
             raise DeviceError(f"{name}: expected device {x.device} (that of input), got {state.device}")
     return x, states, batched
+
+
+_CPP = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
+        torch.int64: "long int", torch.int32: "int", torch.int16: "short int", torch.int8: "signed char",
+        torch.uint8: "unsigned char", torch.bool: "bool", torch.complex64: "c10::complex<float>",
+        torch.complex128: "c10::complex<double>"}
+
+
+def _product_dtype_message(dtype: torch.dtype, weight_dtype: torch.dtype, bias: bool) -> str:
+    """The message of the matrix product a torch cell runs on an operand of another dtype than its
+    weights: addmm's with a bias, mm's (C++ type names) without."""
+    if bias:
+        return f"mat1 and mat2 must have the same dtype, but got {_scalar(dtype)} and {_scalar(weight_dtype)}"
+    cpp = lambda d: _CPP.get(d, str(d).removeprefix("torch."))  # noqa: E731
+    return f"expected m1 and m2 to have the same dtype, but got: {cpp(dtype)} != {cpp(weight_dtype)}"
 
 
 def _cell_fast_path(mode: str, input: object, hx: object, input_size: int, weight_dtype: torch.dtype,
@@ -237,16 +256,18 @@ def _cell_lstm_states(cls: str, hx: object, batched: bool) -> tuple[Tensor, ...]
                              f"(h, c) of two tensors, got {_describe(hx)}")
         raise StateTypeError(f"lstm_cell(): argument 'hx' (position 2) must be tuple of Tensors, not Tensor; hx: "
                              f"expected a tuple (h, c) of two tensors, got {_describe(hx)}")
-    if not isinstance(hx, (tuple, list)):
-        if not hasattr(hx, "__iter__"):
-            raise StateTypeError(f"'{type(hx).__name__}' object is not iterable; hx: expected a tuple (h, c) of two "
-                                 f"tensors, got {type(hx).__name__}")
-        hx = tuple(hx)  # type: ignore[arg-type]
-    for idx, value in enumerate(hx):
+    kind = type(hx).__name__
+    if not isinstance(hx, (tuple, list)) and not hasattr(hx, "__iter__"):
+        raise StateTypeError(f"'{kind}' object is not iterable; hx: expected a tuple (h, c) of two tensors, got {kind}")
+    for idx, value in enumerate(hx):  # type: ignore[arg-type]  (as torch's forward: an iterator is used up here)
         rank = _rank(f"hx[{idx}]", value)
         if rank not in (1, 2):
             raise ValueError(f"{cls}: Expected hx[{idx}] to be 1D or 2D, got {rank}D instead; hx[{idx}]: expected "
                              f"{'(B, H)' if batched else '(H,)'}, got shape {tuple(value.shape)}")
+    if not isinstance(hx, (tuple, list)):  # then torch indexes it (unbatched) or hands it to its kernel
+        theirs = (f"lstm_cell(): argument 'hx' (position 2) must be tuple of Tensors, not {kind}" if batched else
+                  f"'{kind}' object is not subscriptable")
+        raise StateTypeError(f"{theirs}; hx: expected a tuple (h, c) of two tensors, got {kind}")
     if not batched and len(hx) < 2:  # torch reads hx[0] and hx[1] to unsqueeze them
         raise StateTypeError(f"tuple index out of range; hx: expected a tuple (h, c) of two tensors, got {_describe(hx)}")
     if len(hx) != 2:
