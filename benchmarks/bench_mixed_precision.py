@@ -129,6 +129,8 @@ def main() -> int:
     def make_inputs():
         return {"x": torch.rand(t, b, d, generator=torch.Generator().manual_seed(0)).requires_grad_(True)}
 
+    # times only (check=False): the rows compute different functions (LayerNorm vs plain cells, other
+    # weights, other precisions); the precision rule is tested in tests/test_mixed_precision.py
     rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=False,
                   workload=f"LN-{name} precision (B{name} {d} -> {h}x2, T={t}, B={b})",
                   progress=lambda m: print("  ..", m, file=sys.stderr, flush=True))

@@ -17,16 +17,16 @@ $py benchmarks/attention/bench_attention.py --repeats 20 > "$out/attention_pool.
 $py benchmarks/local/bench_local_kernels.py > "$out/local_kernels.txt"
 $py benchmarks/local/bench_local.py --repeats 20 > "$out/local.txt"
 for w in attention local2d fused-rnn; do
-  $fl bench "$w" --size seed --repeats 5 --json "$out/$w.json" --plot "$out/$w.png" > "$out/$w.txt"
+  $fl bench "$w" --size seed --repeats 5 --overwrite --json "$out/$w.json" --plot "$out/$w.png" > "$out/$w.txt"
 done
-$fl bench blstm --size seed --repeats 3 --json "$out/blstm.json" --plot "$out/blstm.png" > "$out/blstm.txt"
+$fl bench blstm --size seed --repeats 3 --overwrite --json "$out/blstm.json" --plot "$out/blstm.png" > "$out/blstm.txt"
 # GPU tables (issue: Triton kernels), only where a CUDA GPU is present
 if $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   $py benchmarks/bench_gpu_local.py --device cuda --repeats 20 > "$out/gpu_local.txt"
   $py benchmarks/rnn/bench_gpu_engine.py --device cuda --repeats 7 > "$out/gpu_engine.txt"
   for w in attention local2d; do
-    $fl bench "$w" --size seed --device cuda --repeats 20 --json "$out/$w-cuda.json" > "$out/$w-cuda.txt"
+    $fl bench "$w" --size seed --device cuda --repeats 20 --overwrite --json "$out/$w-cuda.json" > "$out/$w-cuda.txt"
   done
-  $fl bench local2d --size seed-large --device cuda --repeats 20 --json "$out/local2d-large-cuda.json" \
+  $fl bench local2d --size seed-large --device cuda --repeats 20 --overwrite --json "$out/local2d-large-cuda.json" \
     > "$out/local2d-large-cuda.txt"
 fi

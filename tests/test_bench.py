@@ -181,6 +181,94 @@ def test_cotangents_are_cast_once_outside_the_timed_calls(check):
     assert 8_000_000 <= rep["double"].peak_memory_bytes < 11_000_000
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_nan_output_is_a_mismatch(which):
+    """NaN compares False with the tolerance and Python's max drops it: it once passed as "ok"."""
+    def nan_in(x, y):
+        outs = [good(x, y), good(x, y) * 2]
+        outs[which] = outs[which] * torch.tensor([float("nan")] + [1.0] * (outs[which].size(1) - 1))
+        return tuple(outs)
+
+    rep = compare({"ref": lambda x, y: (good(x, y), good(x, y) * 2), "nan": nan_in}, _inputs, repeats=1, warmup=0,
+                  memory=False)
+    assert rep["nan"].output_error == float("inf") and "value mismatch" in rep["nan"].flags
+    assert rep["ref"].flags == [] or rep["ref"].flags == ["cliff"]
+
+
+def test_a_nan_gradient_is_a_mismatch_not_a_missing_one():
+    class NanGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * float("nan")
+
+    rep = compare({"ref": good, "nan": lambda x, y: good(NanGrad.apply(x), y)}, _inputs, repeats=1, warmup=0,
+                  memory=False)
+    assert "gradient mismatch: input:x" in rep["nan"].flags
+    assert not any(f.startswith("missing") for f in rep["nan"].flags)
+
+
+def test_parameters_a_function_reference_cannot_name_are_flagged():
+    """A module candidate against a plain-function reference: its parameters have no counterpart,
+    so a dropped one is "missing" and the others "unchecked" (they once went unreported)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+
+    class DetachesWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x, y):
+            return torch.nn.functional.linear(x, self.lin.weight.detach(), self.lin.bias) + y
+
+    rep = compare({"fn": lambda x, y: torch.nn.functional.linear(x, lin.weight, lin.bias) + y,
+                   "module": DetachesWeight()}, _inputs, repeats=1, warmup=0, memory=False, reference_dtype=None)
+    assert "missing gradient: param:lin.weight" in rep["module"].flags
+    assert "unchecked gradient: param:lin.bias" in rep["module"].flags
+    assert rep["module"].failures() and not rep["fn"].failures()
+
+
+def test_a_closures_parameters_are_cleared_between_timed_calls():
+    """The timed calls of a closure over a module start without accumulated gradients, as a
+    module candidate's do (a closure once timed accumulation into its parameters' .grad)."""
+    lin = nn.Linear(3, 3)
+    seen = []
+
+    def closure(x, y):
+        seen.append(lin.weight.grad is None)
+        return lin(x) + y
+
+    compare({"closure": closure}, _inputs, repeats=3, warmup=1, memory=False, block_s=0.0, reference_dtype=None)
+    assert len(seen) > 4 and all(seen)
+
+
+def test_unchecked_comparisons_say_so():
+    rep = compare({"a": torch.tanh, "b (wrong)": torch.sigmoid}, lambda: {"x": torch.randn(4, requires_grad=True)},
+                  repeats=1, warmup=0, memory=False, check=False)
+    assert rep.checked is False and rep.reference == "none (not checked)"
+    assert "| b (wrong) |" in rep.markdown() and rep.markdown().count("not checked |") == 2
+    assert "values and gradients not checked" in rep.markdown()
+    assert Report.from_json(rep.to_json()).checked is False
+
+
+def test_bfloat16_tolerance_is_coarser_than_float16s():
+    """Default rtol by dtype: bf16's precision is 8x coarser than fp16's (torch's own LSTM once
+    failed its check at bf16)."""
+    def inputs(dtype):
+        return lambda: {"x": torch.randn(64, dtype=dtype, requires_grad=True)}
+
+    def rounded_tanh(x):  # an error of ~3e-2 relative: within bf16's budget, outside fp16's
+        return torch.tanh(x) * (1 + 3e-2)
+
+    bf16 = compare({"a": torch.tanh, "b": rounded_tanh}, inputs(torch.bfloat16), repeats=1, warmup=0, memory=False)
+    fp16 = compare({"a": torch.tanh, "b": rounded_tanh}, inputs(torch.float16), repeats=1, warmup=0, memory=False)
+    assert not bf16["b"].failures() and "value mismatch" in fp16["b"].flags
+
+
 def test_bad_reference_name():
     with pytest.raises(ValueError, match=r"reference: expected a candidate name \['a'\], got 'nope'"):
         compare({"a": good}, _inputs, reference="nope", repeats=1)
@@ -216,6 +304,10 @@ def test_cli_small_runs_every_workload(workload, tmp_path, capsys):
     (["--json", "{tmp}"], r"--json \S+: is a folder; expected a file name"),
     (["--plot", "{tmp}/r.txt"], r"--plot \S+/r.txt: expected a file name ending in one of matplotlib's formats "
                                 r"\(.*\.png.*\), got '.txt'"),
+    (["--json", "{tmp}/earlier.json"], r"--json \S+/earlier.json: exists; pass --overwrite to replace it, or name "
+                                       r"another file"),
+    (["--plot", "{tmp}/earlier.json"], r"--plot \S+/earlier.json: exists; pass --overwrite to replace it, or name "
+                                       r"another file"),
 ])
 def test_cli_refuses_bad_settings_before_measuring(extra, message, tmp_path, monkeypatch):
     """A setting the run would fail on (a device torch cannot use, a report file that cannot be
@@ -226,9 +318,47 @@ def test_cli_refuses_bad_settings_before_measuring(extra, message, tmp_path, mon
         raise AssertionError("the benchmark ran")
 
     monkeypatch.setattr(_cli, "compare", measured)
+    (tmp_path / "earlier.json").write_text("the user's earlier report")
     with pytest.raises(SystemExit) as got:
         main(["bench", "attention", "--size", "small", *[a.format(tmp=tmp_path) for a in extra]])
     assert re.fullmatch("fastlayers bench: " + message, str(got.value)), str(got.value)
+    assert (tmp_path / "earlier.json").read_text() == "the user's earlier report"
+
+
+def test_cli_plot_without_a_suffix_needs_matplotlib_before_measuring(tmp_path, monkeypatch):
+    """``--plot chart`` (a PNG) without matplotlib: refused before the measurement, as ``chart.png``."""
+    import sys
+
+    from fastlayers.bench import _cli
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(_cli, "compare", measured)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.delitem(sys.modules, "matplotlib.figure", raising=False)
+    with pytest.raises(SystemExit, match="needs matplotlib"):
+        main(["bench", "attention", "--size", "small", "--plot", str(tmp_path / "chart")])
+
+
+def test_cli_exits_non_zero_when_a_candidate_fails_its_check(monkeypatch, capsys):
+    """A candidate whose gradient is dropped fails ``fastlayers bench`` (exit status 1, the
+    candidate named); the flags a workload expects (its padded speed anchors) do not."""
+    from fastlayers.bench import _cli, _workloads
+
+    real = _workloads.attention
+
+    def broken(*args, **kwargs):
+        w = real(*args, **kwargs)
+        name = "fastlayers.attention_pool"
+        fn = w.candidates[name]
+        w.candidates[name] = lambda **kw: [o.detach() for o in fn(**kw)]  # no gradient at all
+        return w
+
+    monkeypatch.setitem(_cli.WORKLOADS, "attention", broken)
+    assert main(["bench", "attention", "--size", "small", "--repeats", "1", "--warmup", "0", "--no-memory"]) == 1
+    assert re.search(r"check failed .*fastlayers\.attention_pool: missing gradient", capsys.readouterr().out)
+    assert main(["bench", "blstm", "--size", "small", "--repeats", "1", "--warmup", "0", "--no-memory"]) == 0
 
 
 def test_cli_report_files_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
@@ -248,7 +378,8 @@ def test_cli_report_files_are_written_whole_or_not_at_all(tmp_path, monkeypatch)
 
     monkeypatch.setattr(_cli, "write_atomic", write_then_fail)
     with pytest.raises(OSError, match="disk full"):
-        main(["bench", "attention", "--size", "small", "--repeats", "1", "--no-memory", "--json", str(out)])
+        main(["bench", "attention", "--size", "small", "--repeats", "1", "--no-memory", "--overwrite", "--json",
+              str(out)])
     assert out.read_text() == "the user's earlier report"
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 

@@ -15,7 +15,9 @@ import argparse
 import sys
 
 import torch
+from torch import nn
 
+import fastlayers
 from fastlayers import AttentionPooling, attention_pool
 from fastlayers.bench import compare
 
@@ -25,6 +27,25 @@ def einsum_masked(query, keys, values, lengths):
     valid = torch.arange(keys.size(1)) < lengths.unsqueeze(1)
     weights = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=1)
     return torch.einsum("bt,btd->bd", weights, values), weights
+
+
+def einsum_masked_scaled(query, keys, values, lengths):
+    return einsum_masked(query / keys.size(2) ** 0.5, keys, values, lengths)
+
+
+class OnBackend(nn.Module):
+    """An attention module run on a forced backend ("reference": the plain-torch twin, the oracle
+    of the additive score's check), its parameters under ``pool.``."""
+
+    def __init__(self, pool: nn.Module, backend: str | None) -> None:
+        super().__init__()
+        self.pool, self.backend = pool, backend
+
+    def forward(self, query, keys, values, lengths):
+        if self.backend is None:
+            return self.pool(query, keys, values, lengths)
+        with fastlayers.backend(self.backend):
+            return self.pool(query, keys, values, lengths)
 
 
 def main() -> int:
@@ -53,15 +74,24 @@ def main() -> int:
     rep_all = compare(dot, inputs(True), repeats=args.repeats, warmup=2, workload="same, values requiring grad too")
     print(rep_all.markdown())
     print()
-    others = {"fastlayers scaled_dot": lambda query, keys, values, lengths:
-              attention_pool(query, keys, values, lengths, score="scaled_dot"),
-              "fastlayers additive (module)": lambda query, keys, values, lengths: additive(query, keys, values, lengths)}
-    rep2 = compare(others, inputs(False), repeats=args.repeats, warmup=2, check=False,
-                   workload="other scores, values without grad")
+    # the other scores, each checked against its plain formulation in float64 (values and gradients)
+    scaled = {"fastlayers scaled_dot": lambda query, keys, values, lengths:
+              attention_pool(query, keys, values, lengths, score="scaled_dot")}
+    rep2 = compare(scaled, inputs(False), reference=einsum_masked_scaled, repeats=args.repeats, warmup=2,
+                   workload="scaled_dot score, values without grad (checked against einsum on query / sqrt(Dk))")
     print(rep2.markdown())
-    for label, r in [("values without grad", x) for x in rep.results[1:] + rep2.results] + \
+    print()
+    rep3 = compare({"fastlayers additive (module)": OnBackend(additive, None)}, inputs(False),
+                   reference=OnBackend(additive, "reference"), repeats=args.repeats, warmup=2,
+                   workload="additive score, values without grad (checked against the reference backend)")
+    print(rep3.markdown())
+    failed = [f"{r.name}: {r.failures()}" for x in (rep, rep_all, rep2, rep3) for r in x.results if r.failures()]
+    for label, r in [("values without grad", x) for x in rep.results[1:] + rep2.results + rep3.results] + \
             [("values with grad", x) for x in rep_all.results[1:]]:
         print(f"{r.name} ({label}): fwd+bwd / fwd = {r.backward_ratio:.2f}")
+    if failed:
+        print(f"check failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

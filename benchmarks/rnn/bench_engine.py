@@ -128,16 +128,24 @@ def main() -> int:
     print(f"per-step loop / engine layer_norm (fwd+bwd): "
           f"{rep.ratio('LayerNorm-LSTM per-step autograd loop', 'fastlayers.LSTM(layer_norm=True)'):.1f}x")
     # correctness at this shape: pairs that compute the same function
+    failed = []
+    checks = {"LayerNorm-LSTM per-step autograd loop + lengths": Engine(ln, lnopt, True, impl=lstm_reference),
+              **candidates}
     for pair in (("torch.nn.LSTM padded (vendor)", "engine, options off"),
                  ("LayerNorm-LSTM per-step autograd loop", "fastlayers.LSTM(layer_norm=True)"),
+                 ("LayerNorm-LSTM per-step autograd loop + lengths", "fastlayers.LSTM(layer_norm=True) + lengths"),
                  ("segment path + lengths", "fastlayers.LSTM + lengths (engine)")):
-        chk = compare({k: candidates[k] for k in pair}, make_inputs, repeats=1, warmup=0, memory=False,
+        chk = compare({k: checks[k] for k in pair}, make_inputs, repeats=1, warmup=0, memory=False,
                       workload="check " + " vs ".join(pair), progress=say)
         errs = {r.name: (r.output_error, max(r.grad_errors.values())) for r in chk.results}
         print(f"check vs {pair[0]} in float64: " + "; ".join(
             f"{n}: max rel err output {e[0]:.1e}, gradients {e[1]:.1e}, flags {chk[n].flags or 'none'}"
             for n, e in errs.items()))
+        failed += [f"{r.name}: {r.failures()}" for r in chk.results if r.failures()]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rep.cpu}")
+    if failed:
+        print(f"check failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -29,7 +29,7 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--configs", default="LSTM:1,GRU:1,LSTM:2")
     args = p.parse_args()
-    reports = []
+    reports, failed = [], []
     for spec in args.configs.split(","):
         mode, layers = spec.split(":")
         if layers == "padded":  # no-lengths drop-in check only: same kernels, so more repeats are cheap
@@ -52,6 +52,8 @@ def main() -> int:
                       memory=False, workload=w.name,
                       progress=lambda m: print("  ..", m, file=sys.stderr, flush=True))
         reports.append(rep)
+        failed += [f"{r.name}: {r.failures()}" for r in rep.results
+                   if any(f.partition(": ")[0] not in w.expected.get(r.name, ()) for f in r.failures())]
         packed, padded = f"torch.nn.{mode} packed (lengths)", f"torch.nn.{mode} padded (ignores lengths)"
         ours, ours_padded = f"fastlayers.{mode} lengths", f"fastlayers.{mode} padded (ignores lengths)"
         print(rep.render(w.anchor))
@@ -64,6 +66,9 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump([json.loads(r.to_json()) for r in reports], f, indent=2)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {reports[0].cpu}")
+    if failed:
+        print(f"check failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

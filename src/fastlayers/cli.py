@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(bench)
     bench.set_defaults(func=_bench)
-    doctor = sub.add_parser("doctor", help="versions, CPU features, compilers, kernel cache, Triton, and the "
+    doctor = sub.add_parser("doctor", help="versions, CPU features, the native library, Triton, and the "
                                            "backend each layer uses here")
     doctor.set_defaults(func=_doctor)
     args = parser.parse_args(argv)

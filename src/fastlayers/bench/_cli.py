@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .._core.files import write_atomic
-from ._harness import compare
+from ._harness import _summarise_flags, compare
 from ._workloads import WORKLOADS
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,9 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG bar chart (matplotlib)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing --json / --plot files (without "
+                                                                  "it an existing file is refused before measuring)")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure, print the table and notes, write the files asked for. Exit status 1 when a
+    candidate fails its check (a flag of ``_harness.FAILURES`` its workload does not expect), else 0."""
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -66,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
         from ._plot import plot_report
 
         plot_report(report, args.plot)
+    failed = [f"{r.name}: {_summarise_flags(unexpected)}" for r in report.results
+              if (unexpected := [f for f in r.failures() if f.partition(": ")[0] not in workload.expected.get(r.name, ())])]
+    if failed:
+        console.print(f"fastlayers bench: check failed (values or gradients differ from the reference): "
+                      f"{'; '.join(failed)}")
+        return 1
     return 0
 
 
@@ -95,8 +105,13 @@ def _check(args: argparse.Namespace) -> None:
             refuse(f"{option} {name}: is a folder; expected a file name")
         if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
             refuse(f"{option} {name}: cannot write there (no writable folder {str(folder)!r})")
-    if args.plot is not None and Path(args.plot).suffix:
-        from matplotlib.figure import Figure
+        if path.exists() and not args.overwrite:
+            refuse(f"{option} {name}: exists; pass --overwrite to replace it, or name another file")
+    if args.plot is not None:
+        from matplotlib.figure import Figure  # (the cli extra's; a missing one fails here, before measuring)
+
+        if not Path(args.plot).suffix:
+            return
 
         formats = Figure().canvas.get_supported_filetypes()
         if Path(args.plot).suffix[1:].lower() not in formats:

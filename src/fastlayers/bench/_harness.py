@@ -6,7 +6,9 @@ over enough back-to-back calls per measurement to last ``block_s``; CUDA synchro
 backward/forward ratio, peak memory of one
 forward+backward call, and the max relative error of the output and of every gradient against a
 reference (default: the first candidate evaluated in float64). Flags: ``value mismatch``,
-``gradient mismatch: <name>``, ``missing gradient: <name>``, ``cliff``.
+``gradient mismatch: <name>``, ``missing gradient: <name>``, ``unchecked gradient: <name>``,
+``cliff`` (:data:`FAILURES`: the kinds that say a candidate does not compute the reference's
+function; a non-finite value or gradient where the reference's is finite is a mismatch).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from torch import Tensor, nn
 from .._core.system import cpu_name
 
 Candidate = Callable[..., Any]
+
+# the flag kinds that say a candidate does not compute the reference's function and gradients (the
+# command line exits non-zero on one a workload does not expect); "cliff" is a speed remark
+FAILURES = ("value mismatch", "gradient mismatch", "missing gradient", "unchecked gradient")
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,11 @@ class CandidateResult:
         output_error: ``max |got - ref| / max |ref|`` of the outputs against the reference (None:
             the reference itself, or not checked).
         grad_errors: the same relative error per gradient (keys ``input:<name>`` and ``param:<name>``).
-        flags: ``"value mismatch"``, ``"gradient mismatch: <name>"``, ``"missing gradient: <name>"``,
-            ``"cliff"``; empty when all is well.
+        flags: ``"value mismatch"``, ``"gradient mismatch: <name>"``, ``"missing gradient: <name>"``
+            (none, or all zero, where the reference's is not), ``"unchecked gradient: <name>"`` (a
+            gradient the reference has no counterpart of, or of a reference parameter a plain-callable
+            candidate cannot name), ``"cliff"``; empty when all is well (also when no check ran:
+            the report's ``checked``).
         calls: back-to-back calls per measurement, forward and forward + backward.
     """
 
@@ -91,6 +100,10 @@ class CandidateResult:
     @property
     def forward_backward_median(self) -> float:
         return statistics.median(self.forward_backward_s) if self.forward_backward_s else float("nan")
+
+    def failures(self) -> list[str]:
+        """The flags of the :data:`FAILURES` kinds."""
+        return [f for f in self.flags if f.partition(": ")[0] in FAILURES]
 
     @property
     def backward_ratio(self) -> float:
@@ -115,6 +128,8 @@ class Report:
         repeats, warmup, reference, cliff_threshold: the settings of :func:`compare`.
         results: one :class:`CandidateResult` per candidate, in the order given.
         notes: remarks for the reader (e.g. a candidate's input layout).
+        checked: whether values and gradients were compared (``compare(check=False)``: times only;
+            the flags column then says "not checked").
     """
 
     workload: str
@@ -129,6 +144,7 @@ class Report:
     cliff_threshold: float
     results: list[CandidateResult]
     notes: list[str] = field(default_factory=list)
+    checked: bool = True
 
     def __getitem__(self, name: str) -> CandidateResult:
         for r in self.results:
@@ -141,6 +157,7 @@ class Report:
         return getattr(self[name], f"{which}_median") / getattr(self[anchor], f"{which}_median")
 
     def to_json(self, indent: int | None = 2) -> str:
+        """The report as JSON (:meth:`from_json` reads it back); times in seconds, memory in bytes."""
         return json.dumps(asdict(self), indent=indent)
 
     @classmethod
@@ -165,7 +182,7 @@ class Report:
                 f"{r.backward_ratio:.1f}",
                 "-" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes / 2**20:.1f}",
                 f"{max(errs):.1e}" if errs else "-",
-                _summarise_flags(r.flags),
+                _summarise_flags(r.flags) if self.checked else ", ".join(r.flags + ["not checked"]),
             ])
         return rows
 
@@ -175,7 +192,7 @@ class Report:
 
         t = Table(title=f"{self.workload}: {self.dtype} on {self.device}, {self.threads} threads, "
                         f"torch {self.torch_version}; median of {self.repeats} after {self.warmup} warm-up")
-        for col in ("candidate", "fwd ms", "fwd+bwd ms", "spread", "x anchor fwd", "x anchor f+b", "bwd/fwd",
+        for col in ("candidate", "fwd ms", "fwd+bwd ms", "spread", "x anchor fwd", "x anchor f+b", "f+b / fwd",
                     "peak MiB", "max rel err", "flags"):
             t.add_column(col, justify="left" if col in ("candidate", "flags") else "right")
         for cells in self._rows(anchor):
@@ -185,9 +202,10 @@ class Report:
     def markdown(self, anchor: str | None = None) -> str:
         """The table as GitHub markdown (times in ms, ratios against ``anchor``)."""
         rows = [f"{self.workload}: {self.dtype} on {self.device} ({self.cpu}), {self.threads} threads, torch "
-                f"{self.torch_version}; median of {self.repeats} after {self.warmup} warm-up; errors vs {self.reference}",
+                f"{self.torch_version}; median of {self.repeats} after {self.warmup} warm-up; "
+                + (f"errors vs {self.reference}" if self.checked else "values and gradients not checked"),
                 "",
-                "| candidate | fwd ms | fwd+bwd ms | spread | fwd x anchor | fwd+bwd x anchor | bwd/fwd | peak MiB "
+                "| candidate | fwd ms | fwd+bwd ms | spread | fwd x anchor | fwd+bwd x anchor | f+b / fwd | peak MiB "
                 "| max rel err | flags |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         rows += ["| " + " | ".join(cells) + " |" for cells in self._rows(anchor)]
@@ -243,6 +261,46 @@ def _differentiables(fn: Candidate, inputs: Inputs) -> dict[str, Tensor]:
     return named
 
 
+def _check_gradients(res: CandidateResult, fn: Candidate, diffs: dict[str, Tensor], ref_grads: dict[str, Any],
+                     rtol: float) -> None:
+    """Flag ``res`` for every gradient that differs from the reference's, is missing (None or all
+    zero where the reference's is not), or cannot be compared (no counterpart by name)."""
+    for key, ref_grad in ref_grads.items():
+        if key not in diffs and key.startswith("param:") and not isinstance(fn, nn.Module):
+            res.flags.append(f"unchecked gradient: {key}")  # a plain callable's parameters have no names
+            continue
+        got = diffs[key].grad if key in diffs else None
+        if ref_grad is not None and bool((ref_grad != 0).any()) and (got is None or not bool((got != 0).any())):
+            res.flags.append(f"missing gradient: {key}")
+            res.grad_errors[key] = float("inf")
+        elif got is not None:
+            res.grad_errors[key] = _rel_err(got, torch.zeros_like(got) if ref_grad is None else ref_grad)
+            if not res.grad_errors[key] <= rtol:
+                res.flags.append(f"gradient mismatch: {key}")
+    for key, t in diffs.items():
+        if key not in ref_grads:  # the candidate's own parameters, which the reference has no counterpart of
+            kind = "missing" if t.grad is None or not bool((t.grad != 0).any()) else "unchecked"
+            res.flags.append(f"{kind} gradient: {key}")
+
+
+def _graph_leaves(outs: list[Tensor], limit: int = 2_000_000) -> list[Tensor]:
+    """The leaf tensors a backward from ``outs`` accumulates into (autograd's AccumulateGrad nodes),
+    found by walking the graph (at most ``limit`` nodes)."""
+    seen: set = set()
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    found: dict[int, Tensor] = {}
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            found[id(variable)] = variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
+
+
 def _clear_grads(tensors: Iterable[Tensor]) -> None:
     for t in tensors:
         t.grad = None
@@ -289,11 +347,18 @@ def _measure(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], backward: 
 
 
 def _rel_err(got: Tensor, want: Tensor) -> float:
+    """``max |got - want| / max |want|`` over the finite entries; inf for another shape or a
+    non-finite entry of ``got`` where ``want`` holds another value (NaN where it is NaN, or the
+    same infinity, agree)."""
     if got.shape != want.shape:
         return float("inf")
-    want = want.detach().double()
-    diff = (got.detach().double() - want).abs().max().item() if want.numel() else 0.0
-    scale = want.abs().max().item() if want.numel() else 0.0
+    want, got = want.detach().double(), got.detach().double().to(want.device)
+    finite = want.isfinite() & got.isfinite()
+    agree = finite | (got == want) | (got.isnan() & want.isnan())
+    if not bool(agree.all()):
+        return float("inf")
+    diff = (got - want)[finite].abs().max().item() if bool(finite.any()) else 0.0
+    scale = want[finite].abs().max().item() if bool(finite.any()) else 0.0
     return diff / scale if scale > 0 else diff
 
 
@@ -388,12 +453,14 @@ def compare(
         block_s: the shortest duration of one measurement, in seconds.
         cliff_threshold: flag ``cliff`` when (forward+backward) / forward exceeds it.
         rtol: max relative error (``max |got - ref| / max |ref|``) before a mismatch flag; default
-            1e-3 for float32, 1e-2 for 16-bit floats, 1e-7 for float64.
+            1e-3 for float32, 1e-2 for float16, 8e-2 for bfloat16 (8x float16's: its precision is
+            8x coarser), 1e-7 for float64.
         memory: measure peak memory of one forward+backward (CPU: the torch profiler's
             allocation records in time order; CUDA: max_memory_allocated). A candidate with the
             attribute ``bench_memory = False`` is left out (reported as "-"): recording every
             op of a per-view candidate with ~10^6 ops takes tens of GiB on CPU.
-        check: compare values and gradients (False: time only).
+        check: compare values and gradients (False: time only; the report's ``checked`` is False
+            and its table says "not checked" instead of a flag).
         progress: called with a short message before each step (for a progress bar).
 
     Returns:
@@ -415,11 +482,14 @@ def compare(
     floats = [t for t in tensors if t.is_floating_point()]
     dtype = floats[0].dtype if floats else torch.float32
     if rtol is None:
-        rtol = {torch.float64: 1e-7, torch.float32: 1e-3}.get(dtype, 1e-2)
+        rtol = {torch.float64: 1e-7, torch.float32: 1e-3, torch.bfloat16: 8e-2}.get(dtype, 1e-2)
     results = {name: CandidateResult(name) for name in candidates}
 
     cotangents = None
     cast: dict[str, list[Tensor]] = {}  # name -> cotangents in that candidate's output dtypes
+    # name -> the leaves its backward accumulates into (a closure's own parameters too): cleared
+    # between timed calls as the inputs' and a module's are, so no candidate times accumulation
+    leaves: dict[str, list[Tensor]] = {}
     made: dict = {}
     ref_name = reference if isinstance(reference, str) else ("custom" if reference is not None else next(iter(candidates)))
     if check:
@@ -435,6 +505,7 @@ def compare(
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
         ref_grads = {k: v.grad for k, v in ref_diffs.items()}
+        _clear_grads([*ref_diffs.values(), *_graph_leaves(ref_outs)])  # (the gradients are kept in ref_grads)
         for name, fn in candidates.items():
             say(f"check {name}")
             res = results[name]
@@ -442,29 +513,23 @@ def compare(
             _clear_grads(diffs.values())
             outs = _run(fn, inputs, cotangents, True)
             cast[name] = _cast(cotangents, outs, made)
+            leaves[name] = _graph_leaves(outs)
             if len(outs) != len(ref_outs):
                 res.output_error = float("inf")
             else:
                 res.output_error = max((_rel_err(o, r) for o, r in zip(outs, ref_outs)), default=0.0)
-            if res.output_error > rtol:
+            if not res.output_error <= rtol:
                 res.flags.append("value mismatch")
-            for key, ref_grad in ref_grads.items():
-                got = diffs[key].grad if key in diffs else None
-                ref_nonzero = ref_grad is not None and bool(ref_grad.abs().max() > 0)
-                if ref_nonzero and (got is None or not bool(got.abs().max() > 0)):
-                    res.flags.append(f"missing gradient: {key}")
-                    res.grad_errors[key] = float("inf")
-                elif ref_grad is not None and got is not None:
-                    res.grad_errors[key] = _rel_err(got, ref_grad)
-                    if res.grad_errors[key] > rtol:
-                        res.flags.append(f"gradient mismatch: {key}")
-            _clear_grads(diffs.values())
+            _check_gradients(res, fn, diffs, ref_grads, rtol)
+            _clear_grads([*diffs.values(), *leaves[name]])
         del ref_outs, ref_grads, ref_fn, ref_inputs
 
     for name, fn in candidates.items():
-        if name not in cast:  # no check run: one untimed forward gives the outputs' shapes and dtypes
-            with torch.no_grad():
-                cast[name] = _cast(cotangents, _outputs(inputs.call(fn)), made)
+        if name not in cast:  # no check run: one untimed call gives the outputs' shapes, dtypes and leaves
+            outs = _outputs(inputs.call(fn))
+            cast[name] = _cast(cotangents, outs, made)
+            leaves[name] = _graph_leaves(outs)
+            del outs
     names = list(candidates)
     calls = {name: results[name].calls for name in names}
     passes = (False, True)  # forward, then forward + backward
@@ -474,7 +539,7 @@ def compare(
         times = {}
         for name in order:
             fn = candidates[name]
-            diffs = list(_differentiables(fn, inputs).values())
+            diffs = [*_differentiables(fn, inputs).values(), *leaves[name]]
             times[name] = [_measure(fn, inputs, cast[name], backward, diffs, device, calls[name][i])
                            for i, backward in enumerate(passes)]
             if store:
@@ -510,6 +575,7 @@ def compare(
             res.flags.append("cliff")
         if memory and getattr(fn, "bench_memory", True):
             say(f"memory {name}")
+            _clear_grads(leaves[name])
             res.peak_memory_bytes = _peak_memory(fn, inputs, cast[name], device)
 
     return Report(
@@ -521,7 +587,9 @@ def compare(
         cpu=cpu_name(),
         repeats=repeats,
         warmup=rounds,
-        reference=f"{ref_name} in {str(reference_dtype).replace('torch.', '') if reference_dtype else dtype}",
+        reference=(f"{ref_name} in {str(reference_dtype).replace('torch.', '') if reference_dtype else dtype}"
+                   if check else "none (not checked)"),
         cliff_threshold=cliff_threshold,
         results=list(results.values()),
+        checked=check,
     )

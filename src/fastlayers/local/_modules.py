@@ -279,14 +279,18 @@ class LocallyConnected2d(_LocallyConnectedNd):
     Parameters: ``weight`` (C_out, C_in, KH, KW, OH, OW), ``bias`` (C_out, OH, OW); initialised
     with nn.Conv2d's fan-in rule.
 
+    Legend: B batch, C_in / C_out channels, (H, W) = ``input_size``, (KH, KW) the kernel, (OH, OW)
+    the output size (nn.Conv2d's formula).
+
     Forward: input (B, C_in, H, W) or (C_in, H, W) -> (B, C_out, OH, OW) or (C_out, OH, OW).
-    ValueError for a spatial size other than ``input_size`` or a wrong channel count; see
+    ValueError for a spatial size other than ``input_size`` or a wrong channel count, TypeError
+    for integer input or another dtype; see
     :func:`fastlayers.functional.locally_connected2d` (also for non-finite input: NaN / inf reach
     exactly the outputs whose receptive field holds them).
     """
 
     def __init__(self, in_channels: int, out_channels: int, input_size: int | Pair, kernel_size: int | Pair = 1,
-                 stride: int | Pair = 1, padding: int | Pair = 0, dilation: int | Pair = 1, bias: bool = True,
+                 stride: int | Pair = 1, padding: int | Pair | str = 0, dilation: int | Pair = 1, bias: bool = True,
                  device=None, dtype=None) -> None:
         super().__init__(2, in_channels, out_channels, input_size, kernel_size, stride, padding, dilation, bias,
                          device, dtype)
@@ -314,7 +318,7 @@ class LocallyConnected1d(_LocallyConnectedNd):
     """
 
     def __init__(self, in_channels: int, out_channels: int, input_size: int, kernel_size: int = 1, stride: int = 1,
-                 padding: int = 0, dilation: int = 1, bias: bool = True, device=None, dtype=None) -> None:
+                 padding: int | str = 0, dilation: int = 1, bias: bool = True, device=None, dtype=None) -> None:
         super().__init__(1, in_channels, out_channels, input_size, kernel_size, stride, padding, dilation, bias,
                          device, dtype)
 

@@ -225,6 +225,9 @@ _OPTIONS_DOC = """; float32 under ``torch.autocast`` runs the low-precision rule
     direction)``; on CUDA in float32 / float64 the layers' Triton step kernel (forward and
     backward, one launch each beside torch's GEMMs)."""
 _CELL_DOC = """
+    Shape legend: B batch, F = input_size, H = hidden_size, P = proj_size if proj_size > 0 else H
+    (the h size: LSTMCell's projection; P = H for GRUCell and RNNCell).
+
     Forward: ``forward(input, hx=None, *, recurrent_mask=None)``; ``input`` (B, F) or unbatched
     (F,); {forward_doc} ``recurrent_mask`` (B, P) or None multiplies h before W_hh (recurrent
     dropout: one mask for every step of a sequence). Dtype: that of the parameters (float32, float64,
@@ -233,7 +236,7 @@ _CELL_DOC = """
     Errors: for every input torch.nn.{name} rejects, an instance of torch's class whose message
     starts with torch's message for it (its Python checks, then its kernel's: ``input has
     inconsistent input_size``, ``hidden0 has inconsistent hidden_size``, ``mat1 and mat2 must have
-    the same dtype``), then ``"; "`` and our details, checked in torch's order (sizes before dtype):
+    the same dtype``, without biases ``expected m1 and m2 to have the same dtype``), then ``"; "`` and our details, checked in torch's order (sizes before dtype):
     TypeError and AttributeError for a non-tensor input or state (TypeError, IndexError,
     RuntimeError and AttributeError for an LSTM state that is not a pair); RuntimeError for an
     RNNCell nonlinearity other than ``"tanh"`` or ``"relu"`` (torch's check at the call); TypeError, ValueError
@@ -313,7 +316,7 @@ class GRUCell(_Cell, nn.GRUCell):
 
 class RNNCell(_Cell, nn.RNNCell):
     __doc__ = (
-        "Elman RNN cell with tanh or ReLU nonlinearity as :class:`torch.nn.RNNCell` (torch's kernel; "
+        "Elman RNN cell (Elman 1990) with tanh or ReLU nonlinearity as :class:`torch.nn.RNNCell` (torch's kernel; "
         "fastlayers' validation; a recurrent-dropout mask).\n"
         + _CELL_DOC.format(name="RNNCell", forward_doc="``hx`` h (B, H), zeros if omitted. Returns h_1.",
                            kernels=("). No cell options: torch's cell kernel, exactly torch.nn.RNNCell (on h "

@@ -3,10 +3,12 @@ class's ``__doc__`` from these templates): the shape legend, inputs and outputs,
 precision, and the cell options' documentation (LSTM's and GRU's)."""
 
 COMMON_DOC = """
-    Shape legend: T time steps, B batch, F = input_size, H = hidden_size (H_out = proj_size if
-    proj_size > 0 else hidden_size), L = num_layers, D = 2 if bidirectional else 1.
+    Shape legend: T time steps, B batch, F = input_size, H = hidden_size, H_out = proj_size if
+    proj_size > 0 else hidden_size (LSTM only; H_out = H for GRU and RNN), L = num_layers,
+    D = 2 if bidirectional else 1.
 
-    Forward: ``forward(input, hx=None, *, lengths=None)``.
+    Forward: ``forward(input, hx=None, *, lengths=None, cu_seqlens=None, max_seqlen=None)`` (the
+    varlen form with ``cu_seqlens``: :meth:`forward`).
 
     * ``input``: (T, B, F) float tensor, (B, T, F) if ``batch_first``, unbatched (T, F), or a
       PackedSequence (then the output is a PackedSequence, exactly as torch).

@@ -433,7 +433,10 @@ class _CellOptionsMixin:
         return out, (final if self.mode == "LSTM" else final[0])
 
     def cell(self, layer: int = 0, direction: int = 0) -> "CellView":
-        """A step-wise cell sharing this layer's weights: ``cell(x_t (B, F), state) -> state``."""
+        """A step-wise cell sharing layer ``layer``'s weights in ``direction`` (0 forward, 1 reverse):
+        ``cell(x_t (B, F_l) or (F_l,), state) -> state``, F_l = input_size for layer 0, D * H_out
+        above (the layer below's output); the :class:`CellView` docstring. ValueError for a layer
+        outside [0, num_layers) or a direction outside [0, D)."""
         dirs = 2 if self.bidirectional else 1
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected 0 <= layer < num_layers = {self.num_layers}, got {layer}")
@@ -527,7 +530,7 @@ class GRU(_CellOptionsMixin, _LengthsMixin, nn.GRU):
 
 class RNN(_LengthsMixin, nn.RNN):
     __doc__ = (
-        "Elman RNN with tanh or ReLU nonlinearity as :class:`torch.nn.RNN`, plus per-sequence lengths.\n"
+        "Elman RNN (Elman 1990) with tanh or ReLU nonlinearity as :class:`torch.nn.RNN`, plus per-sequence lengths.\n"
         + COMMON_DOC.format(
             name="RNN", hx_doc=" ``h_0`` (L*D, B, H)", ret_doc="h_n", final_doc="h_n (L*D, B, H), dtype of input."
         )
