@@ -109,6 +109,32 @@ def test_func_grad_equals_autograd(name):
 
 
 @reference_only
+@pytest.mark.parametrize("cls,options", [
+    (fastlayers.LSTM, {"zoneout": (0.3, 0.2), "recurrent_dropout": 0.25, "layer_norm": True}),
+    (fastlayers.GRU, {"zoneout": 0.3, "recurrent_dropout": 0.25, "num_layers": 2, "dropout": 0.3}),
+    (fastlayers.LSTM, {"zoneout": 0.2, "checkpoint_every": 2}),
+], ids=["LSTM", "GRU two layers", "LSTM checkpoint_every"])
+def test_func_grad_in_training_draws_the_masks_autograd_draws(cls, options):
+    """Training mode under torch.func.grad runs (it once raised "Cannot access data pointer": the
+    native mask kernel cannot read torch.func's wrapped tensors; the torch-ops twin makes the same
+    masks from the CPU generator's draws) and draws the masks the ordinary call on the reference
+    backend draws from the same seed (the reference, which runs under transforms, draws them step by
+    step, the C engine per layer), so the same gradients."""
+    torch.manual_seed(0)
+    module = cls(4, 3, **options).double().train()
+    args, kwargs = (torch.randn(5, 3, 4, dtype=torch.float64),), {"lengths": LENGTHS}
+    torch.manual_seed(1)
+    with fastlayers.backend("reference"):
+        expected, expected_inputs = _autograd_gradients(module, args, kwargs)
+    params = {k: p.detach() for k, p in module.named_parameters()}
+    torch.manual_seed(1)
+    got, got_inputs = grad(lambda p, a: _loss(module, p, a, kwargs), argnums=(0, 1))(params, args)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-10, atol=1e-12, msg=key)
+    torch.testing.assert_close(got_inputs[0], expected_inputs[0], rtol=1e-10, atol=1e-12)
+
+
+@reference_only
 @pytest.mark.parametrize("name", CASES)
 def test_per_sample_gradients_with_vmap(name):
     """vmap(grad) over the batch (per-sample gradients, as torch.func's tutorial and Opacus compute

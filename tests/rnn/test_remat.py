@@ -252,17 +252,18 @@ def test_the_option_checks_its_value_shows_in_repr_and_stays_out_of_state_dict()
     assert out.shape == (5, 2, 4)
 
 
-def _seeded_training_call(cell, options, every, x, lengths, backend, num_layers):
+def _seeded_training_call(cell, options, every, x, lengths, backend, num_layers, batch_first=False, cu_seqlens=None):
     """One training forward + backward from seed 0 (weights) and seed 1 (masks, dropout): the
-    output, final states, input gradient and every parameter gradient."""
+    output, final states, input gradient and every parameter gradient (``x`` (T, B, F), or (B, T, F)
+    with ``batch_first``, or the varlen (N, F) with ``cu_seqlens``)."""
     torch.manual_seed(0)
     m = getattr(fastlayers, cell)(x.size(-1), 4, bidirectional=True, num_layers=num_layers,
                                   dropout=0.3 if num_layers > 1 else 0.0, checkpoint_every=every,
-                                  **options).double().train()
+                                  batch_first=batch_first, **options).double().train()
     x = x.detach().requires_grad_(True)
     torch.manual_seed(1)
     with fastlayers.backend(backend), _recomputing() if every is not None else contextlib.nullcontext():
-        out, states = m(x, lengths=lengths)
+        out, states = m(x, lengths=lengths) if cu_seqlens is None else m(x, cu_seqlens=cu_seqlens)
     states = states if isinstance(states, tuple) else (states,)
     loss = (out * out.detach().cos()).sum() + sum((s * s.detach().sin()).sum() for s in states)
     loss.backward()
@@ -274,28 +275,75 @@ MASKED_OPTIONS = {
              dict(recurrent_dropout=0.3, proj_size=3, zoneout=(0.1, 0.4))],
     "GRU": [dict(zoneout=0.3, recurrent_dropout=0.25), dict(zoneout=0.2, layer_norm=True)],
 }
+for _options in MASKED_OPTIONS.values():
+    _options.append({})  # no cell option: the option alone sends the call to the engine (dropout between layers)
 
 
 @settings(max_examples=30, deadline=None)
-@given(cell=st.sampled_from(["LSTM", "GRU"]), which=st.integers(0, 2), steps=st.integers(1, 12),
+@given(cell=st.sampled_from(["LSTM", "GRU"]), which=st.integers(0, 3), steps=st.integers(1, 12),
        batch=st.integers(1, 4), layers=st.integers(1, 2), use_lengths=st.booleans(),
-       backend=st.sampled_from(["cpu", "reference"]), data=st.data())
+       backend=st.sampled_from(["cpu", "reference"]), batch_first=st.booleans(), data=st.data())
 def test_training_with_checkpoint_every_draws_what_the_run_without_it_draws(cell, which, steps, batch, layers,
-                                                                             use_lengths, backend, data):
+                                                                             use_lengths, backend, batch_first, data):
     """Turning the memory option on does not change a seeded training run (issue 62): the same
     zoneout, recurrent-dropout and inter-layer dropout draws, so the same outputs and gradients up to
-    the order of sums, for any k, T and lengths (the C engine, and the reference, which draws per
-    step: the segments draw its masks in its order, _remat._reference_draws)."""
+    the order of sums, for any k, T, lengths and layout (the C engine, and the reference, which draws
+    per step: the segments draw its masks in its order, _remat._reference_draws; a plain layer with
+    lengths on the reference once drew its dropout between layers batch-first without the option)."""
     options = MASKED_OPTIONS[cell][which % len(MASKED_OPTIONS[cell])]
     every = data.draw(st.one_of(st.integers(1, steps + 2), st.just("auto")), label="checkpoint_every")
     lengths = None
     if use_lengths:
         lengths = data.draw(st.lists(st.integers(1, steps), min_size=batch, max_size=batch), label="lengths")
     x = torch.randn(steps, batch, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(steps * 7 + batch))
-    want = _seeded_training_call(cell, options, None, x, lengths, backend, layers)
-    got = _seeded_training_call(cell, options, every, x, lengths, backend, layers)
+    x = x.transpose(0, 1).contiguous() if batch_first else x
+    want = _seeded_training_call(cell, options, None, x, lengths, backend, layers, batch_first)
+    got = _seeded_training_call(cell, options, every, x, lengths, backend, layers, batch_first)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_plain_layers_with_lengths_draw_the_dropout_between_layers_time_major(cell, batch_first):
+    """A plain two-layer layer with lengths on the reference backend (torch's kernels per segment of
+    equal active counts) draws its dropout between layers as the engine does, time-major: with
+    ``batch_first`` it once drew it over the batch-first rows, so checkpoint_every changed the run."""
+    x = torch.randn(6, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = x.transpose(0, 1).contiguous() if batch_first else x
+    want = _seeded_training_call(cell, {}, None, x, [6, 2, 4], "reference", 2, batch_first)
+    got = _seeded_training_call(cell, {}, 2, x, [6, 2, 4], "reference", 2, batch_first)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", pytest.param("triton", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="no GPU, interpreter off"))])
+@pytest.mark.parametrize("cell, options", [("LSTM", dict(layer_norm=True, zoneout=0.2)), ("GRU", dict(layer_norm=True)),
+                                           ("LSTM", {})])
+def test_varlen_training_with_checkpoint_every_draws_what_the_run_without_it_draws(cell, options, backend):
+    """The varlen form, two layers with dropout between them: the same draws with and without the
+    option (the Triton engine once drew the dropout over the value rows without it, over the padded
+    (T, B) rows with it)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    cu = torch.tensor([0, 7, 9, 14], device=device)
+    x = torch.randn(14, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+    want = _seeded_training_call(cell, options, None, x, None, backend, 2, cu_seqlens=cu)
+    got = _seeded_training_call(cell, options, 3, x, None, backend, 2, cu_seqlens=cu)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "x"])
+def test_setting_the_option_on_a_module_checks_it(bad):
+    """``m.checkpoint_every = k`` is checked as the constructor's argument (a negative k once gave
+    zero outputs and gradients without an error)."""
+    m = fastlayers.LSTM(3, 4, layer_norm=True)
+    with pytest.raises(ValueError, match=r"checkpoint_every: expected None, an int >= 1 or 'auto', got"):
+        m.checkpoint_every = bad
+    assert m.checkpoint_every is None
+    m.checkpoint_every = 2
+    assert m.checkpoint_every == 2 and "checkpoint_every=2" in repr(m)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

@@ -207,7 +207,8 @@ class AttentionPooling(NotScriptable, nn.Module):
         bias: additive score has a bias b in tanh(W_q q + W_k k + b).
 
     Forward: ``(query (B, Dq), keys (B, T, Dk), values (B, T, Dv) = keys, lengths=None)`` ->
-    ``(context (B, Dv), weights (B, T))``; non-finite input as :func:`attention_pool`.
+    ``(context (B, Dv), weights (B, T))`` (B batch, T time steps; also the varlen and jagged forms of
+    :func:`attention_pool`); dtypes, errors and non-finite input as :func:`attention_pool`.
     Initialisation (``reset_parameters()``): W_q uniform(+-1/sqrt(Dq)), W_k and b
     uniform(+-1/sqrt(Dk)), v uniform(+-1/sqrt(A)), as nn.Linear's fan-in rule.
     """

@@ -461,7 +461,12 @@ def compare(
             op of a per-view candidate with ~10^6 ops takes tens of GiB on CPU.
         check: compare values and gradients (False: time only; the report's ``checked`` is False
             and its table says "not checked" instead of a flag).
+        reference_dtype: the dtype the reference runs in (its module copied, its inputs cast);
+            None: the inputs' own.
+        workload: the name the report carries.
         progress: called with a short message before each step (for a progress bar).
+        seed: ``torch.manual_seed`` before ``make_inputs``, and the seed of the random cotangents
+            (from a float64 normal, cast to each output's dtype).
 
     Returns:
         A :class:`Report`.

@@ -168,7 +168,10 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
 
 def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int = 1,
                         padding: int | str = 0, dilation: int = 1) -> Tensor:
-    """Locally connected 1-D layer, functional form (as :func:`locally_connected2d` with H = 1).
+    """Locally connected 1-D layer, functional form (as :func:`locally_connected2d` with H = 1;
+    unshared convolution, Keras' ``LocallyConnected1D``). Legend: B batch, C_in / C_out channels,
+    L input positions, K kernel, OL output positions (F.conv1d's formula). Any floating dtype (that
+    of ``input``, ``weight`` and ``bias`` alike); low precision sums in float32.
 
     Args:
         input: (B, C_in, L) or unbatched (C_in, L). weight: (C_out, C_in, K, OL). bias: (C_out, OL) or None.

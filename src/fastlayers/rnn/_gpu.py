@@ -258,7 +258,11 @@ def _layers(cell, x, hx, layers, options, dropout, training, masks, lens, batch,
                                       zmasks[1], lens, (0.0 if training else z_h,), varlen)
         x = y
         if dropout > 0 and training and li < len(layers) - 1:
-            x = _between_layers(x, dropout, None if varlen is not None else zoneout_rows[1])
+            if varlen is not None:  # the padded call's mask (T, B, W) from the same seed, on the value rows
+                plan = varlen.plan
+                x = x * jagged.unpad(F.dropout(x.new_ones(plan.steps, plan.batch, x.size(-1)), dropout, True), plan)
+            else:
+                x = _between_layers(x, dropout, zoneout_rows[1])
         for acc, s in zip(finals, last):
             acc.append(s)
     return x, tuple(torch.cat(f) if len(f) > 1 else f[0] for f in finals)

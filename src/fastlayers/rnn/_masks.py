@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .. import _native
 from .._core import pool
+from .._core.backend import transformed
 
 
 def _signed(c: int) -> int:
@@ -106,4 +107,6 @@ def keep_mask(shape, p: float, dtype: torch.dtype, device) -> Tensor:
     seed = torch.randint(0, _SEED_END, (), dtype=torch.int64)  # one draw of torch's CPU generator
     if torch.compiler.is_compiling() or type(seed) is not torch.Tensor:  # traced, or fake tensors
         return _counter_mask_op(seed, list(shape), p, dtype)
+    if transformed():  # torch.func's wrapped tensors have no data pointer: the torch-ops twin, same masks
+        return counter_mask(shape, p, int(seed), dtype, "cpu")
     return _native_mask(shape, p, int(seed), dtype, seed)

@@ -329,7 +329,18 @@ class _CellOptionsMixin:
         return self.options.plain and self.checkpoint_every is None
 
     def _set_checkpoint_every(self, every: Any) -> None:
-        self.checkpoint_every = check_every("checkpoint_every", every)
+        self.checkpoint_every = every
+
+    @property
+    def checkpoint_every(self) -> int | str | None:
+        """Recomputation through time (see the class docstring): None, an int k >= 1 or "auto".
+        Settable on the module; a value of another kind raises the constructor's ValueError."""
+        state = self.__dict__  # (a module pickled before this was a property holds it as the plain name)
+        return state["_checkpoint_every"] if "_checkpoint_every" in state else state.get("checkpoint_every")
+
+    @checkpoint_every.setter
+    def checkpoint_every(self, every: Any) -> None:
+        self.__dict__["_checkpoint_every"] = check_every("checkpoint_every", every)
 
     def _recomputes(self) -> bool:
         """Whether this call runs as recomputed segments: checkpoint_every set, gradients recorded,

@@ -126,7 +126,11 @@ def varlen_rnn(
             finals.append(final)
         layer_input = outputs[0] if directions == 1 else torch.cat(outputs, dim=1)
         if dropout > 0 and training and layer < num_layers - 1:
-            layer_input = F.dropout(layer_input, dropout, True)
+            if batch_first:  # the mask drawn time-major, as the engines draw it (checkpoint_every's too)
+                mask = F.dropout(layer_input.new_ones(steps, batch, layer_input.size(1)), dropout, True)
+                layer_input = layer_input * mask.transpose(0, 1).reshape(layer_input.shape)
+            else:
+                layer_input = F.dropout(layer_input, dropout, True)
     output = layer_input.view(input.shape[:2] + (layer_input.size(1),))
     h_n = tuple(
         torch.cat([f[i] for f in finals], dim=0).index_select(1, plan.unsorted_indices) for i in range(len(hx))
