@@ -249,3 +249,74 @@ def test_other_bad_varlen_input_is_refused():
     with pytest.raises(ValueError, match=r"values: expected the same offsets \(sequence lengths\) as keys"):
         other = torch.nested.nested_tensor([torch.randn(4, 5), torch.randn(3, 5)], layout=torch.jagged)
         fastlayers.attention_pool(torch.randn(2, 5), jagged, other)
+
+
+def test_jagged_nested_tensors_with_holes_are_refused():
+    """A NestedTensor with holes (torch.nested.narrow, or offsets with lengths) holds rows between
+    its sequences that are not theirs: refused, naming .contiguous() (attention pooling once used
+    those rows, and the layers reported a cu_seqlens they were never given)."""
+    values, offsets = torch.randn(10, 5), torch.tensor([0, 4, 10])
+    holes = torch.nested.nested_tensor_from_jagged(values, offsets, lengths=torch.tensor([2, 3]))
+    message = r"expected a contiguous jagged NestedTensor, got one with holes .*\.contiguous\(\) makes one"
+    with pytest.raises(ValueError, match="input: " + message):
+        fastlayers.LSTM(5, 6)(holes)
+    with pytest.raises(ValueError, match="keys: " + message):
+        fastlayers.attention_pool(torch.randn(2, 5), holes)
+    context, _ = fastlayers.attention_pool(torch.randn(2, 5, generator=torch.Generator().manual_seed(0)),
+                                           holes.contiguous())
+    want, _ = fastlayers.attention_pool(torch.randn(2, 5, generator=torch.Generator().manual_seed(0)),
+                                        torch.cat([values[0:2], values[4:7]]), cu_seqlens=torch.tensor([0, 2, 5]))
+    torch.testing.assert_close(context, want)
+
+
+def test_attention_varlen_input_checks():
+    """The varlen form's checks as the padded call's: a non-tensor is a TypeError, max_seqlen is
+    checked for NestedTensors too (it was ignored), and torch.jit.trace is refused (a trace fixes
+    the rows' layout; a longer sequence later failed inside index_copy_)."""
+    q, k, cu = torch.randn(2, 5), torch.randn(7, 5), torch.tensor([0, 3, 7])
+    with pytest.raises(TypeError, match=r"keys: expected a torch.Tensor, got list"):
+        fastlayers.attention_pool(q, k.tolist(), cu_seqlens=cu)
+    nested = torch.nested.nested_tensor([k[:3], k[3:]], layout=torch.jagged)
+    with pytest.raises(ValueError, match=r"max_seqlen: expected at least the longest sequence \(4\), got 2"):
+        fastlayers.attention_pool(q, nested, max_seqlen=2)
+
+    class Pool(torch.nn.Module):
+        def forward(self, q, k, cu):
+            return fastlayers.attention_pool(q, k, cu_seqlens=cu)[0]
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = fastlayers.LSTM(5, 4)
+
+        def forward(self, x, cu):
+            return self.lstm(x, cu_seqlens=cu)[0]
+
+    for module, args in ((Pool(), (q, k, cu)), (Layer(), (k, cu))):
+        with pytest.raises(RuntimeError, match=r"torch.jit.trace cannot record fastlayers\.\w+'s varlen form: .*"
+                                               r"torch.export"):
+            torch.jit.trace(module, args)
+
+
+@pytest.mark.compile
+def test_traced_attention_varlen_checks_and_rounds_as_eager():
+    """Traced (torch.compile), the varlen form refuses what the eager call refuses (additive
+    parameters with a dot score, a max_seqlen below the longest sequence: both once passed) and
+    rounds the products' operands under autocast as the eager call does (its weights differed)."""
+    q, k, cu = torch.randn(2, 5), torch.randn(7, 5), torch.tensor([0, 3, 7])
+    additive = (torch.randn(4, 5), torch.randn(4, 5), torch.randn(4), None)
+    def compiled(**options):
+        torch._dynamo.reset()  # (the lambda's code object is one: no compiled entry of another setting reused)
+        return torch.compile(lambda q, k, cu, **kw: fastlayers.attention_pool(q, k, cu_seqlens=cu, **kw),
+                             backend="aot_eager", dynamic=False, **options)
+
+    with pytest.raises(ValueError, match=r"additive: expected None for score='dot'"):
+        compiled()(q, k, cu, additive=additive)
+    with pytest.raises(RuntimeError, match=r"^max_seqlen: expected at least the longest sequence$"):  # (the graph's)
+        compiled(fullgraph=True)(q, k, cu, max_seqlen=2)
+    pool = compiled(fullgraph=True)
+    q1, k1 = torch.tensor([[64.0]]), torch.tensor([[1.0], [1.0 + 2 ** -9]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = fastlayers.attention_pool(q1, k1, cu_seqlens=torch.tensor([0, 2]))[1]
+        traced = pool(q1, k1, torch.tensor([0, 2]))[1]
+    assert torch.equal(eager, torch.tensor([0.5, 0.5], dtype=eager.dtype)) and torch.equal(traced, eager)

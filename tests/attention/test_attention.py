@@ -344,3 +344,20 @@ def test_module_sizes_are_checked():
 def test_varlen_query_batch_is_named_against_cu_seqlens():
     with pytest.raises(ValueError, match=re.escape("query: expected batch size 2 (cu_seqlens' length - 1), got 3")):
         attention_pool(torch.randn(3, 4), torch.randn(10, 4), cu_seqlens=torch.tensor([0, 3, 10]))
+
+
+def test_repr_names_the_additive_sizes_and_edge_inputs():
+    """The repr tells additive modules apart (attention size, no bias); a scaled-dot score of
+    Dk = 0 runs as the dot score does (it raised ZeroDivisionError); lengths on the meta device
+    are an error naming ``lengths``."""
+    assert repr(AttentionPooling(6, 4, score="additive", attention_size=5)) == \
+        "AttentionPooling(query_size=6, key_size=4, score='additive', attention_size=5)"
+    assert repr(AttentionPooling(6, 4, score="additive", bias=False)).endswith("attention_size=4, bias=False)")
+    assert repr(AttentionPooling(4)) == "AttentionPooling(query_size=4, key_size=4, score='dot')"
+    q, k = torch.randn(2, 0), torch.randn(2, 3, 0)
+    _, dot = fastlayers.attention_pool(q, k, torch.randn(2, 3, 5))
+    _, scaled = fastlayers.attention_pool(q, k, torch.randn(2, 3, 5), score="scaled_dot")
+    assert torch.equal(dot, scaled) and torch.allclose(dot, torch.full((2, 3), 1 / 3))
+    with pytest.raises(ValueError, match=r"lengths: expected a tensor with values .* got a meta tensor"):
+        fastlayers.attention_pool(torch.randn(2, 3, device="meta"), torch.randn(2, 4, 3, device="meta"),
+                                  lengths=torch.tensor([4, 2], device="meta"))

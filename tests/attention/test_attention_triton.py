@@ -89,3 +89,20 @@ def test_attention_additive_score_uses_the_torch_path_under_triton():
         got = pool(q, k, lengths=[5, 2])
     assert type(got[0].grad_fn).__name__ != "AttentionTritonBackward"  # (the parameters need gradients: a graph)
     torch.testing.assert_close(got, pool(q, k, lengths=[5, 2]))
+
+
+@pytest.mark.parametrize("where", ["values", "keys"])
+def test_non_finite_padding_reaches_nothing_on_triton(where):
+    """The Triton kernels read no padded step in either pass: a NaN there leaves the context and
+    every gradient finite (the backward once read the padded values, so a finite context came with
+    NaN gradients) and the padded steps' own gradients exactly 0."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 3, generator=g), torch.randn(2, 4, 3, generator=g), torch.randn(2, 4, 2, generator=g)
+    (v if where == "values" else k)[1, 3] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with fastlayers.backend("triton"):
+        context, _ = attention_pool(q, k, v, [4, 2])
+    gq, gk, gv = torch.autograd.grad(context.sum(), (q, k, v))
+    for t in (context, gq, gk, gv):
+        assert bool(t.isfinite().all())
+    assert bool((gk[1, 2:] == 0).all()) and bool((gv[1, 2:] == 0).all())

@@ -101,6 +101,9 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
         torch._assert_async(((t >= 1) & (t <= max_len)).all(),  # (T is a symbol when traced: not in the message)
                             f"{name}: every length must be in [1, T] (T the padded time size)")
         return t
+    if t.device.type == "meta":  # (no values to read: shape inference of a call with lengths)
+        raise ValueError(f"{name}: expected a tensor with values (on the CPU or the input's device) or a sequence "
+                         f"of ints, got a meta tensor")
     t = t.to(device="cpu", dtype=torch.int64).contiguous()  # kernels read lengths[b] (a strided view: a copy)
     if batch:
         lo, hi = (int(v) for v in torch.aminmax(t))

@@ -72,10 +72,16 @@ def assert_values(cu_seqlens: Tensor, total, *, name: str = "cu_seqlens") -> Non
     torch._assert_async(cu[-1] == total, f"{name}: expected cu_seqlens[-1] = N (the number of value rows)")
 
 
-def check_max_seqlen(max_seqlen: object) -> None:
-    """TypeError unless ``max_seqlen`` is an int (not a bool)."""
+def check_max_seqlen(max_seqlen: object, cu_seqlens: Tensor | None = None) -> None:
+    """TypeError unless ``max_seqlen`` is an int (not a bool); with ``cu_seqlens`` (a traced call),
+    also an assertion the program runs: every length at most ``max_seqlen`` (as
+    :func:`check_cu_seqlens` checks eagerly)."""
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"max_seqlen: expected an int or None, got {type(max_seqlen).__name__}")
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(torch.int64)
+        torch._assert_async((cu[1:] - cu[:-1] <= max_seqlen).all(),
+                            "max_seqlen: expected at least the longest sequence")
 
 
 def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device, *, name: str = "cu_seqlens",
@@ -140,7 +146,8 @@ def unwrap(name: str, value: Tensor, features_dims: int = 1) -> tuple[Tensor, Te
 
     Raises:
         ValueError: another layout (strided nested tensors: convert with ``layout=torch.jagged``),
-            a ragged dimension other than 1, or ragged features.
+            a ragged dimension other than 1, ragged features, or holes (a non-contiguous one:
+            ``.contiguous()`` makes it one).
     """
     if value.layout != torch.jagged:
         raise ValueError(f"{name}: expected a jagged NestedTensor (layout=torch.jagged), got layout {value.layout}; "
@@ -153,6 +160,10 @@ def unwrap(name: str, value: Tensor, features_dims: int = 1) -> tuple[Tensor, Te
     for d in range(2, value.dim()):
         if not isinstance(value.size(d), int):
             raise ValueError(f"{name}: expected regular feature dimensions, got a ragged dimension {d}")
+    if value.lengths() is not None:  # (values() then holds rows between the sequences that are not theirs)
+        raise ValueError(f"{name}: expected a contiguous jagged NestedTensor, got one with holes (lengths() set: "
+                         f"from torch.nested.narrow or nested_tensor_from_jagged(..., lengths=)); {name}.contiguous() "
+                         "makes one")
     return value.values(), value.offsets()
 
 

@@ -27,6 +27,8 @@ def refuse_trace(what: str, why: str) -> None:
 ENGINE = ("the engine's time loop runs C / Triton kernels outside TorchScript, and a trace would fix T, B and the "
           "lengths of this call (torch.jit.trace works for the layers without cell options and lengths)")
 TRITON = "its Triton kernels run outside TorchScript (on CPU tensors it traces)"
+VARLEN = ("the varlen form reads cu_seqlens on the host to lay out its rows, so a trace would fix the lengths of "
+          "this call")
 
 
 class NotScriptable:

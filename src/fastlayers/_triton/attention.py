@@ -82,22 +82,24 @@ def _forward_kernel(q, k, v, lengths, ctx, w, T, DK, DV,
 
 
 @triton.jit
-def _weights_and_upstream(w, v, dw_ext, dc, b, t, dv, T, DV, HAS_DW: tl.constexpr, F64: tl.constexpr):
-    """For the steps t of sequence b: the weights w_t and g_t = <dc, v_bt> (+ dw_ext_t)."""
+def _weights_and_upstream(w, v, dw_ext, dc, b, t, n, dv, T, DV, HAS_DW: tl.constexpr, F64: tl.constexpr):
+    """For the steps t of sequence b: the weights w_t and g_t = <dc, v_bt> (+ dw_ext_t); both 0 at
+    the padded steps t >= n, which are not read (as the forward reads no padded value)."""
     acc_t = tl.float64 if F64 else tl.float32
-    wt = tl.load(w + b * T + t, mask=t < T, other=0.0).to(acc_t)
-    vt = tl.load(v + (b * T + t[:, None]) * DV + dv[None, :], mask=(t[:, None] < T) & (dv[None, :] < DV),
+    valid = t < n
+    wt = tl.load(w + b * T + t, mask=valid, other=0.0).to(acc_t)
+    vt = tl.load(v + (b * T + t[:, None]) * DV + dv[None, :], mask=valid[:, None] & (dv[None, :] < DV),
                  other=0.0).to(acc_t)
     g = tl.sum(vt * dc[None, :], axis=1)
     if HAS_DW:
-        g += tl.load(dw_ext + b * T + t, mask=t < T, other=0.0).to(acc_t)
+        g += tl.load(dw_ext + b * T + t, mask=valid, other=0.0).to(acc_t)
     return wt, g
 
 
 @triton.jit
-def _backward_kernel(q, k, v, w, dctx, dw_ext, dq, dk_out, dv_out, T, DK, DV,
-                     SCALED: tl.constexpr, HAS_DW: tl.constexpr, NEED_DV: tl.constexpr, F64: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _backward_kernel(q, k, v, w, lengths, dctx, dw_ext, dq, dk_out, dv_out, T, DK, DV,
+                     SCALED: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_DW: tl.constexpr, NEED_DV: tl.constexpr,
+                     F64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     acc_t = tl.float64 if F64 else tl.float32
     scale = _scale(DK, SCALED, acc_t)
     b = tl.program_id(0).to(tl.int64)
@@ -105,17 +107,20 @@ def _backward_kernel(q, k, v, w, dctx, dw_ext, dq, dk_out, dv_out, T, DK, DV,
     dv = tl.arange(0, BLOCK_DV)
     qv = tl.load(q + b * DK + dk, mask=dk < DK, other=0.0).to(acc_t)
     dc = tl.load(dctx + b * DV + dv, mask=dv < DV, other=0.0).to(acc_t)
+    n = T
+    if HAS_LENGTHS:
+        n = tl.load(lengths + b).to(tl.int32)
     centre = tl.zeros([1], dtype=acc_t)  # sum_t w_t g_t
     for t0 in range(0, T, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        wt, g = _weights_and_upstream(w, v, dw_ext, dc, b, t, dv, T, DV, HAS_DW, F64)
+        wt, g = _weights_and_upstream(w, v, dw_ext, dc, b, t, n, dv, T, DV, HAS_DW, F64)
         centre += tl.sum(wt * g, axis=0)
     dqv = tl.zeros([BLOCK_DK], dtype=acc_t)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        wt, g = _weights_and_upstream(w, v, dw_ext, dc, b, t, dv, T, DV, HAS_DW, F64)
-        ds = wt * (g - centre) * scale
-        kt = tl.load(k + (b * T + t[:, None]) * DK + dk[None, :], mask=(t[:, None] < T) & (dk[None, :] < DK),
+        wt, g = _weights_and_upstream(w, v, dw_ext, dc, b, t, n, dv, T, DV, HAS_DW, F64)
+        ds = wt * (g - centre) * scale  # (0 at the padded steps, whose keys are not read: exact 0 gradients there)
+        kt = tl.load(k + (b * T + t[:, None]) * DK + dk[None, :], mask=(t[:, None] < n) & (dk[None, :] < DK),
                      other=0.0).to(acc_t)
         dqv += tl.sum(ds[:, None] * kt, axis=0)
         tl.store(dk_out + (b * T + t[:, None]) * DK + dk[None, :], (ds[:, None] * qv[None, :]).to(dk_out.dtype.element_ty),
@@ -147,16 +152,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scaled: boo
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, dctx: Tensor, dw: Tensor | None, scaled: bool,
-             need_dv: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(dq, dk, dv or None) in the dtypes of q, k, v; w the forward's weights (B, T)."""
+             need_dv: bool, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dq, dk, dv or None) in the dtypes of q, k, v; w the forward's weights (B, T); ``lengths`` as
+    :func:`forward`'s (the padded steps are read by neither pass)."""
     batch, steps, d_k = k.shape
     d_v = v.size(2)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = q.new_empty(q.shape, dtype=acc)
     dk = k.new_empty(k.shape, dtype=acc)
     dv = v.new_empty(v.shape, dtype=acc) if need_dv else None
-    launch(_backward_kernel, (batch,), (q, k, v, w, dctx, dw if dw is not None else w, dq, dk,
-                                        dv if dv is not None else dk, steps, d_k, d_v),
-           {"SCALED": scaled and d_k > 1, "HAS_DW": dw is not None, "NEED_DV": need_dv, "F64": acc == torch.float64,
+    launch(_backward_kernel, (batch,), (q, k, v, w, lengths if lengths is not None else q, dctx,
+                                        dw if dw is not None else w, dq, dk, dv if dv is not None else dk, steps, d_k,
+                                        d_v),
+           {"SCALED": scaled and d_k > 1, "HAS_LENGTHS": lengths is not None, "HAS_DW": dw is not None, "NEED_DV": need_dv, "F64": acc == torch.float64,
             **_blocks(d_k, d_v, BACKWARD_BLOCK_T)}, num_warps=BACKWARD_WARPS)
     return dq.to(q.dtype), dk.to(k.dtype), (dv.to(v.dtype) if dv is not None else None)

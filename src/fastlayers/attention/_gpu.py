@@ -39,10 +39,12 @@ class AttentionTriton(torch.autograd.Function):
         if twice.recording(d_context, d_weights):  # create_graph: the torch ops' gradient, differentiable again
             return AttentionTriton._recorded(ctx, d_context, d_weights)
         q, k, v, weights = ctx.saved_tensors[:4]
+        lengths = ctx.saved_tensors[7]
         need = ctx.needs_input_grad
         d_context = d_context.contiguous() if d_context is not None else q.new_zeros(q.size(0), v.size(2))
         dq, dk, dv = kernels.backward(q, k, v, weights, d_context,
-                                      d_weights.contiguous() if d_weights is not None else None, ctx.scaled, need[2])
+                                      d_weights.contiguous() if d_weights is not None else None, ctx.scaled, need[2],
+                                      lengths)
         grads = (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None)
         return (*(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)), None, None)
 

@@ -15,11 +15,11 @@ from torch import Tensor, nn
 from .._core import jagged
 from .._core.backend import select
 from .._core.checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_tensor
-from .._core.jit import TRITON, NotScriptable, refuse_trace
+from .._core.jit import TRITON, VARLEN, NotScriptable, refuse_trace
 from . import _cpu as cpu
 from ._gpu import AttentionTriton
 from ._reference import (SCORES, additive_parameters, attention_pool_reference, attention_pool_varlen_reference,
-                         check_dot, padded_steps)
+                         check_dot, padded_steps, score_scale)
 
 
 def _check(query: Tensor, keys: Tensor, values: Tensor, varlen: bool = False) -> None:
@@ -103,11 +103,13 @@ def attention_pool(
     weight (their scores are masked) and finite keys there an exact 0 gradient, but the products
     still read them: a NaN or inf key at a padded step reaches the gradients (the query's; the
     key's own with the additive score), and such a value the context too, as in torch.bmm
-    (0 * NaN = NaN). Keep padded steps finite (an LSTM with ``lengths`` writes zeros there).
+    (0 * NaN = NaN); the Triton kernels (dot and scaled dot) read no padded step in either pass,
+    so there such values reach nothing. Keep padded steps finite (an LSTM with ``lengths`` writes
+    zeros there).
     Large scores (keys of size 1e4) stay finite: the softmax subtracts each row's maximum.
     """
     if isinstance(keys, Tensor) and keys.is_nested:
-        return _nested(query, keys, values, lengths, cu_seqlens, score, additive)
+        return _nested(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive)
     if cu_seqlens is not None:
         return _varlen(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive)
     if max_seqlen is not None:
@@ -117,14 +119,12 @@ def attention_pool(
     which = select("attention", query)
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
-    if score != "additive" and additive is not None:
-        raise ValueError(f"additive: expected None for score={score!r} (the additive score's parameters), got "
-                         f"{type(additive).__name__}")
+    _check_additive_none(score, additive)
     params = additive_parameters(additive, query, keys) if score == "additive" else None
     if which == "triton" and params is None or which == "cpu" and cpu.serves(query, keys, values, params):
         batch, steps = keys.shape[:2]
         lens = as_lengths(lengths, batch, steps) if lengths is not None else None
-        scale = 1 / math.sqrt(keys.size(2)) if score == "scaled_dot" else 1.0
+        scale = score_scale(keys.size(2)) if score == "scaled_dot" else 1.0
         if params is None:
             check_dot(query, keys, score)
         if which == "cpu":
@@ -136,18 +136,26 @@ def attention_pool(
     return attention_pool_reference(query, keys, values, lengths, score=score, additive=additive)
 
 
+def _check_additive_none(score: str, additive: object) -> None:
+    if score != "additive" and additive is not None:
+        raise ValueError(f"additive: expected None for score={score!r} (the additive score's parameters), got "
+                         f"{type(additive).__name__}")
+
+
 def _varlen(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive) -> tuple[Tensor, Tensor]:
     """keys (N, Dk), values (N, Dv) or None, cu_seqlens (B+1,) -> context (B, Dv), weights (N,): the
     padded call with lengths between one index_copy and one index_select (exact)."""
     if lengths is not None:
         raise ValueError("lengths: expected None with cu_seqlens (the varlen form carries its lengths)")
     for name, t in (("keys", keys), ("values", values)):
-        if t is not None and (not isinstance(t, Tensor) or t.dim() != 2):
-            got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected a 2-D tensor (N, D) with cu_seqlens (the sequences one after "
-                             f"another), got {got}")
+        if t is not None:
+            check_tensor(name, t)  # (TypeError for anything else, as the padded call's)
+            if t.dim() != 2:
+                raise ValueError(f"{name}: expected a 2-D tensor (N, D) with cu_seqlens (the sequences one after "
+                                 f"another), got shape {tuple(t.shape)}")
     if values is not None and values.size(0) != keys.size(0):
         raise ValueError(f"values: expected {keys.size(0)} rows (as keys), got {values.size(0)}")
+    refuse_trace("fastlayers.attention_pool's varlen form", VARLEN)
     if torch.compiler.is_compiling():  # traced: segment operations, no host read, no graph break
         return _traced_varlen(query, keys, keys if values is None else values, cu_seqlens, max_seqlen, score,
                               additive)
@@ -168,9 +176,10 @@ def _traced_varlen(query, keys, values, cu_seqlens, max_seqlen, score, additive)
     jagged.check_form(cu_seqlens, keys.device)
     jagged.assert_values(cu_seqlens, keys.size(0))
     if max_seqlen is not None:
-        jagged.check_max_seqlen(max_seqlen)
+        jagged.check_max_seqlen(max_seqlen, cu_seqlens)
     if score not in SCORES:
         raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
+    _check_additive_none(score, additive)
     _check(query, keys, values, varlen=True)
     if query.size(0) != cu_seqlens.size(0) - 1:
         raise ValueError(f"query: expected batch size {cu_seqlens.size(0) - 1} (cu_seqlens' length - 1), got "
@@ -178,7 +187,7 @@ def _traced_varlen(query, keys, values, cu_seqlens, max_seqlen, score, additive)
     return attention_pool_varlen_reference(query, keys, values, cu_seqlens, score=score, additive=additive)
 
 
-def _nested(query, keys, values, lengths, cu_seqlens, score, additive) -> tuple[Tensor, Tensor]:
+def _nested(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive) -> tuple[Tensor, Tensor]:
     """keys (and values) jagged (B, j, D) -> context (B, Dv), weights jagged (B, j)."""
     if cu_seqlens is not None or lengths is not None:
         raise ValueError("cu_seqlens, lengths: expected None for NestedTensor keys (they carry their offsets)")
@@ -190,7 +199,7 @@ def _nested(query, keys, values, lengths, cu_seqlens, score, additive) -> tuple[
         value_values, value_offsets = jagged.unwrap("values", values)
         if value_offsets.shape != offsets.shape or not bool((value_offsets.cpu() == offsets.cpu()).all()):
             raise ValueError("values: expected the same offsets (sequence lengths) as keys")
-    context, weights = _varlen(query, key_values, value_values, None, offsets, None, score, additive)
+    context, weights = _varlen(query, key_values, value_values, None, offsets, max_seqlen, score, additive)
     return context, jagged.rewrap(weights, offsets)
 
 
@@ -258,4 +267,7 @@ class AttentionPooling(NotScriptable, nn.Module):
                               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
     def extra_repr(self) -> str:
-        return f"query_size={self.query_size}, key_size={self.key_size}, score={self.score!r}"
+        extra = f"query_size={self.query_size}, key_size={self.key_size}, score={self.score!r}"
+        if self.score == "additive":
+            extra += f", attention_size={self.weight_query.size(0)}" + ("" if self.bias is not None else ", bias=False")
+        return extra

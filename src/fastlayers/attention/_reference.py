@@ -43,7 +43,7 @@ def attention_pool_reference(
         check_dot(query, keys, score)
         scores = mm.matmul(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1)  # (B, T), as dot_pool
         if score == "scaled_dot":
-            scores = scores * (1 / math.sqrt(keys.size(2)))
+            scores = scores * score_scale(keys.size(2))
     weights = torch.softmax(_masked(scores, lengths, batch, steps), dim=1)
     context = mm.matmul(weights.unsqueeze(1), values).squeeze(1)
     if mm.mixed:  # scores, softmax and the weights in float32; results in the low dtype
@@ -64,19 +64,21 @@ def attention_pool_varlen_reference(query: Tensor, keys: Tensor, values: Tensor,
     offsets = cu_seqlens.to(device=keys.device, dtype=torch.int64)
     seq = torch.searchsorted(offsets[1:], torch.arange(rows, device=keys.device), right=True)  # (N,) sequence of a row
     mm = precision.Products.of(query)
+    # the products' operands rounded to the low dtype, as the padded call's matmuls round them
+    operand = (lambda t: t.to(mm.low).to(mm.acc)) if mm.mixed else (lambda t: t.to(mm.acc))  # noqa: E731
     if score == "additive":
         scores = _additive_scores(mm, query, keys, additive, lambda projected: projected.index_select(0, seq))  # (N,)
     else:
         check_dot(query, keys, score)
-        scores = (keys.to(mm.acc) * query.to(mm.acc).index_select(0, seq)).sum(1)  # (N,)
+        scores = (operand(keys) * operand(query).index_select(0, seq)).sum(1)  # (N,)
         if score == "scaled_dot":
-            scores = scores * (1 / math.sqrt(keys.size(1)))
+            scores = scores * score_scale(keys.size(1))
     scores = scores.to(mm.acc)
     top = scores.new_full((batch,), float("-inf")).scatter_reduce(0, seq, scores.detach(), "amax")
     e = torch.exp(scores - top.index_select(0, seq))
     weights = e / e.new_zeros(batch).index_add(0, seq, e).index_select(0, seq)
     context = values.new_zeros(batch, values.size(1), dtype=mm.acc).index_add(
-        0, seq, weights.unsqueeze(1) * values.to(mm.acc))
+        0, seq, operand(weights).unsqueeze(1) * operand(values))
     if mm.mixed:  # as attention_pool_reference: the results in the low dtype
         return context.to(mm.low), weights.to(mm.low)
     return context, weights
@@ -133,6 +135,11 @@ def additive_parameters(additive: tuple[Tensor, Tensor, Tensor, Tensor | None] |
     return w_q, w_k, v, bias
 
 
+def score_scale(size: int) -> float:
+    """The scaled-dot score's 1 / sqrt(Dk) (1 for Dk = 0, where every score is 0 whatever the scale)."""
+    return 1 / math.sqrt(size) if size > 0 else 1.0
+
+
 def check_dot(query: Tensor, keys: Tensor, score: str) -> None:
     """Dk (keys' last dimension: (B, T, Dk) or the varlen form's (N, Dk)) equal to query's Dq."""
     if query.size(1) != keys.size(-1):
@@ -186,4 +193,4 @@ def _dot_one_dtype(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor 
     small calls."""
     check_dot(query, keys, "scaled_dot" if scaled else "dot")
     return dot_pool(query, keys, values, pad_mask(lengths, keys.size(0), keys.size(1), keys.device),
-                    1 / math.sqrt(keys.size(2)) if scaled else 1.0)
+                    score_scale(keys.size(2)) if scaled else 1.0)

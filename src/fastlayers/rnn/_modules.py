@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from .._core import jagged
 from .._core import precision as _precision
 from .._core.checks import as_lengths
-from .._core.jit import ENGINE, NotScriptable, refuse_trace
+from .._core.jit import ENGINE, VARLEN, NotScriptable, refuse_trace
 from .._native import ops_lib
 from .._core.backend import batched_or_forward_mode, select, transformed
 from ._cells import step
@@ -200,7 +200,9 @@ class _LengthsMixin(NotScriptable):
     def _forward_varlen(self, values: Any, hx: Any, cu_seqlens: Any, max_seqlen: Any) -> Any:
         """The varlen form (N, F) + cu_seqlens through the padded path with lengths: one index_copy
         in, one index_select out (exact; :mod:`fastlayers._core.jagged`). While torch.compile or
-        torch.export traces: one operator per layer (:mod:`._ops_varlen`), no graph break."""
+        torch.export traces: one operator per layer (:mod:`._ops_varlen`), no graph break; under
+        torch.jit.trace one RuntimeError naming torch.export."""
+        refuse_trace(f"fastlayers.{type(self).__name__}'s varlen form", VARLEN)
         if not isinstance(values, Tensor):
             raise TypeError(f"input: expected a Tensor of shape (N, F) with cu_seqlens, got {type(values).__name__}")
         if values.dim() != 2:
@@ -209,7 +211,7 @@ class _LengthsMixin(NotScriptable):
         if torch.compiler.is_compiling():  # traced: one operator per layer, no graph break (._ops_varlen)
             jagged.check_form(cu_seqlens, values.device)
             if max_seqlen is not None:
-                jagged.check_max_seqlen(max_seqlen)
+                jagged.check_max_seqlen(max_seqlen, cu_seqlens)
             states = self._varlen_states(values, hx, cu_seqlens.size(0) - 1)
             output, final = varlen_operator_layers(self, values, states, cu_seqlens)
             return output, (final if self.mode == "LSTM" else final[0])
@@ -422,8 +424,9 @@ class _CellOptionsMixin:
         layout directly; with ``checkpoint_every``, its segments too) and, for a layer with cell
         options, on the Triton engine (its buffers sized by the N value rows): no padded tensor,
         memory follows N, not B x T. Elsewhere (the reference backend, plain layers off the C engine,
-        recomputation off the C engine or under torch.jit.trace) through the padded path, and traced
-        through the varlen operators (:meth:`_LengthsMixin._forward_varlen`)."""
+        recomputation off the C engine) through the padded path, and traced through the varlen
+        operators (:meth:`_LengthsMixin._forward_varlen`); torch.jit.trace is refused there."""
+        refuse_trace(f"fastlayers.{type(self).__name__}'s varlen form", VARLEN)
         backend = select(self.mode.lower(), values) if isinstance(values, Tensor) else None
         on_engine = backend == "cpu" or (backend == "triton" and (not self.options.plain
                                                                   or self._engine_precision(values)))
