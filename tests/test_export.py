@@ -349,3 +349,26 @@ def test_a_fresh_process_exports_a_recurrent_layer_first(strict):
             "print('exported')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "exported", proc.stderr[-3000:]
+
+
+@pytest.mark.subprocess
+def test_a_saved_program_loads_in_a_fresh_process_as_documented(tmp_path):
+    """torch.export.save, then torch.export.load in another process after the step docs/deploy.md
+    gives (the operators loaded first): the loaded program computes the eager call's values."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    m = fastlayers.LSTM(4, 5, layer_norm=True).eval()
+    x, lengths = torch.randn(6, 3, 4), torch.tensor([6, 2, 4])
+    torch.export.save(torch.export.export(m, (x,), {"lengths": lengths}), tmp_path / "m.pt2")
+    torch.save({"x": x, "lengths": lengths, "want": m(x, lengths=lengths)[0]}, tmp_path / "io.pt")
+    code = ("import sys, torch, fastlayers\n"
+            "torch.ops.load_library(fastlayers.ops_library())\n"
+            "ep = torch.export.load(sys.argv[1])\n"
+            "io = torch.load(sys.argv[2])\n"
+            "torch.testing.assert_close(ep.module()(io['x'], lengths=io['lengths'])[0], io['want'])\n"
+            "print('loaded')\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.pt2"), str(tmp_path / "io.pt")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "loaded", proc.stderr[-3000:]
