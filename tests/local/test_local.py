@@ -396,3 +396,109 @@ def test_padding_string_errors_as_torchs():
             torch.nn.functional.conv2d(x, w, **kwargs)
         with pytest.raises(RuntimeError, match=re.escape(str(torch_error.value))):
             locally_connected2d(x, torch.randn(1, 1, 2, 2, 5, 5), **kwargs)
+
+
+@pytest.mark.parametrize("c_in,c_out", [(0, 2), (2, 0)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_no_channel_in_or_out(c_in, c_out, grad):
+    """A weight with no input or no output channel: the bias broadcast, or an empty output, as the
+    reference gives (the C kernel divided by a zero row size and the process died of SIGFPE)."""
+    x, w, b = torch.randn(2, c_in, 5, 5), torch.randn(c_out, c_in, 3, 3, 3, 3), torch.randn(c_out, 3, 3)
+    with torch.set_grad_enabled(grad):
+        y = locally_connected2d(x.requires_grad_(grad), w, b)
+    assert y.shape == (2, c_out, 3, 3) and torch.equal(y, b.expand(2, c_out, 3, 3))
+
+
+def test_module_bias_on_another_device_is_refused():
+    """The module's fast path checked the bias's shape and dtype, not its device: a bias elsewhere
+    reached the kernels (dropped with autograd, uninitialised output without)."""
+    m = LocallyConnected2d(3, 4, (6, 6), 3)
+    m.bias = torch.nn.Parameter(torch.empty(4, 4, 4, device="meta"))
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=r"bias: expected device cpu"):
+            m(torch.randn(2, 3, 6, 6))
+
+
+def test_reference_sums_low_precision_taps_in_float32():
+    """bf16 operands on the reference backend: the products and the sum over taps in float32, one
+    rounding at the end (a hardware bf16 einsum per tap rounded each tap's sum: 42% of the outputs
+    were off the correctly rounded value on an AVX512-BF16 CPU)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 9, 9, generator=g).bfloat16()
+    w, b = torch.randn(4, 8, 3, 3, 7, 7, generator=g).bfloat16(), torch.randn(4, 7, 7, generator=g).bfloat16()
+    exact = locally_connected2d_reference(x.double(), w.double(), b.double(), (1, 1), (0, 0), (1, 1))
+    got = locally_connected2d_reference(x, w, b, (1, 1), (0, 0), (1, 1))
+    off = (got != exact.bfloat16()).float().mean().item()
+    assert got.dtype == torch.bfloat16 and off <= 0.01, off
+
+
+def test_a_trace_records_torch_ops_and_saves():
+    """torch.jit.trace of the layers on the default backend records torch ops (it recorded the C
+    kernels' Python autograd Function, which torch.jit.save refuses); the loaded trace computes the
+    module's values."""
+    import io
+
+    torch.manual_seed(0)
+    for m, x in ((LocallyConnected2d(2, 3, (6, 6), 3, padding=1), torch.randn(2, 2, 6, 6)),
+                 (LocallyConnected1d(2, 3, 7, 3), torch.randn(2, 2, 7))):
+        traced = torch.jit.trace(m, (x,))
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer)
+        buffer.seek(0)
+        loaded = torch.jit.load(buffer)
+        x2 = torch.randn_like(x)
+        torch.testing.assert_close(loaded(x2), m(x2))
+
+
+def test_an_autocast_activation_feeds_the_layers():
+    """Under CPU autocast a bf16 activation (an autocast nn.Conv2d's output) reaching float32
+    parameters runs as the float32 call, bitwise (it was refused as a dtype mismatch)."""
+    torch.manual_seed(0)
+    conv, local2d, local1d = torch.nn.Conv2d(3, 2, 3), LocallyConnected2d(2, 4, (6, 6), 3), LocallyConnected1d(2, 4, 6, 3)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = conv(x)
+        assert a.dtype == torch.bfloat16
+        y, y32 = local2d(a), local2d(a.float())
+        z, z32 = local1d(a[:, :, 0]), local1d(a[:, :, 0].float())
+    assert y.dtype == z.dtype == torch.bfloat16 and torch.equal(y, y32) and torch.equal(z, z32)
+
+
+def test_messages_as_torchs_for_dilation_and_a_1d_bias():
+    """dilation < 1: torch 2.13's message by batch size ("non-positive dilation is not supported"
+    for B > 1; F.conv1d's with the 2-D pair); a 1-D bias of the wrong length named in 1-D shapes."""
+    import torch.nn.functional as F
+
+    for x, w, ours in ((torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3, 6, 6), locally_connected2d),
+                       (torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3, 6, 6), locally_connected2d),
+                       (torch.randn(2, 3, 8), torch.randn(4, 3, 3, 6), locally_connected1d),
+                       (torch.randn(1, 3, 8), torch.randn(4, 3, 3, 6), locally_connected1d)):
+        conv = F.conv2d if x.dim() == 4 else F.conv1d
+        with pytest.raises(RuntimeError) as theirs:
+            conv(x, w[..., 0, 0] if x.dim() == 4 else w[..., 0], dilation=0)
+        with pytest.raises(RuntimeError) as got:
+            ours(x, w, dilation=0)
+        assert str(got.value).startswith(str(theirs.value) + "; "), (str(got.value), str(theirs.value))
+    with pytest.raises(ValueError, match=r"^bias: expected shape \(4, 6\) \(C_out, OL\), got \(4, 5\)$"):
+        locally_connected1d(torch.randn(2, 3, 8), torch.randn(4, 3, 3, 6), torch.randn(4, 5))
+
+
+@pytest.mark.compile
+def test_compiled_under_autocast_equals_eager():
+    """torch.compile under CPU bf16 autocast: the eager call's values and gradients (the operator
+    once got its bias rounded to bf16 and returned bf16-rounded gradients)."""
+    torch.manual_seed(0)
+    m = LocallyConnected2d(3, 4, (8, 8), 3, padding=1)
+    x = torch.randn(2, 3, 8, 8)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (m, compiled):
+        xi = x.clone().requires_grad_()
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(xi)
+        y.float().square().sum().backward()
+        results.append((y, xi.grad, m.weight.grad.clone(), m.bias.grad.clone()))
+    for eager, traced in zip(*results):
+        assert eager.dtype == traced.dtype
+        torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-6)

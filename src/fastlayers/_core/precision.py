@@ -83,6 +83,24 @@ def rounded(t: object, low: torch.dtype) -> object:
     return t.to(low).float() if isinstance(t, Tensor) else t
 
 
+class _RoundedOperand(torch.autograd.Function):
+    """``t`` rounded to ``low`` and back (a product operand of a low-precision call), its gradient
+    passed through as it comes (the gradient of the unrounded operand: what the eager kernels give)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, low: torch.dtype) -> Tensor:
+        return t.to(low).to(t.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def rounded_operand(t: Tensor, low: torch.dtype) -> Tensor:
+    """:func:`rounded` for an operand whose gradient must not be rounded (straight through)."""
+    return _RoundedOperand.apply(t, low)
+
+
 _STATES_IN_ACC = contextvars.ContextVar("fastlayers_states_in_acc", default=False)
 
 

@@ -63,7 +63,7 @@ typedef double V_f64 __attribute__((vector_size(32)));
  * [OH*blk/blocks, OH*(blk+1)/blocks) and a static schedule every thread gets the same number of
  * rows (+-1) in one contiguous run. */
 static int64_t row_blocks(int64_t row_bytes, int64_t OH, int nthreads) {
-    int64_t rows = (int64_t)(96 * 1024) / row_bytes;
+    int64_t rows = row_bytes > 0 ? (int64_t)(96 * 1024) / row_bytes : OH;  /* (no bytes: no channel) */
     if (rows < 1) rows = 1;
     int64_t blocks = (OH + rows - 1) / rows;
     blocks = (blocks + nthreads - 1) / nthreads * nthreads;

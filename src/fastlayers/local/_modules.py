@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .._core import precision
 from .._core.checks import ShapeError, check_floating, check_same_dtype_device, check_tensor
 from .._core.jit import NotScriptable
 from ._reference import Pair
@@ -21,11 +22,19 @@ from ._routing import run
 _TORCH_REFUSES = {
     "stride": lambda values: "non-positive stride is not supported",
     "padding": lambda values: "negative padding is not supported",
-    "dilation": lambda values: f"dilation should be greater than zero, but got {list(values)}",
 }
 
 
-def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2) -> tuple[int, ...]:
+def _dilation_refusal(values: tuple[int, ...], batch: int, view: tuple[int, ...] = ()) -> str:
+    """F.conv1d / F.conv2d's message for a dilation < 1, which torch 2.13 words by the batch size
+    (and F.conv1d with the 2-D view's pair, ``view`` = (1,))."""
+    if batch > 1:
+        return "non-positive dilation is not supported"
+    return f"dilation should be greater than zero, but got {[*view, *values]}"
+
+
+def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2,
+          refusal: str | None = None) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         values = (value,) * dims
     elif isinstance(value, (tuple, list)):
@@ -35,9 +44,18 @@ def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2) 
     if len(values) != dims or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
     if any(v < minimum for v in values):
-        torch_says = _TORCH_REFUSES[name](values) + "; " if name in _TORCH_REFUSES else ""
+        if refusal is None and name == "dilation":
+            refusal = _dilation_refusal(values, 1)
+        if refusal is None and name in _TORCH_REFUSES:
+            refusal = _TORCH_REFUSES[name](values)
+        torch_says = refusal + "; " if refusal else ""
         raise ShapeError(f"{torch_says}{name}: expected every value >= {minimum}, got {value!r}")
     return values
+
+
+def _values(value: object, dims: int) -> tuple:
+    """``value`` as a tuple of ``dims`` entries for a message (anything malformed: as given)."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
 
 
 _PADDING_STRINGS = ("same", "valid")
@@ -134,6 +152,7 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     """
     check_tensor("input", input)
     check_tensor("weight", weight)
+    input = precision.autocast_operand(input, weight.dtype)  # (an autocast layer's bf16 output: as F.conv2d takes it)
     check_floating("input", input)
     if input.dim() not in (3, 4):
         raise ShapeError("Expected 3D (unbatched) or 4D (batched) input to locally_connected2d, but got input of "
@@ -143,7 +162,9 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         raise ShapeError(f"weight: expected a 6-D tensor (C_out, C_in, KH, KW, OH, OW), got {weight.dim()}-D "
                          f"with shape {tuple(weight.shape)}")
     check_same_dtype_device("weight", weight, "input", input)
-    stride2, dilation2 = _pair("stride", stride, 1), _pair("dilation", dilation, 1)
+    batch = input.size(0) if input.dim() == 4 else 1
+    stride2 = _pair("stride", stride, 1)
+    dilation2 = _pair("dilation", dilation, 1, refusal=_dilation_refusal(_values(dilation, 2), batch))
     padding2, extra = _padding(padding, tuple(weight.shape[2:4]), stride2, dilation2, 2)
     batched = input.dim() == 4
     x = input if batched else input.unsqueeze(0)
@@ -182,6 +203,7 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     """
     check_tensor("input", input)
     check_tensor("weight", weight)
+    input = precision.autocast_operand(input, weight.dtype)
     if input.dim() not in (2, 3):
         raise ShapeError("Expected 2D (unbatched) or 3D (batched) input to locally_connected1d, but got input of "
                          f"size: {list(input.shape)}; input: expected a 3-D (B, C_in, L) or 2-D (C_in, L) tensor, "
@@ -189,7 +211,9 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     if weight.dim() != 4:
         raise ShapeError(f"weight: expected a 4-D tensor (C_out, C_in, K, OL), got {weight.dim()}-D "
                          f"with shape {tuple(weight.shape)}")
-    (s,), (d,) = _pair("stride", stride, 1, 1), _pair("dilation", dilation, 1, 1)
+    batch = input.size(0) if input.dim() == 3 else 1
+    (s,) = _pair("stride", stride, 1, 1)
+    (d,) = _pair("dilation", dilation, 1, 1, refusal=_dilation_refusal(_values(dilation, 1), batch, view=(1,)))
     (p,), extra = _padding(padding, (weight.size(2),), (s,), (d,), 1)
     # (checked here, before the 2-D call, for F.conv1d's message with the 1-D shapes)
     _check_channels(input, tuple(input.shape) if input.dim() == 3 else (1, *input.shape), weight)
@@ -201,7 +225,7 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
                          f"{weight.size(3)} (weight.shape[3])")
     if bias is not None:
         check_tensor("bias", bias)
-        if bias.dim() != 2:
+        if tuple(bias.shape) != (weight.size(0), weight.size(3)):
             raise ShapeError(f"bias: expected shape ({weight.size(0)}, {weight.size(3)}) (C_out, OL), "
                              f"got {tuple(bias.shape)}")
         bias = bias.unsqueeze(1)  # (O, 1, OL)
@@ -249,7 +273,7 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
         return (type(input) is Tensor and input.dim() == rank and input.dtype == w.dtype
                 and input.device == w.device and input.shape[1:] == self._input_shape
                 and w.shape == self._weight_shape
-                and (b is None or (b.shape == self._bias_shape and b.dtype == w.dtype)))
+                and (b is None or (b.shape == self._bias_shape and b.dtype == w.dtype and b.device == w.device)))
 
     def _check_spatial(self, input: Tensor) -> None:
         """input_size against the input's last dims (a tensor of another rank: the functional's rank

@@ -18,12 +18,13 @@ from ._reference import needed_grads, recorded_backward, save
 def locally_connected2d_operator(input: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int],
                                  padding: list[int], dilation: list[int]) -> Tensor:
     """The C kernels as the operator ``torch.ops.fastlayers.locally_connected2d`` (torch.compile,
-    torch.export). A low-precision call passes its operands rounded to the low dtype (the operator
-    computes in float32 and returns that dtype)."""
+    torch.export). float32 under autocast, as the eager call: the products' operands rounded to the
+    low dtype (their gradients passed through unrounded), the sums and the bias in float32, the
+    result in the low dtype."""
     low = precision.dtypes(input)[0]
     if low != input.dtype:  # float32 under autocast
-        input, weight = input.to(low), weight.to(low)
-        bias = bias.to(low) if bias is not None else None
+        input, weight = precision.rounded_operand(input, low), precision.rounded_operand(weight, low)
+        return torch.ops.fastlayers.locally_connected2d(input, weight, bias, stride, padding, dilation).to(low)
     return torch.ops.fastlayers.locally_connected2d(input, weight, bias, stride, padding, dilation)
 
 

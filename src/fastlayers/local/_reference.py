@@ -9,6 +9,8 @@ Arguments are validated by the caller: input (B, C, H, W), weight (O, C, KH, KW,
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -29,15 +31,22 @@ def locally_connected2d_reference(input: Tensor, weight: Tensor, bias: Tensor | 
     """
     mm = precision.Products.of(input)
     out_h, out_w = weight.shape[-2:]
-    x = pad(input, padding)
+    # the operands rounded to the low dtype and multiplied in float32 (exact products), so every
+    # tap's sum stays float32 (a hardware bf16 einsum would round each tap's result to bf16)
+    operand = (lambda t: t.to(mm.low).to(mm.acc)) if mm.mixed else (lambda t: t)  # noqa: E731
+    x = operand(pad(input, padding))
+    w = operand(weight)
     out = None
-    for p in range(weight.size(2)):
-        for q in range(weight.size(3)):
-            h0, w0 = p * dilation[0], q * dilation[1]
-            xs = x[:, :, h0 : h0 + stride[0] * (out_h - 1) + 1 : stride[0], w0 : w0 + stride[1] * (out_w - 1) + 1 : stride[1]]
-            term = mm.einsum("bcij,ocij->boij", xs, weight[:, :, p, q])
-            out = term if out is None else out + term
-    assert out is not None
+    with torch.autocast(input.device.type, enabled=False) if precision.autocasting(input.device.type) \
+            else contextlib.nullcontext():
+        for p in range(weight.size(2)):
+            for q in range(weight.size(3)):
+                h0, w0 = p * dilation[0], q * dilation[1]
+                xs = x[:, :, h0 : h0 + stride[0] * (out_h - 1) + 1 : stride[0], w0 : w0 + stride[1] * (out_w - 1) + 1 : stride[1]]
+                term = torch.einsum("bcij,ocij->boij", xs, w[:, :, p, q])
+                out = term if out is None else out + term
+    if out is None:  # (an empty kernel: no tap)
+        out = x.new_zeros(x.size(0), weight.size(0), out_h, out_w, dtype=mm.acc)
     out = out + bias.to(mm.acc) if bias is not None else out
     return out.to(mm.low)
 

@@ -20,7 +20,11 @@ __all__ = ["run"]
 def run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair, dilation: Pair) -> Tensor:
     """Validated (B, C_in, H, W) input, weight, bias and pairs -> (B, C_out, OH, OW), on the backend
     of :func:`fastlayers._core.backend.select`: on CPU the C kernels (eager with autograd: an autograd
-    Function; without autograd, torch.compile or torch.export: the C++ operator)."""
+    Function; without autograd, torch.compile or torch.export: the C++ operator). Under
+    torch.jit.trace, and for no channel in or out, the plain-PyTorch reference (a trace records
+    torch ops only; the kernels take at least one channel)."""
+    if torch.jit.is_tracing() or weight.size(0) == 0 or weight.size(1) == 0:
+        return locally_connected2d_reference(x, weight, bias, stride, padding, dilation)
     if triton_kernels("local2d", x):  # CUDA: the Triton kernels, decided in a few lookups
         return _triton(x, weight, bias, stride, padding, dilation)
     if cpu_kernels("local2d", x) and ops_lib.serves(x):  # no autograd: one dispatcher call (never while compiling)
