@@ -107,9 +107,9 @@ def export(model: Any, args: tuple = (), f: Any = None, *, kwargs: dict[str, Any
     Args:
         model: a ``torch.nn.Module`` (or ``torch.export.ExportedProgram``) using fastlayers layers,
             in eval mode. Legend: T time, B batch, F features, H hidden_size, P = proj_size or H,
-            L num_layers, D directions (2 if bidirectional). A recurrent layer takes ``input`` (T, B, F) or (B, T, F) float32 (batch_first),
-            optionally ``hx`` (L*D, B, P) (LSTM: a pair, c (L*D, B, H)) and ``lengths`` (B,) int64 with
-            1 <= lengths[b] <= T.
+            L num_layers, D directions (2 if bidirectional). A recurrent layer takes ``input``
+            (T, B, F) or (B, T, F) float32 (batch_first), optionally ``hx`` (L*D, B, P) (LSTM: a
+            pair, c (L*D, B, H)) and ``lengths`` (B,) int64 with 1 <= lengths[b] <= T.
         args, f, kwargs: as ``torch.onnx.export`` (``f``: a path to save to, or None).
         dynamic_shapes: as ``torch.export.export`` (e.g. ``{"input": {0: Dim("T"), 1: Dim("B")},
             "lengths": {0: Dim("B")}}``): the dimensions that stay inputs of the ONNX graph; others are

@@ -164,6 +164,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, w: Tensor, dctx: Tensor, dw: Tenso
     launch(_backward_kernel, (batch,), (q, k, v, w, lengths if lengths is not None else q, dctx,
                                         dw if dw is not None else w, dq, dk, dv if dv is not None else dk, steps, d_k,
                                         d_v),
-           {"SCALED": scaled and d_k > 1, "HAS_LENGTHS": lengths is not None, "HAS_DW": dw is not None, "NEED_DV": need_dv, "F64": acc == torch.float64,
+           {"SCALED": scaled and d_k > 1, "HAS_LENGTHS": lengths is not None, "HAS_DW": dw is not None,
+            "NEED_DV": need_dv, "F64": acc == torch.float64,
             **_blocks(d_k, d_v, BACKWARD_BLOCK_T)}, num_warps=BACKWARD_WARPS)
     return dq.to(q.dtype), dk.to(k.dtype), (dv.to(v.dtype) if dv is not None else None)

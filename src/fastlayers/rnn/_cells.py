@@ -166,8 +166,8 @@ class _Cell(NotScriptable):
         new = step(self.mode, x, states, self._params(), self.options, training=training,
                    recurrent_mask=recurrent_mask, nonlinearity=self.nonlinearity if self.mode == "RNN" else "tanh")
         new = new if batched else tuple(s.squeeze(0) for s in new)
-        if (input is not given[0] or hx is not given[1]) and self.mode != "RNN" and self.options.plain:  # converted for autocast: torch's result dtype, that of
-            out = _autocast_result(self.mode, *given)  # the state its pointwise step adds to (the input's if none)
+        if (input is not given[0] or hx is not given[1]) and self.mode != "RNN" and self.options.plain:
+            out = _autocast_result(self.mode, *given)  # converted for autocast: torch's cell's result dtype
             new = tuple(s.to(out) for s in new)
         return new if self.mode == "LSTM" else new[0]
 
@@ -236,7 +236,8 @@ _CELL_DOC = """
     Errors: for every input torch.nn.{name} rejects, an instance of torch's class whose message
     starts with torch's message for it (its Python checks, then its kernel's: ``input has
     inconsistent input_size``, ``hidden0 has inconsistent hidden_size``, ``mat1 and mat2 must have
-    the same dtype``, without biases ``expected m1 and m2 to have the same dtype``), then ``"; "`` and our details, checked in torch's order (sizes before dtype):
+    the same dtype``, without biases ``expected m1 and m2 to have the same dtype``), then ``"; "``
+    and our details, checked in torch's order (sizes before dtype):
     TypeError and AttributeError for a non-tensor input or state (TypeError, IndexError,
     RuntimeError and AttributeError for an LSTM state that is not a pair); RuntimeError for an
     RNNCell nonlinearity other than ``"tanh"`` or ``"relu"`` (torch's check at the call); TypeError, ValueError
