@@ -53,6 +53,17 @@ def test_lengths_accepts_list_int32_and_matches_tensor():
     torch.testing.assert_close(a[1][0], b[1][0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("form", [
+    range(5, 2, -1), list(torch.tensor([5, 4, 3])), tuple(torch.tensor([5, 4, 3], dtype=torch.int32)),
+    [torch.tensor([5]), torch.tensor([4]), torch.tensor([3])]], ids=["range", "0-d tensors", "int32 0-d", "1-element"])
+def test_lengths_in_the_forms_pack_padded_sequence_takes(form):
+    """A range and sequences of one-element integer tensors (``list(lengths)``), which torch's
+    pack_padded_sequence takes, give what the tensor gives (they were a TypeError)."""
+    m = fastlayers.GRU(3, 4).eval()
+    x = torch.randn(5, 3, 3)
+    torch.testing.assert_close(m(x, lengths=form)[0], m(x, lengths=torch.tensor([5, 4, 3]))[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_unbatched_input_with_lengths(batch_first):
     torch.manual_seed(0)

@@ -69,18 +69,23 @@ def check_same_dtype_device(name: str, value: Tensor, ref_name: str, ref: Tensor
 def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths") -> Tensor:
     """Validate a per-sequence lengths argument and return it as a CPU int64 tensor of shape (B,).
 
-    Accepts a 1-D integer tensor on any device, a 1-D integer NumPy array, or a sequence of ints
-    (Python's or NumPy's), as torch's ``pack_padded_sequence`` does (which also takes floats and
+    Accepts a 1-D integer tensor on any device, a 1-D integer NumPy array, or a sequence (list,
+    tuple, range) of ints (Python's or NumPy's, or one-element integer tensors), as torch's
+    ``pack_padded_sequence`` does (which also takes floats and
     truncates them; here they are a TypeError). Every value must satisfy 1 <= length <= max_len.
     """
     if isinstance(lengths, Tensor):
         t = lengths
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
             raise TypeError(f"{name}: expected an integer tensor, got dtype {t.dtype}")
-    elif isinstance(lengths, (list, tuple)):
+    elif isinstance(lengths, (list, tuple, range)):
         plain = True  # Python ints only (checked first: the ABC check costs ten times as much)
         for v in lengths:
             if type(v) is int:
+                continue
+            if isinstance(v, Tensor) and v.numel() == 1 and not (v.dtype == torch.bool or v.is_floating_point()
+                                                                 or v.is_complex()):
+                plain = False  # (list(a lengths tensor): one-element integer tensors, as pack_padded_sequence takes)
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"{name}: expected a sequence of ints, got an element of type {type(v).__name__} ({v!r})")
