@@ -1,5 +1,5 @@
 """TorchScript: torch.jit.trace records the calls made of torch ops or operators (equal to eager at
-another shape than the traced one) and raises one clear error, naming torch.export, for the engine's
+another shape than the traced one; the locally connected layers' reference up to float32 rounding) and raises one clear error, naming torch.export, for the engine's
 calls; torch.jit.script raises one clear error for every fastlayers module, also inside a model."""
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ def test_trace_equals_eager_at_another_shape(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         traced = torch.jit.trace(module, example)
-    torch.testing.assert_close(_first(traced(*other)), _first(module(*other)), rtol=0, atol=0)
+    # the locally connected layers' trace records their plain-PyTorch reference (torch ops, which
+    # torch.jit.save takes), eager calls run the C kernels: equal up to the order of float32 sums
+    exact = not name.startswith("LocallyConnected")
+    torch.testing.assert_close(_first(traced(*other)), _first(module(*other)), rtol=0 if exact else 1e-5,
+                               atol=0 if exact else 1e-6)
 
 
 class _WithLengths(nn.Module):
