@@ -370,3 +370,46 @@ def test_recorded_first_derivatives_of_a_cell_equal_the_plain_backward(cls, opti
     recorded = torch.autograd.grad(run(), inputs, weights, create_graph=True)
     for a, b in zip(recorded, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _inference_cases():
+    x = torch.randn(4, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([4, 2, 3])
+    return x, {
+        "LSTM lengths": (lambda: fastlayers.LSTM(3, 3), lambda m, x: m(x, lengths=lengths)[0]),
+        "LSTM layer_norm": (lambda: fastlayers.LSTM(3, 3, layer_norm=True), lambda m, x: m(x)[0]),
+        "GRU lengths": (lambda: fastlayers.GRU(3, 3), lambda m, x: m(x, lengths=lengths)[0]),
+        "AttentionPooling additive": (lambda: fastlayers.AttentionPooling(3, 3, score="additive"),
+                                      lambda m, x: m(x[0], x.transpose(0, 1))[0]),
+        "LocallyConnected2d": (lambda: fastlayers.LocallyConnected2d(4, 2, (3, 3), 2), lambda m, x: m(x.unsqueeze(0))),
+        "AttentionPooling dot": (lambda: torch.nn.Linear(3, 3),  # (its weight: a parameter for the test's w)
+                                 lambda m, x: fastlayers.attention_pool(m(x[0]), x.transpose(0, 1), lengths=[4, 2, 3])[0]),
+        "LSTMCell layer_norm": (lambda: fastlayers.LSTMCell(3, 3, layer_norm=True), lambda m, x: m(x[0])[0]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_inference_cases()[1]))
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_create_graph_inside_inference_mode_gives_the_first_order_gradients(name, backend):
+    """A backward with create_graph=True run inside torch.inference_mode records nothing: the
+    first-order gradients, as torch.nn's layers give them (the recorded path ran and returned None
+    or wrong gradients without an error); a forward there under enable_grad runs (it raised
+    "Inference tensors cannot be saved for backward"), and the engine's buffers made there are not
+    reused outside it."""
+    x, cases = _inference_cases()
+    build, call = cases[name]
+    torch.manual_seed(0)
+    m = build().double()
+    w = next(m.parameters())
+    x = x.requires_grad_()
+    with fastlayers.backend(backend):
+        want = torch.autograd.grad((call(m, x) ** 2).sum(), [x, w])
+        loss = (call(m, x) ** 2).sum()
+        with torch.inference_mode():
+            got = torch.autograd.grad(loss, [x, w], create_graph=True)
+            with torch.enable_grad():
+                assert not call(m, x.detach()).requires_grad
+        again = torch.autograd.grad((call(m, x) ** 2).sum(), [x, w])  # (after buffers made in inference mode)
+    for g, a, e in zip(got, again, want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a, e, rtol=0, atol=0)

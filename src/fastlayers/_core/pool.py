@@ -62,7 +62,11 @@ def _take(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def give(slab: Tensor) -> None:
-    """Return a slab (from :func:`views`) for later calls; nothing may use its views afterwards."""
+    """Return a slab (from :func:`views`) for later calls; nothing may use its views afterwards.
+    One made under ``torch.inference_mode`` is dropped instead (an inference tensor cannot be
+    written outside inference mode)."""
+    if slab.is_inference():
+        return
     with _lock:
         _free.append(slab)
         while len(_free) > CAPACITY:

@@ -23,11 +23,25 @@ import torch
 from torch import Tensor
 
 
+def graph_recorded() -> bool:
+    """Whether torch ops record an autograd graph now: grad mode on, outside inference mode (where
+    ``torch.enable_grad()`` records nothing either)."""
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def grad_mode_in_inference_mode() -> bool:
+    """Whether grad mode is on inside ``torch.inference_mode`` (``torch.enable_grad()`` there): torch
+    ops record nothing, and an autograd Function refuses to save inference tensors, so the layers
+    run such a call under ``torch.no_grad()`` (the same values, nothing recorded either way)."""
+    return torch.is_grad_enabled() and torch.is_inference_mode_enabled()
+
+
 def recording(*grads: Tensor | None) -> bool:
     """Inside an autograd Function's backward, given its incoming gradients: True when the backward
-    itself is being recorded (create_graph), or when a gradient is batched by autograd's vmap
+    itself is being recorded (create_graph, outside inference mode: a recomputation there records
+    nothing to differentiate), or when a gradient is batched by autograd's vmap
     (``is_grads_batched``); then the backward runs :func:`recorded_vjp` instead of the kernels."""
-    return torch.is_grad_enabled() or any(g is not None and _batched(g) for g in grads)
+    return graph_recorded() or any(g is not None and _batched(g) for g in grads)
 
 
 def _batched(t: Tensor) -> bool:

@@ -95,7 +95,8 @@ def serves(x) -> bool:
     (torch.no_grad / inference_mode), CPU float32 / float64 without autocast, not traced, and the
     library loads (where it does not, False after one warning, and the callers keep their autograd
     path)."""
-    if torch.is_grad_enabled() or x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu" \
+    recorded = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()  # (enable_grad inside one: none)
+    if recorded or x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu" \
             or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     loaded = _STATE.get("loaded")

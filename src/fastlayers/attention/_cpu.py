@@ -44,7 +44,7 @@ def pool(query: Tensor, keys: Tensor, values: Tensor, pad: Tensor | None, length
     (B, T) bool from them or None; ``additive`` the checked parameters for the additive score, else
     None and ``scale`` 1 (dot) or 1/sqrt(D)): an autograd Function where a gradient is wanted."""
     tensors = (query, keys, values) + (tuple(p for p in additive if p is not None) if additive else ())
-    record = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    record = twice.graph_recorded() and any(t.requires_grad for t in tensors)
     if additive is None:
         return AttentionCPU.apply(query, keys, values, pad, lengths, scale) if record else \
             dot_pool(query, keys, values, pad, scale)

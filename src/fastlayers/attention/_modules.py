@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .._core import jagged
 from .._core.backend import select
+from .._core import twice
 from .._core.checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_tensor
 from .._core.jit import TRITON, VARLEN, NotScriptable, refuse_trace
 from . import _cpu as cpu
@@ -108,6 +109,10 @@ def attention_pool(
     zeros there).
     Large scores (keys of size 1e4) stay finite: the softmax subtracts each row's maximum.
     """
+    if twice.grad_mode_in_inference_mode():  # (nothing is recorded there: no autograd Function either)
+        with torch.no_grad():
+            return attention_pool(query, keys, values, lengths, score=score, additive=additive, cu_seqlens=cu_seqlens,
+                                  max_seqlen=max_seqlen)
     if isinstance(keys, Tensor) and keys.is_nested:
         return _nested(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive)
     if cu_seqlens is not None:

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._core import precision
+from .._core import precision, twice
 from .._core.checks import ShapeError, check_floating, check_same_dtype_device, check_tensor
 from .._core.jit import NotScriptable
 from ._reference import Pair
@@ -355,7 +355,7 @@ class LocallyConnected1d(_LocallyConnectedNd):
         in-place update shows through a view; a replaced parameter or ``.data`` makes new views);
         calls with autograd make them each time (the views belong to that call's graph)."""
         w, b = self.weight, self.bias
-        if torch.is_grad_enabled() or torch.jit.is_tracing():  # (a trace records the views as ops)
+        if twice.graph_recorded() or torch.jit.is_tracing():  # (a trace records the views as ops)
             return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
         cached = self.__dict__.get("_views_2d")
         if (cached is None or cached[0] is not w or cached[1] is not b or cached[2] != w.data_ptr()

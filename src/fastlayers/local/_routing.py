@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._core import twice
 from .._core.backend import cpu_kernels, select, triton_kernels
 from .._core.jit import TRITON, refuse_trace
 from .._native import ops_lib
@@ -48,6 +49,6 @@ def run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: P
 
 def _triton(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: Pair, dilation: Pair) -> Tensor:
     refuse_trace("fastlayers.functional.locally_connected2d on the Triton backend", TRITON)
-    if not torch.is_grad_enabled():  # nothing to record: the kernels without a Function's bookkeeping
+    if not twice.graph_recorded():  # nothing to record: the kernels without a Function's bookkeeping
         return triton_forward(x, weight, bias, stride, padding, dilation)
     return LocallyConnected2dTriton.apply(x, weight, bias, stride, padding, dilation)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .._native import ops_lib
-from .._core import precision as _precision
+from .._core import precision as _precision, twice
 from .._core.backend import cpu_kernels, select
 from .._core.jit import NotScriptable
 from . import _gpu_cell
@@ -150,6 +150,9 @@ class _Cell(NotScriptable):
         ``(h, c)``, c (B, H)), zeros if None; ``recurrent_mask`` (B, P) from :meth:`recurrent_mask`
         (the same for every step of a sequence) or None. Returns the next state in the input's
         dtype: h (B, P) (LSTMCell: ``(h, c)``). Errors as torch.nn's cells (the class docstring)."""
+        if twice.grad_mode_in_inference_mode():
+            with torch.no_grad():
+                return self.forward(input, hx, recurrent_mask=recurrent_mask)
         given = input, hx
         if self.weight_ih.dtype == torch.float32:  # an autocast layer's bf16 output: as torch.nn's cells take it
             input, hx = _precision.autocast_operand(input, torch.float32), _precision.autocast_operand(hx, torch.float32)

@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._core import jagged, precision as _precision
+from .._core import jagged, precision as _precision, twice
 from . import _gpu_graphs
 from ._common import drawn_masks, input_bias, stack_directions
 from ._options import CellOptions
@@ -119,7 +119,7 @@ def replays(module, input: Tensor) -> bool:
     if steps <= _gpu_graphs.EAGER_STEPS:  # the engine's loops would run eagerly: torch's kernels serve it
         return False
     module._update_flat_weights()  # (the parameters this call sees, as torch's forward: functional_call)
-    grad = torch.is_grad_enabled() and (input.requires_grad or any(w.requires_grad for w in module._flat_weights))
+    grad = twice.graph_recorded() and (input.requires_grad or any(w.requires_grad for w in module._flat_weights))
     sig = (module.mode, batch, features, module.hidden_size, getattr(module, "proj_size", 0), module.num_layers,
            module.bidirectional, module.bias, _precision.dtypes(input), input.device, grad, _tf32())
     ready = _READY.get(sig)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .._core import jagged
+from .._core import jagged, twice
 from .._core import precision as _precision
 from .._core.checks import as_lengths
 from .._core.jit import ENGINE, VARLEN, NotScriptable, refuse_trace
@@ -116,6 +116,9 @@ class _LengthsMixin(NotScriptable):
         Under ``torch.autocast`` a bfloat16 / float16 ``input`` or state reaching float32
         parameters (an autocast layer's output) runs as the float32 call (as torch.nn's modules
         take it); outputs in the autocast dtype."""
+        if twice.grad_mode_in_inference_mode():
+            with torch.no_grad():
+                return self.forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         given = input, hx
         input, hx = self._autocast_operands(input, hx)
         if isinstance(input, Tensor) and input.is_nested:
@@ -349,7 +352,7 @@ class _CellOptionsMixin:
         not traced by torch.compile, not under a torch.func transform or forward-mode AD (the
         segments' Function has no functorch rules; the call without them computes the same values
         and draws the same masks, holding every step's activations)."""
-        return (self.checkpoint_every is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        return (self.checkpoint_every is not None and twice.graph_recorded() and not torch.compiler.is_compiling()
                 and not transformed())
 
     def _engine_precision(self, input: Tensor) -> bool:
@@ -556,6 +559,9 @@ class RNN(_LengthsMixin, nn.RNN):
         varlen (N, F) with ``cu_seqlens``, a jagged NestedTensor), ``hx`` (L*D, B, H) or None,
         ``lengths`` (B,) or None -> ``(output (T, B, D*H), h_n (L*D, B, H))`` with the packed
         semantics; errors as torch.nn.RNN's (the class docstring)."""
+        if twice.grad_mode_in_inference_mode():
+            with torch.no_grad():
+                return self.forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         input, hx = self._autocast_operands(input, hx)
         if cu_seqlens is not None or max_seqlen is not None or (isinstance(input, Tensor) and input.is_nested):
             return super().forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)

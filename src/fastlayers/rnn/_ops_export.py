@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._core import exporter
+from .._core import exporter, twice
 from .._core import precision as _precision
 from .._native import ops_lib
 from ._common import draw_mask, draws
@@ -223,7 +223,7 @@ def vjp(run, inputs: list, needs: list[bool], grads: list) -> list[Tensor | None
     ``grads``: recomputed with the eager engine, then its vector-Jacobian product. While grad mode
     is on (a backward with create_graph) the recomputation runs on the inputs themselves, so the
     gradients stay differentiable functions of them; otherwise on detached copies."""
-    create_graph = torch.is_grad_enabled()
+    create_graph = twice.graph_recorded()
     with torch.enable_grad():
         leaves = list(inputs) if create_graph else [
             t.detach().requires_grad_(bool(n)) if t is not None and t.is_floating_point() else t

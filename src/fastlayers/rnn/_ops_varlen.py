@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._core import jagged
+from .._core import jagged, twice
 from .._core.backend import select
 from ._lengths import varlen_rows
 from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _PLAIN, _RNN_KEYS, _layer_args, _layer_eagerly, _rnn_eagerly,
@@ -189,7 +189,7 @@ for _op, _cell in ((lstm_varlen, "lstm"), (gru_varlen, "gru"), (rnn_varlen, "rnn
     def _backward(ctx, *grads, cell=_cell):
         needs = [bool(n) and t is not None and t.is_floating_point()
                  for t, n in zip(ctx.saved_tensors, ctx.needs_input_grad)]
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph: differentiable
+        if twice.graph_recorded() and not torch.compiler.is_compiling():  # create_graph: differentiable
             got = _gradients(cell, list(ctx.saved_tensors), list(ctx.consts), list(grads), needs)
         else:
             got = varlen_layer_backward(cell, list(ctx.saved_tensors), [float(c) for c in ctx.consts], list(grads),

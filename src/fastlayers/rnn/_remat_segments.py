@@ -541,9 +541,9 @@ def _all_segments(spec: Spec, x: Tensor, tensors: tuple[Tensor, ...],
     full = bool(spec.plan.bounds) and spec.plan.bounds[-1][1] == steps and all(
         rows is None and seg is None for rows, seg in spec.plan.parts)
     # (recorded: per direction, differentiable twice)
-    paired = spec.triton and dirs == 2 and not torch.is_grad_enabled()
+    paired = spec.triton and dirs == 2 and not twice.graph_recorded()
     # the C kernels' engine without autograd (eager: the projection reads the input's rows itself)
-    native = spec.native and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+    native = spec.native and not twice.graph_recorded() and not torch.compiler.is_compiling() \
         and not torch.jit.is_tracing()
     varlen = spec.data_maps is not None  # the values (N, F) in, (N, D*P) out: every row written
     if varlen and not native:  # (recorded backwards pad the values first: _recorded_backward)
