@@ -65,7 +65,7 @@ def give(slab: Tensor) -> None:
     """Return a slab (from :func:`views`) for later calls; nothing may use its views afterwards.
     One made under ``torch.inference_mode`` is dropped instead (an inference tensor cannot be
     written outside inference mode)."""
-    if slab.is_inference():
+    if not torch.compiler.is_compiling() and slab.is_inference():
         return
     with _lock:
         _free.append(slab)

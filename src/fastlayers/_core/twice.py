@@ -25,15 +25,19 @@ from torch import Tensor
 
 def graph_recorded() -> bool:
     """Whether torch ops record an autograd graph now: grad mode on, outside inference mode (where
-    ``torch.enable_grad()`` records nothing either)."""
+    ``torch.enable_grad()`` records nothing either). While torch.compile / torch.export traces,
+    grad mode alone (Dynamo cannot trace the inference-mode query; traced code runs outside it)."""
+    if torch.compiler.is_compiling():
+        return torch.is_grad_enabled()
     return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
 def grad_mode_in_inference_mode() -> bool:
     """Whether grad mode is on inside ``torch.inference_mode`` (``torch.enable_grad()`` there): torch
     ops record nothing, and an autograd Function refuses to save inference tensors, so the layers
-    run such a call under ``torch.no_grad()`` (the same values, nothing recorded either way)."""
-    return torch.is_grad_enabled() and torch.is_inference_mode_enabled()
+    run such a call under ``torch.no_grad()`` (the same values, nothing recorded either way). False
+    while torch.compile / torch.export traces (Dynamo cannot trace the query)."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
 
 
 def recording(*grads: Tensor | None) -> bool:
