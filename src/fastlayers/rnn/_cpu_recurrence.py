@@ -173,6 +173,12 @@ def _weight_grad(mm: _precision.Products, p: Tensor, q: Tensor, dtype: torch.dty
     """dW[d] = p[d]^T q[d] summed over all packed rows: (D, N, G) x (D, N, F) -> (D, G, F) in
     ``dtype``, on matmul.c's transposed product where :func:`_own` chooses it, else torch's bmm; with
     ``src`` (:func:`reads_rows`) q is the padded (R, F) and q[d] its rows src[d]."""
+    if src is None and mm.low == torch.float16 and not mm.native:
+        # float16's range: a gate gradient beyond 65504 (the step after a zero state, through the
+        # recurrent LayerNorm's 1 / std) would round to inf and meet h = 0 there (NaN); the gradient
+        # multiplies unrounded in float32, as the reference's autograd multiplies it
+        with torch.autocast(p.device.type, enabled=False):
+            return torch.bmm(p.transpose(1, 2).to(mm.acc), mm.operand(q)).to(dtype)
     if src is None and not _own(mm, p.size(1), p, q):
         return mm.bmm(p.transpose(1, 2), q, dtype=dtype)
     dirs, rows, m = p.shape
