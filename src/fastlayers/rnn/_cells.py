@@ -154,7 +154,8 @@ class _Cell(NotScriptable):
             with torch.no_grad():
                 return self.forward(input, hx, recurrent_mask=recurrent_mask)
         given = input, hx
-        if self.weight_ih.dtype == torch.float32:  # an autocast layer's bf16 output: as torch.nn's cells take it
+        if type(input) is Tensor and self.weight_ih.dtype == torch.float32 and _precision.autocasting(input.device.type):
+            # an autocast layer's bf16 output (or state): as torch.nn's cells take it
             input, hx = _precision.autocast_operand(input, torch.float32), _precision.autocast_operand(hx, torch.float32)
         x, states, batched = check_cell(f"{self.mode}Cell", self.mode, input, hx,
                                         input_size=self.input_size, weight_dtype=self.weight_ih.dtype,
