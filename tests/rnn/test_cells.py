@@ -218,3 +218,15 @@ def test_rnn_cell_recurrent_mask_multiplies_h_before_torchs_kernel(nonlinearity)
     g_theirs = torch.autograd.grad(want.square().sum(), [x, h, *theirs.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(g_ours, g_theirs, strict=True))
     assert torch.equal(ours(x[0], h[0], recurrent_mask=mask[0]), theirs(x[0], h[0] * mask[0]))  # unbatched
+
+
+@pytest.mark.parametrize("make", [lambda: fastlayers.LSTMCell(4, 5, layer_norm=True),
+                                  lambda: fastlayers.GRUCell(4, 5, layer_norm=True)], ids=["LSTMCell", "GRUCell"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_recurrent_mask_on_another_device_is_refused(make, grad):
+    """The mask's device is checked as the state's is (without autograd the operator read a meta
+    mask's memory and returned garbage; with it, torch's error did not name the argument)."""
+    cell = make()
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=r"^recurrent_mask: expected device cpu "
+                                                                          r"\(that of input\), got meta$"):
+        cell(torch.randn(3, 4), recurrent_mask=torch.ones(3, 5, device="meta"))

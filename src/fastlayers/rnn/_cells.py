@@ -161,7 +161,7 @@ class _Cell(NotScriptable):
                                         input_size=self.input_size, weight_dtype=self.weight_ih.dtype,
                                         sizes=self._state_sizes(), bias=self.bias)
         if recurrent_mask is not None:
-            recurrent_mask = check_mask("recurrent_mask", recurrent_mask, batched, x.size(0), self._state_sizes()[0])
+            recurrent_mask = check_mask("recurrent_mask", recurrent_mask, batched, x.size(0), self._state_sizes()[0], x)
         if self.mode == "RNN" and self.nonlinearity not in ("tanh", "relu"):  # torch.nn.RNNCell checks it per call
             raise RuntimeError(f"Unknown nonlinearity: {self.nonlinearity}; nonlinearity: expected 'tanh' or "
                                f"'relu', got {self.nonlinearity!r}")

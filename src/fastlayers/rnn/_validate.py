@@ -285,10 +285,12 @@ def _cell_single_state(cls: str, hx: object) -> tuple[Tensor]:
     return (hx,)
 
 
-def check_mask(name: str, mask: Any, batched: bool, batch: int, width: int) -> Tensor:
-    """A per-sequence mask (B, width) (or (width,) unbatched) -> batched 2-D."""
+def check_mask(name: str, mask: Any, batched: bool, batch: int, width: int, like: Tensor | None = None) -> Tensor:
+    """A per-sequence mask (B, width) (or (width,) unbatched) on ``like``'s device -> batched 2-D."""
     _rank(name, mask)
     want = (batch, width) if batched else (width,)
     if tuple(mask.shape) != want:
         raise ShapeError(f"{name}: expected shape {want} ({'(B, P)' if batched else '(P,)'}), got {tuple(mask.shape)}")
+    if like is not None and mask.device != like.device:
+        raise DeviceError(f"{name}: expected device {like.device} (that of input), got {mask.device}")
     return mask if batched else mask.unsqueeze(0)
