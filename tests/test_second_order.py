@@ -413,3 +413,30 @@ def test_create_graph_inside_inference_mode_gives_the_first_order_gradients(name
     for g, a, e in zip(got, again, want):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_inference_mode_with_grad_mode_in_low_precision_and_subclasses():
+    """enable_grad inside inference_mode: low-precision locally connected calls (their autograd
+    Function path) and a layer's cell view run too; a subclass's own forward runs once (the layers
+    re-enter their own forward under no_grad, not the subclass's); the engine's buffers made there
+    are ordinary tensors, reused afterwards."""
+    from fastlayers._core import pool
+
+    class Doubled(fastlayers.LSTM):
+        calls = 0
+
+        def forward(self, x, hx=None, **kwargs):
+            Doubled.calls += 1
+            return super().forward(x * 2, hx, **kwargs)
+
+    lc = fastlayers.LocallyConnected2d(2, 3, (5, 5), 3).bfloat16()
+    lstm = Doubled(3, 4, layer_norm=True)
+    with torch.inference_mode(), torch.enable_grad():
+        assert lc(torch.randn(2, 2, 5, 5, dtype=torch.bfloat16)).dtype == torch.bfloat16
+        assert lstm.cell(0)(torch.randn(2, 3))[0].shape == (2, 4)
+        lstm(torch.randn(5, 2, 3))
+    assert Doubled.calls == 1
+    pool.empty_cache()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fastlayers.LSTM(3, 4, layer_norm=True)(torch.randn(5, 2, 3))  # (a low-precision call: pooled slabs)
+    assert pool._free and not any(s.is_inference() for s in pool._free)  # (they were made, then dropped)

@@ -264,3 +264,13 @@ def test_rnn_cell_unknown_nonlinearity():
         theirs = nn.RNNCell(4, 5, nonlinearity=nonlinearity)
         torch.manual_seed(0)
         torch.testing.assert_close(fastlayers.RNNCell(4, 5, nonlinearity=nonlinearity)(x), theirs(x))
+
+
+def test_rnn_with_bf16_parameters_under_autocast_takes_a_float32_input():
+    """torch.nn.RNN skips its dtype check under autocast: ours with bf16 parameters runs a float32
+    input there too (the state-dtype check for bf16 parameters must not refuse it)."""
+    m = fastlayers.RNN(4, 5, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, h = m(torch.randn(6, 3, 4))
+        nn.RNN(4, 5, dtype=torch.bfloat16)(torch.randn(6, 3, 4))
+    assert out.dtype == h.dtype == torch.bfloat16

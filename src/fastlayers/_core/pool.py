@@ -58,13 +58,16 @@ def _take(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         # work space when the backward asks for its larger one); drop them before allocating, so
         # idle memory does not add to the peak (the new slab serves their requests next time)
         _free[:] = [s for s in _free if not (s.dtype == dtype and s.device == device)]
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():  # a slab reused outside it too
+        with torch.inference_mode(False):
+            return torch.empty(numel + numel // 8, dtype=dtype, device=device)
     return torch.empty(numel + numel // 8, dtype=dtype, device=device)  # headroom for a slightly longer batch
 
 
 def give(slab: Tensor) -> None:
     """Return a slab (from :func:`views`) for later calls; nothing may use its views afterwards.
-    One made under ``torch.inference_mode`` is dropped instead (an inference tensor cannot be
-    written outside inference mode)."""
+    An inference tensor (not one of :func:`_take`'s, which are made outside inference mode) is
+    dropped instead: it cannot be written outside inference mode."""
     if not torch.compiler.is_compiling() and slab.is_inference():
         return
     with _lock:

@@ -95,10 +95,10 @@ def serves(x) -> bool:
     (torch.no_grad / inference_mode), CPU float32 / float64 without autocast, not traced, and the
     library loads (where it does not, False after one warning, and the callers keep their autograd
     path)."""
+    if torch.is_grad_enabled() and (torch.compiler.is_compiling() or not torch.is_inference_mode_enabled()):
+        return False  # (a gradient recorded: enable_grad inside inference_mode records none)
     if torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.float64) or x.device.type != "cpu" \
             or torch.is_autocast_enabled("cpu") or torch.jit.is_tracing():
-        return False
-    if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():  # (enable_grad inside it records none)
         return False
     loaded = _STATE.get("loaded")
     return bool(loaded) if loaded is not None else load()

@@ -7,6 +7,7 @@ Legend and formula: :mod:`fastlayers.local`.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +35,7 @@ def _dilation_refusal(values: tuple[int, ...], batch: int, view: tuple[int, ...]
 
 
 def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2,
-          refusal: str | None = None) -> tuple[int, ...]:
+          refusal: Callable[[], str] | None = None) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         values = (value,) * dims
     elif isinstance(value, (tuple, list)):
@@ -44,11 +45,12 @@ def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2,
     if len(values) != dims or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
     if any(v < minimum for v in values):
-        if refusal is None and name == "dilation":
-            refusal = _dilation_refusal(values, 1)
-        if refusal is None and name in _TORCH_REFUSES:
-            refusal = _TORCH_REFUSES[name](values)
-        torch_says = refusal + "; " if refusal else ""
+        if refusal is not None:  # (the caller's message, built only here)
+            torch_says = refusal() + "; "
+        elif name == "dilation":
+            torch_says = _dilation_refusal(values, 1) + "; "
+        else:
+            torch_says = _TORCH_REFUSES[name](values) + "; " if name in _TORCH_REFUSES else ""
         raise ShapeError(f"{torch_says}{name}: expected every value >= {minimum}, got {value!r}")
     return values
 
@@ -164,7 +166,7 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     check_same_dtype_device("weight", weight, "input", input)
     batch = input.size(0) if input.dim() == 4 else 1
     stride2 = _pair("stride", stride, 1)
-    dilation2 = _pair("dilation", dilation, 1, refusal=_dilation_refusal(_values(dilation, 2), batch))
+    dilation2 = _pair("dilation", dilation, 1, refusal=lambda: _dilation_refusal(_values(dilation, 2), batch))
     padding2, extra = _padding(padding, tuple(weight.shape[2:4]), stride2, dilation2, 2)
     batched = input.dim() == 4
     x = input if batched else input.unsqueeze(0)
@@ -213,7 +215,7 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
                          f"with shape {tuple(weight.shape)}")
     batch = input.size(0) if input.dim() == 3 else 1
     (s,) = _pair("stride", stride, 1, 1)
-    (d,) = _pair("dilation", dilation, 1, 1, refusal=_dilation_refusal(_values(dilation, 1), batch, view=(1,)))
+    (d,) = _pair("dilation", dilation, 1, 1, refusal=lambda: _dilation_refusal(_values(dilation, 1), batch, view=(1,)))
     (p,), extra = _padding(padding, (weight.size(2),), (s,), (d,), 1)
     # (checked here, before the 2-D call, for F.conv1d's message with the 1-D shapes)
     _check_channels(input, tuple(input.shape) if input.dim() == 3 else (1, *input.shape), weight)

@@ -24,6 +24,9 @@ def run(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Pair, padding: P
     Function; without autograd, torch.compile or torch.export: the C++ operator). Under
     torch.jit.trace, and for no channel in or out, the plain-PyTorch reference (a trace records
     torch ops only; the kernels take at least one channel)."""
+    if twice.grad_mode_in_inference_mode():  # (nothing is recorded there: no autograd Function either)
+        with torch.no_grad():
+            return run(x, weight, bias, stride, padding, dilation)
     if torch.jit.is_tracing() or weight.size(0) == 0 or weight.size(1) == 0:
         return locally_connected2d_reference(x, weight, bias, stride, padding, dilation)
     if triton_kernels("local2d", x):  # CUDA: the Triton kernels, decided in a few lookups

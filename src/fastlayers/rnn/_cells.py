@@ -152,9 +152,10 @@ class _Cell(NotScriptable):
         dtype: h (B, P) (LSTMCell: ``(h, c)``). Errors as torch.nn's cells (the class docstring)."""
         if twice.grad_mode_in_inference_mode():
             with torch.no_grad():
-                return self.forward(input, hx, recurrent_mask=recurrent_mask)
+                return _Cell.forward(self, input, hx, recurrent_mask=recurrent_mask)
         given = input, hx
-        if type(input) is Tensor and self.weight_ih.dtype == torch.float32 and _precision.autocasting(input.device.type):
+        if isinstance(input, Tensor) and self.weight_ih.dtype == torch.float32 \
+                and _precision.autocasting(input.device.type):
             # an autocast layer's bf16 output (or state): as torch.nn's cells take it
             input, hx = _precision.autocast_operand(input, torch.float32), _precision.autocast_operand(hx, torch.float32)
         x, states, batched = check_cell(f"{self.mode}Cell", self.mode, input, hx,

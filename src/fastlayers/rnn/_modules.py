@@ -118,7 +118,8 @@ class _LengthsMixin(NotScriptable):
         take it); outputs in the autocast dtype."""
         if twice.grad_mode_in_inference_mode():
             with torch.no_grad():
-                return self.forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                return _LengthsMixin.forward(self, input, hx, lengths=lengths, cu_seqlens=cu_seqlens,
+                                             max_seqlen=max_seqlen)
         given = input, hx
         input, hx = self._autocast_operands(input, hx)
         if isinstance(input, Tensor) and input.is_nested:
@@ -515,6 +516,9 @@ class CellView(NotScriptable, nn.Module):
         self.layer, self.direction = layer, direction
 
     def forward(self, input: Tensor, hx: Any = None) -> Any:
+        if twice.grad_mode_in_inference_mode():  # (as the cells')
+            with torch.no_grad():
+                return CellView.forward(self, input, hx)
         rnn = self._rnn[0]
         params = rnn._layer_parameters()[self.layer][self.direction]
         w = params["weight_ih"]
@@ -561,7 +565,7 @@ class RNN(_LengthsMixin, nn.RNN):
         semantics; errors as torch.nn.RNN's (the class docstring)."""
         if twice.grad_mode_in_inference_mode():
             with torch.no_grad():
-                return self.forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                return RNN.forward(self, input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         input, hx = self._autocast_operands(input, hx)
         if cu_seqlens is not None or max_seqlen is not None or (isinstance(input, Tensor) and input.is_nested):
             return super().forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
@@ -577,7 +581,8 @@ class RNN(_LengthsMixin, nn.RNN):
         the low dtype."""
         low = _precision.dtypes(input)[0]
         self._update_flat_weights()  # (the parameters this call sees: see _LengthsMixin._run)
-        self._check_args(input, hx)  # torch's errors for a state of another dtype, before it is rounded
+        if hx is not None and input.dtype == self._flat_weights[0].dtype:  # (low-precision parameters)
+            self._check_args(input, hx)  # torch's errors for a state of another dtype, before it is rounded
         rounded = lambda t: _precision.rounded(t, low)  # noqa: E731
         own = self._flat_weights  # what torch's RNN kernels read: swapped for this call only
         self._flat_weights = [rounded(w) for w in own]
