@@ -23,6 +23,7 @@ MiB (default 1024; 0 off); :func:`empty_cache` releases them too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -58,10 +59,11 @@ def _take(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         # work space when the backward asks for its larger one); drop them before allocating, so
         # idle memory does not add to the peak (the new slab serves their requests next time)
         _free[:] = [s for s in _free if not (s.dtype == dtype and s.device == device)]
-    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():  # a slab reused outside it too
-        with torch.inference_mode(False):
-            return torch.empty(numel + numel // 8, dtype=dtype, device=device)
-    return torch.empty(numel + numel // 8, dtype=dtype, device=device)  # headroom for a slightly longer batch
+    # (made outside inference mode: a slab reused outside it too)
+    normal = torch.inference_mode(False) if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled() \
+        else contextlib.nullcontext()
+    with normal:
+        return torch.empty(numel + numel // 8, dtype=dtype, device=device)  # headroom for a slightly longer batch
 
 
 def give(slab: Tensor) -> None:

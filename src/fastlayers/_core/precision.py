@@ -67,13 +67,15 @@ def autocast_operand(t: object, weight_dtype: torch.dtype) -> object:
     conversion is exact and differentiable (the gradient comes back in ``t``'s dtype). Anything else
     (None, a float32 or float64 tensor, autocast off) passes through, itself; a tuple or list element-wise."""
     if isinstance(t, PackedSequence):
-        return t.to(torch.float32) if autocast_operand(t.data, weight_dtype) is not t.data else t
+        return t.to(torch.float32) if _autocast_converts(t.data, weight_dtype) else t
     if isinstance(t, (tuple, list)):
         converted = [autocast_operand(e, weight_dtype) for e in t]
         return t if all(a is b for a, b in zip(converted, t)) else type(t)(converted)
-    if isinstance(t, Tensor) and t.dtype in LOW and weight_dtype == torch.float32 and autocasting(t.device.type):
-        return t.float()
-    return t
+    return t.float() if _autocast_converts(t, weight_dtype) else t
+
+
+def _autocast_converts(t: object, weight_dtype: torch.dtype) -> bool:
+    return isinstance(t, Tensor) and t.dtype in LOW and weight_dtype == torch.float32 and autocasting(t.device.type)
 
 
 def rounded(t: object, low: torch.dtype) -> object:

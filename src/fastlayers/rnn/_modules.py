@@ -563,10 +563,7 @@ class RNN(_LengthsMixin, nn.RNN):
         varlen (N, F) with ``cu_seqlens``, a jagged NestedTensor), ``hx`` (L*D, B, H) or None,
         ``lengths`` (B,) or None -> ``(output (T, B, D*H), h_n (L*D, B, H))`` with the packed
         semantics; errors as torch.nn.RNN's (the class docstring)."""
-        if twice.grad_mode_in_inference_mode():
-            with torch.no_grad():
-                return RNN.forward(self, input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        input, hx = self._autocast_operands(input, hx)
+        input, hx = self._autocast_operands(input, hx)  # (before the low-precision test below; idempotent)
         if cu_seqlens is not None or max_seqlen is not None or (isinstance(input, Tensor) and input.is_nested):
             return super().forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         if isinstance(input, Tensor) and input.device.type == "cpu" and _precision.is_low(input) \
