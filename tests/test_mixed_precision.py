@@ -179,6 +179,28 @@ def test_an_autocast_activation_feeds_a_float32_module(name, options, state):
     assert grad.dtype == BF16 and grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "layer_norm"])
+@pytest.mark.parametrize("state", [None, BF16], ids=["no state", "bf16 state"])
+def test_a_layer_cell_view_takes_an_autocast_activation_as_the_cells(mode, options, state):
+    """``LSTM(...).cell()`` runs the cells' step (its docstring): under autocast a bf16 activation
+    reaching its float32 parameters is taken as fastlayers.LSTMCell / GRUCell take it (the view
+    once raised "mat1 and mat2 must have the same dtype"), with the cell's results bitwise."""
+    kw = {"layer_norm": True} if options else {}
+    torch.manual_seed(0)
+    layer = getattr(fastlayers, mode)(8, 16, **kw).eval()
+    cell = getattr(fastlayers, mode + "Cell")(8, 16, **kw).eval()
+    cell.load_state_dict({k.removesuffix("_l0"): v for k, v in layer.state_dict().items()})
+    x = _x(6, 8).to(BF16)
+    hx = None if state is None else _x(6, 16, seed=1).to(state)
+    hx = (hx, hx.clone()) if hx is not None and mode == "LSTM" else hx
+    with torch.autocast("cpu", BF16):
+        got, want = _results(layer.cell()(x, hx)), _results(cell(x, hx))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype
+        assert torch.equal(g, w)
+
+
 class _NaiveLoop(nn.Module):
     """The LayerNorm / peephole / clip cell written the plain way, one step at a time, every op in
     the parameters' dtype (bf16 state included): the plain-torch formulation of the options."""

@@ -153,28 +153,12 @@ class _Cell(NotScriptable):
         if twice.grad_mode_in_inference_mode():
             with torch.no_grad():
                 return _Cell.forward(self, input, hx, recurrent_mask=recurrent_mask)
-        given = input, hx
-        if isinstance(input, Tensor) and self.weight_ih.dtype == torch.float32 \
-                and _precision.autocasting(input.device.type):
-            # an autocast layer's bf16 output (or state): as torch.nn's cells take it
-            input, hx = _precision.autocast_operand(input, torch.float32), _precision.autocast_operand(hx, torch.float32)
-        x, states, batched = check_cell(f"{self.mode}Cell", self.mode, input, hx,
-                                        input_size=self.input_size, weight_dtype=self.weight_ih.dtype,
-                                        sizes=self._state_sizes(), bias=self.bias)
-        if recurrent_mask is not None:
-            recurrent_mask = check_mask("recurrent_mask", recurrent_mask, batched, x.size(0), self._state_sizes()[0], x)
-        if self.mode == "RNN" and self.nonlinearity not in ("tanh", "relu"):  # torch.nn.RNNCell checks it per call
-            raise RuntimeError(f"Unknown nonlinearity: {self.nonlinearity}; nonlinearity: expected 'tanh' or "
-                               f"'relu', got {self.nonlinearity!r}")
         # torch's cells never read self.training; ours only where an option draws masks in training
         training = any(self.options.zoneout) and self.training
-        new = step(self.mode, x, states, self._params(), self.options, training=training,
-                   recurrent_mask=recurrent_mask, nonlinearity=self.nonlinearity if self.mode == "RNN" else "tanh")
-        new = new if batched else tuple(s.squeeze(0) for s in new)
-        if (input is not given[0] or hx is not given[1]) and self.mode != "RNN" and self.options.plain:
-            out = _autocast_result(self.mode, *given)  # converted for autocast: torch's cell's result dtype
-            new = tuple(s.to(out) for s in new)
-        return new if self.mode == "LSTM" else new[0]
+        return cell_step(f"{self.mode}Cell", self.mode, input, hx, self._params(), self.options,
+                         input_size=self.input_size, sizes=self._state_sizes(), bias=self.bias,
+                         training=training, recurrent_mask=recurrent_mask,
+                         nonlinearity=self.nonlinearity if self.mode == "RNN" else "tanh")
 
     def recurrent_mask(self, batch: int) -> Tensor | None:
         """One recurrent-dropout mask (batch, P) for a whole sequence: Bernoulli(1 - p) / (1 - p) in
@@ -252,6 +236,34 @@ _CELL_DOC = """
     another dtype (LSTMCell's c included, which torch.nn.LSTMCell mixes in silently). The module
     reads ``self.training`` only with zoneout (as torch's cells, which never read it).
 """
+
+
+def cell_step(name: str, mode: str, input: Any, hx: Any, params: dict[str, Tensor], options: CellOptions, *,
+              input_size: int, sizes: tuple[int, ...], bias: bool, training: bool = False,
+              recurrent_mask: Tensor | None = None, nonlinearity: str = "tanh") -> Any:
+    """One checked step of a cell ``name`` (``"LSTMCell"``, ``"GRUCell"``, ``"RNNCell"``) on the
+    parameters ``params``, as torch.nn's cell runs it: validation with torch's errors, an autocast
+    layer's bf16 activation taken by float32 parameters, :func:`step`, unbatched results squeezed,
+    results in torch's cell's dtype. Shared by the cells and ``LSTM/GRU.cell()``'s views."""
+    given = input, hx
+    weight_dtype = params["weight_ih"].dtype
+    if isinstance(input, Tensor) and weight_dtype == torch.float32 and _precision.autocasting(input.device.type):
+        # an autocast layer's bf16 output (or state): as torch.nn's cells take it
+        input, hx = _precision.autocast_operand(input, torch.float32), _precision.autocast_operand(hx, torch.float32)
+    x, states, batched = check_cell(name, mode, input, hx, input_size=input_size, weight_dtype=weight_dtype,
+                                    sizes=sizes, bias=bias)
+    if recurrent_mask is not None:
+        recurrent_mask = check_mask("recurrent_mask", recurrent_mask, batched, x.size(0), sizes[0], x)
+    if mode == "RNN" and nonlinearity not in ("tanh", "relu"):  # torch.nn.RNNCell checks it per call
+        raise RuntimeError(f"Unknown nonlinearity: {nonlinearity}; nonlinearity: expected 'tanh' or "
+                           f"'relu', got {nonlinearity!r}")
+    new = step(mode, x, states, params, options, training=training, recurrent_mask=recurrent_mask,
+               nonlinearity=nonlinearity)
+    new = new if batched else tuple(s.squeeze(0) for s in new)
+    if (input is not given[0] or hx is not given[1]) and mode != "RNN" and options.plain:
+        out = _autocast_result(mode, *given)  # converted for autocast: torch's cell's result dtype
+        new = tuple(s.to(out) for s in new)
+    return new if mode == "LSTM" else new[0]
 
 
 def _autocast_result(mode: str, input: Tensor, hx: Any) -> torch.dtype:

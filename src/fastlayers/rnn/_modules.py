@@ -23,7 +23,7 @@ from .._core.checks import as_lengths
 from .._core.jit import ENGINE, VARLEN, NotScriptable, refuse_trace
 from .._native import ops_lib
 from .._core.backend import batched_or_forward_mode, select, transformed
-from ._cells import step
+from ._cells import cell_step
 from ._docs import COMMON_DOC, GRU_OPTIONS_DOC, OPTIONS_DOC
 from ._lengths import varlen_rows
 from ._ops_export import operator_layers
@@ -33,7 +33,7 @@ from ._options import CellOptions
 from ._reference import reference_varlen_rnn
 from ._remat import check_every, checkpointed
 from ._routing import ENGINES
-from ._validate import check_cell, check_layer
+from ._validate import check_layer
 from ._varlen import varlen_rnn
 
 class _LengthsMixin(NotScriptable):
@@ -506,8 +506,9 @@ class CellView(NotScriptable, nn.Module):
 
     LSTM: ``forward(input (B, F_l) or (F_l,), hx=None) -> (h (B, H_out), c (B, H))``; GRU:
     ``forward(input, hx=None) -> h (B, H)`` (unbatched: no B). Eval semantics for zoneout (the
-    expectation) and no recurrent dropout. Runs :func:`._cells.step`, as :class:`fastlayers.LSTMCell`
-    / ``GRUCell`` do (bitwise-equal steps for the same parameters); errors as theirs.
+    expectation) and no recurrent dropout. Runs :func:`._cells.cell_step`, as :class:`fastlayers.LSTMCell`
+    / ``GRUCell`` do (bitwise-equal steps for the same parameters); errors, autocast handling and
+    result dtypes as theirs.
     """
 
     def __init__(self, rnn: "LSTM | GRU", layer: int, direction: int) -> None:
@@ -521,14 +522,10 @@ class CellView(NotScriptable, nn.Module):
                 return CellView.forward(self, input, hx)
         rnn = self._rnn[0]
         params = rnn._layer_parameters()[self.layer][self.direction]
-        w = params["weight_ih"]
         sizes = (rnn.proj_size or rnn.hidden_size, rnn.hidden_size) if rnn.mode == "LSTM" else (rnn.hidden_size,)
-        x, states, batched = check_cell(f"{rnn.mode}Cell", rnn.mode, input, hx, input_size=w.size(1),
-                                        weight_dtype=w.dtype, sizes=sizes, bias=rnn.bias)
-        # the step function of fastlayers.LSTMCell / GRUCell: bitwise-equal steps for equal parameters
-        new = step(rnn.mode, x, states, params, rnn.options)
-        new = new if batched else tuple(s.squeeze(0) for s in new)
-        return new if rnn.mode == "LSTM" else new[0]
+        # the checked step of fastlayers.LSTMCell / GRUCell: bitwise-equal steps for equal parameters
+        return cell_step(f"{rnn.mode}Cell", rnn.mode, input, hx, params, rnn.options,
+                         input_size=params["weight_ih"].size(1), sizes=sizes, bias=rnn.bias)
 
 
 class GRU(_CellOptionsMixin, _LengthsMixin, nn.GRU):
