@@ -201,6 +201,76 @@ def test_a_layer_cell_view_takes_an_autocast_activation_as_the_cells(mode, optio
         assert torch.equal(g, w)
 
 
+_LOW_MODELS = {
+    "LSTM": lambda: fastlayers.LSTM(8, 16, num_layers=2, bidirectional=True), "GRU": lambda: fastlayers.GRU(8, 16),
+    "RNN": lambda: fastlayers.RNN(8, 16), "LSTM layer_norm": lambda: fastlayers.LSTM(8, 16, layer_norm=True),
+    "GRU layer_norm": lambda: fastlayers.GRU(8, 16, layer_norm=True), "LSTMCell": lambda: fastlayers.LSTMCell(8, 16),
+    "GRUCell": lambda: fastlayers.GRUCell(8, 16), "RNNCell": lambda: fastlayers.RNNCell(8, 16),
+    "LSTMCell peephole": lambda: fastlayers.LSTMCell(8, 16, peephole=True),
+    "LocallyConnected1d": lambda: fastlayers.LocallyConnected1d(8, 4, 12, 3),
+    "LocallyConnected2d": lambda: fastlayers.LocallyConnected2d(8, 4, (5, 5), 3, padding=1),
+}
+
+
+@pytest.mark.parametrize("name,state", [(n, s) for n in _LOW_MODELS for s in (
+    (False,) if n.startswith("Locally") else (False, True))])  # (the local layers have no state)
+@pytest.mark.parametrize("low,autocast", [(BF16, BF16), (torch.float16, torch.float16), (BF16, torch.float16)],
+                         ids=["bf16", "fp16", "bf16 model, fp16 autocast"])
+def test_a_low_precision_model_under_autocast_takes_float32_activations(name, state, low, autocast):
+    """A model converted with ``.to(torch.bfloat16)`` called under autocast with float32 input (and
+    state): torch.nn's modules run it (their dtype check is skipped under autocast); ours raised
+    InputDtypeError, and with another autocast dtype than the parameters' torch's internal
+    "Unexpected floating ScalarType" error. It runs as the low-precision model's call on the
+    converted activations, bitwise; results in the parameters' dtype (the plain cells: torch's
+    cell's, that of the state the step adds to, as torch.nn's cells return); float32 input gradients."""
+    local = name.startswith("Locally")
+    torch.manual_seed(0)
+    model = _LOW_MODELS[name]().to(low)
+    cell = name.split()[0].endswith("Cell")
+    x = _x(6, 8) if cell else _x(3, 8, 12) if name == "LocallyConnected1d" else _x(3, 8, 5, 5) if local else _x(5, 6, 8)
+    x.requires_grad_()
+    hx = None
+    if state:
+        layers = 1 if cell else model.num_layers * (2 if model.bidirectional else 1)
+        hx = _x(6, 16, seed=1) if cell else _x(layers, 6, 16, seed=1)
+        hx = (hx, hx.clone()) if name.startswith("LSTM") else hx
+    args = (x,) if local else (x, hx)
+    with torch.autocast("cpu", autocast):
+        got = _results(model(*args))
+    want = _results(model(*((x.to(low),) if local else (x.to(low), _precision.autocast_operand(hx, torch.float32)
+                                                                   if hx is None else _convert(hx, low)))))
+    plain_cell = name in ("LSTMCell", "GRUCell")
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == (torch.float32 if plain_cell else low)
+        assert torch.equal(g, w.to(g.dtype))
+    if low == autocast == BF16 and name in ("LSTMCell", "GRUCell", "RNNCell"):  # (torch's own fp16 LSTM fails
+        theirs = getattr(nn, name)(8, 16).to(low)                                  # on CPU: oneDNN)
+        theirs.load_state_dict(model.state_dict())
+        with torch.autocast("cpu", autocast):
+            assert [t.dtype for t in got] == [t.dtype for t in _results(theirs(*args))]
+    grad, = torch.autograd.grad(sum(t.float().sum() for t in got), x)
+    assert grad.dtype == torch.float32 and grad.abs().sum() > 0
+
+
+def _convert(hx, dtype):
+    return tuple(h.to(dtype) for h in hx) if isinstance(hx, tuple) else hx.to(dtype)
+
+
+def test_a_float64_rnn_under_autocast_refuses_float32_input_as_torchs():
+    """A float64 RNN called under autocast with float32 input: torch.nn.RNN raises; ours ran it
+    silently in bfloat16 (the float32 parameters' autocast path)."""
+    torch.manual_seed(0)
+    ours = fastlayers.RNN(8, 16).double()
+    theirs = nn.RNN(8, 16).double()
+    x = _x(5, 6, 8)
+    with torch.autocast("cpu", BF16):
+        with pytest.raises(RuntimeError):
+            theirs(x)
+        with pytest.raises(RuntimeError, match="dtype"):
+            ours(x)
+        assert ours(x.double())[0].dtype == theirs(x.double())[0].dtype == torch.float64
+
+
 class _NaiveLoop(nn.Module):
     """The LayerNorm / peephole / clip cell written the plain way, one step at a time, every op in
     the parameters' dtype (bf16 state included): the plain-torch formulation of the options."""

@@ -250,6 +250,34 @@ def test_stacked_lstm_state():
         fastlayers.LSTM(4, 5)(x, hx)
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "LSTMCell"])
+def test_an_unbatched_input_takes_a_stacked_lstm_state_as_torch(kind):
+    """For an unbatched input torch.nn.LSTM and LSTMCell index the state themselves (hx[0], hx[1]),
+    so a stacked tensor (2, L*D, H_out) (LSTMCell: (2, H)) runs there; ours refused it. Same results
+    as the pair; one of another first size: torch's IndexError (size 1) or our two-state refusal."""
+    cell = kind == "LSTMCell"
+    torch.manual_seed(0)
+    theirs = getattr(nn, kind)(4, 5)
+    ours = getattr(fastlayers, kind)(4, 5)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(4) if cell else torch.randn(6, 4)
+    stacked = torch.randn(2, 5) if cell else torch.randn(2, 1, 5)
+    want = theirs(x, stacked)
+    got, pair = ours(x, stacked), ours(x, (stacked[0], stacked[1]))
+    flat = lambda r: list(r) if cell else [r[0], *r[1]]  # noqa: E731
+    for g, p, w in zip(flat(got), flat(pair), flat(want), strict=True):
+        assert torch.equal(g, p)
+        torch.testing.assert_close(g, w)
+    one = stacked[:1]
+    with pytest.raises(IndexError) as expected:
+        theirs(x, one)
+    with pytest.raises(IndexError) as raised:
+        ours(x, one)
+    assert str(raised.value).startswith(str(expected.value) if cell else "index 1 is out of bounds")
+    with pytest.raises(RuntimeError, match="expects two hidden states"):
+        ours(x, torch.cat([stacked, stacked[:1]]))
+
+
 def test_rnn_cell_unknown_nonlinearity():
     """torch.nn.RNNCell takes any nonlinearity string at construction and refuses an unknown one at the
     call; ours too (it once ran ReLU for it)."""

@@ -60,22 +60,46 @@ def is_low(x: Tensor) -> bool:
 
 
 def autocast_operand(t: object, weight_dtype: torch.dtype) -> object:
-    """An activation in a low dtype (an autocast layer's bf16 output) reaching float32 parameters
-    while autocast is on for its device: converted to float32, so the call runs as a float32 call
-    under autocast (products in the autocast dtype, results in it). torch.nn's recurrent modules take
-    it (their dtype check is skipped under autocast, and autocast casts the products' operands); the
-    conversion is exact and differentiable (the gradient comes back in ``t``'s dtype). Anything else
-    (None, a float32 or float64 tensor, autocast off) passes through, itself; a tuple or list element-wise."""
+    """An activation reaching parameters of another floating dtype while autocast is on for its
+    device, converted as torch.nn's modules take it there (their dtype check is skipped under
+    autocast, and autocast casts the products' operands):
+
+    * a bfloat16 / float16 one (an autocast layer's bf16 output) reaching float32 parameters: to
+      float32, so the call runs as a float32 call under autocast (products in the autocast dtype,
+      results in it);
+    * a float32 (or the other low-precision) one reaching bfloat16 / float16 parameters (a model
+      converted with ``model.to(torch.bfloat16)`` run under autocast): to the parameters' dtype,
+      so the call runs as that low-precision model's call, with autocast off
+      (:func:`autocast_off_for`).
+
+    The conversion is differentiable (the gradient comes back in ``t``'s dtype). Anything else
+    (None, float64 anywhere, autocast off) passes through, itself; a tuple or list element-wise."""
     if isinstance(t, PackedSequence):
-        return t.to(torch.float32) if _autocast_converts(t.data, weight_dtype) else t
+        target = _autocast_target(t.data, weight_dtype)
+        return t if target is None else t.to(target)
     if isinstance(t, (tuple, list)):
         converted = [autocast_operand(e, weight_dtype) for e in t]
         return t if all(a is b for a, b in zip(converted, t)) else type(t)(converted)
-    return t.float() if _autocast_converts(t, weight_dtype) else t
+    target = _autocast_target(t, weight_dtype)
+    return t if target is None else t.to(target)  # type: ignore[union-attr]
 
 
-def _autocast_converts(t: object, weight_dtype: torch.dtype) -> bool:
-    return isinstance(t, Tensor) and t.dtype in LOW and weight_dtype == torch.float32 and autocasting(t.device.type)
+def _autocast_target(t: object, weight_dtype: torch.dtype) -> torch.dtype | None:
+    if not isinstance(t, Tensor) or t.dtype == weight_dtype or not autocasting(t.device.type):
+        return None
+    if weight_dtype == torch.float32 and t.dtype in LOW:
+        return torch.float32
+    if weight_dtype in LOW and t.dtype in (torch.float32, *LOW):
+        return weight_dtype
+    return None
+
+
+def autocast_off_for(device_type: str, weight_dtype: torch.dtype) -> bool:
+    """Whether a call on bfloat16 / float16 parameters runs with autocast off: when autocast is on
+    for ``device_type``, its operands are in the parameters' dtype already (:func:`autocast_operand`),
+    and autocast, whose dtype may be the other low one, would only mix dtypes inside the call: it
+    runs as the low-precision model's call without autocast, results in the parameters' dtype."""
+    return weight_dtype in LOW and autocasting(device_type)
 
 
 def rounded(t: object, low: torch.dtype) -> object:

@@ -247,9 +247,18 @@ def cell_step(name: str, mode: str, input: Any, hx: Any, params: dict[str, Tenso
     results in torch's cell's dtype. Shared by the cells and ``LSTM/GRU.cell()``'s views."""
     given = input, hx
     weight_dtype = params["weight_ih"].dtype
-    if isinstance(input, Tensor) and weight_dtype == torch.float32 and _precision.autocasting(input.device.type):
-        # an autocast layer's bf16 output (or state): as torch.nn's cells take it
-        input, hx = _precision.autocast_operand(input, torch.float32), _precision.autocast_operand(hx, torch.float32)
+    if isinstance(input, Tensor) and _precision.autocasting(input.device.type):
+        # an autocast layer's bf16 output (or state) to float32 parameters, a float32 one to bf16
+        # parameters: as torch.nn's cells take them
+        input, hx = _precision.autocast_operand(input, weight_dtype), _precision.autocast_operand(hx, weight_dtype)
+        if _precision.autocast_off_for(input.device.type, weight_dtype):  # the low-precision model's step
+            with torch.autocast(input.device.type, enabled=False):
+                new = cell_step(name, mode, input, hx, params, options, input_size=input_size, sizes=sizes, bias=bias,
+                                training=training, recurrent_mask=recurrent_mask, nonlinearity=nonlinearity)
+            if (input is given[0] and hx is given[1]) or mode == "RNN" or not options.plain:
+                return new
+            out = _autocast_result(mode, *given)  # converted: torch's cell's result dtype
+            return tuple(s.to(out) for s in new) if mode == "LSTM" else new.to(out)
     x, states, batched = check_cell(name, mode, input, hx, input_size=input_size, weight_dtype=weight_dtype,
                                     sizes=sizes, bias=bias)
     if recurrent_mask is not None:

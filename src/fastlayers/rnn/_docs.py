@@ -48,7 +48,12 @@ COMMON_DOC = """
     ValueError and RuntimeError for a feature size other than input_size or ``hx`` of the wrong
     shape or rank; ValueError for a wrong input rank. Ours only: TypeError for float ``lengths``,
     ValueError for lengths of the wrong size or outside [1, T], or ``lengths`` with PackedSequence
-    input.
+    input; for an unbatched input an LSTM ``hx`` of more than two states (torch.nn.LSTM reads
+    hx[0] and hx[1] and ignores the rest), RuntimeError (a stacked (2, L*D, H_out) tensor it takes,
+    as torch does). Under ``torch.autocast``, bfloat16 / float16 parameters take a float32 (or the
+    other low dtype's) ``input`` and ``hx`` as torch.nn's modules do, converted to the parameters'
+    dtype: the call runs as that low-precision model's without autocast, results in the parameters'
+    dtype (torch.nn.LSTM's are in the autocast dtype where the two differ).
 
     Non-finite input: no kernel assumes finite values. A NaN in ``input`` at (t, b) makes NaN
     exactly the outputs and final states that depend on it, as the float64 reference does:
@@ -65,7 +70,8 @@ COMMON_DOC = """
     gives the parameters a normal construction gives after the same ``torch.manual_seed``.
 
     Mirrors :class:`torch.nn.{name}` (same constructor arguments, parameter names and shapes;
-    ``load_state_dict(strict=True)`` works in both directions).
+    ``load_state_dict(strict=True)`` works in both directions); the ``repr`` adds what torch's
+    leaves out (the cell options, ``checkpoint_every``, an RNN's ``nonlinearity='relu'``).
 """
 
 

@@ -78,12 +78,20 @@ class _LengthsMixin(NotScriptable):
                            weight_dtype=self._flat_weights[0].dtype, expected=expected)
 
     def _autocast_operands(self, input: Any, hx: Any) -> tuple[Any, Any]:
-        """(input, hx) with a low-precision activation converted to float32 where autocast is on and
-        the parameters are float32 (:func:`fastlayers._core.precision.autocast_operand`)."""
-        weight = self._flat_weights[0].dtype if self._flat_weights else None
-        if weight != torch.float32:
+        """(input, hx) converted where autocast is on: a low-precision activation to float32
+        parameters' float32, a float32 one to bfloat16 / float16 parameters' dtype
+        (:func:`fastlayers._core.precision.autocast_operand`)."""
+        if not self._flat_weights or self._flat_weights[0] is None:
             return input, hx
+        weight = self._flat_weights[0].dtype
         return _precision.autocast_operand(input, weight), _precision.autocast_operand(hx, weight)
+
+    def _autocast_off(self, input: Any) -> bool:
+        """A call of bfloat16 / float16 parameters under autocast runs with autocast off
+        (:func:`fastlayers._core.precision.autocast_off_for`)."""
+        data = input.data if isinstance(input, PackedSequence) else input
+        return bool(self._flat_weights) and self._flat_weights[0] is not None and isinstance(data, Tensor) \
+            and _precision.autocast_off_for(data.device.type, self._flat_weights[0].dtype)
 
     def _options_plain(self) -> bool:
         return True
@@ -120,8 +128,13 @@ class _LengthsMixin(NotScriptable):
             with torch.no_grad():
                 return _LengthsMixin.forward(self, input, hx, lengths=lengths, cu_seqlens=cu_seqlens,
                                              max_seqlen=max_seqlen)
-        given = input, hx
         input, hx = self._autocast_operands(input, hx)
+        if self._autocast_off(input):  # low-precision parameters: the low-precision model's call
+            with torch.autocast(input.data.device.type if isinstance(input, PackedSequence) else input.device.type,
+                                enabled=False):
+                return _LengthsMixin.forward(self, input, hx, lengths=lengths, cu_seqlens=cu_seqlens,
+                                             max_seqlen=max_seqlen)
+        given = input, hx
         if isinstance(input, Tensor) and input.is_nested:
             if cu_seqlens is not None or lengths is not None:
                 raise ValueError("cu_seqlens, lengths: expected None for a NestedTensor input (it carries its offsets)")
@@ -563,8 +576,9 @@ class RNN(_LengthsMixin, nn.RNN):
         input, hx = self._autocast_operands(input, hx)  # (before the low-precision test below; idempotent)
         if cu_seqlens is not None or max_seqlen is not None or (isinstance(input, Tensor) and input.is_nested):
             return super().forward(input, hx, lengths=lengths, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        weight = self._flat_weights[0].dtype
         if isinstance(input, Tensor) and input.device.type == "cpu" and _precision.is_low(input) \
-                and (input.dtype == self._flat_weights[0].dtype or torch.is_autocast_enabled("cpu")):
+                and (input.dtype == weight or weight == torch.float32 and torch.is_autocast_enabled("cpu")):
             return self._forward_in_float32(input, hx, lengths)  # (another dtype: torch's error, below)
         return super().forward(input, hx, lengths=lengths)
 

@@ -89,7 +89,8 @@ def check_layer(mode: str, input: object, hx: object, *, input_size: int, weight
             want = shape if batched else (shape[0], shape[2])
             raise ShapeError(f"Expected {label} size {shape}, got {list(got.shape)}; {name}: expected shape {want} "
                              f"{legend.replace('H_out', 'H') if i else legend}, got {tuple(state.shape)}")
-    if mode == "LSTM" and isinstance(hx, Tensor):  # torch's kernel takes a tuple, never a stacked tensor
+    if mode == "LSTM" and isinstance(hx, Tensor) and batched:  # torch's kernel takes a tuple, never a stacked
+        # tensor (an unbatched input's state torch indexes itself: hx[0], hx[1] of a (2, L*D, H_out) tensor)
         raise StateTypeError(f"lstm() received an invalid combination of arguments - hx: expected a tuple (h_0, c_0) "
                              f"of two tensors, got {_describe(hx)}")
     if mode == "LSTM" and len(states) != 2:
@@ -254,6 +255,14 @@ def _cell_lstm_states(cls: str, hx: object, batched: bool) -> tuple[Tensor, ...]
         if hx.size(0) and hx.dim() - 1 not in (1, 2):
             raise ValueError(f"{cls}: Expected hx[0] to be 1D or 2D, got {hx.dim() - 1}D instead; hx: expected a tuple "
                              f"(h, c) of two tensors, got {_describe(hx)}")
+        if not batched and hx.size(0) == 2:  # torch indexes an unbatched input's state: hx[0], hx[1] of (2, H)
+            return tuple(hx.unbind(0))
+        if not batched and hx.size(0) < 2:
+            raise StateTypeError(f"index {hx.size(0)} is out of bounds for dimension 0 with size {hx.size(0)}; hx: "
+                                 f"expected a tuple (h, c) of two tensors, got {_describe(hx)}")
+        if not batched:
+            raise StateTypeError(f"lstm_cell expects two hidden states; hx: expected a tuple (h, c) of two tensors "
+                                 f"(or a stacked (2, H) tensor), got {_describe(hx)}")
         raise StateTypeError(f"lstm_cell(): argument 'hx' (position 2) must be tuple of Tensors, not Tensor; hx: "
                              f"expected a tuple (h, c) of two tensors, got {_describe(hx)}")
     kind = type(hx).__name__
