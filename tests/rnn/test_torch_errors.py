@@ -278,6 +278,20 @@ def test_an_unbatched_input_takes_a_stacked_lstm_state_as_torch(kind):
         ours(x, torch.cat([stacked, stacked[:1]]))
 
 
+@pytest.mark.parametrize("name", ["LSTMCell", "GRUCell", "RNNCell"])
+def test_a_one_dimensional_state_beside_a_batched_input_is_torchs_index_error(name):
+    """A batched (B, F) input with a 1-D state (H,) where B == H: torch.nn's cells read the state's
+    size(1) and raise IndexError; ours raised a ValueError / RuntimeError only."""
+    hx = torch.randn(4)
+    hx = (hx, hx.clone()) if name == "LSTMCell" else hx
+    x = torch.randn(4, 3)
+    with pytest.raises(IndexError) as expected:
+        getattr(nn, name)(3, 4)(x, hx)
+    with pytest.raises(IndexError) as got:
+        getattr(fastlayers, name)(3, 4)(x, hx)
+    assert str(got.value).startswith(f"{expected.value}; hx")
+
+
 def test_rnn_cell_unknown_nonlinearity():
     """torch.nn.RNNCell takes any nonlinearity string at construction and refuses an unknown one at the
     call; ours too (it once ran ReLU for it)."""

@@ -28,6 +28,11 @@ class StateTypeError(TypeError, IndexError, RuntimeError, AttributeError):
     RuntimeError for three, AttributeError for a non-tensor)."""
 
 
+class RankError(ShapeError, IndexError):
+    """A tensor of too few dimensions where torch indexes a dimension it lacks (torch.nn's cells:
+    IndexError "Dimension out of range" for a 1-D state beside a batched input)."""
+
+
 class DeviceError(ValueError, RuntimeError):
     """A tensor on another device than the one it must match (torch.nn's RNNs: RuntimeError)."""
 

@@ -232,7 +232,8 @@ _CELL_DOC = """
     RNNCell nonlinearity other than ``"tanh"`` or ``"relu"`` (torch's check at the call); TypeError, ValueError
     and RuntimeError for an input dtype other than the parameters' or an integer input; ValueError
     for an input or state of rank other than 1 or 2; ValueError and RuntimeError for a feature size
-    other than input_size or a state of the wrong shape; TypeError and RuntimeError for a state of
+    other than input_size or a state of the wrong shape (IndexError too for a 1-D state beside a
+    batched input of as many rows as H, torch's "Dimension out of range"); TypeError and RuntimeError for a state of
     another dtype (LSTMCell's c included, which torch.nn.LSTMCell mixes in silently). The module
     reads ``self.training`` only with zoneout (as torch's cells, which never read it).
 """

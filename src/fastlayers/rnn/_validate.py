@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._core.checks import DeviceError, DtypeError, InputDtypeError, NotATensorError, ShapeError, StateTypeError
+from .._core.checks import (DeviceError, DtypeError, InputDtypeError, NotATensorError, RankError, ShapeError,
+                             StateTypeError)
 
 _SCALAR = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
            torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
@@ -184,6 +185,9 @@ def check_cell(cls: str, mode: str, input: object, hx: object, *, input_size: in
         if state.size(0) != x.size(0):
             raise ShapeError(f"Input batch size {x.size(0)} doesn't match hidden{i} batch size {state.size(0)}; {name}: "
                              f"expected shape {want}, got {got}")
+        if batched and state.dim() == 1:  # torch reads its size(1)
+            raise RankError(f"Dimension out of range (expected to be in range of [-1, 0], but got 1); {name}: "
+                            f"expected shape {want} (B, H), got {got}")
         if state.dim() != 2 or state.size(1) != size:
             theirs = (f"hidden{i} has inconsistent hidden_size: got {state.size(1)}, expected {size}; "
                       if state.dim() > 1 and state.size(1) != size else "")
