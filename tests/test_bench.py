@@ -308,6 +308,8 @@ def test_cli_small_runs_every_workload(workload, tmp_path, capsys):
                                        r"another file"),
     (["--plot", "{tmp}/earlier.json"], r"--plot \S+/earlier.json: exists; pass --overwrite to replace it, or name "
                                        r"another file"),
+    (["--json", "{tmp}/r.png", "--plot", "{tmp}/./r.png"], r"--json \S+/r.png, --plot \S+/r.png: the same file \(the "
+                                                          r"plot would replace the report\); name two files"),
 ])
 def test_cli_refuses_bad_settings_before_measuring(extra, message, tmp_path, monkeypatch):
     """A setting the run would fail on (a device torch cannot use, a report file that cannot be

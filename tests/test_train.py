@@ -206,6 +206,30 @@ def test_epoch_order_is_seeded_and_split_across_processes():
     assert batches(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
 
 
+def test_the_data_helpers_refuse_what_they_cannot_do():
+    """``stratified_split`` held out 90% for a fraction of -0.1 and everything for 1.5; ``batches``
+    returned [] for a batch size of -1; ``pad_batch`` / ``concat_batch`` of no index failed in
+    max() / torch.cat. Each names the argument now."""
+    import numpy as np
+
+    from fastlayers.data import Sequences, concat_batch, pad_batch, stratified_split
+
+    labels = np.array([0] * 10 + [1] * 10)
+    for fraction in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match=r"fraction: expected a number in \[0, 1\], got "):
+            stratified_split(labels, fraction, 0)
+    rest, held = stratified_split(labels, 0.2, 0)
+    assert len(held) == 4 and len(rest) == 16 and not set(rest) & set(held)
+    for size in (-1, 0, 2.5):
+        with pytest.raises(ValueError, match=r"batch_size: expected an int >= 1, got "):
+            batches(range(10), size)
+    seqs = Sequences([np.ones((3, 2), np.float32)], np.array([1]), np.array([3]))
+    for make in (pad_batch, concat_batch):
+        with pytest.raises(ValueError, match=r"idx: expected the indices of at least one sequence, got none"):
+            make(seqs, [])
+        assert make(seqs, [0])[0].shape[-1] == 2
+
+
 @pytest.mark.parametrize("kwargs,msg", [
     ({"dataset": "mnist"}, r"dataset: expected one of \('digits', 'vowels'\), got 'mnist'"),
     ({"batch_size": 0}, r"batch_size: expected an int >= 1, got 0"),
@@ -218,7 +242,9 @@ def test_epoch_order_is_seeded_and_split_across_processes():
     ({"cell_clip": -1.0}, r"cell_clip: expected None or a number > 0, got -1\.0"),
     ({"dropout": 1.5, "num_layers": 2}, r"dropout: expected a probability in \[0, 1\), got 1\.5"),
     ({"dropout": 0.3}, r"dropout: applies between layers, and num_layers=1 has none; got dropout=0\.3"),
-    ({"seed": -1}, r"seed: expected an int >= 0, got -1"),
+    ({"seed": -1}, r"seed: expected an int in \[0, 2\*\*63\), got -1"),
+    ({"seed": 2**64 - 1}, r"seed: expected an int in \[0, 2\*\*63\), got 18446744073709551615"),  # (torch overflowed
+    ({"out": ""}, r"out: expected a folder name, got ''"),                                  # on seed + 1 mid-run)
     ({"lr": float("inf")}, r"lr: expected a finite learning rate > 0, got inf"),
     ({"lr": float("nan")}, r"lr: expected a finite learning rate > 0, got nan"),
     ({"batch_size": 8.5}, r"batch_size: expected an int >= 1, got 8\.5"),
@@ -283,13 +309,50 @@ def test_a_refused_command_leaves_the_earlier_run_as_it_was(uninterrupted, tmp_p
     assert not list((out / "checkpoints").glob(".*")), "a killed write's temporary file is left"
 
 
+@pytest.mark.parametrize("backend,message", [
+    ("bogus", r"environment variable FASTLAYERS_BACKEND: expected one of \('cpu', 'triton', 'reference'\), got "
+              r"'bogus'"),
+    ("triton", r"backend 'triton' \(forced by FASTLAYERS_BACKEND=triton\) cannot run lstm: CPU tensors need Triton's "
+               r"interpreter: .*"),
+])
+def test_a_forced_backend_that_cannot_run_is_refused_before_out_changes(uninterrupted, tmp_path, backend, message):
+    """FASTLAYERS_BACKEND unknown, or naming a backend that cannot run the run's layers here: it
+    was read at the first forward, after --overwrite had removed the earlier run and config.json
+    was written (a traceback, the earlier run lost). Now one line, and --out as it was."""
+    out = tmp_path / "run"
+    first = _quick(out, "--epochs", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}
+    refused = subprocess.run(_quick_cli(out, "--epochs", "1", "--overwrite"), capture_output=True, text=True,
+                             timeout=600, env={**env, "FASTLAYERS_BACKEND": backend})
+    _one_line_error(refused, "fastlayers train: " + message)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_file_where_the_run_writes_a_folder_is_refused_before_training(tmp_path):
+    """A file named ``checkpoints`` in --out (or a folder named like a run file): the run trained a
+    whole epoch, then died with FileExistsError at its first checkpoint."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("mine")
+    _one_line_error(_quick(out, "--epochs", "1"), r"fastlayers train: --out \S+: checkpoints: not what a run writes "
+                                                  r"there \(.*\); move it or choose another --out")
+    (out / "checkpoints").unlink()
+    (out / "model.pt").mkdir()
+    _one_line_error(_quick(out, "--epochs", "1"), r"fastlayers train: --out \S+: model.pt: not what a run writes .*")
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["model.pt"]
+    assert not list((out / "model.pt").iterdir())
+
+
 def test_demo_flags_are_checked(capsys):
     from fastlayers.cli import main
 
     for argv, message in ((["demo", "--epochs", "0"], "expected an int >= 1, got '0'"),
                           (["demo", "local", "--epochs", "-1"], "expected an int >= 1, got '-1'"),
                           (["demo", "--hidden-size", "0"], "expected an int >= 1, got '0'"),
-                          (["demo", "--seed", "-1"], "expected an int >= 0, got '-1'")):
+                          (["demo", "--seed", "-1"], "expected an int in [0, 2**63), got '-1'"),
+                          (["demo", "local", "--seed", str(2**64)], "expected an int in [0, 2**63), got '1844")):
         with pytest.raises(SystemExit) as exit:
             main(argv)
         assert exit.value.code == 2 and message in capsys.readouterr().err

@@ -28,15 +28,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least(low: int):
-    """An argparse type: an int >= ``low`` (argparse's one-line error otherwise)."""
+def _at_least(low: int, below: int | None = None, bound: str = ""):
+    """An argparse type: an int >= ``low`` (and < ``below``, written ``bound``; argparse's one-line
+    error otherwise)."""
+    want = f"an int >= {low}" if below is None else f"an int in [{low}, {bound or below})"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if value < low or below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
         return value
     return parse
 
@@ -76,7 +79,8 @@ def _user_error(e: BaseException) -> str | None:
         return f"needs {e.name}, which comes with the command line's extra: pip install 'fastlayers[cli]'"
     kinds = [getattr(sys.modules.get(module), name, None) for module, name in (
         ("fastlayers.data._shipped", "DataUnavailable"), ("fastlayers.train._checkpoint", "CheckpointError"),
-        ("fastlayers.train._outdir", "OutputInUse"), ("fastlayers.train._distributed", "DeviceUnavailable"))]
+        ("fastlayers.train._outdir", "OutputInUse"), ("fastlayers.train._distributed", "DeviceUnavailable"),
+        ("fastlayers._core.backend", "UnknownBackend"), ("fastlayers._core.backend", "BackendUnavailable"))]
     return str(e) if any(kind is not None and isinstance(e, kind) for kind in kinds) else None
 
 
@@ -129,7 +133,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="the encoder's checkpoint_every: keep every K-th state and recompute the steps between in "
                         "the backward (memory for time on long sequences; auto: about sqrt(T / D), D directions, "
                         "longer on CPU for small batches)")
-    p.add_argument("--max-samples", type=int, default=None, help="train on the first N training sequences")
+    p.add_argument("--max-samples", type=int, default=None, help="train on N training sequences only, a seeded random subset (quick runs)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N optimisation steps")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
 
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("which", nargs="?", choices=["speech", "local"], default="speech")
     demo.add_argument("--epochs", type=_at_least(1), default=None, help="default: 12 (speech), 40 (local)")
     demo.add_argument("--hidden-size", type=_at_least(1), default=None, help="speech only (default: 64)")
-    demo.add_argument("--seed", type=_at_least(0), default=0)
+    demo.add_argument("--seed", type=_at_least(0, 2**63, "2**63"), default=0)  # (torch's seeds are 64-bit)
     demo.set_defaults(func=_demo)
     train = sub.add_parser("train", help="train a sequence classifier on real recordings (checkpoints, --resume, "
                                          "torchrun for several processes)")
@@ -167,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     doctor.set_defaults(func=_doctor)
     args = parser.parse_args(argv)
     try:
+        if args.command != "doctor":  # an unknown FASTLAYERS_BACKEND: one line before any work (doctor reports it)
+            from ._core.backend import forced
+
+            forced()
         return args.func(args)
     except Exception as e:
         message = _user_error(e)

@@ -51,9 +51,18 @@ TRITON_OPS = frozenset({"local2d", "attention", "lstm", "gru"})
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastlayers_backend", default=None)
 
 
+class UnknownBackend(ValueError):
+    """A backend name other than "cpu", "triton", "reference" (``fastlayers.backend(name)``, or
+    ``FASTLAYERS_BACKEND``, read at each call)."""
+
+
+class BackendUnavailable(RuntimeError):
+    """A forced backend that cannot run a call's tensors (:func:`select`)."""
+
+
 def _validate(name: object, source: str) -> str:
     if name not in BACKENDS:
-        raise ValueError(f"{source}: expected one of {BACKENDS}, got {name!r}")
+        raise UnknownBackend(f"{source}: expected one of {BACKENDS}, got {name!r}")
     return name  # type: ignore[return-value]
 
 
@@ -236,5 +245,5 @@ def _select(op: str, x: Tensor) -> str:
     name, where = chosen
     why = unavailable(name, op, x)
     if why is not None:
-        raise RuntimeError(f"backend {name!r} (forced by {where}) cannot run {op}: {why}")
+        raise BackendUnavailable(f"backend {name!r} (forced by {where}) cannot run {op}: {why}")
     return name if name == "reference" or _has_kernel(name, op) else "reference"

@@ -96,6 +96,10 @@ def _check(args: argparse.Namespace) -> None:
     except Exception as e:  # a malformed name (RuntimeError), or a device this torch cannot use
         refuse(f"--device {args.device}: not usable here with torch {torch.__version__} "
                f"({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    if args.json is not None and args.plot is not None \
+            and Path(args.json).resolve() == Path(args.plot).resolve():
+        refuse(f"--json {args.json}, --plot {args.plot}: the same file (the plot would replace the report); "
+               f"name two files")
     for option, name in (("--json", args.json), ("--plot", args.plot)):
         if name is None:
             continue

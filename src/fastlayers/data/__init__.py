@@ -7,4 +7,4 @@ from ._sequences import Sequences as Sequences
 from ._vowels import load_japanese_vowels as load_japanese_vowels
 
 __all__ = ["Sequences", "SpokenDigits", "load_spoken_digits", "load_digits_8x8", "load_japanese_vowels", "batches",
-           "pad_batch", "stratified_split", "subset"]
+           "pad_batch", "concat_batch", "stratified_split", "subset"]

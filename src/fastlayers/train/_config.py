@@ -45,7 +45,7 @@ class TrainConfig:
     batching: ``"padded"`` (each batch zero-padded to its longest sequence, with lengths) or
         ``"varlen"`` (the sequences concatenated, with ``cu_seqlens``: no padding; the same
         results, but for the draws of inter-layer dropout), so a run may resume with the other.
-    max_samples: train on the first N training sequences only (quick runs); max_steps: stop after
+    max_samples: train on N training sequences only, a seeded random subset (quick runs); max_steps: stop after
         N optimisation steps in total (tests). device: ``"cpu"`` or ``"cuda"``.
     """
 
@@ -78,6 +78,8 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if not str(self.out).strip():  # (Path("") is the current folder: a run would land there unasked)
+            raise ValueError(f"out: expected a folder name, got {str(self.out)!r}")
         self.out = Path(self.out)
         for name, allowed in (("dataset", DATASETS), ("cell", CELLS), ("head", HEADS), ("precision", PRECISIONS),
                               ("batching", BATCHINGS), ("device", ("cpu", "cuda"))):
@@ -93,8 +95,8 @@ class TrainConfig:
         if not _is_int(self.checkpoint_every) or self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every: expected an int >= 0 (0: at epoch ends only), got "
                              f"{self.checkpoint_every!r}")
-        if not _is_int(self.seed) or self.seed < 0:  # (numpy's generators take seeds >= 0)
-            raise ValueError(f"seed: expected an int >= 0, got {self.seed!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:  # (numpy's generators take seeds >= 0, torch's
+            raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")  # 64-bit ones: seed + 1 + rank)
         if not _is_number(self.lr) or not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr: expected a finite learning rate > 0, got {self.lr!r}")
         if not _is_number(self.dropout) or not 0 <= self.dropout < 1:

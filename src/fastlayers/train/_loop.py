@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from .._core import backend as _backend
 from .._core.files import write_atomic
 from .._core.system import cpu_name
 from ..data import batches, concat_batch, pad_batch
@@ -227,12 +228,22 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         _distributed.stop()
 
 
+def _check_backend(cfg: TrainConfig, device: torch.device) -> None:
+    """A backend forced by ``FASTLAYERS_BACKEND`` that is unknown, or cannot run the run's layers on
+    its device, refuses the run here, before anything in ``--out`` changes (not at the first step):
+    :func:`fastlayers._core.backend.select`'s UnknownBackend / BackendUnavailable."""
+    probe = torch.empty(0, device=device)
+    for op in (cfg.cell, *(("attention",) if cfg.head == "attention" else ())):
+        _backend.select(op, probe)
+
+
 def _run(cfg: TrainConfig, procs: _distributed.Processes, say: Callable[[str], None]) -> dict[str, Any]:
     state = None
     try:
         replaced = _outdir.check(cfg.out, cfg.resume, cfg.overwrite, cfg.run_defining_json())  # every process, before any writes
         # everything that can refuse the run (data, model, the checkpoint to resume) before out changes:
         # a run that cannot start leaves the earlier run's files as they were
+        _check_backend(cfg, procs.device)
         splits = load_splits(cfg.dataset, cfg.seed, cfg.max_samples)
         state = _Run(cfg, procs, splits, say)
         if cfg.resume:

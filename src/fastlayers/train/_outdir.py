@@ -38,8 +38,14 @@ def check(out: Path, resume: bool, overwrite: bool, settings: dict[str, Any]) ->
     Raises:
         OutputInUse: ``out`` holds a run's files and neither ``resume`` nor ``overwrite`` is set,
             or ``resume`` is set and the run there was started with other settings; the message
-            names the files (or settings) and the flags.
+            names the files (or settings) and the flags. Also a folder where a run file goes, or a
+            file named ``checkpoints``.
     """
+    blocked = [out / name for name in RUN_FILES if (out / name).is_dir()]
+    blocked += [out / "checkpoints"] if (out / "checkpoints").exists() and not (out / "checkpoints").is_dir() else []
+    if blocked:  # (a run would fail on them when it first writes there, after an epoch)
+        raise OutputInUse(f"--out {out}: {', '.join(str(p.relative_to(out)) for p in blocked)}: not what a run writes "
+                          f"there (run files are files, checkpoints/ a folder); move it or choose another --out")
     files = run_files(out)
     if not files:
         return []
