@@ -326,6 +326,8 @@ def test_1d_module_follows_its_parameters_between_no_grad_calls():
         torch.testing.assert_close(m(x), expected())
         m.bias.data = torch.randn_like(m.bias)
         torch.testing.assert_close(m(x), expected())
+        m.weight.data = torch.randn_like(m.weight)  # (the same Parameter, new memory)
+        torch.testing.assert_close(m(x), expected())
     m(x).sum().backward()
     assert m.weight.grad is not None and m.bias.grad is not None and bool(m.bias.grad.abs().sum() > 0)
 

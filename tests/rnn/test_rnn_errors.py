@@ -114,6 +114,24 @@ def test_hx_wrong_dtype(lstm):
         lstm(x, (torch.zeros(4, 3, 5, dtype=torch.float64), torch.zeros(4, 3, 5)), lengths=[6, 5, 2])
 
 
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+@pytest.mark.parametrize("options", [{}, {"layer_norm": True}], ids=["plain", "layer_norm"])
+@pytest.mark.parametrize("lengths", [None, [6, 5, 2]], ids=["no lengths", "lengths"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_hx_on_another_device(mode, options, lengths, grad):
+    """A state on another device than the input (here meta, which has no data): torch's message and
+    ours naming it, on every path (without this check, three of them ran on unwritten memory)."""
+    m = getattr(fastlayers, mode)(4, 5, **options)
+    x = torch.randn(6, 3, 4)
+    h = torch.zeros(1, 3, 5, device="meta")
+    hx = (h, torch.zeros(1, 3, 5)) if mode == "LSTM" else h
+    name = r"hx\[0\] \(h_0\)" if mode == "LSTM" else "hx"
+    with torch.set_grad_enabled(grad), pytest.raises(
+            RuntimeError, match=rf"^Input and hidden tensors are not at the same device, found input tensor at cpu and "
+                                rf"hidden tensor at meta; {name}: expected device cpu \(that of input\), got meta$"):
+        m(x, hx, lengths=lengths)
+
+
 def test_bad_lengths_type(lstm):
     with pytest.raises(TypeError, match=r"lengths: expected a 1-D integer tensor or a sequence of ints, got str"):
         lstm(torch.randn(6, 3, 4), lengths="6,5,2")
