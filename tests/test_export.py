@@ -354,7 +354,9 @@ def test_a_fresh_process_exports_a_recurrent_layer_first(strict):
 @pytest.mark.subprocess
 def test_a_saved_program_loads_in_a_fresh_process_as_documented(tmp_path):
     """torch.export.save, then torch.export.load in another process after the step docs/deploy.md
-    gives (the operators loaded first): the loaded program computes the eager call's values."""
+    gives (the operators loaded first): the loaded program computes the eager call's values, and
+    trains (its gradients were None there: the step loaded the C++ operators without their
+    autograd and fake functions, so run_decompositions / AOTInductor refused the program too)."""
     import subprocess
     import sys
 
@@ -362,12 +364,21 @@ def test_a_saved_program_loads_in_a_fresh_process_as_documented(tmp_path):
     m = fastlayers.LSTM(4, 5, layer_norm=True).eval()
     x, lengths = torch.randn(6, 3, 4), torch.tensor([6, 2, 4])
     torch.export.save(torch.export.export(m, (x,), {"lengths": lengths}), tmp_path / "m.pt2")
-    torch.save({"x": x, "lengths": lengths, "want": m(x, lengths=lengths)[0]}, tmp_path / "io.pt")
-    code = ("import sys, torch, fastlayers\n"
+    leaf = x.clone().requires_grad_()
+    want = m(leaf, lengths=lengths)[0]
+    grad, = torch.autograd.grad(want.sum(), leaf)
+    torch.save({"x": x, "lengths": lengths, "want": want.detach(), "grad": grad}, tmp_path / "io.pt")
+    code = ("import sys, warnings, torch, fastlayers\n"
+            "warnings.filterwarnings('error', message='.*autograd kernel was not registered')\n"
             "torch.ops.load_library(fastlayers.ops_library())\n"
             "ep = torch.export.load(sys.argv[1])\n"
             "io = torch.load(sys.argv[2])\n"
-            "torch.testing.assert_close(ep.module()(io['x'], lengths=io['lengths'])[0], io['want'])\n"
+            "x = io['x'].clone().requires_grad_()\n"
+            "out = ep.module()(x, lengths=io['lengths'])[0]\n"
+            "torch.testing.assert_close(out, io['want'])\n"
+            "out.sum().backward()\n"
+            "torch.testing.assert_close(x.grad, io['grad'])\n"
+            "ep.run_decompositions()\n"
             "print('loaded')\n")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.pt2"), str(tmp_path / "io.pt")],
                           capture_output=True, text=True, timeout=600)

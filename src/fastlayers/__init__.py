@@ -32,15 +32,20 @@ def ops_library() -> str:
     _C_<variant>.so``, variant ``default``, ``avx2`` or ``avx512``; ``FASTLAYERS_CPU_CAPABILITY``
     forces one). What a process without fastlayers loads (``torch.ops.load_library(path)``, or
     ``dlopen`` from C++) to run AOTInductor packages of models built from fastlayers layers
-    (docs/deploy.md). Nothing is compiled.
+    (docs/deploy.md). Nothing is compiled. In this process it also loads the library and registers
+    the operators' Python half (fake functions and autograd), so a program loaded with
+    ``torch.export.load`` after ``torch.ops.load_library(fastlayers.ops_library())`` trains,
+    re-exports and compiles as the exporting process's does.
 
     Raises:
         RuntimeError: the library is unavailable (a checkout that was not built, a library built
             against another torch, or ``FASTLAYERS_NO_NATIVE=1``), with why.
     """
-    from ._native.ops_lib import library_path
+    from ._native import ops_lib
 
-    return library_path()
+    path = ops_lib.library_path()
+    ops_lib.load()  # (the fake functions and autograd: without them a loaded program's gradients are None)
+    return path
 
 
 def __getattr__(name: str):
