@@ -332,6 +332,49 @@ def test_1d_module_follows_its_parameters_between_no_grad_calls():
     assert m.weight.grad is not None and m.bias.grad is not None and bool(m.bias.grad.abs().sum() > 0)
 
 
+def test_1d_module_views_survive_transforms_compile_conversion_and_pickling():
+    """The 2-D views LocallyConnected1d keeps between calls without autograd (after one such call):
+    torch.func over its parameters under no_grad ("Cannot access data pointer of Tensor that doesn't
+    have storage"), torch.compile fullgraph ("Data pointer comparison"), a conversion with
+    parameter swapping (the kept reference failed swap_tensors' use-count check), a replaced weight
+    (kept alive), and pickling the module: each as without the views, as LocallyConnected2d."""
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    from torch.func import functional_call, stack_module_state, vmap
+
+    torch.manual_seed(0)
+    models = [LocallyConnected1d(2, 3, 9, kernel_size=3) for _ in range(2)]
+    m, x = models[0], torch.randn(4, 2, 9)
+    with torch.no_grad():
+        want = m(x)
+        params, _ = stack_module_state(models)
+        got = vmap(lambda p, x: functional_call(m, p, (x,)), in_dims=(0, None))(params, x)
+        torch.testing.assert_close(got, torch.stack([models[0](x), models[1](x)]))
+        compiled = torch.compile(m, fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(x), want)
+        torch.testing.assert_close(compiled(torch.randn(5, 2, 9)).shape, (5, 3, 7))
+    torch.testing.assert_close(pickle.loads(pickle.dumps(m))(x), want)
+    torch.testing.assert_close(copy.deepcopy(m)(x), want)
+    old = weakref.ref(m.weight)
+    m.weight = torch.nn.Parameter(torch.randn_like(m.weight))
+    with torch.no_grad():
+        m(x)
+    gc.collect()
+    assert old() is None, "the replaced weight is kept alive"
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        m.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x.double()), functional_call(m, dict(m.named_parameters()), (x.double(),)))
+    assert m.weight.dtype == torch.float64
+
+
 @pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
 @pytest.mark.parametrize("kernel, dilation", [((3, 3), (1, 1)), ((2, 4), (1, 1)), ((2, 3), (3, 2)), ((1, 1), (1, 1))])
 def test_padding_strings_as_conv2d(kernel, dilation, backend):

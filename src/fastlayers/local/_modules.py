@@ -352,20 +352,31 @@ class LocallyConnected1d(_LocallyConnectedNd):
                          device, dtype)
 
     def _as_2d(self) -> tuple[Tensor, Tensor | None]:
-        """weight (C_out, C_in, 1, K, 1, OL) and bias (C_out, 1, OL) as views of the parameters. Calls
-        without autograd keep them while the parameters are the same tensors on the same memory (an
-        in-place update shows through a view; a replaced parameter or ``.data`` makes new views);
-        calls with autograd make them each time (the views belong to that call's graph)."""
+        """weight (C_out, C_in, 1, K, 1, OL) and bias (C_out, 1, OL) as views of the parameters. Eager
+        calls without autograd keep views of detached aliases while the parameters are the same
+        tensors on the same memory (an in-place update shows through a view; a replaced parameter
+        or ``.data`` makes new ones), holding no reference to the parameters (a replaced one is
+        freed, and ``torch.utils.swap_tensors`` conversions see no extra one); calls with autograd,
+        traced or compiled ones, and those under torch.func transforms (whose tensors have no
+        memory to compare) make them each time."""
         w, b = self.weight, self.bias
-        if twice.graph_recorded() or torch.jit.is_tracing():  # (a trace records the views as ops)
+        if torch.compiler.is_compiling() or twice.graph_recorded() or torch.jit.is_tracing():
+            return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
+        try:
+            key = (id(w), w.data_ptr(), w.stride(), id(b), b.data_ptr() if b is not None else 0)
+        except RuntimeError:  # a torch.func transform's wrapper (vmap over the parameters): no memory
             return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
         cached = self.__dict__.get("_views_2d")
-        if (cached is None or cached[0] is not w or cached[1] is not b or cached[2] != w.data_ptr()
-                or cached[3] != (b.data_ptr() if b is not None else 0)):
-            cached = (w, b, w.data_ptr(), b.data_ptr() if b is not None else 0, w.unsqueeze(2).unsqueeze(4),
-                      b.unsqueeze(1) if b is not None else None)
+        if cached is None or cached[0] != key:  # (an id is reused only once its tensor is freed: the kept
+            cached = (key, w.detach().unsqueeze(2).unsqueeze(4),  # views keep the memory, so the address differs)
+                      b.detach().unsqueeze(1) if b is not None else None)
             self.__dict__["_views_2d"] = cached
-        return cached[4], cached[5]
+        return cached[1], cached[2]
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_views_2d", None)  # (keyed by ids: a pickled or copied module makes its own)
+        return state
 
     def forward(self, input: Tensor) -> Tensor:
         """``input`` (B, C_in, L) or (C_in, L), L = ``input_size``, the weight's dtype and device
