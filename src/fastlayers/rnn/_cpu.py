@@ -138,6 +138,43 @@ def engine_draws(cell: str, options: CellOptions, training: bool, given: dict[st
     return given_layout(drawn, plan, steps, batch)
 
 
+def varlen_engine_draws(cell: str, options: CellOptions, training: bool, x: Tensor, cu_seqlens: Tensor,
+                        sizes: tuple[int, int, int, int]) -> dict[str, Tensor]:
+    """One varlen layer's masks (values ``x`` (N, F), ``cu_seqlens`` (B+1,)) drawn as this engine
+    draws them when it runs the layer eagerly (:func:`drawn_masks` over its packed rows, in this
+    order), in the layout the varlen operators take: recurrent (D, B, P) in batch order, zoneout
+    (D, N, width) on the value rows. Tensor operations only, no length read on the host (so
+    torch.compile traces it with N and B dynamic): a compiled varlen call draws the eager call's
+    masks. ``sizes``: (D, B, width, hidden)."""
+    if not draws(options, training):
+        return {}
+    dirs, batch, width, hidden = sizes
+    rows = x.size(0)
+    drawn = drawn_masks(cell, options, training, {}, (dirs, batch, width), (dirs, rows), hidden, width,
+                        mask_like(x, precision.Products.of(x)))
+    cu = cu_seqlens.to(x.device, torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    order = torch.sort(lengths, descending=True, stable=True).indices  # (as make_plan's)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(batch, device=x.device))
+    ascending = torch.sort(lengths).values
+    before = torch.cat([ascending.new_zeros(1), ascending.cumsum(0)])
+
+    def packed_before(step: Tensor) -> Tensor:  # rows packed before step s: sum_b min(len_b, s)
+        shorter = torch.searchsorted(ascending, step)  # (sequences with len_b < s)
+        return before[shorter] + step * (batch - shorter)
+
+    value = torch.arange(rows, device=x.device)
+    seq = torch.searchsorted(cu[1:], value, right=True)  # each value row's sequence and step
+    step = value - cu[seq]
+    steps = (step, lengths[seq] - 1 - step)[:dirs]  # the reverse direction reads step len - 1 - s
+    packed = [packed_before(s) + position[seq] for s in steps]  # (N,) each: value row -> its packed row
+    out: dict[str, Tensor] = {}
+    for key, mask in drawn.items():
+        out[key] = (mask.index_select(1, position) if key == "recurrent"
+                    else torch.stack([mask[d].index_select(0, packed[d]) for d in range(dirs)]))
+    return out
+
+
 def mask_like(x: Tensor, mm: precision.Products) -> Tensor:
     """What the C engine draws a layer's masks like (dtype, device): x, or where the call's products
     take x in a low dtype, an empty tensor of it (also where x stays float32 for the own bf16 kernel:

@@ -18,8 +18,11 @@ the eager engine and takes its gradient, as the padded export operators do (:mod
 compiled training step pays one extra forward per layer. Python operators: an exported program runs
 where fastlayers is imported (``ep.module()``), not in AOTInductor packages.
 
-Training masks are drawn by the caller (:func:`varlen_operator_layers`) with :func:`._masks.keep_mask`:
-zoneout keep-masks (D, N, width) in the values' row order, the recurrent mask (D, B, P).
+Training masks are drawn by the caller (:func:`varlen_operator_layers`) and passed in one layout:
+zoneout keep-masks (D, N, width) in the values' row order, the recurrent mask (D, B, P) in batch
+order. Compiled for the C engine they are the eager call's draws (:func:`._cpu.varlen_engine_draws`:
+its packed-row draws moved to that layout with tensor operations), so a seed gives a compiled call
+the eager call's masks; exported, or for another backend, :func:`._ops_export.operator_masks`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import Tensor
 
 from .._core import jagged, twice
 from .._core.backend import select
+from ._cpu import varlen_engine_draws
 from ._lengths import varlen_rows
 from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _PLAIN, _RNN_KEYS, _layer_args, _layer_eagerly, _rnn_eagerly,
                           engine_masks, operator_masks, vjp)
@@ -221,8 +225,13 @@ def varlen_operator_layers(module: Any, values: Tensor, states: tuple[Tensor, ..
             x, h = torch.ops.fastlayers.rnn_varlen(x, cu_seqlens, states[0][k], *p, mode == "RNN_RELU")
             last: tuple[Tensor, ...] = (h,)
         else:
-            rmask, zc, zh = operator_masks(options, training, x, dirs, batch, (rows,), states[0].size(2),
-                                           module.hidden_size if mode == "LSTM" else None)
+            if torch.compiler.is_exporting() or select(mode.lower(), x) != "cpu":
+                rmask, zc, zh = operator_masks(options, training, x, dirs, batch, (rows,), states[0].size(2),
+                                               module.hidden_size if mode == "LSTM" else None)
+            else:  # compiled for the C engine: its eager draws (the same masks from a seed as the eager call)
+                m = varlen_engine_draws(mode, options, training, x, cu_seqlens,
+                                        (dirs, batch, states[0].size(2), module.hidden_size))
+                rmask, zc, zh = m.get("recurrent"), m.get("zoneout_c"), m.get("zoneout_h")
             if mode == "LSTM":
                 x, h, c = torch.ops.fastlayers.lstm_varlen(
                     x, cu_seqlens, states[0][k], states[1][k], *p, rmask, zc, zh, float(options.cell_clip or 0.0),
