@@ -243,9 +243,11 @@ def cell_step(name: str, mode: str, input: Any, hx: Any, params: dict[str, Tenso
               input_size: int, sizes: tuple[int, ...], bias: bool, training: bool = False,
               recurrent_mask: Tensor | None = None, nonlinearity: str = "tanh") -> Any:
     """One checked step of a cell ``name`` (``"LSTMCell"``, ``"GRUCell"``, ``"RNNCell"``) on the
-    parameters ``params``, as torch.nn's cell runs it: validation with torch's errors, an autocast
-    layer's bf16 activation taken by float32 parameters, :func:`step`, unbatched results squeezed,
-    results in torch's cell's dtype. Shared by the cells and ``LSTM/GRU.cell()``'s views."""
+    parameters ``params``, as torch.nn's cell runs it: validation with torch's errors; under
+    autocast an autocast layer's bf16 activation taken by float32 parameters, a float32 one by
+    bf16 / fp16 parameters (then the low-precision model's step, autocast off); :func:`step`,
+    unbatched results squeezed, results in torch's cell's dtype. Shared by the cells and
+    ``LSTM/GRU.cell()``'s views."""
     given = input, hx
     weight_dtype = params["weight_ih"].dtype
     if isinstance(input, Tensor) and _precision.autocasting(input.device.type):
