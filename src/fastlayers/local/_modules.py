@@ -360,11 +360,13 @@ class LocallyConnected1d(_LocallyConnectedNd):
         traced or compiled ones, and those under torch.func transforms (whose tensors have no
         memory to compare) make them each time."""
         w, b = self.weight, self.bias
-        if torch.compiler.is_compiling() or twice.graph_recorded() or torch.jit.is_tracing():
-            return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
-        try:
-            key = (id(w), w.data_ptr(), w.stride(), id(b), b.data_ptr() if b is not None else 0)
-        except RuntimeError:  # a torch.func transform's wrapper (vmap over the parameters): no memory
+        key = None
+        if not (torch.compiler.is_compiling() or twice.graph_recorded() or torch.jit.is_tracing()):
+            try:
+                key = (id(w), w.data_ptr(), w.stride(), id(b), b.data_ptr() if b is not None else 0)
+            except RuntimeError:  # a torch.func transform's wrapper (vmap over the parameters): no memory
+                pass
+        if key is None:
             return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
         cached = self.__dict__.get("_views_2d")
         if cached is None or cached[0] != key:  # (an id is reused only once its tensor is freed: the kept

@@ -250,18 +250,12 @@ def cell_step(name: str, mode: str, input: Any, hx: Any, params: dict[str, Tenso
     ``LSTM/GRU.cell()``'s views."""
     given = input, hx
     weight_dtype = params["weight_ih"].dtype
+    autocast_off = False
     if isinstance(input, Tensor) and _precision.autocasting(input.device.type):
         # an autocast layer's bf16 output (or state) to float32 parameters, a float32 one to bf16
         # parameters: as torch.nn's cells take them
         input, hx = _precision.autocast_operand(input, weight_dtype), _precision.autocast_operand(hx, weight_dtype)
-        if _precision.autocast_off_for(input.device.type, weight_dtype):  # the low-precision model's step
-            with torch.autocast(input.device.type, enabled=False):
-                new = cell_step(name, mode, input, hx, params, options, input_size=input_size, sizes=sizes, bias=bias,
-                                training=training, recurrent_mask=recurrent_mask, nonlinearity=nonlinearity)
-            if (input is given[0] and hx is given[1]) or mode == "RNN" or not options.plain:
-                return new
-            out = _autocast_result(mode, *given)  # converted: torch's cell's result dtype
-            return tuple(s.to(out) for s in new) if mode == "LSTM" else new.to(out)
+        autocast_off = _precision.autocast_off_for(input.device.type, weight_dtype)
     x, states, batched = check_cell(name, mode, input, hx, input_size=input_size, weight_dtype=weight_dtype,
                                     sizes=sizes, bias=bias)
     if recurrent_mask is not None:
@@ -269,8 +263,13 @@ def cell_step(name: str, mode: str, input: Any, hx: Any, params: dict[str, Tenso
     if mode == "RNN" and nonlinearity not in ("tanh", "relu"):  # torch.nn.RNNCell checks it per call
         raise RuntimeError(f"Unknown nonlinearity: {nonlinearity}; nonlinearity: expected 'tanh' or "
                            f"'relu', got {nonlinearity!r}")
-    new = step(mode, x, states, params, options, training=training, recurrent_mask=recurrent_mask,
-               nonlinearity=nonlinearity)
+    if autocast_off:  # low-precision parameters: the low-precision model's step
+        with torch.autocast(x.device.type, enabled=False):
+            new = step(mode, x, states, params, options, training=training, recurrent_mask=recurrent_mask,
+                       nonlinearity=nonlinearity)
+    else:
+        new = step(mode, x, states, params, options, training=training, recurrent_mask=recurrent_mask,
+                   nonlinearity=nonlinearity)
     new = new if batched else tuple(s.squeeze(0) for s in new)
     if (input is not given[0] or hx is not given[1]) and mode != "RNN" and options.plain:
         out = _autocast_result(mode, *given)  # converted for autocast: torch's cell's result dtype

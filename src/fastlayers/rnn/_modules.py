@@ -86,12 +86,14 @@ class _LengthsMixin(NotScriptable):
         weight = self._flat_weights[0].dtype
         return _precision.autocast_operand(input, weight), _precision.autocast_operand(hx, weight)
 
-    def _autocast_off(self, input: Any) -> bool:
-        """A call of bfloat16 / float16 parameters under autocast runs with autocast off
-        (:func:`fastlayers._core.precision.autocast_off_for`)."""
+    def _autocast_off(self, input: Any) -> str | None:
+        """The device type whose autocast a call of bfloat16 / float16 parameters turns off (under
+        autocast: :func:`fastlayers._core.precision.autocast_off_for`), else None."""
         data = input.data if isinstance(input, PackedSequence) else input
-        return bool(self._flat_weights) and self._flat_weights[0] is not None and isinstance(data, Tensor) \
-            and _precision.autocast_off_for(data.device.type, self._flat_weights[0].dtype)
+        if not self._flat_weights or self._flat_weights[0] is None or not isinstance(data, Tensor):
+            return None
+        device = data.device.type
+        return device if _precision.autocast_off_for(device, self._flat_weights[0].dtype) else None
 
     def _options_plain(self) -> bool:
         return True
@@ -129,9 +131,9 @@ class _LengthsMixin(NotScriptable):
                 return _LengthsMixin.forward(self, input, hx, lengths=lengths, cu_seqlens=cu_seqlens,
                                              max_seqlen=max_seqlen)
         input, hx = self._autocast_operands(input, hx)
-        if self._autocast_off(input):  # low-precision parameters: the low-precision model's call
-            with torch.autocast(input.data.device.type if isinstance(input, PackedSequence) else input.device.type,
-                                enabled=False):
+        autocast_off = self._autocast_off(input)
+        if autocast_off is not None:  # low-precision parameters: the low-precision model's call
+            with torch.autocast(autocast_off, enabled=False):
                 return _LengthsMixin.forward(self, input, hx, lengths=lengths, cu_seqlens=cu_seqlens,
                                              max_seqlen=max_seqlen)
         given = input, hx

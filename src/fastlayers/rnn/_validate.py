@@ -259,12 +259,12 @@ def _cell_lstm_states(cls: str, hx: object, batched: bool) -> tuple[Tensor, ...]
         if hx.size(0) and hx.dim() - 1 not in (1, 2):
             raise ValueError(f"{cls}: Expected hx[0] to be 1D or 2D, got {hx.dim() - 1}D instead; hx: expected a tuple "
                              f"(h, c) of two tensors, got {_describe(hx)}")
-        if not batched and hx.size(0) == 2:  # torch indexes an unbatched input's state: hx[0], hx[1] of (2, H)
-            return tuple(hx.unbind(0))
-        if not batched and hx.size(0) < 2:
-            raise StateTypeError(f"index {hx.size(0)} is out of bounds for dimension 0 with size {hx.size(0)}; hx: "
-                                 f"expected a tuple (h, c) of two tensors, got {_describe(hx)}")
-        if not batched:
+        if not batched:  # torch indexes an unbatched input's state: hx[0], hx[1] of a stacked (2, H)
+            if hx.size(0) == 2:
+                return tuple(hx.unbind(0))
+            if hx.size(0) < 2:
+                raise StateTypeError(f"index {hx.size(0)} is out of bounds for dimension 0 with size {hx.size(0)}; "
+                                     f"hx: expected a tuple (h, c) of two tensors, got {_describe(hx)}")
             raise StateTypeError(f"lstm_cell expects two hidden states; hx: expected a tuple (h, c) of two tensors "
                                  f"(or a stacked (2, H) tensor), got {_describe(hx)}")
         raise StateTypeError(f"lstm_cell(): argument 'hx' (position 2) must be tuple of Tensors, not Tensor; hx: "
