@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 import fastlayers
 
@@ -100,13 +101,21 @@ def _attention_inputs(dq: int, dk: int, dv: int):
 LSTM, GRU, RNN = fastlayers.LSTM, fastlayers.GRU, fastlayers.RNN
 
 
-def _cell_case(id, cls, torch_cls, *, stochastic=False, repr_has=(), counterpart=True, unbatched=False, **kwargs):
-    """A cell module: one step on (B, F) input (or unbatched (F,)) from the zero state."""
+def _cell_case(id, cls, torch_cls, *, stochastic=False, repr_has=(), counterpart=True, unbatched=False,
+               zero_state=False, **kwargs):
+    """A cell module: one step on (B, F) input (or unbatched (F,)) from a random state given as hx
+    (h, or (h, c) for LSTMCell; with weight_hh's and the peepholes' gradients zero from the zero
+    state, a wrong one would pass), or from the zero state (hx left out)."""
     base = {k: v for k, v in kwargs.items() if k in ("bias", "nonlinearity")}
 
     def inputs(dtype):
-        x = _randn(BATCH, F_IN, g=_gen(), dtype=dtype)
-        return ((x[0],) if unbatched else (x,)), {}
+        g = _gen()
+        x = _randn(BATCH, F_IN, g=g, dtype=dtype)
+        h = _randn(BATCH, kwargs.get("proj_size") or HIDDEN, g=g, dtype=dtype)
+        state = (h, _randn(BATCH, HIDDEN, g=g, dtype=dtype)) if issubclass(cls, fastlayers.LSTMCell) else h
+        if unbatched:
+            x, state = x[0], tree_map(lambda t: t[0], state)
+        return ((x,) if zero_state else (x, state)), {}
 
     return Case(id, lambda **f: cls(F_IN, HIDDEN, **kwargs, **f), inputs, _rnn_init, (cls.__name__ + "(", *repr_has),
                 (lambda **f: torch_cls(F_IN, HIDDEN, **base, **f)) if counterpart else None, stochastic)
@@ -116,10 +125,12 @@ CELL_CASES: list[Case] = [
     _cell_case("LSTMCell", fastlayers.LSTMCell, nn.LSTMCell),
     _cell_case("LSTMCell-unbatched-nobias", fastlayers.LSTMCell, nn.LSTMCell, unbatched=True, bias=False,
                repr_has=("bias=False",)),
+    _cell_case("LSTMCell-zero_state", fastlayers.LSTMCell, nn.LSTMCell, zero_state=True),
     _cell_case("LSTMCell-all+proj", fastlayers.LSTMCell, nn.LSTMCell, counterpart=False, proj_size=5, layer_norm=True,
                peephole=True, cell_clip=1.5, zoneout=(0.2, 0.1), proj_clip=0.7, stochastic=True,
                repr_has=("proj_size=5", "layer_norm=True", "peephole=True", "proj_clip=0.7")),
     _cell_case("GRUCell", fastlayers.GRUCell, nn.GRUCell),
+    _cell_case("GRUCell-unbatched-zero_state", fastlayers.GRUCell, nn.GRUCell, unbatched=True, zero_state=True),
     _cell_case("GRUCell-layer_norm-zoneout", fastlayers.GRUCell, nn.GRUCell, layer_norm=True, zoneout=0.2,
                stochastic=True, repr_has=("layer_norm=True", "zoneout=0.2")),
     _cell_case("RNNCell-relu", fastlayers.RNNCell, nn.RNNCell, nonlinearity="relu", repr_has=("nonlinearity=relu",)),
@@ -190,6 +201,11 @@ def flat(value: Any) -> list[Tensor]:
     return [t for v in value for t in flat(v)]
 
 
+def leaves_like(args: tuple, fn: Callable[[Tensor], Tensor]) -> tuple:
+    """args with fn applied to every tensor (a cell's state is a tensor or an (h, c) tuple)."""
+    return tree_map(fn, args)
+
+
 def weighted_sum(outs: list[Tensor]) -> Tensor:
     """A loss that weighs every element of every tensor differently (a ramp from -1 to 1 in each),
     so that a gradient sent to the wrong element or tensor shows."""
@@ -201,7 +217,7 @@ def run(module: nn.Module, case: Case, dtype: torch.dtype = torch.float32, backw
     """One forward (and backward with fixed cotangents): outputs, and the gradients of every input
     and parameter (None where a tensor got none)."""
     args, kwargs = inputs if inputs is not None else case.inputs(dtype)
-    args = tuple(a.detach().clone().requires_grad_(backward) for a in args)
+    args = leaves_like(args, lambda a: a.detach().clone().requires_grad_(backward))
     module.zero_grad(set_to_none=True)
     outs = flat(module(*args, **kwargs))
     grads: dict[str, Tensor] = {}
@@ -209,7 +225,7 @@ def run(module: nn.Module, case: Case, dtype: torch.dtype = torch.float32, backw
         g = _gen(7)
         loss = sum((o * _randn(*o.shape, g=g, dtype=o.dtype)).sum() for o in outs)
         loss.backward()
-        grads = {f"input{i}": a.grad for i, a in enumerate(args)}
+        grads = {f"input{i}": a.grad for i, a in enumerate(flat(args))}
         grads.update({n: p.grad for n, p in module.named_parameters()})
     return [o.detach() for o in outs], grads
 

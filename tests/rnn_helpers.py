@@ -17,6 +17,17 @@ MODES = {
 }
 
 
+def autograd_nodes(t: torch.Tensor) -> set[str]:
+    """The class names of every node of t's autograd graph (which kernels' backwards it reaches)."""
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(n for n, _ in node.next_functions)
+    return {type(n).__name__ for n in seen}
+
+
 def make_pair(mode, input_size, hidden_size, dtype=torch.float32, **kwargs):
     ours_cls, torch_cls, extra = MODES[mode]
     kwargs = {**extra, **kwargs}

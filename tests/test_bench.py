@@ -440,19 +440,39 @@ def test_memory_measurement_prints_nothing_from_the_profiler():
     assert proc.returncode == 0 and "USDT" not in proc.stdout + proc.stderr and "profiler_start" not in proc.stderr
 
 
-def test_short_candidates_are_timed_over_blocks_of_calls():
+def test_short_candidates_are_timed_over_blocks_of_calls(monkeypatch):
     """A sub-millisecond candidate is timed over back-to-back calls (one measurement lasts about
-    block_s), the warm-up runs at least the requested rounds, and the report says how many ran."""
+    block_s), the warm-up runs at least the requested rounds, and the report says how many ran.
+    The harness's clock is a fake one that a call advances by 2**-12 s (no assumption on this
+    machine's speed; powers of two, so the sums are exact): blocks of 2**-7 s are 32 calls."""
+    import time
+
+    from fastlayers.bench import _harness
+
     counts = {"n": 0}
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    clock = Clock()
+    monkeypatch.setattr(_harness, "time", clock)
 
     def tiny(x):
         counts["n"] += 1
+        clock.now += 2.0 ** -12
         return x * 2
 
     rep = compare({"tiny": tiny}, lambda: {"x": torch.ones(4, requires_grad=True)}, repeats=3, warmup=2,
-                  block_s=0.005, memory=False, check=False)
+                  block_s=2.0 ** -7, memory=False, check=False)
     res = rep["tiny"]
-    assert min(res.calls) > 1 and rep.warmup >= 2
+    assert res.calls == [32, 32] and rep.warmup >= 2
+    assert res.forward_s == res.forward_backward_s == [2.0 ** -12] * 3
     assert len(res.forward_s) == len(res.forward_backward_s) == 3
     # every timed measurement ran res.calls calls per pass (plus the untimed shape call and warm-up)
     assert counts["n"] >= 3 * sum(res.calls) + 1

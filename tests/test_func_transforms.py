@@ -136,6 +136,40 @@ def test_func_grad_in_training_draws_the_masks_autograd_draws(cls, options):
 
 @reference_only
 @pytest.mark.parametrize("name", CASES)
+def test_functionalize_gives_the_call_and_its_gradients(name):
+    """torch.func.functionalize over every layer (and grad over it): the plain layers with lengths
+    once raised "mutating a non-functional tensor with a functional tensor" and then "tolist()
+    shouldn't be called on a tensor with unallocated storage" (the lengths plan's host reads)."""
+    from torch.func import functionalize
+
+    module, args, kwargs = _case(name)
+    expected, expected_inputs = _autograd_gradients(module, args, kwargs)
+    torch.testing.assert_close(functionalize(lambda *a: _first(module(*a, **kwargs)))(*args),
+                               _first(module(*args, **kwargs)), rtol=1e-12, atol=1e-12)
+    params = {k: p.detach() for k, p in module.named_parameters()}
+    got, got_inputs = grad(functionalize(lambda p, a: _loss(module, p, a, kwargs)), argnums=(0, 1))(params, args)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-10, atol=1e-12, msg=f"{name}: {key}")
+    for i, (g, e) in enumerate(zip(got_inputs, expected_inputs)):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12, msg=f"{name}: input {i}")
+
+
+@reference_only
+@pytest.mark.parametrize("cls", [fastlayers.LSTM, fastlayers.GRU, fastlayers.RNN])
+def test_functionalize_over_a_varlen_call(cls):
+    from torch.func import functionalize
+
+    torch.manual_seed(0)
+    module = cls(4, 3, bidirectional=True).double().eval()
+    values, cu = torch.randn(12, 4, dtype=torch.float64), torch.tensor([0, 5, 8, 12])
+    want = module(values, cu_seqlens=cu)
+    got = functionalize(lambda v: module(v, cu_seqlens=cu))(values)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@reference_only
+@pytest.mark.parametrize("name", CASES)
 def test_per_sample_gradients_with_vmap(name):
     """vmap(grad) over the batch (per-sample gradients, as torch.func's tutorial and Opacus compute
     them) equals one ordinary backward per sample. Without lengths: they are read on the host to

@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import fastlayers
 
-from module_cases import CASES, LENGTHS, Case, flat
+from module_cases import CASES, LENGTHS, Case, flat, leaves_like
 
 PACKED = {"LSTM-lengths", "LSTM-proj", "GRU-lengths", "RNN_TANH-lengths"}  # plain layers with lengths
 assert PACKED <= {c.id for c in CASES}
@@ -61,10 +61,10 @@ def test_modules_run_on_the_meta_device(case, backend):
 
 def _run(module, inputs):
     """outputs, then the gradients of the inputs and the parameters, of a forward and backward"""
-    args = tuple(a.detach().requires_grad_() for a in inputs[0])
+    args = leaves_like(inputs[0], lambda a: a.detach().requires_grad_())
     outs = flat(module(*args, **inputs[1]))
     sum(o.sum() for o in outs).backward()
-    return outs, [a.grad for a in args] + [p.grad for p in module.parameters()]
+    return outs, [a.grad for a in flat(args)] + [p.grad for p in module.parameters()]
 
 
 def test_torchs_packed_path_refuses_lengths_on_meta_too():

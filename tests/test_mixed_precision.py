@@ -1,9 +1,11 @@
 """The layers (LSTM, GRU, RNN with and without cell options and lengths, LocallyConnected2d, attention
-pooling's dot and additive scores) under torch.autocast (CPU bfloat16) and with bfloat16 parameters:
+pooling's dot and additive scores) under torch.autocast (CPU bfloat16 and float16) and with bfloat16
+or float16 parameters:
 each runs, returns the low dtype, and its error against a float64 reference (output and every
 gradient) is at most twice that of the corresponding torch module, or a plain-torch formulation, in
 the same precision (flash-attention's same-precision budget); the cells under autocast return what
-torch's cells return. Not here: LocallyConnected1d (LocallyConnected2d's kernels with H = 1) and the
+torch's cells return. Above the result's own rounding (half the low dtype's eps): see _check. Not
+here: LocallyConnected1d (LocallyConnected2d's kernels with H = 1) and the
 scaled-dot score (the dot score's kernels with a scale)."""
 
 from __future__ import annotations
@@ -48,26 +50,33 @@ def _errors(result, reference):
 
 
 def _check(ours_fn, ours, base_fn, base, inputs, mode):
-    """ours in ``mode`` ("autocast": float32 module under CPU bf16 autocast; "bf16": bf16 module
-    and inputs) vs the baseline in bf16, both against ours in float64."""
+    """ours in ``mode`` ("autocast": float32 module under CPU bf16 autocast, "autocast-fp16": under
+    float16 autocast; "bf16" / "fp16": module and inputs in that dtype) vs the baseline in the low
+    dtype, both against ours in float64."""
+    low = torch.float16 if "fp16" in mode else BF16
     reference = _run(ours_fn, copy.deepcopy(ours).double(), [t.double() if t.is_floating_point() else t for t in inputs])
-    low_inputs = [t.to(BF16) if t.is_floating_point() else t for t in inputs]
-    if mode == "autocast":
-        with torch.autocast("cpu", BF16):
+    low_inputs = [t.to(low) if t.is_floating_point() else t for t in inputs]
+    if mode.startswith("autocast"):
+        with torch.autocast("cpu", low):
             result = _run(ours_fn, ours, inputs)
     else:
-        result = _run(ours_fn, copy.deepcopy(ours).to(BF16), low_inputs)
-    assert all(o.dtype == BF16 for o in result[0]), [o.dtype for o in result[0]]
-    want_grad = torch.float32 if mode == "autocast" else BF16
+        result = _run(ours_fn, copy.deepcopy(ours).to(low), low_inputs)
+    assert all(o.dtype == low for o in result[0]), [o.dtype for o in result[0]]
+    want_grad = torch.float32 if mode.startswith("autocast") else low
     assert all(g is not None and g.dtype == want_grad for g in result[1])
-    baseline = _run(base_fn, copy.deepcopy(base).to(BF16), low_inputs)
+    baseline = _run(base_fn, copy.deepcopy(base).to(low), low_inputs)
     ours_err, base_err = _errors(result, reference), _errors(baseline, reference)
+    # plus one rounding of the result to the low dtype (half its eps, relative to the largest value):
+    # below that the baseline's error is luck (over 30 seeds of attention pooling the ratio's median
+    # is 0.5-1.0 and its maximum 1.6-3.1 in each low precision, on every tensor)
+    floor = torch.finfo(low).eps / 2
     for i, (a, b) in enumerate(zip(ours_err, base_err)):
-        assert a <= 2 * b + 1e-6, f"tensor {i}: error {a:.2e} > 2 x the bf16 baseline's {b:.2e}; all: {ours_err} vs {base_err}"
+        assert a <= 2 * b + floor, f"tensor {i}: error {a:.2e} > 2 x the {low} baseline's {b:.2e}; all: {ours_err} vs {base_err}"
     return ours_err, base_err
 
 
 MODES = ["autocast", "bf16"]
+BUDGET_MODES = [*MODES, "autocast-fp16", "fp16"]  # the error budget against torch in the same precision
 
 
 # tests of the C kernels' own switches (bf16 instructions, the library's products), or that choose
@@ -107,7 +116,7 @@ def _rnn_pair(ours_cls, torch_cls, **kw):
     return ours, theirs
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BUDGET_MODES)
 @pytest.mark.parametrize("cls,torch_cls", [(fastlayers.LSTM, nn.LSTM), (fastlayers.GRU, nn.GRU),
                                            (fastlayers.RNN, nn.RNN)], ids=["LSTM", "GRU", "RNN"])
 def test_padded_plain_layers(cls, torch_cls, mode):
@@ -115,7 +124,7 @@ def test_padded_plain_layers(cls, torch_cls, mode):
     _check(lambda m, x: m(x)[0], ours, lambda m, x: m(x)[0], theirs, [_x(12, 6, 8)], mode)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BUDGET_MODES)
 @pytest.mark.parametrize("cls,torch_cls", [(fastlayers.LSTM, nn.LSTM), (fastlayers.GRU, nn.GRU),
                                            (fastlayers.RNN, nn.RNN)], ids=["LSTM", "GRU", "RNN"])
 def test_lengths_against_torch_packed(cls, torch_cls, mode):
@@ -126,7 +135,7 @@ def test_lengths_against_torch_packed(cls, torch_cls, mode):
            [_x(12, 6, 8)], mode)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BUDGET_MODES)
 def test_lstm_with_a_projection(mode):
     """proj_size in low precision (the per-step loop from Python with the projection between the
     steps), two layers, bidirectional, lengths, three calls: against torch.nn.LSTM(proj_size=...).
@@ -296,7 +305,7 @@ class _NaiveLoop(nn.Module):
         return torch.stack(ys)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BUDGET_MODES)
 @pytest.mark.parametrize("make", [
     lambda: fastlayers.LSTM(8, 16, layer_norm=True, peephole=True, cell_clip=2.0),
     lambda: fastlayers.GRU(8, 16, layer_norm=True),
@@ -307,7 +316,7 @@ def test_cell_options_against_a_plain_bf16_loop(make, mode):
     _check(lambda m, x: m(x)[0], ours, lambda m, x: m(x), _NaiveLoop(copy.deepcopy(ours)), [_x(12, 6, 8)], mode)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BUDGET_MODES)
 def test_locally_connected_against_unfold_einsum(mode):
     torch.manual_seed(0)
     ours = fastlayers.LocallyConnected2d(3, 4, (10, 9), 3, padding=1)
@@ -326,7 +335,7 @@ def test_locally_connected_against_unfold_einsum(mode):
            [_x(2, 3, 10, 9)], mode)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BUDGET_MODES)
 @pytest.mark.parametrize("score", ["dot", "additive"])
 def test_attention_pooling_against_plain_softmax(score, mode):
     torch.manual_seed(0)

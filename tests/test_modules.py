@@ -154,9 +154,9 @@ def test_state_dict_round_trip_and_torch_counterpart(case):
     options = getattr(module, "options", None)
     if options is None or options.plain:  # options off: the same function, both ways round
         module.load_state_dict(theirs.state_dict(), strict=True)
-        (x,), _ = case.inputs(torch.float32)
+        args, _ = case.inputs(torch.float32)
         engine = getattr(module, "checkpoint_every", None) is not None  # (the engine's segments: another order
-        for a, b in zip(module(x), theirs(x), strict=True):  # of sums than torch's kernel)
+        for a, b in zip(module(*args), theirs(*args), strict=True):  # of sums than torch's kernel)
             for s, t in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True):
                 if engine:
                     torch.testing.assert_close(s, t, rtol=1e-5, atol=1e-6)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fastlayers
-from module_cases import CASES, CELL_CASES, LENGTHS, Case, flat, weighted_sum
+from module_cases import CASES, CELL_CASES, LENGTHS, Case, flat, leaves_like, weighted_sum
 
 NAN, INF = float("nan"), float("inf")
 RNN_CASES = [c for c in CASES if isinstance(c.build(device="meta"), nn.RNNBase)]
@@ -27,7 +27,7 @@ def _module(case: Case) -> nn.Module:
 
 def _reference(module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     with fastlayers.backend("reference"):
-        return flat(copy.deepcopy(module).double()(*(a.double() for a in args), **kwargs))
+        return flat(copy.deepcopy(module).double()(*leaves_like(args, torch.Tensor.double), **kwargs))
 
 
 def _assert_same_nonfinite(outs, refs, atol=1e-4):
@@ -232,14 +232,14 @@ def test_cells_nonfinite_input_reaches_exactly_its_sample(case, value):
     finite; a NaN makes it NaN), in the float64 reference's pattern; the backward completes and
     reaches every leaf."""
     module = _module(case)
-    (x,), _ = case.inputs(torch.float32)
+    (x, *state), _ = case.inputs(torch.float32)
     x = x.clone()
     x[..., 0] = 0.0
     bad = (0,) if x.dim() == 1 else (1, 0)
     x[bad] = value
     x.requires_grad_(True)
-    outs = flat(module(x))
-    _assert_same_nonfinite(outs, _reference(module, (x.detach(),), {}))
+    outs = flat(module(x, *state))
+    _assert_same_nonfinite(outs, _reference(module, (x.detach(), *state), {}))
     if x.dim() == 2:  # (an inf can saturate the gates into a finite state; a NaN cannot)
         assert all(o[[0, *range(2, o.size(0))]].isfinite().all() for o in outs)
         if value != value:
@@ -250,7 +250,7 @@ def test_cells_nonfinite_input_reaches_exactly_its_sample(case, value):
 @pytest.mark.parametrize("case", CELL_CASES, ids=lambda c: c.id)
 def test_cells_large_input_stays_finite(case):
     module = _module(case)
-    (x,), _ = case.inputs(torch.float32)
-    outs = flat(module(x * 1e4))
+    (x, *state), _ = case.inputs(torch.float32)
+    outs = flat(module(x * 1e4, *state))
     assert all(o.isfinite().all() for o in outs)
-    _assert_same_nonfinite(outs, _reference(module, (x * 1e4,), {}), atol=1e-3)
+    _assert_same_nonfinite(outs, _reference(module, (x * 1e4, *state), {}), atol=1e-3)

@@ -14,6 +14,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -51,16 +52,35 @@ def _metrics(out: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
 
 
+class Run(NamedTuple):
+    out: Path
+    stdout: str
+    span_s: float  # from the first checkpoint on disk to the process's exit
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory) -> Run:
     out = tmp_path_factory.mktemp("full")
-    proc = subprocess.run(_cli(out), capture_output=True, text=True, env=_env(), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return out, proc.stdout
+    with open(out.parent / "full.stdout", "w+") as stdout, open(out.parent / "full.stderr", "w+") as stderr:
+        proc = subprocess.Popen(_cli(out), stdout=stdout, stderr=stderr, env=_env())
+        first = _first_checkpoint(out, proc)
+        proc.wait(timeout=600)
+        span = time.monotonic() - first
+        stdout.seek(0), stderr.seek(0)
+        assert proc.returncode == 0, stderr.read()[-2000:]
+        return Run(out, stdout.read(), span)
+
+
+def _first_checkpoint(out: Path, proc: subprocess.Popen) -> float:
+    """Waits for the first checkpoint file of the run writing ``out``; returns when it was seen."""
+    deadline = time.monotonic() + 300
+    while not list_checkpoints(out / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return time.monotonic()
 
 
 def test_a_run_writes_metrics_curves_summary_and_model(uninterrupted):
-    out, stdout = uninterrupted
+    out, stdout, _ = uninterrupted
     rows = _metrics(out)
     assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["step"] == 30
     assert all(0 <= r["train_accuracy"] <= 1 and r["train_loss"] > 0 for r in rows)
@@ -75,13 +95,13 @@ def test_a_run_writes_metrics_curves_summary_and_model(uninterrupted):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sigkill_at_a_random_moment_then_resume_gives_the_same_weights(uninterrupted, tmp_path, seed):
-    full, _ = uninterrupted
+    full = uninterrupted.out
     out = tmp_path / "run"
     proc = subprocess.Popen(_cli(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
-    deadline = time.monotonic() + 300
-    while not list_checkpoints(out / "checkpoints") and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    time.sleep(random.Random(seed).uniform(0.0, 0.4))  # somewhere in the middle of training
+    _first_checkpoint(out, proc)
+    # somewhere in the first half of what is left of training (a share of the uninterrupted run's time
+    # on this machine, so that no speed of machine finishes the run before the kill)
+    time.sleep(random.Random(seed).uniform(0.0, 0.5) * uninterrupted.span_s)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     files = list_checkpoints(out / "checkpoints")
@@ -98,7 +118,7 @@ def test_sigkill_at_a_random_moment_then_resume_gives_the_same_weights(uninterru
 
 
 def test_corrupt_checkpoint_is_named_and_the_previous_good_one_is_used(uninterrupted, tmp_path):
-    full, _ = uninterrupted
+    full = uninterrupted.out
     out = tmp_path / "run"
     stopped = subprocess.run(_cli(out, "--max-steps", "13"), capture_output=True, text=True, env=_env(), timeout=600)
     assert stopped.returncode == 0, stopped.stderr[-2000:]
@@ -125,7 +145,7 @@ def test_no_loadable_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_resume_refuses_a_checkpoint_of_other_settings(uninterrupted, tmp_path):
-    full, _ = uninterrupted
+    full = uninterrupted.out
     out = tmp_path / "run"
     shutil.copytree(full / "checkpoints", out / "checkpoints")
     other = [a if a != "12" else "16" for a in _cli(out, "--resume")]  # another hidden size
@@ -260,7 +280,7 @@ def test_bad_settings(kwargs, msg):
 def test_max_steps_ends_at_an_epoch_end_with_its_metrics_and_never_runs_past(uninterrupted, tmp_path):
     """--max-steps on an epoch's last step: that epoch's metrics row, curves and count (they were
     skipped); a --resume already at max_steps runs no step (it ran one more)."""
-    full, _ = uninterrupted
+    full = uninterrupted.out
     out = tmp_path / "run"
     first = subprocess.run(_cli(out, "--max-steps", "6"), capture_output=True, text=True, env=_env(), timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -285,7 +305,7 @@ def test_max_steps_ends_at_an_epoch_end_with_its_metrics_and_never_runs_past(uni
 def test_a_refused_command_leaves_the_earlier_run_as_it_was(uninterrupted, tmp_path):
     """--overwrite with data that cannot be loaded, or a --resume that the checkpoints refuse,
     changes nothing in --out (the earlier run's files were deleted, or config.json rewritten)."""
-    full, _ = uninterrupted
+    full = uninterrupted.out
     out = tmp_path / "run"
     first = _quick(out, "--epochs", "1")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -496,7 +516,7 @@ def test_varlen_batching_gives_the_padded_runs_metrics_and_weights(uninterrupted
     proc = subprocess.run(_cli(out, "--batching", "varlen"), capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((out / "config.json").read_text())["batching"] == "varlen"
-    padded_out = uninterrupted[0]
+    padded_out = uninterrupted.out
     for got, want in zip(_metrics(out), _metrics(padded_out), strict=True):
         assert got.keys() == want.keys()
         for key in got:

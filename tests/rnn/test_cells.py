@@ -99,7 +99,14 @@ def test_option_cell_gradcheck(mode, opts):
     cell = cell.double().eval()
     x = torch.randn(2, 3, dtype=torch.double, requires_grad=True)
     w = cell.weight_hh.detach().clone().requires_grad_(True)
-    assert gradcheck(lambda x, w: torch.func.functional_call(cell, {"weight_hh": w}, (x,)), (x, w))
+    h = torch.randn(2, cell.weight_hh.size(1), dtype=torch.double, requires_grad=True)
+    # from a random state (from the zero state weight_hh's and the peepholes' Jacobians are zero)
+    if mode == "LSTM":
+        c = torch.randn(2, 4, dtype=torch.double, requires_grad=True)
+        assert gradcheck(lambda x, w, h, c: torch.func.functional_call(cell, {"weight_hh": w}, (x, (h, c))),
+                         (x, w, h, c))
+    else:
+        assert gradcheck(lambda x, w, h: torch.func.functional_call(cell, {"weight_hh": w}, (x, h)), (x, w, h))
 
 
 def test_training_zoneout_and_recurrent_mask():
@@ -129,14 +136,20 @@ def test_readme_decoding_example_runs():
     embed = nn.Embedding(vocab, emb)
     cell = fastlayers.LSTMCell(emb, 16, layer_norm=True, zoneout=0.1).eval()
     head = nn.Linear(16, vocab)
-    token, state = torch.zeros(2, dtype=torch.long), None
-    out = []
-    with torch.no_grad():
-        for _ in range(5):
-            state = cell(embed(token), state)
-            token = head(state[0]).argmax(-1)
-            out.append(token)
-    assert torch.stack(out).shape == (5, 2)
+    runs = []
+    for context in (torch.no_grad, torch.enable_grad):  # without autograd the step runs the C++ operator
+        token, state = torch.zeros(2, dtype=torch.long), None
+        out, states = [], []
+        with context():
+            for _ in range(5):
+                state = cell(embed(token), state)
+                token = head(state[0]).argmax(-1)
+                out.append(token)
+                states.append(torch.cat(state, -1).detach())
+        runs.append((torch.stack(out), torch.stack(states)))
+    (tokens, states), (tokens_grad, states_grad) = runs
+    assert tokens.shape == (5, 2) and torch.equal(tokens, tokens_grad)
+    torch.testing.assert_close(states, states_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_forced_reference_backend_runs_the_equations_without_autograd(monkeypatch):

@@ -54,6 +54,11 @@ def full_plan(steps: int, batch: int, device: torch.device) -> LengthPlan:
                       reverse_rows=rows.view(steps, batch).flip(0).reshape(-1), num_rows=steps * batch)
 
 
+def _ints(t: Tensor) -> list[int]:
+    """t.tolist(); element by element under torch.func.functionalize (its tensors have no tolist)."""
+    return [int(v) for v in t] if torch._is_functional_tensor(t) else t.tolist()
+
+
 def make_plan(lengths: Tensor, max_len: int, batch_first: bool, device: torch.device, *,
               varlen: bool = False) -> LengthPlan:
     """Build the plan for a validated CPU int64 ``lengths`` of shape (B,) and padded length T.
@@ -61,15 +66,14 @@ def make_plan(lengths: Tensor, max_len: int, batch_first: bool, device: torch.de
     (sequence b's step t at row ``sum(lengths[:b]) + t``; ``num_rows`` N)."""
     batch = lengths.numel()
     sorted_lengths, sorted_indices = torch.sort(lengths, descending=True, stable=True)
-    unsorted_indices = torch.empty_like(sorted_indices)
-    unsorted_indices[sorted_indices] = torch.arange(batch)
+    unsorted_indices = torch.argsort(sorted_indices)  # the inverse permutation (no in-place write: functionalize)
     longest = int(sorted_lengths[0])
     steps = torch.arange(longest)
     # batch_sizes[t] = number of sequences still running at step t
     batch_sizes = (lengths.unsqueeze(0) > steps.unsqueeze(1)).sum(1)
     change = torch.nonzero(batch_sizes[1:] != batch_sizes[:-1]).flatten() + 1
-    bounds = [0, *change.tolist(), longest]
-    active = batch_sizes[torch.tensor(bounds[:-1], dtype=torch.int64)].tolist()
+    bounds = [0, *_ints(change), longest]
+    active = _ints(batch_sizes[torch.tensor(bounds[:-1], dtype=torch.int64)])
     segments = tuple((b - a, n) for a, b, n in zip(bounds[:-1], bounds[1:], active))
 
     time = torch.repeat_interleave(steps, batch_sizes)  # (N,) step of each packed row
