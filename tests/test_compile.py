@@ -375,3 +375,64 @@ def test_inductor_compiles_training_masks():
         torch.manual_seed(1)
         got = torch.compile(lambda v: m(v)[0], backend="inductor", fullgraph=True)(x)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def _second_derivative(f, x0):
+    """d/dx |d f(x).sum() / dx|^2 (None where autograd reports x unused)."""
+    x = x0.clone().requires_grad_()
+    g, = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+    gg, = torch.autograd.grad(g.pow(2).sum(), x, allow_unused=True)
+    return gg
+
+
+@pytest.mark.parametrize("allow_rnn", [False, True])
+def test_which_compiled_calls_differentiate_twice(allow_rnn):
+    """docs/gradients.md: a layer inside a compiled graph gives no second derivative with respect to
+    its input (None, as torch.nn.LSTM compiled with allow_rnn); the calls Dynamo leaves eager give
+    the eager one, and torch.compiler.disable keeps a layer eager."""
+    torch.manual_seed(0)
+    ours, plain_ln = fastlayers.LSTM(3, 3), fastlayers.LSTM(3, 3, layer_norm=True)
+    theirs = nn.LSTM(3, 3)
+    theirs.load_state_dict(ours.state_dict())
+    x0, lengths = torch.randn(4, 3, 3), torch.tensor([4, 2, 3])
+    calls = {
+        "torch.nn.LSTM": (theirs, {}),
+        "LSTM": (ours, {}),
+        "LSTM lengths": (ours, {"lengths": lengths}),
+        "LSTM layer_norm": (plain_ln, {}),
+    }
+    in_graph = {"torch.nn.LSTM": allow_rnn, "LSTM": allow_rnn, "LSTM lengths": not allow_rnn, "LSTM layer_norm": True}
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=allow_rnn):
+        for name, (m, kwargs) in calls.items():
+            eager = _second_derivative(lambda x: m(x, **kwargs)[0], x0)
+            compiled = torch.compile(m, backend="aot_eager")
+            got = _second_derivative(lambda x: compiled(x, **kwargs)[0], x0)
+            if in_graph[name]:
+                assert got is None, name
+            else:
+                torch.testing.assert_close(got, eager, msg=name)
+            kept_eager = torch.compile(lambda x: torch.compiler.disable(m)(x, **kwargs)[0] * 2, backend="aot_eager")
+            torch.testing.assert_close(_second_derivative(kept_eager, x0), 4 * eager, msg=name)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("allow_rnn", [False, True])
+def test_compiled_lengths_errors_name_the_bound_as_eager_ones_do(allow_rnn):
+    """Compiled, bad lengths are checked in the graph: RuntimeError (so is the eager error, a
+    ValueError too) naming the broken bound (the compiled check once said only "in [1, T]")."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 3)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=allow_rnn):
+        for m in (fastlayers.GRU(3, 4), fastlayers.LSTM(3, 4, layer_norm=True)):
+            compiled = torch.compile(m, backend="eager")
+            for f in (m, compiled):
+                with pytest.raises(RuntimeError, match=r"^lengths: every length must be >= 1, got (0|a smaller one)$"):
+                    f(x, lengths=torch.tensor([5, 0]))
+                with pytest.raises(RuntimeError, match=r"^lengths: every length must be <= T( = 5)? \(the padded time "
+                                                       r"size\), got (6|a larger one)$"):
+                    f(x, lengths=torch.tensor([6, 1]))
+            with pytest.raises(ValueError):
+                m(x, lengths=torch.tensor([6, 1]))
+    torch._dynamo.reset()

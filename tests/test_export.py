@@ -282,8 +282,11 @@ def test_exported_layer_refuses_t_0_and_names_no_symbol():
     lstm = _build("LSTM", "plain", False)
     ep = torch.export.export(lstm, (torch.randn(7, 4, 5),), {"lengths": torch.tensor([7, 2, 5, 3])},
                              dynamic_shapes={"input": {0: T, 1: B}, "lengths": {0: B}})
-    with pytest.raises(RuntimeError, match=r"^lengths: every length must be in \[1, T\] \(T the padded time size\)$"):
+    with pytest.raises(RuntimeError, match=r"^lengths: every length must be <= T \(the padded time size\), got a "
+                                           r"larger one$"):
         ep.module()(torch.randn(5, 2, 5), lengths=torch.tensor([9, 1]))
+    with pytest.raises(RuntimeError, match=r"^lengths: every length must be >= 1, got a smaller one$"):
+        ep.module()(torch.randn(5, 2, 5), lengths=torch.tensor([0, 1]))
 
 
 def test_varlen_operators_differentiate_twice():

@@ -288,6 +288,28 @@ def test_a_forced_kernel_backend_under_a_transform_says_why(forced):
         grad(lambda p: _loss(module, p, args, kwargs))(params)
 
 
+
+@reference_only
+@pytest.mark.parametrize("forced", ["cpu", "triton"])
+@pytest.mark.parametrize("cls,op", [(fastlayers.LSTMCell, "lstm"), (fastlayers.GRUCell, "gru")], ids=["LSTMCell", "GRUCell"])
+def test_a_forced_kernel_backend_under_a_transform_says_why_for_the_cells_too(forced, cls, op):
+    """The cells with options ran their equations under a transform with a kernel backend forced,
+    where the layers refuse it: now the same RuntimeError, and the reference still runs."""
+    torch.manual_seed(0)
+    cell = cls(4, 3, layer_norm=True).double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+
+    def loss(x):
+        return torch.utils._pytree.tree_leaves(cell(x))[0].sum()
+
+    leaf = x.clone().requires_grad_()
+    g, = torch.autograd.grad(loss(leaf), leaf)  # the ordinary backward, outside any transform
+    along = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view_as(x)
+    for transform, want in ((grad, g), (lambda f: (lambda x: jvp(f, (x,), (along,))[1]), (g * along).sum())):
+        with fastlayers.backend(forced), pytest.raises(RuntimeError, match=f"backend '{forced}' .* cannot run {op}"):
+            transform(loss)(x)
+        with fastlayers.backend("reference"):
+            torch.testing.assert_close(transform(loss)(x), want, rtol=1e-10, atol=1e-12)
 FUNCTIONAL_CASES = {
     **{f"{cls.__name__} {label}": (cls, options) for cls in (fastlayers.LSTM, fastlayers.GRU)
        for label, options in (("plain", {}), ("layer_norm", {"layer_norm": True}),

@@ -385,11 +385,17 @@ def _inference_cases():
         "AttentionPooling dot": (lambda: torch.nn.Linear(3, 3),  # (its weight: a parameter for the test's w)
                                  lambda m, x: fastlayers.attention_pool(m(x[0]), x.transpose(0, 1), lengths=[4, 2, 3])[0]),
         "LSTMCell layer_norm": (lambda: fastlayers.LSTMCell(3, 3, layer_norm=True), lambda m, x: m(x[0])[0]),
+        # (checkpoint_every: the backward recomputes its segments with a graph of their own; inside
+        # inference mode that raised "Inference tensors cannot be saved for backward")
+        "LSTM checkpoint_every lengths": (lambda: fastlayers.LSTM(3, 3, bidirectional=True, checkpoint_every=2),
+                                          lambda m, x: m(x, lengths=lengths)[0]),
+        "GRU layer_norm checkpoint_every": (lambda: fastlayers.GRU(3, 3, layer_norm=True, checkpoint_every=2),
+                                            lambda m, x: m(x)[0]),
     }
 
 
 @pytest.mark.parametrize("name", list(_inference_cases()[1]))
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
 def test_create_graph_inside_inference_mode_gives_the_first_order_gradients(name, backend):
     """A backward with create_graph=True run inside torch.inference_mode records nothing: the
     first-order gradients, as torch.nn's layers give them (the recorded path ran and returned None
@@ -410,6 +416,7 @@ def test_create_graph_inside_inference_mode_gives_the_first_order_gradients(name
             with torch.enable_grad():
                 assert not call(m, x.detach()).requires_grad
         again = torch.autograd.grad((call(m, x) ** 2).sum(), [x, w])  # (after buffers made in inference mode)
+    assert not any(g.requires_grad for g in got)  # nothing recorded
     for g, a, e in zip(got, again, want):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(a, e, rtol=0, atol=0)

@@ -37,6 +37,11 @@ class DeviceError(ValueError, RuntimeError):
     """A tensor on another device than the one it must match (torch.nn's RNNs: RuntimeError)."""
 
 
+class LengthsError(ValueError, RuntimeError):
+    """A length outside [1, T] (torch's pack_padded_sequence: RuntimeError; traced calls check the
+    lengths in the graph, which raises RuntimeError too)."""
+
+
 class NotATensorError(TypeError, AttributeError):
     """A non-tensor where a tensor goes (torch.nn's RNNs call .dim() on it: AttributeError)."""
 
@@ -108,8 +113,11 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
         raise ValueError(f"{name}: expected {batch} lengths (one per sequence in the batch), got {t.numel()}")
     if torch.compiler.is_compiling():  # the values are not known when tracing: checked in the graph
         t = t.to(torch.int64).contiguous()
-        torch._assert_async(((t >= 1) & (t <= max_len)).all(),  # (T is a symbol when traced: not in the message)
-                            f"{name}: every length must be in [1, T] (T the padded time size)")
+        # (a constant message each: the values are not known, and T may be a symbol: formatting it
+        # would specialise a dynamic size)
+        torch._assert_async((t >= 1).all(), f"{name}: every length must be >= 1, got a smaller one")
+        torch._assert_async((t <= max_len).all(),
+                            f"{name}: every length must be <= T (the padded time size), got a larger one")
         return t
     if t.device.type == "meta":  # (no values to read: shape inference of a call with lengths)
         raise ValueError(f"{name}: expected a tensor with values (on the CPU or the input's device) or a sequence "
@@ -118,7 +126,7 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
     if batch:
         lo, hi = (int(v) for v in torch.aminmax(t))
         if lo < 1:
-            raise ValueError(f"{name}: every length must be >= 1, got {lo}")
+            raise LengthsError(f"{name}: every length must be >= 1, got {lo}")
         if hi > max_len:
-            raise ValueError(f"{name}: every length must be <= T = {max_len} (the padded time size), got {hi}")
+            raise LengthsError(f"{name}: every length must be <= T = {max_len} (the padded time size), got {hi}")
     return t

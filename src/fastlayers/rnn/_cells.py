@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .._native import ops_lib
 from .._core import precision as _precision, twice
-from .._core.backend import cpu_kernels, select
+from .._core.backend import cpu_kernels, forced, select, transformed
 from .._core.jit import NotScriptable
 from . import _gpu_cell
 from ._reference import gru_cell_step, lstm_cell_step
@@ -54,6 +54,10 @@ def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Ten
         return _step_on_operator(mode, x, states, params, options, training, recurrent_mask)
     if _gpu_cell.serves(mode, x, recurrent_mask):
         return _gpu_cell.step(mode, x, states, params, options, training, recurrent_mask)  # the Triton step kernels
+    if not torch.compiler.is_compiling() and (transformed() or forced() is not None):
+        select(mode.lower(), x)  # the equations below: a forced backend that cannot run this call refuses
+        # it (under a torch.func transform, any but the reference), as the layers' calls do; under a
+        # transform the layer family's warning
     mm = _precision.Products.of(x)
     h_in = states[0] * recurrent_mask if recurrent_mask is not None else states[0]
     if mode == "LSTM":

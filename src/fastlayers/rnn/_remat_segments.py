@@ -188,17 +188,20 @@ class Segments(torch.autograd.Function):
     def backward(ctx, dy: Tensor, *dfinal: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         autocast = contextlib.nullcontext() if ctx.autocast is None else torch.autocast(
             ctx.autocast[0], dtype=ctx.autocast[2], enabled=ctx.autocast[1])
-        with autocast, precision.states_in_acc():
-            return Segments._backward(ctx, dy, *dfinal)
+        recorded = twice.recording(dy, *dfinal)  # (False inside inference mode: nothing is recorded there)
+        # (a backward run inside torch.inference_mode(): the segments' recomputation records its own
+        # graph to differentiate, so inference mode is off for it, as it was for the forward's graph)
+        with torch.inference_mode(False), autocast, precision.states_in_acc():
+            return Segments._backward(ctx, recorded, dy, *dfinal)
 
     @staticmethod
-    def _backward(ctx, dy: Tensor, *dfinal: Tensor) -> tuple[Tensor | None, ...]:
+    def _backward(ctx, recorded: bool, dy: Tensor, *dfinal: Tensor) -> tuple[Tensor | None, ...]:
         spec: Spec = ctx.spec
         n_states, n_params, dirs = spec.n_states, len(spec.names), len(spec.maps)
         saved = ctx.saved_tensors
         x, tensors = saved[0], saved[1:1 + n_states + dirs * n_params]
         kept_flat = saved[1 + n_states + dirs * n_params:]
-        if twice.recording(dy, *dfinal):  # create_graph (or batched gradients): the whole layer again, recorded
+        if recorded:  # create_graph (or batched gradients): the whole layer again, recorded
             return _recorded_backward(spec, x, tensors, dy, dfinal)
         steps, batch = spec.maps[0].shape
         # kept[j][d] = the states entering segment j of direction d, each (1, B, width)
