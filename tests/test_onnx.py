@@ -191,15 +191,16 @@ def test_translations_table():
                           ops.locally_connected2d.default}
 
 
-@pytest.mark.parametrize("build", [
-    lambda: fastlayers.LSTM(5, 6, zoneout=0.1),
-    lambda: torch.nn.Sequential(fastlayers.GRUCell(5, 6, recurrent_dropout=0.2)),
+@pytest.mark.parametrize("build,drawn", [
+    (lambda: fastlayers.LSTM(5, 6, zoneout=0.1), r"zoneout=\(0\.1, 0\.1\)"),
+    (lambda: torch.nn.Sequential(fastlayers.GRUCell(5, 6, recurrent_dropout=0.2)), r"recurrent_dropout=0\.2"),
+    (lambda: fastlayers.GRU(5, 6, zoneout=0.2), r"zoneout=0\.2"),  # (as its repr: once "(0.2, 0.0)")
 ])
-def test_training_mode_masks_are_refused(build):
+def test_training_mode_masks_are_refused(build, drawn):
     model = build().train()
     x = torch.randn(3, 5)
-    with pytest.raises(ValueError, match=r"model(\.0)?: fastlayers\.(LSTM|GRUCell) in training mode draws random masks "
-                                         r"\((zoneout|recurrent_dropout)=.* call model\.eval\(\)"):
+    with pytest.raises(ValueError, match=r"model(\.0)?: fastlayers\.(LSTM|GRUCell|GRU) in training mode draws random "
+                                         r"masks \(" + drawn + r"\), .* call model\.eval\(\)"):
         fastlayers.onnx.export(model, (x,))
 
 

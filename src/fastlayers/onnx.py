@@ -87,8 +87,9 @@ def _refuse_training_masks(model: Any) -> None:
         if not isinstance(module, (LSTM, GRU, LSTMCell, GRUCell)) or not module.training or options is None:
             continue
         drawn = []
-        if any(options.zoneout):
-            drawn.append(f"zoneout={options.zoneout!r}")
+        if any(options.zoneout):  # (as the module's repr writes it: one value for a GRU's one state)
+            zoneout = options.zoneout[0] if isinstance(module, (GRU, GRUCell)) else options.zoneout
+            drawn.append(f"zoneout={zoneout!r}")
         if options.recurrent_dropout:
             drawn.append(f"recurrent_dropout={options.recurrent_dropout!r}")
         if drawn:
