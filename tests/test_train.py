@@ -208,7 +208,16 @@ def test_cli_user_errors_are_one_line(tmp_path):
     _one_line_error(_quick(tmp_path / "file" / "run", "--epochs", "1"),
                     r"fastlayers train: --out .*/file/run: cannot write there \(.*\)")
     _one_line_error(_quick(tmp_path / "run", "--resume", "--overwrite"),
-                    r"fastlayers train: resume / overwrite: continue the run in out, or replace it; got both")
+                    r"fastlayers train: --resume / --overwrite: continue the run in out, or replace it; got both")
+    from fastlayers.cli import main
+
+    # a setting's error names the flag typed, not the TrainConfig field (it said "epochs:", "num_layers=1")
+    for argv, message in ((["--epochs", "0"], r"--epochs: expected an int >= 1, got 0"),
+                          (["--hidden-size", "-1"], r"--hidden-size: expected an int >= 1, got -1"),
+                          (["--dropout", "0.5"], r"--dropout: applies between layers, and --num-layers=1 has none; "
+                                                 r"got --dropout=0\.5")):
+        with pytest.raises(SystemExit, match=rf"^fastlayers train: {message}$"):
+            main(["train", *argv, "--out", str(tmp_path / "run3")])
     offline = subprocess.run(_cli(tmp_path / "run2"), capture_output=True, text=True, timeout=600,
                              env={**_env(), "FASTLAYERS_DATA": str(tmp_path / "empty"), "FASTLAYERS_OFFLINE": "1"})
     _one_line_error(offline, r"fastlayers train: aeon==1\.6\.0 ships aeon/.*, which is neither installed nor in .*empty, "
@@ -550,7 +559,7 @@ def test_cuda_without_a_gpu_is_a_one_line_error(tmp_path, monkeypatch):
     from fastlayers.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match=r"^fastlayers train: device: 'cuda' requested, but "
+    with pytest.raises(SystemExit, match=r"^fastlayers train: --device: 'cuda' requested, but "
                                          r"torch\.cuda\.is_available\(\) is False$"):
         main(["train", "--device", "cuda", "--out", str(tmp_path / "run")])
 

@@ -6,6 +6,8 @@
    (before and after the comparison; the higher of the two, which gives the stricter ratio).
 2. kernel 3x3 (padding 1): fastlayers vs einsum over F.unfold.
 
+Exits 1 when a candidate fails its value or gradient check (a flag the workload does not expect).
+
     python benchmarks/local/bench_local.py [--repeats 10]
 """
 
@@ -43,6 +45,11 @@ def unfold_einsum(x, weight, bias):
     return y.view(x.size(0), o, oh, ow) + bias
 
 
+def failures(rep) -> list[str]:
+    """The candidates of ``rep`` that fail their check (a failure flag the report does not expect), named."""
+    return [f"{r.name}: {bad}" for r in rep.results if (bad := [f for f in rep.unexpected(r) if f in r.failures()])]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=10)
@@ -51,7 +58,8 @@ def main() -> int:
 
     w = local2d("seed")
     bw_before = copy_bandwidth()
-    rep = compare(w.candidates, w.make_inputs, repeats=args.repeats, warmup=2, workload=w.name, progress=say)
+    rep = compare(w.candidates, w.make_inputs, repeats=args.repeats, warmup=2, workload=w.name, anchor=w.anchor,
+                  expected=w.expected, progress=say)
     bw_after = copy_bandwidth()
     # measured before and after the comparison; the higher one gives the lower floor, i.e. the
     # stricter ratio for the candidates
@@ -94,6 +102,10 @@ def main() -> int:
     print(f"3x3: fastlayers vs einsum over unfold: forward {rep3.ratio('einsum over unfold', 'fastlayers locally_connected2d', 'forward'):.2f}x "
           f"faster, forward+backward {rep3.ratio('einsum over unfold', 'fastlayers locally_connected2d'):.2f}x faster")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rep.cpu}")
+    failed = failures(rep) + failures(rep3)
+    if failed:
+        print(f"check failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

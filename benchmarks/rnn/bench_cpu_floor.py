@@ -11,7 +11,8 @@ floor is not the hardware's: the second one, "x own floor", divides by the layer
 rate on the workload's largest product (matmul.c: ``fastlayers.rnn._cpu_recurrence._project``,
 the input projection, 2 x 25600 rows, 512 -> 1024). Candidates, one process, interleaved, medians
 after one warm-up round: ``fastlayers.LSTM / GRU(layer_norm=True)`` and ``torch.nn.LSTM / GRU``,
-fwd+bwd (input requires grad), and the fastlayers layers' forward under ``no_grad``.
+fwd+bwd (input requires grad; the gradients are cleared, set to None, before every call, outside
+the timed region), and the fastlayers layers' forward under ``no_grad``.
 
     python benchmarks/rnn/bench_cpu_floor.py [--repeats 5] [--threads 2] [--compare-products]
 
@@ -110,6 +111,8 @@ def main() -> int:
         for name in names:
             module, grad, _, _, products = cands[name]
             _native.prefer_own_products(products)
+            x.grad = None  # untimed, as the harness does: no timed call adds to an earlier call's gradients
+            module.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             if grad:
                 module(x)[0].sum().backward()

@@ -6,8 +6,9 @@ kernel); through the public module API ``fastlayers.LSTM(..., layer_norm=True)(x
 LayerNorm-LSTM as a per-step loop through autograd (the users' way, ``lstm_reference``); the
 module with layer_norm=True and lengths uniform in [400, 800], and the module with options off and
 those lengths (the engine) next to the foundation's lengths path (segments of torch's fused
-kernel, ``varlen_rnn``). Timing run interleaved (check=False, since the candidates compute
-different functions); then each pair that must agree is checked with the harness (repeats=1).
+kernel, ``varlen_rnn``). First each pair that must agree is checked with the harness (float64,
+repeats=1; a failed check exits 1 before any timing), then the timing runs interleaved
+(check=False, since the candidates compute different functions).
 
     python benchmarks/rnn/bench_engine.py [--repeats 5] [--size seed|small]
 """
@@ -106,6 +107,23 @@ def say(message: str) -> None:
     print("  ..", message, file=sys.stderr, flush=True)
 
 
+def check_pairs(candidates: dict, pairs, make_inputs) -> list[str]:
+    """Check each pair of ``candidates`` that must compute the same function with the harness
+    (float64 reference: the pair's first), print the errors, and return the failures (empty: all agree)."""
+    failed = []
+    for pair in pairs:
+        chk = compare({k: candidates[k] for k in pair}, make_inputs, repeats=1, warmup=0, memory=False,
+                      workload="check " + " vs ".join(pair), progress=say)
+        print(f"check vs {pair[0]} in float64: " + "; ".join(
+            f"{r.name}: max rel err output {r.output_error:.1e}, gradients "
+            f"{max(r.grad_errors.values(), default=0.0):.1e}, flags {r.flags or 'none'}" for r in chk.results),
+            flush=True)
+        failed += [f"{r.name}: {r.failures()}" for r in chk.results if r.failures()]
+    if failed:
+        print(f"check failed (not timed): {'; '.join(failed)}", file=sys.stderr)
+    return failed
+
+
 def main() -> int:
     args, (d, h, t, b), vendor, plain, ln, make_inputs = setup(nn.LSTM, fastlayers.LSTM)
     off, lnopt = CellOptions(), ln.options
@@ -118,6 +136,15 @@ def main() -> int:
         "fastlayers.LSTM + lengths (engine)": Module(plain, True),
         "segment path + lengths": Segments(plain),
     }
+    # correctness at this shape, before any timing: pairs that compute the same function
+    checks = {"LayerNorm-LSTM per-step autograd loop + lengths": Engine(ln, lnopt, True, impl=lstm_reference),
+              **candidates}
+    if check_pairs(checks, (("torch.nn.LSTM padded (vendor)", "engine, options off"),
+                            ("LayerNorm-LSTM per-step autograd loop", "fastlayers.LSTM(layer_norm=True)"),
+                            ("LayerNorm-LSTM per-step autograd loop + lengths",
+                             "fastlayers.LSTM(layer_norm=True) + lengths"),
+                            ("segment path + lengths", "fastlayers.LSTM + lengths (engine)")), make_inputs):
+        return 1
     rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=True,
                   workload=f"engine (BLSTM {d} -> {h}x2, T={t}, B={b})", progress=say)
     print(rep.render("torch.nn.LSTM padded (vendor)"))
@@ -127,25 +154,7 @@ def main() -> int:
               f"peak {rep[name].peak_memory_bytes / 2**20:.0f} MiB vs vendor {rep[anchor].peak_memory_bytes / 2**20:.0f} MiB")
     print(f"per-step loop / engine layer_norm (fwd+bwd): "
           f"{rep.ratio('LayerNorm-LSTM per-step autograd loop', 'fastlayers.LSTM(layer_norm=True)'):.1f}x")
-    # correctness at this shape: pairs that compute the same function
-    failed = []
-    checks = {"LayerNorm-LSTM per-step autograd loop + lengths": Engine(ln, lnopt, True, impl=lstm_reference),
-              **candidates}
-    for pair in (("torch.nn.LSTM padded (vendor)", "engine, options off"),
-                 ("LayerNorm-LSTM per-step autograd loop", "fastlayers.LSTM(layer_norm=True)"),
-                 ("LayerNorm-LSTM per-step autograd loop + lengths", "fastlayers.LSTM(layer_norm=True) + lengths"),
-                 ("segment path + lengths", "fastlayers.LSTM + lengths (engine)")):
-        chk = compare({k: checks[k] for k in pair}, make_inputs, repeats=1, warmup=0, memory=False,
-                      workload="check " + " vs ".join(pair), progress=say)
-        errs = {r.name: (r.output_error, max(r.grad_errors.values())) for r in chk.results}
-        print(f"check vs {pair[0]} in float64: " + "; ".join(
-            f"{n}: max rel err output {e[0]:.1e}, gradients {e[1]:.1e}, flags {chk[n].flags or 'none'}"
-            for n, e in errs.items()))
-        failed += [f"{r.name}: {r.failures()}" for r in chk.results if r.failures()]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rep.cpu}")
-    if failed:
-        print(f"check failed: {'; '.join(failed)}", file=sys.stderr)
-        return 1
     return 0
 
 

@@ -2,9 +2,10 @@
 
 Candidates (bidirectional, 1 layer, x requires grad): torch.nn.GRU padded (vendor kernel, the
 anchor); the engine with all options off (called directly); through the module API
-``fastlayers.GRU(..., layer_norm=True)``, without and with lengths uniform in [400, 800]. Timing
-run interleaved (check=False: the candidates compute different functions), then the engine with
-options off is checked against torch.nn.GRU in float64.
+``fastlayers.GRU(..., layer_norm=True)``, without and with lengths uniform in [400, 800]. First
+the engine with options off is checked against torch.nn.GRU in float64 (a failed check exits 1
+before any timing), then the timing runs interleaved (check=False: the candidates compute
+different functions).
 
     python benchmarks/rnn/bench_gru_engine.py [--repeats 5] [--size seed|small]
 """
@@ -20,7 +21,8 @@ import fastlayers
 from fastlayers.bench import compare
 from fastlayers.rnn._options import CellOptions
 
-from bench_engine import Engine, Module, Vendor, say, setup  # the same shapes, modules and inputs as the LSTM engine bench
+from bench_engine import (  # the same shapes, modules, inputs and check as the LSTM engine bench
+    Engine, Module, Vendor, check_pairs, say, setup)
 
 
 def main() -> int:
@@ -32,18 +34,14 @@ def main() -> int:
         "fastlayers.GRU(layer_norm=True)": Module(ln, False),
         "fastlayers.GRU(layer_norm=True) + lengths": Module(ln, True),
     }
+    if check_pairs(candidates, ((anchor, "engine GRU, options off"),), make_inputs):
+        return 1
     rep = compare(candidates, make_inputs, repeats=args.repeats, warmup=1, check=False, memory=True,
                   workload=f"GRU engine (BGRU {d} -> {h}x2, T={t}, B={b})", progress=say)
     print(rep.render(anchor))
     for name in list(candidates)[1:]:
         print(f"{name}: fwd+bwd {rep.ratio(name, anchor):.2f}x vendor, fwd {rep.ratio(name, anchor, 'forward'):.2f}x; "
               f"peak {rep[name].peak_memory_bytes / 2**20:.0f} MiB vs vendor {rep[anchor].peak_memory_bytes / 2**20:.0f} MiB")
-    pair = (anchor, "engine GRU, options off")
-    chk = compare({k: candidates[k] for k in pair}, make_inputs, repeats=1, warmup=0, memory=False,
-                  workload="check " + " vs ".join(pair), progress=say)
-    print("check in float64: " + "; ".join(
-        f"{r.name}: max rel err output {r.output_error:.1e}, gradients {max(r.grad_errors.values()):.1e}, "
-        f"flags {r.flags or 'none'}" for r in chk.results))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rep.cpu}")
     return 0
 

@@ -5,6 +5,7 @@ per run of steps with the same active sequences, ``fastlayers.rnn.varlen_rnn``) 
 (packed rows, one C step kernel, hand-written backward). Two shapes, 2-layer bidirectional:
 ``seed`` (512 -> 256x2, T=800, B=32, lengths in [400, 800]) and ``demo`` (the spoken-digit demo:
 13 -> 64x2, T=92, B=32, lengths in [6, 92]). fastlayers.LSTM / GRU dispatch to the faster one.
+Exits 1 when the two paths disagree in value or gradient (float64 check).
 
     python benchmarks/rnn/bench_lengths_paths.py [--shapes seed,demo] [--modes LSTM,GRU]
 """
@@ -30,6 +31,7 @@ def main() -> int:
     p.add_argument("--shapes", default="seed,demo")
     p.add_argument("--modes", default="LSTM,GRU")
     args = p.parse_args()
+    failed = []
     for shape in args.shapes.split(","):
         f, h, t, b, lo, repeats = SHAPES[shape]
         for mode in args.modes.split(","):
@@ -46,7 +48,11 @@ def main() -> int:
                           warmup=1, workload=f"{mode} 2-layer bidirectional {f} -> {h}x2, T={t}, B={b}, lengths in "
                           f"[{lo}, {t}] ({shape})")
             print(rep.markdown() + "\n", flush=True)
+            failed += [f"{rep.workload}: {r.name}: {r.failures()}" for r in rep.results if r.failures()]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if failed:
+        print(f"check failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

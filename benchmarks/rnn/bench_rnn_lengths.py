@@ -3,9 +3,11 @@
 Runs the ``blstm`` workload of fastlayers.bench for LSTM (1 layer), GRU (1 layer) and LSTM
 (2 layers): torch packed with lengths, torch padded (no lengths), fastlayers padded (no lengths)
 and fastlayers with lengths, interleaved, median after warm-up; values and gradients are checked
-against fastlayers-with-lengths evaluated in float64 (torch packed fp32 is cross-checked by it).
+against fastlayers-with-lengths evaluated in float64 (torch packed fp32 is cross-checked by it);
+with ``--configs X:padded``, the padded calls against torch's padded call. Exits 1 when a check
+fails (a flag the workload does not expect). ``--json`` refuses an existing file unless ``--overwrite``.
 
-    python benchmarks/rnn/bench_rnn_lengths.py [--size seed|small] [--repeats 3] [--json out.json]
+    python benchmarks/rnn/bench_rnn_lengths.py [--size seed|small] [--repeats 3] [--json out.json [--overwrite]]
     python benchmarks/rnn/bench_rnn_lengths.py --configs LSTM:padded,GRU:padded --repeats 11   # drop-in overhead
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -26,9 +29,13 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="seed", choices=["seed", "small"])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the reports as JSON")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     p.add_argument("--configs", default="LSTM:1,GRU:1,LSTM:2")
     args = p.parse_args()
+    if args.json and os.path.exists(args.json) and not args.overwrite:  # before minutes of measuring
+        p.exit(2, f"bench_rnn_lengths.py: --json {args.json}: exists; pass --overwrite to replace it, or name "
+                  f"another file\n")
     reports, failed = [], []
     for spec in args.configs.split(","):
         mode, layers = spec.split(":")
@@ -41,6 +48,7 @@ def main() -> int:
             rep = compare(cands, w.make_inputs, repeats=args.repeats, warmup=1, memory=False,
                           workload=w.name + " without lengths")
             reports.append(rep)
+            failed += [f"{r.name}: {r.failures()}" for r in rep.results if r.failures()]  # the same function
             print(rep.render())
             for which in ("forward", "forward_backward"):
                 print(f"{rep.workload} {which}: fastlayers-padded / torch-padded = {rep.ratio(names[1], names[0], which):.3f}x"
@@ -62,14 +70,20 @@ def main() -> int:
                   f"fastlayers-lengths / torch-padded = {rep.ratio(ours, padded, which):.2f}x; "
                   f"fastlayers-padded / torch-padded = {rep.ratio(ours_padded, padded, which):.3f}x")
         print(flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([json.loads(r.to_json()) for r in reports], f, indent=2)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {reports[0].cpu}")
+    status = 0
+    if args.json:  # ("x": a file someone made during the run is not replaced without --overwrite)
+        try:
+            with open(args.json, "w" if args.overwrite else "x") as f:
+                json.dump([json.loads(r.to_json()) for r in reports], f, indent=2)
+        except OSError as e:  # (the tables above hold the numbers)
+            why = "made during the run; pass --overwrite to replace it" if isinstance(e, FileExistsError) else ""
+            print(f"bench_rnn_lengths.py: --json {args.json}: not written ({why or e.strerror or e})", file=sys.stderr)
+            status = 1
     if failed:
         print(f"check failed: {'; '.join(failed)}", file=sys.stderr)
         return 1
-    return 0
+    return status
 
 
 if __name__ == "__main__":

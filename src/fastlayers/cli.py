@@ -8,8 +8,10 @@ cannot be written or holds another run, an unusable checkpoint) end in one line,
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
+from collections.abc import Container
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -51,7 +53,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig(bidirectional=not args.unidirectional, **options)
     except ValueError as e:
-        raise SystemExit(f"fastlayers train: {e}") from None
+        raise SystemExit(f"fastlayers train: {_as_flags(str(e), options)}") from None
     try:  # an --out that cannot be written fails here, not after the first epoch
         cfg.out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=cfg.out):
@@ -60,6 +62,22 @@ def _train(args: argparse.Namespace) -> int:
         raise SystemExit(f"fastlayers train: --out {cfg.out}: cannot write there ({e.strerror or e})") from None
     run(cfg)
     return 0
+
+
+def _as_flags(message: str, fields: Container[str], inline: bool = True) -> str:
+    """A TrainConfig error in the words of the command line: the fields it names (``epochs: ...``,
+    ``resume / overwrite: ...``, ``zoneout[0] (z_h): ...``, with ``inline`` also ``got dropout=0.5``)
+    as the flags the user typed (``--epochs: ...``); other words are left alone."""
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    head, sep, rest = message.partition(": ")
+    names = [re.fullmatch(r"(\w+)(\[\d+\] \(\w+\))?", part) for part in head.split(" / ")]  # (zoneout[0] (z_h))
+    if sep and all(m is not None and m.group(1) in fields for m in names):
+        head = " / ".join(flag(m.group(1)) for m in names if m is not None)
+    if inline:
+        rest = re.sub(r"\b(\w+)=", lambda m: flag(m.group(1)) + "=" if m.group(1) in fields else m.group(), rest)
+    return head + sep + rest
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -180,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         message = _user_error(e)
         if message is None:
             raise
+        if args.command == "train":  # (the device check's "device: ...": --device)
+            message = _as_flags(message, vars(args), inline=False)
         raise SystemExit(f"fastlayers {args.command}: {message}") from None
 
 

@@ -9,6 +9,10 @@ reference (default: the first candidate evaluated in float64). Flags: ``value mi
 ``gradient mismatch: <name>``, ``missing gradient: <name>``, ``unchecked gradient: <name>``,
 ``cliff`` (:data:`FAILURES`: the kinds that say a candidate does not compute the reference's
 function; a non-finite value or gradient where the reference's is finite is a mismatch).
+Gradients are named ``input:<name>``, ``param:<name>`` (an ``nn.Module``'s parameters) and
+``closure:<i>[<shape>]``: the tensors a plain callable holds in its closure (the leaves its
+backward accumulates into that are neither inputs nor a module's parameters), matched with the
+reference's by shape, in the order of the autograd graph among equal shapes.
 """
 
 from __future__ import annotations
@@ -75,12 +79,14 @@ class CandidateResult:
             it, bytes (None: not measured).
         output_error: ``max |got - ref| / max |ref|`` of the outputs against the reference (None:
             the reference itself, or not checked).
-        grad_errors: the same relative error per gradient (keys ``input:<name>`` and ``param:<name>``).
+        grad_errors: the same relative error per gradient (keys ``input:<name>``, ``param:<name>``
+            and ``closure:<i>[<shape>]``; inf for a missing gradient).
         flags: ``"value mismatch"``, ``"gradient mismatch: <name>"``, ``"missing gradient: <name>"``
             (none, or all zero, where the reference's is not), ``"unchecked gradient: <name>"`` (a
             gradient the reference has no counterpart of, or of a reference parameter a plain-callable
-            candidate cannot name), ``"cliff"``; empty when all is well (also when no check ran:
-            the report's ``checked``).
+            candidate cannot name; for closure tensors: one without a counterpart of its shape that
+            receives a non-zero gradient, on either side), ``"cliff"``; empty when all is well (also
+            when no check ran: the report's ``checked``).
         calls: back-to-back calls per measurement, forward and forward + backward.
     """
 
@@ -130,6 +136,10 @@ class Report:
         notes: remarks for the reader (e.g. a candidate's input layout).
         checked: whether values and gradients were compared (``compare(check=False)``: times only;
             the flags column then says "not checked").
+        anchor: the candidate the ratios are against (None: the first), kept so that a report read
+            back from JSON prints the same ratios.
+        expected: candidate name -> the flag kinds it is built to get (a workload's speed anchor
+            that computes another function); :meth:`unexpected` leaves them out.
     """
 
     workload: str
@@ -145,6 +155,8 @@ class Report:
     results: list[CandidateResult]
     notes: list[str] = field(default_factory=list)
     checked: bool = True
+    anchor: str | None = None
+    expected: dict[str, list[str]] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> CandidateResult:
         for r in self.results:
@@ -156,19 +168,30 @@ class Report:
         """Median time of ``name`` over that of ``anchor`` (``which``: forward or forward_backward)."""
         return getattr(self[name], f"{which}_median") / getattr(self[anchor], f"{which}_median")
 
+    def unexpected(self, result: CandidateResult) -> list[str]:
+        """``result``'s flags but for the kinds :attr:`expected` lists for it."""
+        expected = self.expected.get(result.name, ())
+        return [f for f in result.flags if f.partition(": ")[0] not in expected]
+
     def to_json(self, indent: int | None = 2) -> str:
-        """The report as JSON (:meth:`from_json` reads it back); times in seconds, memory in bytes."""
-        return json.dumps(asdict(self), indent=indent)
+        """The report as strict JSON (:meth:`from_json` reads it back); times in seconds, memory in
+        bytes. JSON has no infinity or NaN (a missing gradient's error is inf), so a non-finite
+        number is written as the string ``"inf"``, ``"-inf"`` or ``"nan"`` (null stays None: not
+        measured, or not checked)."""
+        return json.dumps(_finite_json(asdict(self)), indent=indent, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> "Report":
+        """A report from :meth:`to_json`'s text (also from before ``anchor`` and ``expected`` were
+        kept, or when non-finite numbers were written as ``Infinity`` / ``NaN``)."""
         data = json.loads(text)
-        data["results"] = [CandidateResult(**r) for r in data["results"]]
-        return cls(**data)
+        data["results"] = [CandidateResult(**_numbers(r, _RESULT_NUMBERS)) for r in data["results"]]
+        return cls(**_numbers(data, ("cliff_threshold",)))
 
     def _rows(self, anchor: str | None) -> list[list[str]]:
-        """The formatted cells of every candidate, ratios against ``anchor`` (default: the first)."""
-        base = self[anchor or self.results[0].name]
+        """The formatted cells of every candidate, ratios against ``anchor`` (default: the
+        report's :attr:`anchor`, else the first)."""
+        base = self[anchor or self.anchor or self.results[0].name]
         rows = []
         for r in self.results:
             errs = [e for e in [r.output_error, *r.grad_errors.values()] if e is not None]
@@ -187,7 +210,7 @@ class Report:
         return rows
 
     def table(self, anchor: str | None = None):
-        """A rich Table; ratios are against ``anchor`` (default: the first candidate)."""
+        """A rich Table; ratios are against ``anchor`` (default: the report's, else the first candidate)."""
         from rich.table import Table
 
         t = Table(title=f"{self.workload}: {self.dtype} on {self.device}, {self.threads} threads, "
@@ -218,6 +241,35 @@ class Report:
         console = Console(width=200, record=True, file=io.StringIO())
         console.print(self.table(anchor))
         return console.export_text()
+
+
+# the fields of a CandidateResult that hold numbers (a number, or lists / dicts of them)
+_RESULT_NUMBERS = ("forward_s", "forward_backward_s", "output_error", "grad_errors")
+
+
+def _finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by its name, ``"inf"``, ``"-inf"`` or ``"nan"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
+
+
+def _numbers(data: dict, keys: Iterable[str]) -> dict:
+    """``data`` with the named fields' ``"inf"`` / ``"-inf"`` / ``"nan"`` strings read back as
+    floats (only number fields: a candidate's name or flag may be any string)."""
+    def number(v: Any) -> Any:
+        if isinstance(v, str):
+            return float(v)
+        if isinstance(v, list):
+            return [number(x) for x in v]
+        if isinstance(v, dict):
+            return {k: number(x) for k, x in v.items()}
+        return v
+    return {k: number(v) if k in keys else v for k, v in data.items()}
 
 
 def _summarise_flags(flags: list[str]) -> str:
@@ -261,16 +313,23 @@ def _differentiables(fn: Candidate, inputs: Inputs) -> dict[str, Tensor]:
     return named
 
 
+def _nonzero(grad: Tensor | None) -> bool:
+    return grad is not None and bool((grad != 0).any())
+
+
 def _check_gradients(res: CandidateResult, fn: Candidate, diffs: dict[str, Tensor], ref_grads: dict[str, Any],
                      rtol: float) -> None:
     """Flag ``res`` for every gradient that differs from the reference's, is missing (None or all
-    zero where the reference's is not), or cannot be compared (no counterpart by name)."""
+    zero where the reference's is not), or cannot be compared (no counterpart by name; closure
+    tensors: only where one receives a non-zero gradient, see :func:`_closure_tensors`)."""
     for key, ref_grad in ref_grads.items():
-        if key not in diffs and key.startswith("param:") and not isinstance(fn, nn.Module):
-            res.flags.append(f"unchecked gradient: {key}")  # a plain callable's parameters have no names
+        closure = key.startswith("closure:")
+        if key not in diffs and (closure or key.startswith("param:") and not isinstance(fn, nn.Module)):
+            if not closure or _nonzero(ref_grad):  # a plain callable's parameters have no names
+                res.flags.append(f"unchecked gradient: {key}")
             continue
         got = diffs[key].grad if key in diffs else None
-        if ref_grad is not None and bool((ref_grad != 0).any()) and (got is None or not bool((got != 0).any())):
+        if _nonzero(ref_grad) and not _nonzero(got):
             res.flags.append(f"missing gradient: {key}")
             res.grad_errors[key] = float("inf")
         elif got is not None:
@@ -279,8 +338,41 @@ def _check_gradients(res: CandidateResult, fn: Candidate, diffs: dict[str, Tenso
                 res.flags.append(f"gradient mismatch: {key}")
     for key, t in diffs.items():
         if key not in ref_grads:  # the candidate's own parameters, which the reference has no counterpart of
-            kind = "missing" if t.grad is None or not bool((t.grad != 0).any()) else "unchecked"
-            res.flags.append(f"{kind} gradient: {key}")
+            if key.startswith("closure:"):  # (a closure tensor with no gradient is no parameter of the function)
+                if _nonzero(t.grad):
+                    res.flags.append(f"unchecked gradient: {key}")
+                continue
+            res.flags.append(f"{'unchecked' if _nonzero(t.grad) else 'missing'} gradient: {key}")
+
+
+def _closure_tensors(outs: list[Tensor], known: Iterable[Tensor]) -> list[Tensor]:
+    """The leaves a backward from ``outs`` accumulates into that are not in ``known`` (the inputs
+    and a module's parameters): the tensors a plain callable holds in its closure. Sorted by
+    shape, in graph order among equal shapes, so that :func:`_closure_names` can pair them with
+    the reference's."""
+    ids = {id(t) for t in known}
+    return sorted((t for t in _graph_leaves(outs) if id(t) not in ids), key=lambda t: tuple(t.shape))
+
+
+def _closure_names(tensors: list[Tensor], ref_shapes: list[tuple[int, ...]]) -> dict[str, Tensor]:
+    """``tensors`` (:func:`_closure_tensors`) by name, ``closure:<i>[<shape>]``: ``i`` the index of
+    the reference's closure tensor of the same shape they pair with (the k-th of a shape with the
+    reference's k-th), or past the reference's for those with no counterpart."""
+    def name(i: int, shape: tuple[int, ...]) -> str:
+        return f"closure:{i}[{'x'.join(map(str, shape))}]"
+
+    free: dict[tuple[int, ...], list[int]] = {}
+    for i, shape in enumerate(ref_shapes):
+        free.setdefault(shape, []).append(i)
+    named, extra = {}, len(ref_shapes)
+    for t in tensors:
+        shape = tuple(t.shape)
+        if free.get(shape):
+            named[name(free[shape].pop(0), shape)] = t
+        else:
+            named[name(extra, shape)] = t
+            extra += 1
+    return named
 
 
 def _graph_leaves(outs: list[Tensor], limit: int = 2_000_000) -> list[Tensor]:
@@ -315,6 +407,29 @@ def _run(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], backward: bool
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
     return outs
+
+
+def _first_call(fn: Candidate, inputs: Inputs, cotangents: list[Tensor] | None,
+                device: torch.device) -> tuple[list[Tensor], tuple[float, float]]:
+    """The untimed first call, forward and backward (with ``cotangents``; ones when None): its
+    outputs, and the seconds its forward and its forward + backward took (they size the
+    measurement blocks when there is no warm-up)."""
+    _sync(device)
+    start = time.perf_counter()
+    outs = _outputs(inputs.call(fn))
+    _sync(device)
+    forward = time.perf_counter() - start
+    cotangents = [torch.ones_like(o) for o in outs] if cotangents is None else cotangents
+    pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cotangents) if o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+    _sync(device)
+    return outs, (forward, time.perf_counter() - start)
+
+
+def _block_calls(block_s: float, seconds: float) -> int:
+    """Back-to-back calls of ``seconds`` each that last ``block_s`` (at least 1, at most _MAX_CALLS)."""
+    return max(1, min(_MAX_CALLS, math.ceil(block_s / max(seconds, 1e-9))))
 
 
 def _cast(cotangents: list[Tensor] | None, outs: list[Tensor], made: dict) -> list[Tensor]:
@@ -430,6 +545,8 @@ def compare(
     memory: bool = True,
     check: bool = True,
     workload: str = "custom",
+    anchor: str | None = None,
+    expected: Mapping[str, Iterable[str]] | None = None,
     progress: Callable[[str], None] | None = None,
     seed: int = 0,
 ) -> Report:
@@ -438,7 +555,9 @@ def compare(
     Args:
         candidates: name -> callable taking the inputs (as ``make_inputs`` gives them) and returning a tensor
             or a tuple of tensors. An ``nn.Module`` candidate also has its parameters' gradients
-            compared, by parameter name, so give candidates the same weights.
+            compared, by parameter name, so give candidates the same weights; the tensors a plain
+            callable holds in its closure are compared with the reference's by shape (module
+            docstring).
         make_inputs: returns the inputs of every call: a dict name -> tensor (keyword arguments) or a
             tuple/list (positional arguments; named by position); tensors with ``requires_grad`` get their gradients
             compared. Called once; every candidate sees the same tensors.
@@ -447,9 +566,11 @@ def compare(
         repeats: timed measurements per candidate and pass (interleaved across candidates, the order
             rotated every run); each is the mean time per call of enough back-to-back calls to last
             ``block_s`` seconds (one call for candidates slower than that).
-        warmup: untimed rounds first (0: none); from 1 on, more follow until no candidate's time
-            per call moved by more than 10% between two rounds (at most 10 more rounds or 10 s).
-            The report's ``warmup`` is the number of rounds run.
+        warmup: untimed rounds first (0: none; the blocks are then sized from each candidate's
+            untimed first call, the check's or the one that finds its outputs' shapes); from 1 on,
+            more follow until no candidate's time per call moved by more than 10% between two
+            rounds (at most 10 more rounds or 10 s), each re-sizing the blocks. The report's
+            ``warmup`` is the number of rounds run.
         block_s: the shortest duration of one measurement, in seconds.
         cliff_threshold: flag ``cliff`` when (forward+backward) / forward exceeds it.
         rtol: max relative error (``max |got - ref| / max |ref|``) before a mismatch flag; default
@@ -464,6 +585,9 @@ def compare(
         reference_dtype: the dtype the reference runs in (its module copied, its inputs cast);
             None: the inputs' own.
         workload: the name the report carries.
+        anchor: the candidate the report's ratios are against (None: the first); the report keeps it.
+        expected: candidate name -> the flag kinds it is built to get (a speed anchor that computes
+            another function); the report keeps them (:meth:`Report.unexpected`).
         progress: called with a short message before each step (for a progress bar).
         seed: ``torch.manual_seed`` before ``make_inputs``, and the seed of the random cotangents
             (from a float64 normal, cast to each output's dtype).
@@ -473,13 +597,15 @@ def compare(
 
     Raises:
         TypeError: ``make_inputs`` returned something other than a dict, tuple or list.
-        ValueError: no candidates, or a reference name that is not a candidate.
+        ValueError: no candidates, or a reference or anchor name that is not a candidate.
     """
     if not candidates:
         raise ValueError("candidates: expected at least one name -> callable, got none")
     say = progress or (lambda msg: None)
     if isinstance(reference, str) and reference not in candidates:
         raise ValueError(f"reference: expected a candidate name {list(candidates)}, got {reference!r}")
+    if anchor is not None and anchor not in candidates:
+        raise ValueError(f"anchor: expected a candidate name {list(candidates)}, got {anchor!r}")
     torch.manual_seed(seed)
     inputs = Inputs.of(make_inputs())
     tensors = [v for v in inputs.named().values() if isinstance(v, Tensor)]
@@ -495,6 +621,7 @@ def compare(
     # name -> the leaves its backward accumulates into (a closure's own parameters too): cleared
     # between timed calls as the inputs' and a module's are, so no candidate times accumulation
     leaves: dict[str, list[Tensor]] = {}
+    first: dict[str, tuple[float, float]] = {}  # name -> seconds of the untimed first call: forward, forward + backward
     made: dict = {}
     ref_name = reference if isinstance(reference, str) else ("custom" if reference is not None else next(iter(candidates)))
     if check:
@@ -505,6 +632,9 @@ def compare(
         g = torch.Generator().manual_seed(seed)
         cotangents = [torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device) for o in ref_outs]
         ref_diffs = _differentiables(ref_fn, ref_inputs)
+        ref_closure = _closure_tensors(ref_outs, [*ref_diffs.values(), *ref_inputs.named().values()])
+        ref_shapes = [tuple(t.shape) for t in ref_closure]
+        ref_diffs.update(_closure_names(ref_closure, ref_shapes))
         _clear_grads(ref_diffs.values())
         pairs = [(o, c) for o, c in zip(ref_outs, cotangents) if o.requires_grad]
         if pairs:
@@ -516,9 +646,11 @@ def compare(
             res = results[name]
             diffs = _differentiables(fn, inputs)
             _clear_grads(diffs.values())
-            outs = _run(fn, inputs, cotangents, True)
+            outs, first[name] = _first_call(fn, inputs, cotangents, device)
             cast[name] = _cast(cotangents, outs, made)
             leaves[name] = _graph_leaves(outs)
+            diffs.update(_closure_names(_closure_tensors(outs, [*diffs.values(), *inputs.named().values()]),
+                                        ref_shapes))
             if len(outs) != len(ref_outs):
                 res.output_error = float("inf")
             else:
@@ -531,12 +663,16 @@ def compare(
 
     for name, fn in candidates.items():
         if name not in cast:  # no check run: one untimed call gives the outputs' shapes, dtypes and leaves
-            outs = _outputs(inputs.call(fn))
+            outs, first[name] = _first_call(fn, inputs, None, device)
             cast[name] = _cast(cotangents, outs, made)
             leaves[name] = _graph_leaves(outs)
+            _clear_grads([*_differentiables(fn, inputs).values(), *leaves[name]])
             del outs
     names = list(candidates)
     calls = {name: results[name].calls for name in names}
+    if warmup == 0:  # no warm-up to size the blocks from: the untimed first call's times size them
+        for name in names:
+            calls[name][:] = [_block_calls(block_s, t) for t in first[name]]
     passes = (False, True)  # forward, then forward + backward
 
     def measure_round(order: list[str], store: bool) -> dict[str, list[float]]:
@@ -561,7 +697,7 @@ def compare(
         now = measure_round(names[rounds % len(names):] + names[:rounds % len(names)], False)
         rounds += 1
         for name in names:
-            calls[name][:] = [max(1, min(_MAX_CALLS, math.ceil(block_s / max(t, 1e-9)))) for t in now[name]]
+            calls[name][:] = [_block_calls(block_s, t) for t in now[name]]
         settled = previous is not None and all(abs(now[n][i] / previous[n][i] - 1) <= _SETTLED
                                                for n in names for i in range(2))
         if rounds >= warmup:
@@ -597,4 +733,6 @@ def compare(
         cliff_threshold=cliff_threshold,
         results=list(results.values()),
         checked=check,
+        anchor=anchor,
+        expected={name: list(kinds) for name, kinds in (expected or {}).items()},
     )
