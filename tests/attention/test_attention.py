@@ -4,6 +4,7 @@ binding's own backward (fastlayers.attention._cpu) against the twin's autograd."
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -339,6 +340,10 @@ def test_module_sizes_are_checked():
     with pytest.raises(ValueError, match=re.escape("query_size: expected a positive int, got True")):
         AttentionPooling(True)
     assert AttentionPooling(4, score="additive", attention_size=7).v.shape == (7,)
+    # NumPy's integers, as nn.Linear takes them (they were refused: "expected a positive int, got np.int64(4)")
+    m = AttentionPooling(np.int64(4), np.int32(3), score="additive", attention_size=np.int64(5))
+    assert (m.query_size, m.key_size, m.weight_query.shape, m.v.shape) == (4, 3, (5, 4), (5,))
+    assert type(m.query_size) is int and "query_size=4" in repr(m)
 
 
 def test_varlen_query_batch_is_named_against_cu_seqlens():

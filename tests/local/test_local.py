@@ -2,6 +2,7 @@
 
 import itertools
 import re
+import warnings
 
 import pytest
 import torch
@@ -484,9 +485,16 @@ def test_a_trace_records_torch_ops_and_saves():
     import io
 
     torch.manual_seed(0)
+    w, b = torch.randn(3, 2, 4, 7), torch.randn(3, 7)
     for m, x in ((LocallyConnected2d(2, 3, (6, 6), 3, padding=1), torch.randn(2, 2, 6, 6)),
-                 (LocallyConnected1d(2, 3, 7, 3), torch.randn(2, 2, 7))):
-        traced = torch.jit.trace(m, (x,))
+                 (LocallyConnected1d(2, 3, 7, 3), torch.randn(2, 2, 7)),
+                 # padding="same": the traced weight sizes are tensors (the 1-D call's "same" padding
+                 # was one, refused by the 2-D call it makes: "expected an int ..., got (0, tensor(1))")
+                 (LocallyConnected1d(2, 3, 7, 3, padding="same"), torch.randn(2, 7)),
+                 (lambda x: locally_connected1d(x, w, b, padding="same"), torch.randn(2, 2, 7))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            traced = torch.jit.trace(m, (x,))
         buffer = io.BytesIO()
         torch.jit.save(traced, buffer)
         buffer.seek(0)
@@ -547,3 +555,28 @@ def test_compiled_under_autocast_equals_eager():
     for eager, traced in zip(*results):
         assert eager.dtype == traced.dtype
         torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_sizes_as_nn_conv2d_takes_them():
+    """NumPy integers and zero channels, as nn.Conv2d takes them (they were refused: "in_channels:
+    expected a positive int, got np.int64(2)"); no input channels: the output is the bias, which is
+    zero (nn.Conv2d leaves it uninitialised there)."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    m = LocallyConnected2d(np.int64(2), np.int32(3), (np.int64(5), 5), np.int64(3), stride=np.int64(1))
+    x = torch.randn(2, 2, 5, 5)
+    assert m.weight.shape == (3, 2, 3, 3, 3, 3) and type(m.in_channels) is int and type(m.kernel_size[0]) is int
+    torch.testing.assert_close(m(x), locally_connected2d(x, m.weight, m.bias))
+    assert LocallyConnected1d(np.int64(2), 3, np.int64(7), 3).output_size == (5,)
+    empty_in = LocallyConnected2d(0, 3, 5, 3)
+    y = empty_in(torch.randn(2, 0, 5, 5))
+    assert y.shape == (2, 3, 3, 3) and not y.any() and not empty_in.bias.any()
+    x = torch.randn(2, 2, 5, 5, requires_grad=True)
+    y = LocallyConnected2d(2, 0, 5, 3)(x)
+    assert y.shape == (2, 0, 3, 3)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    for bad, message in ((-1, "in_channels: expected an int >= 0, got -1"), (True, "in_channels: expected an int >= 0, got True"),
+                         (2.0, "in_channels: expected an int >= 0, got 2.0")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            LocallyConnected2d(bad, 3, 5, 3)

@@ -46,6 +46,11 @@ class NotATensorError(TypeError, AttributeError):
     """A non-tensor where a tensor goes (torch.nn's RNNs call .dim() on it: AttributeError)."""
 
 
+def is_int(value: object) -> bool:
+    """An integer size as torch.nn's Conv / Linear take one: a Python or NumPy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_tensor(name: str, value: object) -> Tensor:
     if not isinstance(value, Tensor):
         raise NotATensorError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")

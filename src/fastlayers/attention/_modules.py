@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .._core import jagged
 from .._core.backend import select
 from .._core import twice
-from .._core.checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_tensor
+from .._core.checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_tensor, is_int
 from .._core.jit import TRITON, VARLEN, NotScriptable, refuse_trace
 from . import _cpu as cpu
 from ._gpu import AttentionTriton
@@ -234,10 +234,11 @@ class AttentionPooling(NotScriptable, nn.Module):
             raise ValueError(f"score: expected one of {SCORES}, got {score!r}")
         key_size = query_size if key_size is None else key_size
         for name, value in (("query_size", query_size), ("key_size", key_size), ("attention_size", attention_size)):
-            if (value is not None or name != "attention_size") and (
-                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if (value is not None or name != "attention_size") and (not is_int(value) or value < 1):
                 raise ValueError(f"{name}: expected a positive int{' or None' if name == 'attention_size' else ''}, "
                                  f"got {value!r}")
+        query_size, key_size = int(query_size), int(key_size)  # (NumPy's integers: as nn.Linear takes them)
+        attention_size = None if attention_size is None else int(attention_size)
         if score != "additive" and query_size != key_size:
             raise ValueError(f"key_size: expected {query_size} (= query_size) for score={score!r}, got {key_size}")
         self.query_size, self.key_size, self.score = query_size, key_size, score

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core import precision, twice
-from .._core.checks import ShapeError, check_floating, check_same_dtype_device, check_tensor
+from .._core.checks import ShapeError, check_floating, check_same_dtype_device, check_tensor, is_int
 from .._core.jit import NotScriptable
 from ._reference import Pair
 from ._routing import run
@@ -36,14 +36,15 @@ def _dilation_refusal(values: tuple[int, ...], batch: int, view: tuple[int, ...]
 
 def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2,
           refusal: Callable[[], str] | None = None) -> tuple[int, ...]:
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):  # (NumPy's integers too, as nn.Conv2d takes them)
         values = (value,) * dims
     elif isinstance(value, (tuple, list)):
         values = tuple(value)
     else:  # (a float, a tensor, ...: named here, not "'float' object is not iterable")
         raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
-    if len(values) != dims or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if len(values) != dims or not all(is_int(v) for v in values):
         raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
+    values = tuple(int(v) for v in values)
     if any(v < minimum for v in values):
         if refusal is not None:  # (the caller's message, built only here)
             torch_says = refusal() + "; "
@@ -78,7 +79,8 @@ def _padding(value: object, kernel_size: tuple[int, ...], stride: tuple[int, ...
         return (0,) * dims, (0,) * dims
     if any(s != 1 for s in stride):
         raise ShapeError("padding='same' is not supported for strided convolutions")
-    totals = [d * (k - 1) for k, d in zip(kernel_size, dilation)]
+    # (int(): torch.jit.trace records a weight's sizes as tensors; the padding is a constant of the trace)
+    totals = [d * (int(k) - 1) for k, d in zip(kernel_size, dilation)]
     return tuple(t // 2 for t in totals), tuple(t % 2 for t in totals)
 
 
@@ -240,8 +242,9 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
                  device, dtype):
         super().__init__()
         for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            if not is_int(value) or value < 0:  # (zero channels and NumPy integers: as nn.Conv2d takes them)
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        in_channels, out_channels = int(in_channels), int(out_channels)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.input_size = _pair("input_size", input_size, 1, dims)
         self.kernel_size = _pair("kernel_size", kernel_size, 1, dims)
@@ -261,8 +264,10 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Conv2d's rule: weight and bias uniform in +-1/sqrt(fan_in), fan_in = C_in * prod(kernel_size)."""
-        bound = 1 / math.sqrt(self.in_channels * math.prod(self.kernel_size))
+        """nn.Conv2d's rule: weight and bias uniform in +-1/sqrt(fan_in), fan_in = C_in * prod(kernel_size)
+        (no input channels: a zero bias, where nn.Conv2d leaves its bias uninitialised)."""
+        fan_in = self.in_channels * math.prod(self.kernel_size)
+        bound = 1 / math.sqrt(fan_in) if fan_in else 0.0
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
