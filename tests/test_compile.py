@@ -436,3 +436,32 @@ def test_compiled_lengths_errors_name_the_bound_as_eager_ones_do(allow_rnn):
             with pytest.raises(ValueError):
                 m(x, lengths=torch.tensor([6, 1]))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cls", [fastlayers.LSTM, fastlayers.GRU])
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_compiled_varlen_layers_run_once_each_and_name_a_bad_cu_seqlens(cls, monkeypatch):
+    """The compiled varlen call asked for its backend with a layer's output: tracing ran the layers
+    below it for real (a first call of a 2-layer model ran 4 layer operators, not 2), and a bad
+    cu_seqlens raised there, inside Dynamo's "RuntimeError when trying to get real value from
+    fx.Node" (the eager ValueError only as its cause)."""
+    from fastlayers.rnn import _ops_varlen
+
+    runs = []
+    real = _ops_varlen._varlen_eagerly
+    monkeypatch.setattr(_ops_varlen, "_varlen_eagerly", lambda *a, **k: runs.append(a[0]) or real(*a, **k))
+    torch.manual_seed(0)
+    m = cls(3, 4, num_layers=2)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, cu: m(x, cu_seqlens=cu), backend="aot_eager", fullgraph=True, dynamic=True)
+    x, cu = torch.randn(14, 3), torch.tensor([0, 5, 7, 14])
+    got = compiled(x, cu)
+    assert len(runs) == 2  # one operator run per layer
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(m(x, cu_seqlens=cu))):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, cu: m(x, cu_seqlens=cu), backend="aot_eager", fullgraph=True, dynamic=True)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected cu_seqlens\[-1\] = 14 \(the number of value rows\), "
+                                         r"got 13$"):
+        compiled(x, torch.tensor([0, 5, 7, 13]))
+    torch._dynamo.reset()

@@ -216,12 +216,26 @@ BAD_CU = [
 @pytest.mark.parametrize("cu, error, message", BAD_CU, ids=[m[:30] for _, _, m in BAD_CU])
 @pytest.mark.parametrize("layer", ["LSTM", "attention"])
 def test_bad_cu_seqlens_is_refused(layer, cu, error, message):
+    """... and every ValueError is a RuntimeError too, as the lengths' are (torch's
+    pack_padded_sequence class): code catching either one catches both forms."""
     x = torch.randn(15, 5)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as info:
         if layer == "LSTM":
             fastlayers.LSTM(5, 6, layer_norm=True)(x, cu_seqlens=cu)
         else:
             fastlayers.attention_pool(torch.randn(4, 5), x, cu_seqlens=cu)
+    assert error is TypeError or isinstance(info.value, RuntimeError)
+
+
+def test_max_seqlen_takes_numpy_integers():
+    np = pytest.importorskip("numpy")
+    lstm, x, cu = fastlayers.LSTM(5, 6), torch.randn(15, 5), torch.tensor(CU)
+    want = lstm(x, cu_seqlens=cu)
+    got = lstm(x, cu_seqlens=cu, max_seqlen=np.int64(max(LENGTHS)))
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"max_seqlen: expected at least the longest sequence"):
+        lstm(x, cu_seqlens=cu, max_seqlen=np.int32(1))
 
 
 def test_other_bad_varlen_input_is_refused():

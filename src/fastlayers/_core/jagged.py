@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .checks import DeviceError, LengthsError, ShapeError, is_int
+
 
 @dataclass(frozen=True)
 class Varlen:
@@ -47,17 +49,18 @@ def check_form(cu_seqlens: object, device: torch.device, *, name: str = "cu_seql
 
     Raises:
         TypeError: not a tensor, or not int32 / int64.
-        ValueError: not 1-D with at least 2 entries, or on another device than the values (or the CPU).
+        ValueError (and RuntimeError: ShapeError, DeviceError): not 1-D with at least 2 entries, or on
+            another device than the values (or the CPU).
     """
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"{name}: expected a 1-D int32 or int64 tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name}: expected dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{name}: expected a 1-D tensor of shape (B+1,) with B >= 1, got shape "
+        raise ShapeError(f"{name}: expected a 1-D tensor of shape (B+1,) with B >= 1, got shape "
                          f"{tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
-        raise ValueError(f"{name}: expected a tensor on {device} (the values' device) or on the CPU, got "
+        raise DeviceError(f"{name}: expected a tensor on {device} (the values' device) or on the CPU, got "
                          f"{cu_seqlens.device}")
     return cu_seqlens
 
@@ -76,7 +79,7 @@ def check_max_seqlen(max_seqlen: object, cu_seqlens: Tensor | None = None) -> No
     """TypeError unless ``max_seqlen`` is an int (not a bool); with ``cu_seqlens`` (a traced call),
     also an assertion the program runs: every length at most ``max_seqlen`` (as
     :func:`check_cu_seqlens` checks eagerly)."""
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+    if not is_int(max_seqlen):  # (NumPy's integers too, as the lengths take them)
         raise TypeError(f"max_seqlen: expected an int or None, got {type(max_seqlen).__name__}")
     if cu_seqlens is not None:
         cu = cu_seqlens.to(torch.int64)
@@ -91,29 +94,30 @@ def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device, *, na
 
     Raises:
         TypeError: not a tensor, or not int32 / int64; ``max_seqlen`` not an int.
-        ValueError: not 1-D with at least 2 entries, on another device than the values (or the
-            CPU), not starting at 0, decreasing, a zero-length sequence, not ending at ``total``;
+        ValueError (and RuntimeError, as for ``lengths``: ShapeError, DeviceError, LengthsError):
+            not 1-D with at least 2 entries, on another device than the values (or the CPU), not
+            starting at 0, decreasing, a zero-length sequence, not ending at ``total``;
             ``max_seqlen`` smaller than the longest sequence.
     """
     cu = check_form(cu_seqlens, device, name=name).to(device="cpu", dtype=torch.int64)
     if int(cu[0]) != 0:
-        raise ValueError(f"{name}: expected cu_seqlens[0] = 0, got {int(cu[0])}")
+        raise LengthsError(f"{name}: expected cu_seqlens[0] = 0, got {int(cu[0])}")
     lengths = cu[1:] - cu[:-1]
     if bool((lengths < 0).any()):
         b = int(torch.nonzero(lengths < 0)[0])
-        raise ValueError(f"{name}: expected non-decreasing offsets, got cu_seqlens[{b + 1}] = {int(cu[b + 1])} < "
+        raise LengthsError(f"{name}: expected non-decreasing offsets, got cu_seqlens[{b + 1}] = {int(cu[b + 1])} < "
                          f"cu_seqlens[{b}] = {int(cu[b])}")
     if bool((lengths == 0).any()):
         b = int(torch.nonzero(lengths == 0)[0])
-        raise ValueError(f"{name}: every sequence must have length >= 1, got length 0 for sequence {b} "
+        raise LengthsError(f"{name}: every sequence must have length >= 1, got length 0 for sequence {b} "
                          f"(cu_seqlens[{b}] = cu_seqlens[{b + 1}] = {int(cu[b])})")
     if int(cu[-1]) != total:
-        raise ValueError(f"{name}: expected cu_seqlens[-1] = {total} (the number of value rows), got {int(cu[-1])}")
+        raise LengthsError(f"{name}: expected cu_seqlens[-1] = {total} (the number of value rows), got {int(cu[-1])}")
     longest = int(lengths.max())
     if max_seqlen is not None:
         check_max_seqlen(max_seqlen)
         if max_seqlen < longest:
-            raise ValueError(f"max_seqlen: expected at least the longest sequence ({longest}), got {max_seqlen}")
+            raise LengthsError(f"max_seqlen: expected at least the longest sequence ({longest}), got {max_seqlen}")
     return lengths, longest
 
 

@@ -215,6 +215,10 @@ def varlen_operator_layers(module: Any, values: Tensor, states: tuple[Tensor, ..
     rows, batch = values.size(0), cu_seqlens.size(0) - 1
     keys = {"LSTM": _LSTM_KEYS, "GRU": _GRU_KEYS}.get(mode, _RNN_KEYS)
     finals: list[list[Tensor]] = [[] for _ in states]
+    # the backend from the input (a graph input): asked of a layer's output, Dynamo ran the layers
+    # below it for real while tracing (and a bad cu_seqlens raised there, wrapped in its own error)
+    engine_draws = not mode.startswith("RNN") and not torch.compiler.is_exporting() and \
+        select(mode.lower(), values) == "cpu"
     x = values
     for li in range(module.num_layers):
         sfx = ("", "_reverse")[:dirs]
@@ -225,7 +229,7 @@ def varlen_operator_layers(module: Any, values: Tensor, states: tuple[Tensor, ..
             x, h = torch.ops.fastlayers.rnn_varlen(x, cu_seqlens, states[0][k], *p, mode == "RNN_RELU")
             last: tuple[Tensor, ...] = (h,)
         else:
-            if torch.compiler.is_exporting() or select(mode.lower(), x) != "cpu":
+            if not engine_draws:
                 rmask, zc, zh = operator_masks(options, training, x, dirs, batch, (rows,), states[0].size(2),
                                                module.hidden_size if mode == "LSTM" else None)
             else:  # compiled for the C engine: its eager draws (the same masks from a seed as the eager call)
