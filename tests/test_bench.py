@@ -495,28 +495,36 @@ def test_memory_measurement_prints_nothing_from_the_profiler():
     assert proc.returncode == 0 and "USDT" not in proc.stdout + proc.stderr and "profiler_start" not in proc.stderr
 
 
+class _FakeClock:
+    """The harness's clock (its ``time`` module) made of a counter the test advances: timings
+    that do not depend on this machine's speed."""
+
+    now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        import time
+
+        return getattr(time, name)
+
+
+def _fake_clock(monkeypatch) -> _FakeClock:
+    from fastlayers.bench import _harness
+
+    clock = _FakeClock()
+    monkeypatch.setattr(_harness, "time", clock)
+    return clock
+
+
 def test_short_candidates_are_timed_over_blocks_of_calls(monkeypatch):
     """A sub-millisecond candidate is timed over back-to-back calls (one measurement lasts about
     block_s), the warm-up runs at least the requested rounds, and the report says how many ran.
     The harness's clock is a fake one that a call advances by 2**-12 s (no assumption on this
     machine's speed; powers of two, so the sums are exact): blocks of 2**-7 s are 32 calls."""
-    import time
-
-    from fastlayers.bench import _harness
-
     counts = {"n": 0}
-
-    class Clock:
-        now = 0.0
-
-        def perf_counter(self):
-            return self.now
-
-        def __getattr__(self, name):
-            return getattr(time, name)
-
-    clock = Clock()
-    monkeypatch.setattr(_harness, "time", clock)
+    clock = _fake_clock(monkeypatch)
 
     def tiny(x):
         counts["n"] += 1
@@ -552,21 +560,7 @@ def test_without_warmup_blocks_are_sized_from_the_first_call(check, monkeypatch)
     """warmup=0 still times a sub-millisecond candidate over blocks that last block_s (they were
     single calls: the blocks were sized in the warm-up only). A fake clock that a forward advances
     by 2**-12 s and a backward by 2**-11 s: blocks of 2**-7 s are 32 and 11 calls."""
-    import time
-
-    from fastlayers.bench import _harness
-
-    class Clock:
-        now = 0.0
-
-        def perf_counter(self):
-            return self.now
-
-        def __getattr__(self, name):
-            return getattr(time, name)
-
-    clock = Clock()
-    monkeypatch.setattr(_harness, "time", clock)
+    clock = _fake_clock(monkeypatch)
 
     class Tick(torch.autograd.Function):
         @staticmethod
