@@ -61,7 +61,7 @@ def check_form(cu_seqlens: object, device: torch.device, *, name: str = "cu_seql
                          f"{tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device and cu_seqlens.device.type != "cpu":
         raise DeviceError(f"{name}: expected a tensor on {device} (the values' device) or on the CPU, got "
-                         f"{cu_seqlens.device}")
+                          f"{cu_seqlens.device}")
     return cu_seqlens
 
 
@@ -106,11 +106,11 @@ def check_cu_seqlens(cu_seqlens: object, total: int, device: torch.device, *, na
     if bool((lengths < 0).any()):
         b = int(torch.nonzero(lengths < 0)[0])
         raise LengthsError(f"{name}: expected non-decreasing offsets, got cu_seqlens[{b + 1}] = {int(cu[b + 1])} < "
-                         f"cu_seqlens[{b}] = {int(cu[b])}")
+                           f"cu_seqlens[{b}] = {int(cu[b])}")
     if bool((lengths == 0).any()):
         b = int(torch.nonzero(lengths == 0)[0])
         raise LengthsError(f"{name}: every sequence must have length >= 1, got length 0 for sequence {b} "
-                         f"(cu_seqlens[{b}] = cu_seqlens[{b + 1}] = {int(cu[b])})")
+                           f"(cu_seqlens[{b}] = cu_seqlens[{b + 1}] = {int(cu[b])})")
     if int(cu[-1]) != total:
         raise LengthsError(f"{name}: expected cu_seqlens[-1] = {total} (the number of value rows), got {int(cu[-1])}")
     longest = int(lengths.max())

@@ -49,7 +49,8 @@ COMMON_DOC = """
     shape or rank; ValueError for a wrong input rank. Ours only: TypeError for float ``lengths``,
     ValueError for lengths of the wrong size or ``lengths`` with PackedSequence input; ValueError and
     RuntimeError (torch's ``pack_padded_sequence`` class) for lengths outside [1, T] (under
-    torch.compile / torch.export, checked in the graph: RuntimeError, the bound broken named); for an unbatched input an LSTM ``hx`` of more than two states (torch.nn.LSTM reads
+    torch.compile / torch.export, checked in the graph: RuntimeError, the bound broken named); for
+    an unbatched input an LSTM ``hx`` of more than two states (torch.nn.LSTM reads
     hx[0] and hx[1] and ignores the rest), RuntimeError (a stacked (2, L*D, H_out) tensor it takes,
     as torch does). Under ``torch.autocast``, bfloat16 / float16 parameters take a float32 (or the
     other low dtype's) ``input`` and ``hx`` as torch.nn's modules do, converted to the parameters'
