@@ -795,3 +795,16 @@ def test_bench_native_variant_help():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "rnn" / "bench_native_variant.py"
     proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "REPEATS" in proc.stdout, proc.stderr
+
+
+def test_workload_sizes_and_repeats_are_checked():
+    """A size a workload does not have (it once gave the small shapes silently) and repeats < 1
+    (no times, NaN medians) are refused."""
+    for name, make in WORKLOADS.items():
+        with pytest.raises(ValueError, match=r"^size: expected one of \('small', 'seed'(, 'seed-large')?\), got 'bogus'$"):
+            make(size="bogus")
+        if name != "local2d":
+            with pytest.raises(ValueError, match=r"got 'seed-large'$"):
+                make(size="seed-large")
+    with pytest.raises(ValueError, match=r"^repeats: expected an int >= 1, got 0$"):
+        compare({"a": good}, _inputs, repeats=0)

@@ -74,11 +74,14 @@ def test_python_block_runs(page, heading, line, code, tmp_path):
 def _public_names() -> dict[str, object]:
     import fastlayers
     import fastlayers.bench
+    import fastlayers.data
     import fastlayers.functional
     import fastlayers.onnx
+    import fastlayers.train
 
     return {f"{module.__name__}.{name}": getattr(module, name)
-            for module in (fastlayers, fastlayers.functional, fastlayers.onnx, fastlayers.bench) for name in module.__all__}
+            for module in (fastlayers, fastlayers.functional, fastlayers.onnx, fastlayers.bench, fastlayers.data,
+                           fastlayers.train) for name in module.__all__}
 
 
 def test_every_public_name_has_a_docstring_and_an_api_entry():
@@ -86,14 +89,14 @@ def test_every_public_name_has_a_docstring_and_an_api_entry():
     here; so does an entry for a name that is not public. Data (``__version__``, ``WORKLOADS``) have
     their entry's text instead of a docstring."""
     api = (ROOT / "docs" / "api.rst").read_text(encoding="utf-8")
-    documented = set(re.findall(r"^\.\. (?:auto(?:class|function)|data):: (\S+)", api, re.M))
+    documented = set(re.findall(r"^\.\. (?:auto(?:class|function|exception)|data):: (\S+)", api, re.M))
     names = _public_names()
     aliases = {"fastlayers.functional.attention_pool": "fastlayers.attention_pool"}  # the same function
     wanted = {aliases.get(n, n) for n in names}
     assert wanted - documented == set(), f"public names missing from docs/api.rst: {sorted(wanted - documented)}"
     assert documented - wanted == set(), f"docs/api.rst documents names that are not public: {sorted(documented - wanted)}"
     assert names["fastlayers.functional.attention_pool"] is names["fastlayers.attention_pool"]
-    data = {"fastlayers.__version__", "fastlayers.bench.WORKLOADS"}
+    data = {"fastlayers.__version__", "fastlayers.bench.WORKLOADS", "fastlayers.data.SpokenDigits"}
     missing = [n for n, obj in names.items() if n not in data and not (getattr(obj, "__doc__", None) or "").strip()]
     assert not missing, f"public names without a docstring: {missing}"
     # the methods the API page lists (its :members: options) have docstrings too

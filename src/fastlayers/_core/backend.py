@@ -74,8 +74,9 @@ def backend(name: str) -> Iterator[str]:
         name: ``"cpu"``, ``"triton"`` or ``"reference"``.
 
     Raises:
-        ValueError: an unknown name. Calls inside the block raise RuntimeError when the backend
-            cannot run on their tensors (see :func:`select`).
+        ValueError: an unknown name (on entering the block, as for any context manager). Calls
+            inside the block raise RuntimeError when the backend cannot run on their tensors (see
+            :func:`select`).
     """
     token = _FORCED.set(_validate(name, "backend"))
     try:

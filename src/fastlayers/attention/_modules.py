@@ -92,7 +92,11 @@ def attention_pool(
             (bias or None).
         ValueError: wrong ranks or sizes (the additive parameters' against A = weight_query's
             rows and the query's and keys' sizes), unknown score, lengths out of [1, T] or of the
-            wrong size, missing additive parameters, or ``additive`` given for another score.
+            wrong size, missing additive parameters, or ``additive`` given for another score;
+            varlen: ``max_seqlen`` without ``cu_seqlens``, ``lengths`` with ``cu_seqlens`` or a
+            NestedTensor, a ``cu_seqlens`` that does not start at 0, increase and end at N (these
+            and the lengths' bounds are RuntimeErrors too), dense ``values`` with jagged ``keys``.
+            TypeError too: ``cu_seqlens`` not an int32 / int64 tensor, ``max_seqlen`` not an int.
 
     Low precision (bf16/fp16 inputs, or float32 under ``torch.autocast``): the score and context
     products take low-precision operands and sum in float32; tanh, masking and softmax run in

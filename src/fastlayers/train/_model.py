@@ -14,11 +14,17 @@ class SequenceClassifier(nn.Module):
 
     encoder: :class:`fastlayers.LSTM` or :class:`fastlayers.GRU` (batch_first, with the cell
     options of the config); head ``"final"``: a linear layer on the last layer's final states of
-    both directions; ``"attention"``: :class:`fastlayers.AttentionPooling` (additive score) over
+    every direction; ``"attention"``: :class:`fastlayers.AttentionPooling` (additive score) over
     the outputs, queried by those final states, then the linear layer.
 
-    Forward: x (B, T, F), lengths (B,) int64 -> logits (B, num_classes); or the varlen form
-    x (N, F), ``cu_seqlens=`` (B+1,) (the sequences one after another, no padding).
+    Args:
+        cfg: the run's :class:`TrainConfig` (cell, sizes, options, head).
+        num_features: F, the input features per step.
+        num_classes: the logits per sequence.
+
+    Forward: x (B, T, F) float32, lengths (B,) int64 -> logits (B, num_classes) in the parameters'
+    dtype; or the varlen form x (N, F), ``cu_seqlens=`` (B+1,) (the sequences one after another,
+    no padding). Errors: the encoder's (:class:`fastlayers.LSTM`).
     """
 
     def __init__(self, cfg: TrainConfig, num_features: int, num_classes: int) -> None:
@@ -36,6 +42,8 @@ class SequenceClassifier(nn.Module):
         self.head = nn.Linear(width, num_classes)
 
     def forward(self, x: Tensor, lengths: Tensor | None = None, *, cu_seqlens: Tensor | None = None) -> Tensor:
+        """Logits (B, num_classes) of a padded batch x (B, T, F) with ``lengths`` (B,), or of the
+        varlen values x (N, F) with ``cu_seqlens`` (B+1,)."""
         varlen = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {"lengths": lengths}
         out, state = self.encoder(x, **varlen)
         h_n = state[0] if isinstance(state, tuple) else state
