@@ -111,9 +111,10 @@ def _mismatch(ours, theirs, our_leaves, their_leaves) -> str | None:
     """None when ``ours`` and ``theirs`` agree in output and in every leaf's gradient (a random
     cotangent; max relative error <= RTOL), else what differs and by how much."""
     results = []
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False  # (TF32 in cuDNN's RNNs on a GPU: precision, not the function)
-    try:
+    # (TF32 in cuDNN's RNNs on a GPU: precision, not the function; the flags' context manager, which
+    # also works where the global flags are locked, as in the tests' poisoned pass)
+    with torch.backends.cudnn.flags(enabled=None, benchmark=None, benchmark_limit=None, deterministic=None,
+                                    allow_tf32=False, fp32_precision=None, depthwise_kernel=None):  # (None: as is)
         for fn, leaves in ((ours, our_leaves), (theirs, their_leaves)):
             for t in leaves:
                 t.requires_grad_(True)
@@ -125,8 +126,6 @@ def _mismatch(ours, theirs, our_leaves, their_leaves) -> str | None:
             results.append((out.detach(), [t.grad for t in leaves]))
             for t in leaves:
                 t.grad = None
-    finally:
-        torch.backends.cudnn.allow_tf32 = tf32
     (got, got_grads), (want, want_grads) = results
     errors = {"output": _rel_err(got, want)}
     for i, (g, w) in enumerate(zip(got_grads, want_grads)):

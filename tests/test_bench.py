@@ -400,11 +400,19 @@ def test_cli_report_files_are_written_whole_or_not_at_all(option, overwrite, tmp
         assert out.read_text() == "the user's earlier report"
 
 
+@pytest.mark.parametrize("links", [True, False], ids=["hard links", "no hard links"])
 @pytest.mark.parametrize("option", ["--json", "--plot"])
-def test_cli_a_file_made_during_the_run_is_not_replaced(option, tmp_path, monkeypatch, capsys):
+def test_cli_a_file_made_during_the_run_is_not_replaced(option, links, tmp_path, monkeypatch, capsys):
     """Without --overwrite, a report file that someone makes while the benchmark runs (after the
-    check before measuring) is left as it is: one line names it and where the report went instead."""
+    check before measuring) is left as it is: one line names it and where the report went instead
+    (also on a file system without hard links, where the report was deleted)."""
     from fastlayers.bench import _cli
+
+    if not links:
+        def no_links(src, dst):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(_cli.os, "link", no_links)
 
     out = tmp_path / ("r.json" if option == "--json" else "r.svg")
     real = _cli.compare
@@ -646,6 +654,15 @@ def test_a_closures_gradients_are_checked():
     rep = compare({"ref": lambda x, y: x * y, "extra": lambda x, y: x * y + 1e-3 * w1}, _inputs, repeats=1, warmup=0,
                   memory=False, cliff_threshold=float("inf"), rtol=1.0)
     assert rep["extra"].flags == ["unchecked gradient: closure:0[4x3]"]
+    # two candidates holding the same tensors, used in another order: paired by identity (by shape
+    # and graph order alone they were swapped, a false mismatch)
+    a, b = torch.randn(4, 4, dtype=torch.float64, requires_grad=True), torch.randn(4, 4, dtype=torch.float64,
+                                                                                  requires_grad=True)
+    square = {"x": torch.randn(3, 4, dtype=torch.float64, requires_grad=True)}
+    rep = compare({"ref": lambda x: (x @ a).sin() + x @ b, "other": lambda x: x @ b + (x @ a).sin()},
+                  lambda: square, repeats=1, warmup=0, memory=False, cliff_threshold=float("inf"))
+    assert rep["other"].flags == [] and set(rep["other"].grad_errors) == {"input:x", "closure:0[4x4]",
+                                                                          "closure:1[4x4]"}
 
 
 def _report_for_plot(flags: dict[str, list[str]], expected: dict[str, list[str]]) -> Report:
@@ -765,9 +782,13 @@ def test_bench_rnn_lengths_refuses_an_existing_json(tmp_path, monkeypatch, capsy
 def test_bench_overhead_compares_the_same_weights_and_checks_first():
     """bench_overhead.py's two columns start from the same weights, and every row that computes the
     same function on both sides agrees in output and gradients (they had other random weights and
-    no check); a planted difference is caught."""
+    no check); a planted difference is caught. With torch.backends' global flags locked, as
+    importing torch.testing's common_utils (some tests do) locks them: the check set cuDNN's TF32
+    flag directly, which then raises."""
     import sys
     from pathlib import Path
+
+    import torch.testing._internal.common_utils  # noqa: F401
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:

@@ -90,3 +90,22 @@ def test_plain_lengths_dispatch_engine_or_segments(monkeypatch):
         calls.clear()
         m(x, lengths=[6, 6, 6])  # no padding: torch's padded kernel
         assert calls == []
+
+
+def test_a_forced_cpu_backend_without_the_library_refuses_the_cells_too(monkeypatch):
+    """Without the native library a forced "cpu" backend refuses a cell with options as it refuses
+    the layers (the cells ran their equations silently); unforced, the cell runs its equations."""
+    import pytest
+
+    from fastlayers._core.backend import BackendUnavailable
+
+    torch.manual_seed(0)
+    cell, layer = fastlayers.LSTMCell(4, 3, layer_norm=True), fastlayers.LSTM(4, 3, layer_norm=True)
+    x = torch.randn(2, 4)
+    want = cell(x)
+    _without_native(monkeypatch)
+    for call in (lambda: cell(x), lambda: layer(x.unsqueeze(0))):
+        with fastlayers.backend("cpu"), pytest.raises(BackendUnavailable, match=r"backend 'cpu' .* cannot run lstm"):
+            call()
+    for a, b in zip(cell(x), want):
+        torch.testing.assert_close(a, b)

@@ -138,7 +138,10 @@ def _write_file(path: Path, write: Callable[[BinaryIO], Any], overwrite: bool) -
         except FileExistsError:
             return staged
         except OSError:  # a file system without hard links: create it exclusively, then copy
-            _copy_new(staged, path)
+            try:
+                _copy_new(staged, path)
+            except FileExistsError:  # (made during the run there too: the report stays staged)
+                return staged
     except BaseException:
         staged.unlink(missing_ok=True)
         raise

@@ -12,7 +12,8 @@ function; a non-finite value or gradient where the reference's is finite is a mi
 Gradients are named ``input:<name>``, ``param:<name>`` (an ``nn.Module``'s parameters) and
 ``closure:<i>[<shape>]``: the tensors a plain callable holds in its closure (the leaves its
 backward accumulates into that are neither inputs nor a module's parameters), matched with the
-reference's by shape, in the order of the autograd graph among equal shapes.
+reference's: the same tensor where both hold it, else by shape, in the order of the autograd
+graph among equal shapes.
 """
 
 from __future__ import annotations
@@ -356,20 +357,26 @@ def _closure_tensors(outs: list[Tensor], known: Iterable[Tensor]) -> list[Tensor
     return sorted((t for t in _graph_leaves(outs) if id(t) not in ids), key=lambda t: tuple(t.shape))
 
 
-def _closure_names(tensors: list[Tensor], ref_shapes: list[tuple[int, ...]]) -> dict[str, Tensor]:
+def _closure_names(tensors: list[Tensor], reference: list[Tensor]) -> dict[str, Tensor]:
     """``tensors`` (:func:`_closure_tensors`) by name, ``closure:<i>[<shape>]``: ``i`` the index of
-    the reference's closure tensor of the same shape they pair with (the k-th of a shape with the
-    reference's k-th), or past the reference's for those with no counterpart."""
+    the ``reference``'s closure tensor they pair with: the same tensor where both hold it (two
+    candidates using the same weights in another order), else by shape (the k-th left of a shape
+    with the reference's k-th left), or past the reference's for those with no counterpart."""
     def name(i: int, shape: tuple[int, ...]) -> str:
         return f"closure:{i}[{'x'.join(map(str, shape))}]"
 
+    same = {id(t): i for i, t in enumerate(reference)}
+    paired = {id(t): same[id(t)] for t in tensors if id(t) in same}
     free: dict[tuple[int, ...], list[int]] = {}
-    for i, shape in enumerate(ref_shapes):
-        free.setdefault(shape, []).append(i)
-    named, extra = {}, len(ref_shapes)
+    for i, t in enumerate(reference):
+        if i not in paired.values():
+            free.setdefault(tuple(t.shape), []).append(i)
+    named, extra = {}, len(reference)
     for t in tensors:
         shape = tuple(t.shape)
-        if free.get(shape):
+        if id(t) in paired:
+            named[name(paired[id(t)], shape)] = t
+        elif free.get(shape):
             named[name(free[shape].pop(0), shape)] = t
         else:
             named[name(extra, shape)] = t
@@ -637,8 +644,7 @@ def compare(
         cotangents = [torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device) for o in ref_outs]
         ref_diffs = _differentiables(ref_fn, ref_inputs)
         ref_closure = _closure_tensors(ref_outs, [*ref_diffs.values(), *ref_inputs.named().values()])
-        ref_shapes = [tuple(t.shape) for t in ref_closure]
-        ref_diffs.update(_closure_names(ref_closure, ref_shapes))
+        ref_diffs.update(_closure_names(ref_closure, ref_closure))
         _clear_grads(ref_diffs.values())
         pairs = [(o, c) for o, c in zip(ref_outs, cotangents) if o.requires_grad]
         if pairs:
@@ -654,7 +660,7 @@ def compare(
             cast[name] = _cast(cotangents, outs, made)
             leaves[name] = _graph_leaves(outs)
             diffs.update(_closure_names(_closure_tensors(outs, [*diffs.values(), *inputs.named().values()]),
-                                        ref_shapes))
+                                        ref_closure))
             if len(outs) != len(ref_outs):
                 res.output_error = float("inf")
             else:
