@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
@@ -147,3 +150,18 @@ class CallAsUser(nn.Module):
     def forward(self, x, lengths, h0, c0):
         hx = ((h0, c0) if self.layer.mode == "LSTM" else h0) if self.with_hx else None
         return self.layer(x, hx, lengths=lengths if self.with_lengths else None)
+
+
+@contextlib.contextmanager
+def on_the_triton_engine():
+    """Asserts that the block ran the Triton engine's layer Functions (LSTMLayer / GRULayer, also
+    inside checkpoint_every's segments): a forced "triton" that quietly ran the reference would give
+    the reference's results and a grad_fn of torch ops."""
+    from fastlayers.rnn import _gpu_layers
+
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        for cls in (_gpu_layers.LSTMLayer, _gpu_layers.GRULayer):
+            patch.setattr(cls, "apply", lambda *a, _apply=cls.apply: calls.append(1) or _apply(*a))
+        yield
+    assert calls, "the Triton engine did not run"

@@ -15,6 +15,16 @@ import torch
 from module_cases import CASE_IDS, CASES, digest, run
 
 
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """Two threads whatever the test runner chose (make test's workers each get one, and the
+    kernels' parallel loops, whose split this file checks, then never ran split)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_repeated_calls_are_bitwise_equal(case):
     torch.manual_seed(0)

@@ -334,3 +334,36 @@ def test_traced_attention_varlen_checks_and_rounds_as_eager():
         eager = fastlayers.attention_pool(q1, k1, cu_seqlens=torch.tensor([0, 2]))[1]
         traced = pool(q1, k1, torch.tensor([0, 2]))[1]
     assert torch.equal(eager, torch.tensor([0.5, 0.5], dtype=eager.dtype)) and torch.equal(traced, eager)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("cls,torch_cls", [(fastlayers.LSTM, torch.nn.LSTM), (fastlayers.GRU, torch.nn.GRU),
+                                           (fastlayers.RNN, torch.nn.RNN)], ids=["LSTM", "GRU", "RNN"])
+def test_varlen_equals_torchs_packed_call(cls, torch_cls, backend):
+    """Against torch.nn's PackedSequence call, not only our padded call (on the reference backend
+    the varlen call is the padded call, so that comparison could not see, e.g., final states
+    returned in the length-sorted order): outputs, final states and every gradient, float64."""
+    from rnn_helpers import torch_packed
+
+    torch.manual_seed(0)
+    ours = cls(5, 6, num_layers=2, bidirectional=True).double()
+    theirs = torch_cls(5, 6, num_layers=2, bidirectional=True).double()
+    theirs.load_state_dict(ours.state_dict())
+    values = torch.randn(CU[-1], 5, dtype=torch.float64)
+    lengths = torch.tensor(LENGTHS)
+    padded = torch.zeros(max(LENGTHS), len(LENGTHS), 5, dtype=torch.float64)
+    for b, (start, stop) in enumerate(zip(CU[:-1], CU[1:])):
+        padded[:stop - start, b] = values[start:stop]
+    with fastlayers.backend(backend):
+        out, state = ours(values.requires_grad_(), cu_seqlens=torch.tensor(CU))
+    want_out, want_state = torch_packed(theirs, padded.requires_grad_(), None, lengths)
+    rows = torch.cat([want_out[:n, b] for b, n in enumerate(LENGTHS)])  # the packed outputs, sequence by sequence
+    got, want = [out, *torch.utils._pytree.tree_leaves(state)], [rows, *torch.utils._pytree.tree_leaves(want_state)]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    cot = [torch.randn_like(t) for t in got]
+    g_ours = torch.autograd.grad(got, [values, *ours.parameters()], cot)
+    g_theirs = torch.autograd.grad(want, [padded, *theirs.parameters()], cot)
+    g_values = torch.cat([g_theirs[0][:n, b] for b, n in enumerate(LENGTHS)])
+    for a, b in zip((g_values, *g_theirs[1:]), g_ours, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)

@@ -83,19 +83,22 @@ def test_locally_connected2d_runs_the_triton_function():
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 def test_locally_connected2d_without_autograd_runs_the_kernels_directly(geometry, monkeypatch):
     """Under no_grad the kernels run without the autograd Function (its bookkeeping is host time of
-    every inference call): the float64 loop's values, and the Function never applied."""
-    from fastlayers.local import _gpu
+    every inference call): the float64 loop's values, the Function never applied, and the kernels'
+    forward run (a reference in its place passed every test before)."""
+    from fastlayers.local import _gpu, _routing
 
     def refuse(*args):
         raise AssertionError("the autograd Function ran under no_grad")
 
+    ran = []
     monkeypatch.setattr(_gpu.LocallyConnected2dTriton, "apply", refuse)
+    monkeypatch.setattr(_routing, "triton_forward", lambda *a: ran.append(1) or _gpu.triton_forward(*a))
     x, w, b, s, p, d = _random(geometry, dtype=torch.float32)
     with fastlayers.backend("triton"), torch.no_grad():
         y = locally_connected2d(x, w.requires_grad_(), b, s, p, d)
         with torch.autocast("cpu", torch.bfloat16):
             y_low = locally_connected2d(x, w, b, s, p, d)
-    assert y.grad_fn is None and y_low.dtype == torch.bfloat16
+    assert y.grad_fn is None and y_low.dtype == torch.bfloat16 and len(ran) == 2
     want = loop_reference(x.double(), w.detach().double(), b.double(), s, p, d)
     torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y_low.double(), want, atol=5e-2, rtol=5e-2)

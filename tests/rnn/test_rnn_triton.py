@@ -22,7 +22,7 @@ from fastlayers.rnn._gpu import gru_engine_gpu, lstm_engine_gpu  # noqa: E402
 from fastlayers.rnn._reference import gru_reference, lstm_reference  # noqa: E402
 from fastlayers.rnn._options import CellOptions  # noqa: E402
 
-from rnn_helpers import assert_close_all, make_hx, make_pair, run_and_grad, torch_packed  # noqa: E402
+from rnn_helpers import assert_close_all, make_hx, make_pair, on_the_triton_engine, run_and_grad, torch_packed  # noqa: E402
 from module_cases import weighted_sum  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -311,7 +311,7 @@ def test_module_as_constructed_forced_triton_equals_reference(cls, kwargs):
     module = cls(F, H, **kwargs).double().eval()
     shape = (B, T, F) if kwargs.get("batch_first") else (T, B, F)
     x = torch.randn(*shape, dtype=torch.float64)
-    with fastlayers.backend("triton"), _on_the_triton_engine():
+    with fastlayers.backend("triton"), on_the_triton_engine():
         got = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
     with fastlayers.backend("reference"):
         want = run_and_grad(lambda x, h: module(x, h, lengths=LENGTHS), module, x, None)
@@ -338,25 +338,10 @@ def test_size_one_projection_and_hidden_on_the_triton_engine(case):
     _assert_triton_equals_reference(module, torch.randn(T, B, f, dtype=torch.float64), LENGTHS)
 
 
-@contextlib.contextmanager
-def _on_the_triton_engine():
-    """Asserts that the block ran the Triton engine's layer Functions (LSTMLayer / GRULayer, also
-    inside checkpoint_every's segments): a forced "triton" that quietly ran the reference would give
-    the reference's results and a grad_fn of torch ops."""
-    from fastlayers.rnn import _gpu_layers
-
-    calls = []
-    with pytest.MonkeyPatch.context() as patch:
-        for cls in (_gpu_layers.LSTMLayer, _gpu_layers.GRULayer):
-            patch.setattr(cls, "apply", lambda *a, _apply=cls.apply: calls.append(1) or _apply(*a))
-        yield
-    assert calls, "the Triton engine did not run"
-
-
 def _assert_triton_equals_reference(module, x, lengths, reference_lengths=LENGTHS):
     """The module's outputs and every gradient on the Triton engine (given ``lengths``) equal the
     reference's (given ``reference_lengths``, the same values) in float64."""
-    with fastlayers.backend("triton"), _on_the_triton_engine():
+    with fastlayers.backend("triton"), on_the_triton_engine():
         got = run_and_grad(lambda x, h: module(x, h, lengths=lengths), module, x, None)
     with fastlayers.backend("reference"):
         want = run_and_grad(lambda x, h: module(x, h, lengths=reference_lengths), module, x, None)
@@ -391,7 +376,8 @@ def test_initial_states_given_as_views_on_the_triton_engine(case, view, checkpoi
     for backend in ("triton", "reference"):
         leaves = [t.clone().requires_grad_(True) for t in bases]
         views = [t.transpose(0, 1) if view == "transposed" else t.expand(-1, B, -1) for t in leaves]
-        with fastlayers.backend(backend):
+        engine = on_the_triton_engine() if backend == "triton" else contextlib.nullcontext()
+        with fastlayers.backend(backend), engine:  # (a triton quietly run as the reference: itself)
             y, finals = module(x, tuple(views) if cls is fastlayers.LSTM else views[0], lengths=LENGTHS)
             outs = [y, *(finals if isinstance(finals, tuple) else (finals,))]
             grads = torch.autograd.grad(weighted_sum(outs), [*leaves, *module.parameters()])
@@ -440,7 +426,7 @@ def test_dropout_between_layers_is_drawn_from_the_seed():
     """dropout between layers in training: F.dropout of the layer output (the global generator)."""
     module = fastlayers.GRU(F, H, num_layers=2, dropout=0.5, layer_norm=True).double().train()
     x = torch.randn(T, B, F, dtype=torch.float64)
-    with fastlayers.backend("triton"):
+    with fastlayers.backend("triton"), on_the_triton_engine():
         torch.manual_seed(5)
         a, _ = module(x, lengths=LENGTHS)
         torch.manual_seed(5)
