@@ -61,7 +61,7 @@ def main() -> int:
                       progress=lambda m: print("  ..", m, file=sys.stderr, flush=True))
         reports.append(rep)  # (the anchor and expected flags kept in the JSON: its ratios read back the same)
         failed += [f"{r.name}: {unexpected}" for r in rep.results
-                   if (unexpected := [f for f in r.failures() if f in rep.unexpected(r)])]
+                   if (unexpected := rep.failed(r))]
         packed, padded = f"torch.nn.{mode} packed (lengths)", f"torch.nn.{mode} padded (ignores lengths)"
         ours, ours_padded = f"fastlayers.{mode} lengths", f"fastlayers.{mode} padded (ignores lengths)"
         print(rep.render(w.anchor))

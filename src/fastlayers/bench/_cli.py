@@ -14,7 +14,7 @@ import torch
 
 from .._core.files import write_atomic
 from ._harness import Report, _summarise_flags, compare
-from ._plot import FORMATS
+from ._plot import FORMATS, plot_format
 from ._workloads import WORKLOADS
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"reference: {report.reference}; CPU: {report.cpu}")
     errors = _save(args, report)
     failed = [f"{r.name}: {_summarise_flags(unexpected)}" for r in report.results
-              if (unexpected := [f for f in report.unexpected(r) if f in r.failures()])]
+              if (unexpected := report.failed(r))]
     if failed:
         errors.insert(0, f"fastlayers bench: check failed (values or gradients differ from the reference): "
                          f"{'; '.join(failed)}")
@@ -103,9 +103,9 @@ def _save(args: argparse.Namespace, report: Report) -> list[str]:
     if args.json:
         files.append(("--json", args.json, lambda: report.to_json().encode()))
     if args.plot:
-        from ._plot import render_plot
+        from ._plot import plot_format, render_plot
 
-        files.append(("--plot", args.plot, lambda: render_plot(report, Path(args.plot).suffix[1:].lower() or "png")))
+        files.append(("--plot", args.plot, lambda: render_plot(report, plot_format(args.plot))))
     errors = []
     for option, name, content in files:
         try:
@@ -203,6 +203,6 @@ def _check(args: argparse.Namespace) -> None:
             return
         # only the formats matplotlib writes itself (.pgf needs LaTeX, .ps / .eps a distiller when set)
         formats = [f for f in FORMATS if f in Figure().canvas.get_supported_filetypes()]
-        if Path(args.plot).suffix[1:].lower() not in formats:
+        if plot_format(args.plot) not in formats:
             refuse(f"--plot {args.plot}: expected a file name ending in one of the formats matplotlib writes "
                    f"without other programs ({', '.join('.' + f for f in formats)}), got {Path(args.plot).suffix!r}")

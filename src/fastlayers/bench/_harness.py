@@ -176,6 +176,11 @@ class Report:
         expected = self.expected.get(result.name, ())
         return [f for f in result.flags if f.partition(": ")[0] not in expected]
 
+    def failed(self, result: CandidateResult) -> list[str]:
+        """``result``'s failed checks (:meth:`CandidateResult.failures`) that :attr:`expected` does
+        not list for it: what makes a benchmark exit 1."""
+        return [f for f in self.unexpected(result) if f.partition(": ")[0] in FAILURES]
+
     def to_json(self, indent: int | None = 2) -> str:
         """The report as strict JSON (:meth:`from_json` reads it back); times in seconds, memory in
         bytes. JSON has no infinity or NaN (a missing gradient's error is inf), so a non-finite

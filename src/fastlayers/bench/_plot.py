@@ -14,10 +14,15 @@ from ._harness import Report, _summarise_flags
 FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp")
 
 
+def plot_format(path: str) -> str:
+    """The format a chart file's suffix names (``"png"`` without one)."""
+    return Path(path).suffix[1:].lower() or "png"
+
+
 def plot_report(report: Report, path: str) -> None:
     """Write :func:`render_plot`'s chart to ``path``, in the format its suffix names (PNG without
     one), whole or not at all."""
-    data = render_plot(report, Path(path).suffix[1:].lower() or "png")
+    data = render_plot(report, plot_format(path))
     write_atomic(Path(path), lambda f: f.write(data))
 
 
@@ -52,7 +57,7 @@ def figure(report: Report):
     ys = range(len(names))
     ax.barh([y + 0.2 for y in ys], fwd, height=0.4, label="forward")
     ax.barh([y - 0.2 for y in ys], both, height=0.4, label="forward + backward")
-    flagged = [_summarise_flags(report.unexpected(r)) if report.unexpected(r) else "" for r in report.results]
+    flagged = [_summarise_flags(unexpected) if (unexpected := report.unexpected(r)) else "" for r in report.results]
     ax.set_yticks(list(ys), [f"{n}\n{f}" if f else n for n, f in zip(names, flagged)])
     for label, f in zip(ax.get_yticklabels(), flagged):
         if f:  # under the candidate's name, not beside its bars (where it could run into the legend)

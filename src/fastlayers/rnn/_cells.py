@@ -13,6 +13,7 @@ equations, as the C++ operator over one step (CPU, no autograd) or the layers' T
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -269,11 +270,8 @@ def cell_step(name: str, mode: str, input: Any, hx: Any, params: dict[str, Tenso
     if mode == "RNN" and nonlinearity not in ("tanh", "relu"):  # torch.nn.RNNCell checks it per call
         raise RuntimeError(f"Unknown nonlinearity: {nonlinearity}; nonlinearity: expected 'tanh' or "
                            f"'relu', got {nonlinearity!r}")
-    if autocast_off:  # low-precision parameters: the low-precision model's step
-        with torch.autocast(x.device.type, enabled=False):
-            new = step(mode, x, states, params, options, training=training, recurrent_mask=recurrent_mask,
-                       nonlinearity=nonlinearity)
-    else:
+    # low-precision parameters under autocast: the low-precision model's step, autocast off
+    with torch.autocast(x.device.type, enabled=False) if autocast_off else contextlib.nullcontext():
         new = step(mode, x, states, params, options, training=training, recurrent_mask=recurrent_mask,
                    nonlinearity=nonlinearity)
     new = new if batched else tuple(s.squeeze(0) for s in new)
