@@ -417,10 +417,15 @@ def _run(fn: Candidate, inputs: Inputs, cotangents: list[Tensor], backward: bool
     outputs' dtypes (:func:`_cast`): a cast here would be timed and counted as memory."""
     outs = _outputs(inputs.call(fn))
     if backward:
-        pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cotangents) if o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+        _backward(outs, cotangents)
     return outs
+
+
+def _backward(outs: list[Tensor], cotangents: list[Tensor]) -> None:
+    """One backward from the outputs that require grad, each with its cotangent in its dtype."""
+    pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cotangents) if o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
 
 
 def _first_call(fn: Candidate, inputs: Inputs, cotangents: list[Tensor] | None,
@@ -433,10 +438,7 @@ def _first_call(fn: Candidate, inputs: Inputs, cotangents: list[Tensor] | None,
     outs = _outputs(inputs.call(fn))
     _sync(device)
     forward = time.perf_counter() - start
-    cotangents = [torch.ones_like(o) for o in outs] if cotangents is None else cotangents
-    pairs = [(o, c.to(o.dtype)) for o, c in zip(outs, cotangents) if o.requires_grad]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+    _backward(outs, [torch.ones_like(o) for o in outs] if cotangents is None else cotangents)
     _sync(device)
     return outs, (forward, time.perf_counter() - start)
 
@@ -651,9 +653,7 @@ def compare(
         ref_closure = _closure_tensors(ref_outs, [*ref_diffs.values(), *ref_inputs.named().values()])
         ref_diffs.update(_closure_names(ref_closure, ref_closure))
         _clear_grads(ref_diffs.values())
-        pairs = [(o, c) for o, c in zip(ref_outs, cotangents) if o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+        _backward(ref_outs, cotangents)  # (the cotangents are made in ref_outs' dtypes)
         ref_grads = {k: v.grad for k, v in ref_diffs.items()}
         _clear_grads([*ref_diffs.values(), *_graph_leaves(ref_outs)])  # (the gradients are kept in ref_grads)
         for name, fn in candidates.items():
