@@ -1,6 +1,7 @@
 """torch.compile: the C kernels are custom operators (opcheck), the local layers and attention pooling
 compile with fullgraph=True, the recurrent layers too on padded input with allow_rnn, a model of
-every layer compiles with default settings; outputs and gradients equal eager; graph breaks counted.
+every layer compiles with default settings; outputs and gradients equal eager; graph breaks counted;
+the export operators (torch.export's) pass opcheck and differentiate twice.
 
 Inductor (the default backend) compiles the whole-model test and the local layers; the per-layer
 fullgraph checks use the aot_eager backend, which runs the same Dynamo capture, fake
@@ -338,8 +339,8 @@ def test_varlen_compiled_in_training_draws_the_eager_calls_masks(cls, kwargs):
 def test_custom_operators_pass_opcheck():
     assert ops_lib.load()  # the C++ operators (locally_connected2d)
     torch.manual_seed(0)
-    w, b = torch.randn(3, 2, 3, 3, 4, 3, requires_grad=True), torch.randn(3, 4, 3, requires_grad=True)
-    x = torch.randn(2, 2, 6, 5, requires_grad=True)
+    w, b = torch.randn(3, 2, 3, 3, 6, 3, requires_grad=True), torch.randn(3, 6, 3, requires_grad=True)
+    x = torch.randn(2, 2, 6, 5, requires_grad=True)  # (output 6 x 3: padding 1, stride (1, 2))
     torch.library.opcheck(torch.ops.fastlayers.locally_connected2d, (x, w, b, [1, 2], [1, 1], [1, 1]))
     d, n, batch, f, h = 2, 12, 4, 3, 5
     r = lambda *s: torch.randn(*s, requires_grad=True)  # noqa: E731
@@ -465,3 +466,95 @@ def test_compiled_varlen_layers_run_once_each_and_name_a_bad_cu_seqlens(cls, mon
                                          r"got 13$"):
         compiled(x, torch.tensor([0, 5, 7, 13]))
     torch._dynamo.reset()
+
+
+def test_varlen_operators_differentiate_twice():
+    """The varlen operators' backward (and the padded ones', whose recomputation it shares) is
+    differentiable: gradgradcheck in float64, not zeros."""
+    torch.manual_seed(0)
+    d, f, h, batch = 2, 3, 4, 3
+    cu = torch.tensor([0, 2, 7, 8])
+    r = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    w_ih, w_hh, ln, ln_cell = r(d, 4 * h, f), r(d, 4 * h, h), r(d, 4 * h), r(d, h)
+
+    def layer(x, h0, c0, w_ih):  # with LayerNorm (gains: ln for W_ih x and W_hh h, ln_cell with bias ln_cell)
+        return torch.ops.fastlayers.lstm_varlen(x, cu, h0, c0, w_ih, w_hh, None, None, ln, ln, ln_cell, ln_cell, None,
+                                                None, None, None, None, 0.0, 0.0, 0.0, 0.0)
+
+    inputs = (r(8, f), r(d, batch, h), r(d, batch, h), w_ih)
+    assert torch.autograd.gradcheck(layer, inputs) and torch.autograd.gradgradcheck(layer, inputs, fast_mode=True)
+    assert ops_lib.load()
+    lengths = torch.tensor([2, 5, 1])
+
+    def padded(x, h0, c0, w_ih):
+        return torch.ops.fastlayers.lstm_padded(x, lengths, h0, c0, w_ih, w_hh, None, None, None, None, None, None,
+                                                None, None, None, None, None, 0.0, 0.0, 0.0, 0.0)
+
+    inputs = (r(5, batch, f), r(d, batch, h), r(d, batch, h), w_ih)
+    assert torch.autograd.gradcheck(padded, inputs, fast_mode=True) and \
+        torch.autograd.gradgradcheck(padded, inputs, fast_mode=True)
+
+
+def test_export_operators_pass_opcheck():
+    """Schema, fake functions and autograd registration. Not test_aot_dispatch_dynamic: the operators'
+    backward recomputes the layer with the eager engine, whose plan reads the lengths on the host
+    (an exported program's backward runs eagerly, as ep.module() does)."""
+    assert ops_lib.load()
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    d, steps, batch, f, h = 2, 5, 3, 4, 3
+    lengths = torch.tensor([5, 2, 4])
+    torch.library.opcheck(torch.ops.fastlayers.lstm_padded, (
+        r(steps, batch, f), lengths, r(d, batch, h), r(d, batch, h), r(d, 4 * h, f), r(d, 4 * h, h), r(d, 4 * h),
+        r(d, 4 * h), r(d, 4 * h), r(d, 4 * h), r(d, h), r(d, h), r(d, 3 * h), None, None, None, None, 0.5, 0.1, 0.2,
+        0.0), test_utils=checks)
+    torch.library.opcheck(torch.ops.fastlayers.gru_padded, (
+        r(steps, batch, f), None, r(d, batch, h), r(d, 3 * h, f), r(d, 3 * h, h), r(d, 3 * h), r(d, 3 * h), None, None,
+        None, None, 0.0), test_utils=checks)
+    torch.library.opcheck(torch.ops.fastlayers.rnn_padded, (
+        r(steps, batch, f), lengths, r(d, batch, h), r(d, h, f), r(d, h, h), r(d, h), r(d, h), True), test_utils=checks)
+
+
+def test_export_operators_refuse_operands_of_other_shapes():
+    """The C++ operators check every operand their kernels read through a raw pointer (they read
+    the sizes the weights imply: a smaller bias, gain, mask or a weight of another geometry was read
+    past its end, returning garbage or crashing the process)."""
+    assert ops_lib.load()
+    r = torch.randn
+    d, steps, batch, f, h = 2, 5, 3, 4, 3
+    lengths = torch.tensor([5, 2, 4])
+    lstm = dict(x=r(steps, batch, f), lengths=lengths, h0=r(d, batch, h), c0=r(d, batch, h), w_ih=r(d, 4 * h, f),
+                w_hh=r(d, 4 * h, h), b_ih=r(d, 4 * h), b_hh=r(d, 4 * h), ln_ih=r(d, 4 * h), ln_hh=r(d, 4 * h),
+                ln_cell_weight=r(d, h), ln_cell_bias=r(d, h), peephole=r(d, 3 * h), w_hr=None, rmask=r(d, batch, h),
+                zc=r(d, steps, batch, h), zh=r(d, steps, batch, h))
+    gru = dict(x=r(steps, batch, f), lengths=lengths, h0=r(d, batch, h), w_ih=r(d, 3 * h, f), w_hh=r(d, 3 * h, h),
+               b_ih=r(d, 3 * h), b_hh=r(d, 3 * h), ln_ih=r(d, 3 * h), ln_hh=r(d, 3 * h), rmask=r(d, batch, h),
+               zh=r(d, steps, batch, h))
+    rnn = dict(x=r(steps, batch, f), lengths=lengths, h0=r(d, batch, h), w_ih=r(d, h, f), w_hh=r(d, h, h),
+               b_ih=r(d, h), b_hh=r(d, h))
+    cases = [(torch.ops.fastlayers.lstm_padded, lstm, [0.5, 0.0, 0.0, 0.0]),
+             (torch.ops.fastlayers.gru_padded, gru, [0.0]), (torch.ops.fastlayers.rnn_padded, rnn, [True])]
+    for op, args, rest in cases:
+        op(*args.values(), *rest)  # (as given: runs)
+        for name, value in args.items():
+            if name in ("x", "lengths", "w_ih", "h0", "c0") or value is None:  # (checked before: test_export.py)
+                continue
+            bad = dict(args, **{name: value[:, :-1] if name == "w_hh" else value[..., :-1]})
+            with pytest.raises(RuntimeError, match=rf"{name}: expected .*got \["):
+                op(*bad.values(), *rest)
+    x, w, b = r(2, 3, 6, 6), r(4, 3, 3, 3, 4, 4), r(4, 4, 4)
+    local = torch.ops.fastlayers.locally_connected2d
+    assert local(x, w, b, [1, 1], [0, 0], [1, 1]).shape == (2, 4, 4, 4)
+    for args, message in [((x, r(4, 3, 3, 3, 40, 40), b, [1, 1], [0, 0], [1, 1]), r"with \(OH, OW\) = \(4, 4\)"),
+                          ((x, r(4, 5, 3, 3, 4, 4), b, [1, 1], [0, 0], [1, 1]), r"with C = 3"),
+                          ((x, w, r(4), [1, 1], [0, 0], [1, 1]), r"bias: expected shape \[4, 4, 4\]"),
+                          ((x, w, b, [1], [0], [1]), r"of 2 values each"),
+                          ((x, w, b, [0, 1], [0, 0], [1, 1]), r"stride >= 1")]:
+        with pytest.raises(RuntimeError, match=message):
+            local(*args)
+    grad = r(2, 4, 4, 4)
+    backward = torch.ops.fastlayers.locally_connected2d_backward
+    assert backward(grad, x, w, [1, 1], [0, 0], [1, 1], [True, True, True])[1].shape == w.shape
+    with pytest.raises(RuntimeError, match=r"grad: expected shape \[2, 4, 4, 4\]"):
+        backward(grad[..., :2], x, w, [1, 1], [0, 0], [1, 1], [True, True, True])

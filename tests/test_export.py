@@ -1,18 +1,18 @@
 """torch.export of every layer: dynamic batch and time (and lengths as data), the exported program
-equal to eager at shapes other than the export's, in value and gradient; the C++ operators pass
-torch.library.opcheck. Every test runs in torch.export's default non-strict mode and with
+equal to eager at shapes other than the export's, in value and gradient (the operators' opcheck and
+second derivatives: test_compile.py). Every test runs in torch.export's default non-strict mode and with
 ``strict=True`` (Dynamo's tracing: the recurrent layers' export stopped at the operator library's
 loader, ``Unsupported context manager``)."""
 
 from __future__ import annotations
 
+import contextlib
 import pytest
 import torch
 from torch.export import Dim
 from torch.utils._pytree import tree_leaves
 
 import fastlayers
-from fastlayers._native import ops_lib
 from rnn_helpers import CallAsUser
 
 pytestmark = pytest.mark.compile  # (see pyproject's markers: tracing, no kernel path of its own)
@@ -88,14 +88,16 @@ def test_exported_equals_eager(mode, name, lengths, hx):
 
 @pytest.mark.parametrize("mode,name", [("LSTM", "plain"), ("LSTM", "all + proj"), ("GRU", "all"), ("RNN", "relu")])
 def test_exported_gradients_equal_eager(mode, name):
-    """The exported program trains: its gradients (the operators' autograd) equal eager's (float64)."""
+    """The exported program trains: its gradients (the operators' autograd) equal those of the
+    plain-PyTorch reference backend's autograd in eager (float64): an oracle the program does not share."""
     model = CallAsUser(_build(mode, name, False, dtype=torch.float64), True, True)
     exported = _export(model, torch.float64).module()
     for i, (batch, steps) in enumerate(SHAPES):
         grads = []
-        for module in (exported, model):
+        for module, backend in ((exported, None), (model, "reference")):
             args = _inputs(model.layer, batch, steps, torch.float64, i + 1, grad=True)
-            outs = tree_leaves(module(*args))
+            with fastlayers.backend(backend) if backend else contextlib.nullcontext():
+                outs = tree_leaves(module(*args))
             leaves = [args[0], args[2], args[3]] + _parameters(module)
             torch.manual_seed(5)
             loss = sum((o * torch.randn_like(o)).sum() for o in outs)
@@ -205,9 +207,10 @@ def test_varlen_export_keeps_the_total_length_and_batch_dynamic(mode, name):
     exported = torch.export.export(model, tuple(args), dynamic_shapes=dynamic).module()
     for i, lengths in enumerate(([3, 9, 1, 5], [2, 6], [8, 1, 1, 4, 2, 7])):
         grads = []
-        for module in (exported, model):
+        for module, backend in ((exported, None), (model, "reference")):  # (an oracle it does not share)
             a = _varlen_inputs(model.layer, lengths, torch.float64, i + 1, grad=True)
-            outs = tree_leaves(module(*a))
+            with fastlayers.backend(backend) if backend else contextlib.nullcontext():
+                outs = tree_leaves(module(*a))
             assert outs[0].shape == (sum(lengths), 6 if mode == "LSTM" else 12)  # (proj_size 3 with LSTM)
             leaves = [a[0], *a[2:], *_parameters(module)]
             torch.manual_seed(5)
@@ -287,54 +290,6 @@ def test_exported_layer_refuses_t_0_and_names_no_symbol():
         ep.module()(torch.randn(5, 2, 5), lengths=torch.tensor([9, 1]))
     with pytest.raises(RuntimeError, match=r"^lengths: every length must be >= 1, got a smaller one$"):
         ep.module()(torch.randn(5, 2, 5), lengths=torch.tensor([0, 1]))
-
-
-def test_varlen_operators_differentiate_twice():
-    """The varlen operators' backward (and the padded ones', whose recomputation it shares) is
-    differentiable: gradgradcheck in float64, not zeros."""
-    torch.manual_seed(0)
-    d, f, h, batch = 2, 3, 4, 3
-    cu = torch.tensor([0, 2, 7, 8])
-    r = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
-    w_ih, w_hh, ln, ln_cell = r(d, 4 * h, f), r(d, 4 * h, h), r(d, 4 * h), r(d, h)
-
-    def layer(x, h0, c0, w_ih):  # with LayerNorm (gains: ln for W_ih x and W_hh h, ln_cell with bias ln_cell)
-        return torch.ops.fastlayers.lstm_varlen(x, cu, h0, c0, w_ih, w_hh, None, None, ln, ln, ln_cell, ln_cell, None,
-                                                None, None, None, None, 0.0, 0.0, 0.0, 0.0)
-
-    inputs = (r(8, f), r(d, batch, h), r(d, batch, h), w_ih)
-    assert torch.autograd.gradcheck(layer, inputs) and torch.autograd.gradgradcheck(layer, inputs, fast_mode=True)
-    assert ops_lib.load()
-    lengths = torch.tensor([2, 5, 1])
-
-    def padded(x, h0, c0, w_ih):
-        return torch.ops.fastlayers.lstm_padded(x, lengths, h0, c0, w_ih, w_hh, None, None, None, None, None, None,
-                                                None, None, None, None, None, 0.0, 0.0, 0.0, 0.0)
-
-    inputs = (r(5, batch, f), r(d, batch, h), r(d, batch, h), w_ih)
-    assert torch.autograd.gradcheck(padded, inputs, fast_mode=True) and \
-        torch.autograd.gradgradcheck(padded, inputs, fast_mode=True)
-
-
-def test_operators_pass_opcheck():
-    """Schema, fake functions and autograd registration. Not test_aot_dispatch_dynamic: the operators'
-    backward recomputes the layer with the eager engine, whose plan reads the lengths on the host
-    (an exported program's backward runs eagerly, as ep.module() does)."""
-    assert ops_lib.load()
-    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
-    d, steps, batch, f, h = 2, 5, 3, 4, 3
-    lengths = torch.tensor([5, 2, 4])
-    torch.library.opcheck(torch.ops.fastlayers.lstm_padded, (
-        r(steps, batch, f), lengths, r(d, batch, h), r(d, batch, h), r(d, 4 * h, f), r(d, 4 * h, h), r(d, 4 * h),
-        r(d, 4 * h), r(d, 4 * h), r(d, 4 * h), r(d, h), r(d, h), r(d, 3 * h), None, None, None, None, 0.5, 0.1, 0.2,
-        0.0), test_utils=checks)
-    torch.library.opcheck(torch.ops.fastlayers.gru_padded, (
-        r(steps, batch, f), None, r(d, batch, h), r(d, 3 * h, f), r(d, 3 * h, h), r(d, 3 * h), r(d, 3 * h), None, None,
-        None, None, 0.0), test_utils=checks)
-    torch.library.opcheck(torch.ops.fastlayers.rnn_padded, (
-        r(steps, batch, f), lengths, r(d, batch, h), r(d, h, f), r(d, h, h), r(d, h), r(d, h), True), test_utils=checks)
 
 
 @pytest.mark.subprocess

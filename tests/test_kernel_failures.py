@@ -54,12 +54,23 @@ def _forwards(no_grad: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def _child(out: str, library_dir: str) -> None:
+def _child(out: str, library_dir: str, preload: str = "", cdll_fails: str = "") -> None:
     import warnings
 
+    if preload:  # a file loaded by hand before fastlayers loads its own (docs/deploy.md's serving recipe)
+        torch.ops.load_library(preload)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         from fastlayers import _native
+
+        if cdll_fails:  # the operators register (torch.ops.load_library), the loader's own dlopen then fails
+            import ctypes
+            import types
+
+            def refuse(path, *args, **kwargs):
+                raise OSError(f"{path}: cannot open (as the test makes it)")
+
+            _native.ctypes = types.SimpleNamespace(**{**vars(ctypes), "CDLL": refuse})
         from fastlayers._core.backend import select
         from fastlayers._native import ops_lib
 
@@ -80,11 +91,13 @@ def reference() -> dict[str, torch.Tensor]:
         return _forwards(no_grad=True)
 
 
-def _run(tmp_path: Path, library_dir: Path | None = None, **env: str) -> dict:
+def _run(tmp_path: Path, library_dir: Path | None = None, preload: Path | None = None, cdll_fails: bool = False,
+         **env: str) -> dict:
     out = tmp_path / f"out-{len(list(tmp_path.glob('out-*')))}.pt"
     environ = {k: v for k, v in os.environ.items() if k not in UNSET}
     environ.update(OMP_NUM_THREADS=str(torch.get_num_threads()), **env)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(HERE), str(out), str(library_dir or "")],
+    args = [str(out), str(library_dir or ""), str(preload or ""), "1" if cdll_fails else ""]
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(HERE), *args],
                           capture_output=True, text=True, env=environ, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -159,6 +172,55 @@ def test_library_built_against_another_torch_is_not_loaded(tmp_path, reference):
     assert f"was built against torch {fake.decode()}, and this is torch {built.decode()}" in run["warnings"][0]
     assert run["backends"] == {"lstm": "reference", "gru": "reference", "local2d": "reference"}
     assert run["operators"] is False
+    _same(run["results"], reference)
+
+
+def test_a_variant_loaded_by_hand_first_is_used_not_aborted(tmp_path, reference):
+    """A process that loaded a variant's file itself (torch.ops.load_library, as docs/deploy.md's
+    serving process does) before fastlayers loads: fastlayers loaded its own choice beside it, a
+    second registration of the operators, and the process aborted (SIGABRT: "Only a single
+    TORCH_LIBRARY can be used to register the namespace fastlayers"). Now the file loaded (or a copy
+    of it elsewhere) is used, with one warning where it is not the variant fastlayers would load."""
+    runnable = _runnable()
+    lower = runnable[-2] if len(runnable) > 1 else runnable[-1]
+    run = _run(tmp_path, preload=_native.built()[lower])
+    assert run["variant"] == lower and run["operators"] is True, run
+    assert run["backends"] == {"lstm": "cpu", "gru": "cpu", "local2d": "cpu"}
+    assert len(run["warnings"]) == (lower != runnable[-1]), run["warnings"]
+    assert all(f"loaded the {lower} variant of the native library before fastlayers did" in w for w in run["warnings"])
+    _same(run["results"], reference)
+    copy = tmp_path / "served" / _native.built()[runnable[-1]].name
+    copy.parent.mkdir()
+    shutil.copy(_native.built()[runnable[-1]], copy)
+    run = _run(tmp_path, preload=copy)
+    assert run["warnings"] == [] and run["variant"] == runnable[-1] and run["operators"] is True, run
+    _same(run["results"], reference)
+
+
+def test_another_library_holding_the_operators_is_not_loaded_beside(tmp_path, reference):
+    """A file that registered torch.ops.fastlayers and is none of this build's (another build's
+    library): nothing of ours loads beside it (that aborted the process), one warning naming it, the
+    pure-PyTorch path."""
+    best = _native.built()[_runnable()[-1]]
+    other = tmp_path / "other" / best.name
+    other.parent.mkdir()
+    other.write_bytes(best.read_bytes() + b"another build")  # (still a library that loads: other bytes)
+    run = _run(tmp_path, preload=other)
+    assert len(run["warnings"]) == 1 and "already registered in this process by" in run["warnings"][0], run
+    assert str(other) in run["warnings"][0] and "not a file of this fastlayers build" in run["warnings"][0]
+    assert run["backends"] == {"lstm": "reference", "gru": "reference", "local2d": "reference"}
+    assert run["operators"] is False and run["variant"] is None
+    _same(run["results"], reference)
+
+
+def test_a_registered_variant_that_fails_its_dlopen_stops_there(tmp_path, reference):
+    """The operators of the chosen variant registered, then the loader's own dlopen of the file
+    failed: it went on to the next variant down, whose registration aborted the process. Now one
+    warning, the pure-PyTorch path for the C kernels."""
+    run = _run(tmp_path, cdll_fails=True)
+    assert len(run["warnings"]) == 1 and "cannot open (as the test makes it)" in run["warnings"][0], run
+    assert "loaded the" not in run["warnings"][0]
+    assert run["backends"] == {"lstm": "reference", "gru": "reference", "local2d": "reference"}
     _same(run["results"], reference)
 
 

@@ -280,6 +280,35 @@ def test_a_float64_rnn_under_autocast_refuses_float32_input_as_torchs():
         assert ours(x.double())[0].dtype == theirs(x.double())[0].dtype == torch.float64
 
 
+@pytest.mark.parametrize("lengths", [None, [5, 2, 4]], ids=["padded", "lengths"])
+def test_a_low_precision_rnn_call_never_writes_the_module(lengths, monkeypatch):
+    """An RNN call under CPU autocast leaves the module as it was, during the call too: it swapped
+    rounded copies into the module's _flat_weights for the call, so a call from another thread then
+    ran on them (wrong values), and two overlapping calls could leave them there for good (parameter
+    updates no longer reached the forward)."""
+    from fastlayers.rnn import _modules
+
+    torch.manual_seed(0)
+    ours = fastlayers.RNN(8, 16)
+    seen = []
+
+    def own_weights():
+        return all(w is p for w, p in zip(ours._flat_weights, ours.parameters(), strict=True))
+
+    def spy(fn):
+        def call(*args, **kwargs):
+            seen.append(own_weights())
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(nn.RNN, "forward", spy(nn.RNN.forward))  # (the padded call's kernel)
+    monkeypatch.setattr(_modules, "varlen_rnn", spy(_modules.varlen_rnn))  # (the lengths path's)
+    x = _x(5, 3, 8)
+    with torch.autocast("cpu", BF16):
+        out = ours(x, lengths=lengths)[0]
+    assert out.dtype == BF16 and seen and all(seen) and own_weights()
+
+
 class _NaiveLoop(nn.Module):
     """The LayerNorm / peephole / clip cell written the plain way, one step at a time, every op in
     the parameters' dtype (bf16 state included): the plain-torch formulation of the options."""

@@ -276,8 +276,13 @@ def test_gather_and_scatter_rows_gradients(monkeypatch, covers):
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("value,limit,warns", [("0", 0, False), ("64", 64 << 20, False), ("many", 1024 << 20, True)])
+@pytest.mark.parametrize("value,limit,warns", [("0", 0, False), ("64", 64 << 20, False), ("many", 1024 << 20, True),
+                                               ("512 ", 512 << 20, False), (" 0\n", 0, False), ("+5", 1024 << 20, True),
+                                               ("-1", 1024 << 20, True), ("8 MB", 1024 << 20, True)])
 def test_cache_limit_from_the_environment(value, limit, warns):
+    """The limit the library reads is the one the Python side reports and warns about (white space
+    around the digits taken by both: '512 ' was the default silently in the library, and '+5' 5 MiB
+    where the warning said the default)."""
     import os
     import subprocess
     import sys

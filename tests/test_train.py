@@ -555,6 +555,56 @@ def test_a_damaged_data_wheel_is_a_one_line_error(tmp_path, monkeypatch):
         _shipped.read_shipped("aeon", "datasets/member.ts")
 
 
+def test_a_damaged_installed_data_file_falls_back_to_the_wheel(tmp_path, monkeypatch):
+    """An installed package whose data file does not parse (an interrupted install): the wheel's copy
+    is read instead, and with no good copy anywhere DataUnavailable's one line names the damaged
+    ones (it raised the parser's EOFError / BadZipFile with a traceback, naming no file)."""
+    import importlib.machinery
+    import zipfile
+
+    from fastlayers.data import _shipped
+
+    installed = tmp_path / "site" / "aeon"
+    (installed / "datasets").mkdir(parents=True)
+    (installed / "datasets" / "member.txt").write_bytes(b"trunc")
+    spec = importlib.machinery.ModuleSpec("aeon", None, is_package=True)
+    spec.submodule_search_locations = [str(installed)]
+    monkeypatch.setattr(_shipped.importlib.util, "find_spec", lambda name: spec)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    monkeypatch.setenv("FASTLAYERS_DATA", str(wheels))
+    monkeypatch.setenv("FASTLAYERS_OFFLINE", "1")
+
+    def parse(raw: bytes) -> str:
+        if not raw.endswith(b"end"):
+            raise EOFError("ended early")
+        return raw.decode()
+
+    with pytest.raises(_shipped.DataUnavailable, match=r"aeon/datasets/member\.txt, which is installed only damaged "
+                                                       r"\(.*member\.txt \(EOFError: ended early\)\) and not in"):
+        _shipped.read_shipped("aeon", "datasets/member.txt", parse)
+    wheel = wheels / f"aeon-{_shipped.RELEASES['aeon']}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("aeon/datasets/member.txt", "the whole file, to the end")
+    assert _shipped.read_shipped("aeon", "datasets/member.txt", parse) == "the whole file, to the end"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("aeon/datasets/member.txt", "cut")
+    with pytest.raises(_shipped.DataUnavailable, match=r"aeon==1\.6\.0: .*member\.txt \(EOFError: ended early\), "
+                                                       r".*\.whl \(EOFError: ended early\) holds no readable"):
+        _shipped.read_shipped("aeon", "datasets/member.txt", parse)
+
+
+@pytest.mark.parametrize("value, offline", [("1", True), ("yes", True), ("0", False), ("false", False), ("no", False),
+                                            ("off", False), ("", False)])
+def test_the_offline_switch_reads_its_value(monkeypatch, value, offline):
+    """FASTLAYERS_OFFLINE=false (or no, off) leaves fetching on, as FASTLAYERS_NO_NATIVE reads its
+    value (any value but empty and 0 turned it off)."""
+    from fastlayers.data import _shipped
+
+    monkeypatch.setenv("FASTLAYERS_OFFLINE", value)
+    assert _shipped.offline() is offline
+
+
 def test_cuda_without_a_gpu_is_a_one_line_error(tmp_path, monkeypatch):
     from fastlayers.cli import main
 

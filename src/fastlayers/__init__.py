@@ -48,12 +48,17 @@ def ops_library() -> str:
     return path
 
 
+_SUBMODULES = ("functional", "onnx", "bench", "data", "train")  # (the public ones: docs/api.rst)
+
+
 def __getattr__(name: str):
-    """``fastlayers.onnx`` imported on first use (it is the only module that needs onnxscript)."""
-    if name == "onnx":
+    """The public submodules (``fastlayers.functional``, ``onnx``, ``bench``, ``data``, ``train``) on
+    first use, as ``torch.nn.functional`` after ``import torch``: ``import fastlayers`` does not import
+    them (``onnx`` needs onnxscript; ``train`` and ``data`` their own dependencies)."""
+    if name in _SUBMODULES:
         import importlib
 
-        return importlib.import_module(".onnx", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

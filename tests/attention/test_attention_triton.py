@@ -106,3 +106,28 @@ def test_non_finite_padding_reaches_nothing_on_triton(where):
     for t in (context, gq, gk, gv):
         assert bool(t.isfinite().all())
     assert bool((gk[1, 2:] == 0).all()) and bool((gv[1, 2:] == 0).all())
+
+
+def test_a_first_block_of_minus_inf_scores_gives_them_weight_zero():
+    """Scores of -inf over the kernel's whole first time block (64 steps), finite after it: those
+    steps get weight 0 and the rest their softmax, as torch.softmax (the online softmax subtracted a
+    running maximum of -inf from -inf: NaN context and weights). Every score -inf: NaN, as torch's."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 3), (2, 70, 3), (2, 70, 4)))
+    k = k.clone()
+    k[:, :66, 0] = float("-inf")
+    q = q.clone()
+    q[:, 0] = 1.0  # (the scores of those steps -inf, the others finite)
+    lengths = torch.tensor([70, 66])  # (the second sequence: every valid score -inf)
+    with fastlayers.backend("triton"):
+        context, weights = attention_pool(q, k, v, lengths)
+    want_context, want_weights = _attention_reference(q, k, v, lengths, 1.0)
+    assert want_context[0].isfinite().all() and want_context[1].isnan().all()
+    torch.testing.assert_close(context, want_context, equal_nan=True)
+    torch.testing.assert_close(weights[:, :66], want_weights[:, :66], equal_nan=True)
+    torch.testing.assert_close(weights[0], want_weights[0])
+    assert torch.equal(weights[0, :66], torch.zeros(66)) and torch.equal(weights[1, 66:], torch.zeros(4))  # (padded: 0)
+    with fastlayers.backend("reference"):
+        ref_context, ref_weights = attention_pool(q, k, v, lengths)
+    torch.testing.assert_close(ref_context, context, equal_nan=True)
+    torch.testing.assert_close(ref_weights[:, :66], weights[:, :66], equal_nan=True)

@@ -137,3 +137,45 @@ def test_bad_lengths_type(lstm):
         lstm(torch.randn(6, 3, 4), lengths="6,5,2")
     with pytest.raises(TypeError, match=r"lengths: expected an integer tensor, got dtype torch.bool"):
         lstm(torch.randn(6, 3, 4), lengths=torch.tensor([True, True, True]))
+
+
+@pytest.mark.parametrize("mode,options", [("LSTM", {}), ("LSTM", {"layer_norm": True}), ("GRU", {}),
+                                          ("GRU", {"layer_norm": True}), ("RNN", {})],
+                         ids=["LSTM", "LSTM layer_norm", "GRU", "GRU layer_norm", "RNN"])
+@pytest.mark.parametrize("lengths", [None, [6, 5, 2]], ids=["no lengths", "lengths"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("where", ["parameters", "input"])
+def test_parameters_on_another_device(mode, options, lengths, grad, where):
+    """Parameters on another device than the input (meta here): torch.nn's message first, on every
+    path (the engine paths raised a copy error of their own, or read the other device's memory)."""
+    m = getattr(fastlayers, mode)(4, 5, **options)
+    x = torch.randn(6, 3, 4)
+    if where == "parameters":
+        m = m.to("meta")
+    else:
+        x = x.to("meta")
+    want = (r"^Input and parameter tensors are not at the same device, found input tensor at "
+            rf"{x.device} and parameter tensor at {m.weight_ih_l0.device}")
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=want):
+        getattr(torch.nn, mode)(4, 5).to(m.weight_ih_l0.device)(x)  # (torch's own wording)
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=want):
+        m(x, lengths=lengths)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("mode,options", [
+    ("LSTM", dict(layer_norm=True, peephole=True, proj_size=3)), ("GRU", dict(layer_norm=True))], ids=["LSTM", "GRU"])
+def test_a_parameter_of_another_shape_is_named(backend, mode, options):
+    """A parameter of another shape than the module's (torch.func.functional_call's tensors): a
+    RuntimeError naming it, on every backend (the C engine read the shapes the module says, past the
+    end of the smaller tensor, and returned values)."""
+    from torch.func import functional_call
+
+    m = getattr(fastlayers, mode)(4, 5, num_layers=2, bidirectional=True, **options)
+    x = torch.randn(6, 3, 4)
+    for name, p in m.named_parameters():
+        params = dict(m.named_parameters())
+        params[name] = torch.randn(*p.shape[:-1], p.shape[-1] - 1)
+        with fastlayers.backend(backend), pytest.raises(RuntimeError, match=rf"{name}: expected shape .*got "
+                                                                            rf"\({', '.join(map(str, params[name].shape))},?\)"):
+            functional_call(m, params, (x,), {"lengths": [6, 5, 2]})

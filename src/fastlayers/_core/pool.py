@@ -94,7 +94,7 @@ def _cache_on() -> bool:
     on = _cache.get("on")
     if on is None:
         raw = os.environ.get("FASTLAYERS_CPU_CACHE_MB", "").strip()
-        if raw and not raw.isdigit():  # (the library reads it, and takes the default then)
+        if raw and not (raw.isascii() and raw.isdigit()):  # (the library reads it so, and takes the default then)
             warn_once(f"fastlayers: FASTLAYERS_CPU_CACHE_MB={raw!r}: expected a whole number of MiB >= 0; "
                       f"the default (1024) is used", stacklevel=4)
         on = _cache["on"] = bool(ops_lib.load() and torch.ops.fastlayers.cache_info()[4] > 0)

@@ -18,7 +18,11 @@ that was not built: ``pip install -e . --no-build-isolation`` builds it), one bu
 torch release (recorded in the file, read before loading it: its C++ ABI differs), or no variant
 that loads ends in one warning per process, after which :func:`load` returns None
 and the callers take their pure-PyTorch path (:func:`fastlayers._core.backend.select` then picks
-``"cpu"`` only for an op that needs no C library). ``FASTLAYERS_NO_NATIVE=1`` switches the library
+``"cpu"`` only for an op that needs no C library). A process that loaded a variant's file itself
+first (``torch.ops.load_library``, docs/deploy.md) keeps it: that file (or a copy of it) is used,
+with one warning where it is another variant; a file of another build that registered the
+operators gives one warning and the pure-PyTorch path (a second library of the operators cannot
+load beside the first: the process would abort). ``FASTLAYERS_NO_NATIVE=1`` switches the library
 off without a warning. The C kernels run only on CPU tensors: other devices take their own path
 whatever happens here.
 """
@@ -130,6 +134,33 @@ def _other_torch(path: Path) -> str | None:
     return None
 
 
+def _registered() -> bool:
+    """Whether this process holds the C++ operators (``ops.cpp``'s ``TORCH_LIBRARY``), from any file."""
+    import torch
+
+    return bool(torch._C._jit_get_schemas_for_operator("fastlayers::lstm_padded"))
+
+
+def _loaded_already(have: dict[str, Path]) -> tuple[str | None, str] | None:
+    """Where the C++ operators were registered before this loader ran (``torch.ops.load_library`` of
+    a variant's file by hand, as a serving process does: docs/deploy.md): (the variant of this build
+    that file is, or None for another file, its path), or None where they are not registered. A
+    second ``TORCH_LIBRARY`` of the namespace aborts the process, so no other file may load then."""
+    import torch
+
+    if not _registered():
+        return None
+    for path in sorted(torch.ops.loaded_libraries):
+        for variant, ours in have.items():
+            try:
+                if os.path.samefile(path, ours) or Path(path).read_bytes() == ours.read_bytes():
+                    return variant, str(path)  # (this build's file, or a copy of it)
+            except OSError:
+                continue
+    others = sorted(str(p) for p in torch.ops.loaded_libraries)
+    return None, (", ".join(others) if others else "a library loaded without torch.ops.load_library")
+
+
 def _open() -> ctypes.CDLL | None:
     if switched_off():
         _STATE["error"] = "FASTLAYERS_NO_NATIVE is set"
@@ -152,17 +183,37 @@ def _open() -> ctypes.CDLL | None:
     # the chosen variant, else the next ones down that this build holds (a damaged file of one
     # variant costs its speed, not the library)
     candidates = [v for v in VARIANTS[VARIANTS.index(variant)::-1] if v in have]
+    loaded = _loaded_already(have)
+    if loaded is not None:  # the operators registered before fastlayers loads (torch.ops.load_library by hand)
+        if loaded[0] is None:
+            _STATE["error"] = (f"the operators torch.ops.fastlayers are already registered in this process by "
+                               f"{loaded[1]}, which is not a file of this fastlayers build")
+            warn_once(f"fastlayers: {_STATE['error']} (one operator library per process: another one cannot load "
+                      f"beside it); the layers use the slower pure-PyTorch path", stacklevel=5)
+            return None
+        if loaded[0] != variant:
+            warn_once(f"fastlayers: this process loaded the {loaded[0]} variant of the native library before "
+                      f"fastlayers did ({loaded[1]}); it is used instead of {variant} (one operator library per "
+                      f"process: another one cannot load beside it)", stacklevel=5)
+            _STATE["variant"], _STATE["why"] = loaded[0], f"loaded before fastlayers did ({loaded[1]})"
+        candidates, have = [loaded[0]], {**have, loaded[0]: Path(loaded[1])}
     failed: list[str] = []
     lib = None
     for candidate in candidates:
-        try:
-            import torch
+        import torch
 
+        try:
             torch.ops.load_library(str(have[candidate]))  # the operators (TORCH_LIBRARY); the same file holds the C kernels
-            lib = ctypes.CDLL(str(have[candidate]))
-            break
         except Exception as e:  # (OSError: undefined symbols, an older glibc, a damaged file; never raise from a layer)
             failed.append(f"{have[candidate]} does not load ({type(e).__name__}: {e})")
+            if not _registered():
+                continue
+        else:
+            try:
+                lib = ctypes.CDLL(str(have[candidate]))
+            except Exception as e:
+                failed.append(f"{have[candidate]} does not load ({type(e).__name__}: {e})")
+        break  # its operators are registered: no other variant can load beside them (the process would abort)
     if lib is None:
         _STATE["error"] = "; ".join(failed)
         warn_once(f"fastlayers: the native library {_STATE['error']}; the layers use the slower pure-PyTorch path "

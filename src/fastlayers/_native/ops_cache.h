@@ -32,6 +32,7 @@
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <limits>
 #include <map>
@@ -52,12 +53,18 @@ struct State {
   static size_t limit_from_environment() {
     const char* raw = std::getenv("FASTLAYERS_CPU_CACHE_MB");
     constexpr size_t fallback = size_t(1024) << 20;
-    if (raw == nullptr || *raw == '\0') return fallback;
-    char* end = nullptr;
-    const long long mb = std::strtoll(raw, &end, 10);
-    // another value: the default (fastlayers' Python side warns about it; no warning from here,
-    // where a call through torch.ops would only log it)
-    return *end != '\0' || mb < 0 ? fallback : size_t(mb) << 20;
+    if (raw == nullptr) return fallback;
+    // digits between optional white space, as the Python side reads it (pool.py: strip, isdigit);
+    // another value: the default (the Python side warns about it; no warning from here, where a
+    // call through torch.ops would only log it)
+    while (std::isspace(static_cast<unsigned char>(*raw))) raw++;
+    const char* digits = raw;
+    size_t mb = 0;
+    for (; std::isdigit(static_cast<unsigned char>(*raw)); raw++)
+      mb = std::min<size_t>(mb * 10 + size_t(*raw - '0'), size_t(1) << 40);  // (saturates: no overflow)
+    const bool whole = raw != digits;
+    while (std::isspace(static_cast<unsigned char>(*raw))) raw++;
+    return !whole || *raw != '\0' ? fallback : mb << 20;
   }
 };
 

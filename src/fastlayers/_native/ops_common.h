@@ -89,5 +89,17 @@ at::Tensor as(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
 
 template <typename T> T* ptr(const at::Tensor& t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
 
+// An operand the kernels read through a raw pointer: absent, or a CPU tensor of exactly `shape`
+// (a leading dimension of 1 may be left out). The kernels trust these sizes: without the check a
+// wrong one reads past the tensor's end.
+void check_operand(const std::optional<at::Tensor>& t, const char* name, std::vector<int64_t> shape) {
+  if (!t.has_value() || !t->defined()) return;
+  TORCH_CHECK(t->device().is_cpu(), name, ": expected a CPU tensor (this C++ kernel runs CPU tensors), got ",
+              t->device());
+  const at::IntArrayRef want(shape);
+  TORCH_CHECK(t->sizes().equals(want) || (!shape.empty() && shape[0] == 1 && t->sizes().equals(want.slice(1))),
+              name, ": expected shape ", want, ", got ", t->sizes());
+}
+
 
 }  // namespace

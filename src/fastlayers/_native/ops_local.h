@@ -39,11 +39,37 @@ at::Tensor local_impl(const at::Tensor& input, const at::Tensor& weight, const s
   return y.to(input.scalar_type());
 }
 
+// The geometry the kernels trust (they read through raw pointers): input (B, C, H, W) and weight
+// (O, C, KH, KW, OH, OW) on the CPU, OH and OW what the stride, padding and dilation give (as
+// conv2d's output size), a bias (O, OH, OW), a gradient (B, O, OH, OW).
+void check_local(const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
+                 at::IntArrayRef dilation) {
+  TORCH_CHECK(input.dim() == 4 && weight.dim() == 6, "locally_connected2d: expected input (B, C, H, W) and weight "
+              "(O, C, KH, KW, OH, OW), got ", input.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(),
+              "locally_connected2d: this C++ kernel runs CPU tensors, got ", input.device(), " and ", weight.device());
+  TORCH_CHECK(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2,
+              "locally_connected2d: expected stride, padding and dilation of 2 values each, got ", stride, ", ",
+              padding, " and ", dilation);
+  for (int i = 0; i < 2; i++)
+    TORCH_CHECK(stride[i] >= 1 && dilation[i] >= 1 && padding[i] >= 0, "locally_connected2d: expected stride >= 1, "
+                "dilation >= 1 and padding >= 0, got ", stride, ", ", dilation, " and ", padding);
+  TORCH_CHECK(weight.size(1) == input.size(1), "weight: expected (O, C, KH, KW, OH, OW) with C = ", input.size(1),
+              " (the input's channels), got ", weight.sizes());
+  int64_t out[2];
+  for (int i = 0; i < 2; i++)
+    out[i] = (input.size(2 + i) + 2 * padding[i] - dilation[i] * (weight.size(2 + i) - 1) - 1) / stride[i] + 1;
+  TORCH_CHECK(weight.size(4) == out[0] && weight.size(5) == out[1] && out[0] >= 1 && out[1] >= 1,
+              "weight: expected (O, C, KH, KW, OH, OW) with (OH, OW) = (", out[0], ", ", out[1], ") for input ",
+              input.sizes(), ", stride ", stride, ", padding ", padding, " and dilation ", dilation, ", got ",
+              weight.sizes());
+}
+
 at::Tensor locally_connected2d(const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                at::IntArrayRef padding, at::IntArrayRef dilation) {
-  TORCH_CHECK(input.dim() == 4 && weight.dim() == 6, "locally_connected2d: expected input (B, C, H, W) and weight "
-              "(O, C, KH, KW, OH, OW), got ", input.sizes(), " and ", weight.sizes());
+  check_local(input, weight, stride, padding, dilation);
+  check_operand(bias, "bias", {weight.size(0), weight.size(4), weight.size(5)});
   at::NoGradGuard no_grad;
   if (compute_dtype(input.scalar_type()) == at::kDouble)
     return local_impl<double>(input, weight, bias, stride, padding, dilation);
@@ -87,6 +113,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> locally_connected2d_backward(
     const at::Tensor& grad, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef dilation, const c10::List<bool>& needs) {
   TORCH_CHECK(needs.size() == 3, "needs: expected 3 flags (input, weight, bias)");
+  check_local(input, weight, stride, padding, dilation);
+  check_operand(grad, "grad", {input.size(0), weight.size(0), weight.size(4), weight.size(5)});
   at::NoGradGuard no_grad;
   if (compute_dtype(input.scalar_type()) == at::kDouble)
     return local_backward_impl<double>(grad, input, weight, stride, padding, dilation, needs);

@@ -236,6 +236,26 @@ void check_layer(const at::Tensor& x, const at::Tensor& w_ih, const at::Tensor& 
               "w_hh: expected (D, G, P), got ", w_hh.sizes());
   TORCH_CHECK(h0.dim() == 3 && h0.size(0) == w_ih.size(0) && h0.size(1) == x.size(1) && h0.size(2) == w_hh.size(2),
               "h0: expected (D, B, P) = (", w_ih.size(0), ", ", x.size(1), ", ", w_hh.size(2), "), got ", h0.sizes());
+  for (const auto* t : {&w_ih, &w_hh, &h0})
+    TORCH_CHECK(t->device().is_cpu(), "fastlayers: this C++ kernel runs CPU tensors, got ", t->device());
+}
+
+// The per-layer operands of an LSTM / GRU (G = gates * H; P = the state's width, H without a
+// projection): biases and LayerNorm gains (D, G), the training masks (rmask (D, B, P), zoneout
+// (D, T, B, P) for h).
+void check_operands(const at::Tensor& x, const at::Tensor& w_ih, const at::Tensor& w_hh, int64_t gates,
+                    const std::optional<at::Tensor>& b_ih, const std::optional<at::Tensor>& b_hh,
+                    const std::optional<at::Tensor>& ln_ih, const std::optional<at::Tensor>& ln_hh,
+                    const std::optional<at::Tensor>& rmask, const std::optional<at::Tensor>& zh) {
+  const int64_t dirs = w_ih.size(0), g = w_ih.size(1), width = w_hh.size(2);
+  check_operand(b_ih, "b_ih", {dirs, g});
+  check_operand(b_hh, "b_hh", {dirs, g});
+  check_operand(ln_ih, "ln_ih", {dirs, g});
+  check_operand(ln_hh, "ln_hh", {dirs, g});
+  check_operand(rmask, "rmask", {dirs, x.size(1), width});
+  check_operand(zh, "zh", {dirs, x.size(0), x.size(1), width});
+  TORCH_CHECK(gates == 4 || width == g / gates, "w_hh: expected (D, G, H) with H = ", g / gates, ", got ",
+              w_hh.sizes());
 }
 
 template <typename T>
@@ -371,6 +391,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_padded(
   TORCH_CHECK(c0.dim() == 3 && c0.size(0) == w_ih.size(0) && c0.size(1) == x.size(1) &&
                   c0.size(2) == w_ih.size(1) / 4,
               "c0: expected (D, B, H), got ", c0.sizes());
+  TORCH_CHECK(c0.device().is_cpu(), "fastlayers: this C++ kernel runs CPU tensors, got ", c0.device());
+  check_operands(x, w_ih, w_hh, 4, b_ih, b_hh, ln_ih, ln_hh, rmask, zh);
+  const int64_t dirs = w_ih.size(0), hidden = w_ih.size(1) / 4;
+  check_operand(ln_cell_weight, "ln_cell_weight", {dirs, hidden});
+  check_operand(ln_cell_bias, "ln_cell_bias", {dirs, hidden});
+  check_operand(peephole, "peephole", {dirs, 3 * hidden});
+  check_operand(zc, "zc", {dirs, x.size(0), x.size(1), hidden});
+  if (w_hr.has_value() && w_hr->defined()) check_operand(w_hr, "w_hr", {dirs, w_hh.size(2), hidden});
+  else TORCH_CHECK(w_hh.size(2) == hidden, "w_hh: expected (D, 4H, H) with H = ", hidden, " (no w_hr), got ",
+                   w_hh.sizes());
   at::NoGradGuard no_grad;
   if (compute_dtype(x.scalar_type()) == at::kDouble)
     return lstm_impl<double>(x, lengths, h0, c0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, ln_cell_weight, ln_cell_bias,
@@ -446,6 +476,7 @@ std::tuple<at::Tensor, at::Tensor> gru_padded(const at::Tensor& x, const std::op
                                               const std::optional<at::Tensor>& zh, double z_h) {
   const auto w_ih = one_dir(w_ih_in, 3), w_hh = one_dir(w_hh_in, 3);
   check_layer(x, w_ih, w_hh, h0, 3);
+  check_operands(x, w_ih, w_hh, 3, b_ih, b_hh, ln_ih, ln_hh, rmask, zh);
   at::NoGradGuard no_grad;
   if (compute_dtype(x.scalar_type()) == at::kDouble)
     return gru_impl<double>(x, lengths, h0, w_ih, w_hh, b_ih, b_hh, ln_ih, ln_hh, one_dir(rmask, 3), one_dir(zh, 4),
@@ -460,6 +491,7 @@ std::tuple<at::Tensor, at::Tensor> rnn_padded(const at::Tensor& x_in, const std:
                                               const at::Tensor& w_hh_in, const std::optional<at::Tensor>& b_ih_in,
                                               const std::optional<at::Tensor>& b_hh_in, bool relu) {
   check_layer(x_in, w_ih_in, w_hh_in, h0_in, 1);
+  check_operands(x_in, w_ih_in, w_hh_in, 1, b_ih_in, b_hh_in, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   at::NoGradGuard no_grad;
   const auto dt = compute_dtype(x_in.scalar_type());
   const int64_t steps = x_in.size(0), batch = x_in.size(1);

@@ -66,8 +66,11 @@ def _forward_kernel(q, k, v, lengths, ctx, w, T, DK, DV,
         s = tl.where(valid, s, float("-inf"))
         tl.store(w + b * T + t, s.to(w.dtype.element_ty), mask=t < T)  # raw scores, normalised below
         m_new = tl.maximum(m, tl.max(s, axis=0))
-        e = tl.where(valid, tl.exp(s - m_new), 0.0)
-        rescale = tl.exp(m - m_new)
+        # while every score so far is -inf (a block of -inf keys first): subtract 0, not -inf (the
+        # difference of two -inf is NaN, which would stay in acc and total for good)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        e = tl.where(valid, tl.exp(s - m_safe), 0.0)
+        rescale = tl.exp(m - m_safe)
         vt = tl.load(v + (b * T + t[:, None]) * DV + dv[None, :], mask=valid[:, None] & (dv[None, :] < DV),
                      other=0.0).to(acc_t)
         acc = acc * rescale + tl.sum(e[:, None] * vt, axis=0)

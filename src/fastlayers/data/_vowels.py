@@ -41,5 +41,5 @@ def _parse_ts(text: str, name: str) -> Sequences:
 def load_japanese_vowels() -> tuple[Sequences, Sequences]:
     """(train, test): 270 and 370 utterances as (T_i, 12) float32 arrays, labels 0-8 (speaker)."""
     member = "datasets/data/JapaneseVowels/JapaneseVowels_{}.ts"
-    return tuple(_parse_ts(read_shipped("aeon", member.format(part)).decode(), f"JapaneseVowels_{part}.ts")
-                 for part in ("TRAIN", "TEST"))  # type: ignore[return-value]
+    return tuple(read_shipped("aeon", member.format(part), lambda raw, part=part: _parse_ts(  # type: ignore[misc]
+        raw.decode(), f"JapaneseVowels_{part}.ts")) for part in ("TRAIN", "TEST"))  # type: ignore[return-value]

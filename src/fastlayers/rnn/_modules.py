@@ -33,7 +33,7 @@ from ._options import CellOptions
 from ._reference import reference_varlen_rnn
 from ._remat import check_every, checkpointed
 from ._routing import ENGINES
-from ._validate import check_layer
+from ._validate import check_layer, check_parameters_device
 from ._varlen import varlen_rnn
 
 class _LengthsMixin(NotScriptable):
@@ -74,8 +74,10 @@ class _LengthsMixin(NotScriptable):
         expected = tuple((layers, batch, size) for size in self._state_sizes())
         if isinstance(input, Tensor) and input.dtype != self._flat_weights[0].dtype:
             self._update_flat_weights()  # type: ignore[attr-defined]  (functional_call's tensors: see _run)
-        return check_layer("RNN" if self.mode.startswith("RNN") else self.mode, input, hx, input_size=self.input_size,
-                           weight_dtype=self._flat_weights[0].dtype, expected=expected)
+        checked = check_layer("RNN" if self.mode.startswith("RNN") else self.mode, input, hx,
+                              input_size=self.input_size, weight_dtype=self._flat_weights[0].dtype, expected=expected)
+        check_parameters_device(checked[0], self._flat_weights[0])
+        return checked
 
     def _autocast_operands(self, input: Any, hx: Any) -> tuple[Any, Any]:
         """(input, hx) converted where autocast is on: a low-precision activation to float32
@@ -412,8 +414,26 @@ class _CellOptionsMixin:
             keys.append("weight_peephole")
         if getattr(self, "proj_size", 0) > 0:
             keys.append("weight_hr")
-        return [[{k: getattr(self, f"{k}_l{layer}{sfx}") for k in keys}
-                 for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]] for layer in range(self.num_layers)]
+        layers = [[{k: getattr(self, f"{k}_l{layer}{sfx}") for k in keys}
+                   for sfx in ("", "_reverse")[: 2 if self.bidirectional else 1]] for layer in range(self.num_layers)]
+        self._check_parameter_shapes(layers)
+        return layers
+
+    def _check_parameter_shapes(self, layers: list[list[dict[str, Tensor]]]) -> None:
+        """RuntimeError naming the parameter whose shape is not the module's (a tensor given by
+        torch.func.functional_call, or a parameter's .data replaced): the engines' kernels read the
+        shapes the module says, so another one would be read past its end."""
+        g, h = (4 if self.mode == "LSTM" else 3) * self.hidden_size, self.hidden_size
+        p = getattr(self, "proj_size", 0) or h
+        shapes = {"weight_hh": (g, p), "bias_ih": (g,), "bias_hh": (g,), "ln_ih_weight": (g,), "ln_hh_weight": (g,),
+                  "ln_cell_weight": (h,), "ln_cell_bias": (h,), "weight_peephole": (3 * h,), "weight_hr": (p, h)}
+        for layer, directions in enumerate(layers):
+            shapes["weight_ih"] = (g, self.input_size if layer == 0 else len(directions) * p)  # type: ignore[attr-defined]
+            for sfx, params in zip(("", "_reverse"), directions):
+                for key, t in params.items():
+                    if t.shape != shapes[key]:
+                        raise RuntimeError(f"{key}_l{layer}{sfx}: expected shape {shapes[key]}, got {tuple(t.shape)} "
+                                           f"(the parameters of fastlayers.{type(self).__name__}({self.extra_repr()}))")
 
     def _run(self, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None, engine: str | None):
         # engine None: a plain call with lengths (forward ran the others without lengths on torch's
@@ -594,13 +614,12 @@ class RNN(_LengthsMixin, nn.RNN):
         if hx is not None and input.dtype == self._flat_weights[0].dtype:  # (low-precision parameters)
             self._check_args(input, hx)  # torch's errors for a state of another dtype, before it is rounded
         rounded = lambda t: _precision.rounded(t, low)  # noqa: E731
-        own = self._flat_weights  # what torch's RNN kernels read: swapped for this call only
-        self._flat_weights = [rounded(w) for w in own]
-        try:
-            with torch.autocast("cpu", enabled=False):
-                out, h = super().forward(rounded(input), rounded(hx), lengths=lengths)
-        finally:
-            self._flat_weights = own
+        # torch's RNN kernels read _flat_weights: a view of this module for this call holds the rounded
+        # ones (the module itself is never written: calls from other threads see their own weights)
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__, _flat_weights=[rounded(w) for w in self._flat_weights])
+        with torch.autocast("cpu", enabled=False):
+            out, h = _LengthsMixin.forward(view, rounded(input), rounded(hx), lengths=lengths)
         return out.to(low), h.to(low)
 
     def extra_repr(self) -> str:  # torch's repr leaves the nonlinearity out; a ReLU RNN should say so

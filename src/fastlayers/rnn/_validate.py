@@ -147,6 +147,16 @@ def _same_dtype_device(name: str, state: Tensor, input: Tensor) -> None:
                           f"input), got {state.device}")
 
 
+def check_parameters_device(input: Tensor, weight: Tensor | None) -> None:
+    """torch.nn's RNNs' error for parameters on another device than the input (their kernel's check,
+    after the states'): the engines would otherwise copy across devices or read another device's
+    memory."""
+    if weight is not None and weight.device != input.device:
+        raise DeviceError(f"Input and parameter tensors are not at the same device, found input tensor at "
+                          f"{input.device} and parameter tensor at {weight.device}; the parameters: expected device "
+                          f"{input.device} (that of input), got {weight.device}")
+
+
 # ---- cells (torch.nn.LSTMCell / GRUCell / RNNCell .forward, then the checks of their ATen kernels)
 
 def check_cell(cls: str, mode: str, input: object, hx: object, *, input_size: int, weight_dtype: torch.dtype,
