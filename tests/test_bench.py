@@ -829,3 +829,5 @@ def test_workload_sizes_and_repeats_are_checked():
                 make(size="seed-large")
     with pytest.raises(ValueError, match=r"^repeats: expected an int >= 1, got 0$"):
         compare({"a": good}, _inputs, repeats=0)
+    with pytest.raises(ValueError, match=r"^warmup: expected an int >= 0, got -1$"):  # (as the CLI's --warmup)
+        compare({"a": good}, _inputs, warmup=-1)

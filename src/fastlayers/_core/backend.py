@@ -68,7 +68,11 @@ def _validate(name: object, source: str) -> str:
 
 @contextlib.contextmanager
 def backend(name: str) -> Iterator[str]:
-    """Force a backend inside a ``with`` block: ``with fastlayers.backend("reference"): ...``.
+    """Force a backend inside a ``with`` block: ``with fastlayers.backend("reference"): ...``, in
+    this thread (and async context); the environment variable ``FASTLAYERS_BACKEND`` forces one for
+    the process, read at each call that chooses a backend (a plain LSTM / GRU call without lengths
+    and the RNN choose none: docs/backends.md; empty or ``auto``: the automatic choice; another
+    name: ValueError at such a call). A block wins over the variable.
 
     Args:
         name: ``"cpu"``, ``"triton"`` or ``"reference"``.

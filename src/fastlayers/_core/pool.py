@@ -28,7 +28,7 @@ import math
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -78,14 +78,28 @@ def give(slab: Tensor) -> None:
             _free.pop(min(range(len(_free)), key=lambda i: _free[i].numel()))
 
 
+_RELEASE: list[Callable[[], None]] = []  # the families' own caches (on_empty_cache)
+
+
+def on_empty_cache(release: Callable[[], None]) -> None:
+    """Have :func:`empty_cache` call ``release`` too (a layer family's own buffers: the GPU engine's
+    captured loops), so this module knows no family."""
+    _RELEASE.append(release)
+
+
 def empty_cache() -> None:
     """Release every buffer the recurrent engine keeps for reuse between calls (it holds at most
-    a few calls' worth of saved activations, and the idle blocks of the CPU block cache up to
-    ``$FASTLAYERS_CPU_CACHE_MB``; the next call allocates them again)."""
+    a few calls' worth of saved activations, the idle blocks of the CPU block cache up to
+    ``$FASTLAYERS_CPU_CACHE_MB``, and on CUDA the captured time loops (CUDA graphs) with their
+    buffers; the next call allocates them again, and captures again). Like
+    ``torch.cuda.empty_cache``, it frees memory that no live tensor uses; the memory goes back to
+    torch's caching allocator (``torch.cuda.empty_cache()`` then returns it to the device)."""
     with _lock:
         _free.clear()
     if _cache.get("on"):
         torch.ops.fastlayers.cache_release()
+    for release in _RELEASE:
+        release()
 
 
 def _cache_on() -> bool:

@@ -88,8 +88,8 @@ def attention_pool(
 
     Raises:
         TypeError: non-tensor or integer inputs, float lengths, mismatched dtypes (the additive
-            parameters' too, outside autocast), an ``additive`` that is not a 4-tuple of tensors
-            (bias or None).
+            parameters' too, outside autocast), an ``additive`` that is not a sequence (tuple or
+            list) of 4 tensors (bias or None).
         ValueError: wrong ranks or sizes (the additive parameters' against A = weight_query's
             rows and the query's and keys' sizes), unknown score, lengths out of [1, T] or of the
             wrong size, missing additive parameters, or ``additive`` given for another score;

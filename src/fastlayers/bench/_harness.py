@@ -613,12 +613,15 @@ def compare(
 
     Raises:
         TypeError: ``make_inputs`` returned something other than a dict, tuple or list.
-        ValueError: no candidates, ``repeats`` < 1, or a reference or anchor name that is not a candidate.
+        ValueError: no candidates, ``repeats`` < 1, ``warmup`` < 0, or a reference or anchor name that
+            is not a candidate.
     """
     if not candidates:
         raise ValueError("candidates: expected at least one name -> callable, got none")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:  # (0: no times, NaN medians)
         raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:  # (as --warmup refuses it)
+        raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
     say = progress or (lambda msg: None)
     if isinstance(reference, str) and reference not in candidates:
         raise ValueError(f"reference: expected a candidate name {list(candidates)}, got {reference!r}")

@@ -16,7 +16,14 @@ from ._shipped import read_shipped
 
 
 def load_digits_8x8() -> tuple[np.ndarray, np.ndarray]:
-    """Images (1797, 8, 8) float32 in [0, 1] and labels (1797,) int64."""
+    """Images (1797, 8, 8) float32 in [0, 1] and labels (1797,) int64 (digits 0-9): the UCI optdigits
+    test set as scikit-learn 1.9.1 ships it (``sklearn.datasets.load_digits``'s data, pixels / 16).
+
+    Raises:
+        DataUnavailable (a FileNotFoundError): the file is neither installed nor downloaded and
+            fetching it is off (``FASTLAYERS_OFFLINE=1``) or failed, or no copy here reads
+            (:func:`fastlayers.data._shipped.read_shipped`); one line saying how to provide it.
+    """
     data = read_shipped("scikit-learn", "datasets/data/digits.csv.gz", _parse)
     return (data[:, :64] / 16.0).reshape(-1, 8, 8), data[:, 64].astype(np.int64)
 

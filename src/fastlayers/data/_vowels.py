@@ -39,7 +39,15 @@ def _parse_ts(text: str, name: str) -> Sequences:
 
 
 def load_japanese_vowels() -> tuple[Sequences, Sequences]:
-    """(train, test): 270 and 370 utterances as (T_i, 12) float32 arrays, labels 0-8 (speaker)."""
+    """(train, test): 270 and 370 utterances as (T_i, 12) float32 arrays of LPC cepstrum
+    coefficients, labels int64 0-8 (the speaker), lengths int64: UCI Japanese Vowels (Kudo et al.
+    1999) as aeon 1.6.0 ships it.
+
+    Raises:
+        DataUnavailable (a FileNotFoundError): the file is neither installed nor downloaded and
+            fetching it is off (``FASTLAYERS_OFFLINE=1``) or failed, or no copy here reads
+            (:func:`fastlayers.data._shipped.read_shipped`); one line saying how to provide it.
+    """
     member = "datasets/data/JapaneseVowels/JapaneseVowels_{}.ts"
     return tuple(read_shipped("aeon", member.format(part), lambda raw, part=part: _parse_ts(  # type: ignore[misc]
         raw.decode(), f"JapaneseVowels_{part}.ts")) for part in ("TRAIN", "TEST"))  # type: ignore[return-value]

@@ -55,7 +55,8 @@ COMMON_DOC = """
     as torch does). Under ``torch.autocast``, bfloat16 / float16 parameters take a float32 (or the
     other low dtype's) ``input`` and ``hx`` as torch.nn's modules do, converted to the parameters'
     dtype: the call runs as that low-precision model's without autocast, results in the parameters'
-    dtype (torch.nn.LSTM's are in the autocast dtype where the two differ).
+    dtype (torch.nn.LSTM's and RNN's are in the autocast dtype where the two differ, torch.nn.GRU's
+    in float32).
 
     Non-finite input: no kernel assumes finite values. A NaN in ``input`` at (t, b) makes NaN
     exactly the outputs and final states that depend on it, as the float64 reference does:

@@ -146,6 +146,9 @@ def clear() -> None:
         generation += 1
 
 
+pool.on_empty_cache(clear)  # (fastlayers.empty_cache releases the captures' buffers too)
+
+
 def limit_bytes(device: torch.device) -> int:
     """The most bytes the captured entries of ``device`` keep (``FASTLAYERS_CUDA_GRAPHS_MAX_MB``,
     default a quarter of the device's memory; 1 GiB for CPU tensors under :func:`emulated`).
