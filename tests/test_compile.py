@@ -99,6 +99,30 @@ def test_recurrent_layers_fullgraph_on_padded_input_with_allow_rnn(name):
     assert _graph_breaks(m, torch.randn(7, 3, 4)) == 0
 
 
+@pytest.mark.parametrize("name", ["LSTM options", "LSTM proj", "GRU options"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_a_new_t_and_b_every_call_compile_once(name, grad):
+    """Padded calls of a layer with cell options, a new (T, B) every call, dynamic=True: one graph
+    (the engine's active-row counts were a tuple of T Python ints, which specialised the graph on T
+    and B: a recompile per shape, and with fullgraph=True the ninth shape raised
+    FailOnRecompileLimitHit); values and input gradients equal eager's."""
+    torch.manual_seed(0)
+    m = RECURRENT[name]().eval()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(m, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for steps, batch in [(3, 2), (5, 3), (9, 2), (4, 5), (11, 4), (6, 2), (7, 3), (8, 6), (10, 2), (12, 3)]:
+        x = torch.randn(steps, batch, 4, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            got, want = compiled(x)[0], m(x)[0]
+        torch.testing.assert_close(got, want)
+        if grad:
+            torch.testing.assert_close(*(torch.autograd.grad(y.square().sum(), x)[0] for y in (got, want)))
+        frames.append(counter.frame_count)
+    assert frames == frames[:1] * len(frames), frames
+
+
 CELLS = {
     "LSTMCell options": lambda: fastlayers.LSTMCell(4, 5, layer_norm=True, peephole=True, proj_size=2, cell_clip=0.5),
     "GRUCell options": lambda: fastlayers.GRUCell(4, 5, layer_norm=True, zoneout=0.2),

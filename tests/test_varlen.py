@@ -336,6 +336,29 @@ def test_traced_attention_varlen_checks_and_rounds_as_eager():
     assert torch.equal(eager, torch.tensor([0.5, 0.5], dtype=eager.dtype)) and torch.equal(traced, eager)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("make", [lambda: fastlayers.LSTM(5, 4, layer_norm=True, bidirectional=True),
+                                  lambda: fastlayers.GRU(5, 4, num_layers=2), lambda: fastlayers.RNN(5, 4)],
+                         ids=["LSTM layer_norm", "GRU", "RNN"])
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_traced_recurrent_varlen_under_autocast_is_the_eager_call(make):
+    """Compiled, a recurrent layer's varlen form under CPU autocast returns the autocast dtype and
+    the eager call's values (its operators ran in float32 on unrounded operands: the float32 call,
+    in float32)."""
+    torch.manual_seed(0)
+    layer = make()
+    x, cu = torch.randn(9, 5), torch.tensor([0, 4, 5, 9])
+    compiled = torch.compile(lambda x, cu: layer(x, cu_seqlens=cu), backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = compiled(x, cu), layer(x, cu_seqlens=cu)
+    for a, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+        assert a.dtype == w.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), w.float(), rtol=0.02, atol=0.02)  # (bf16: eager rounds h per step)
+    with torch.no_grad():
+        full = layer(x, cu_seqlens=cu)[0]
+    assert (got[0].float() - full).abs().max() > 1e-4  # (not the float32 call)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("cls,torch_cls", [(fastlayers.LSTM, torch.nn.LSTM), (fastlayers.GRU, torch.nn.GRU),
                                            (fastlayers.RNN, torch.nn.RNN)], ids=["LSTM", "GRU", "RNN"])

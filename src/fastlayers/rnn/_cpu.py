@@ -195,8 +195,12 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
     else:  # (N, F): the sequences one after another, no padding anywhere
         assert lengths is not None
         batch, plan, num_rows = lengths.numel(), varlen, varlen.num_rows
-    active = tuple(n for span, n in plan.segments for _ in range(span))
-    rows = sum(active)
+    if lengths is None and torch.compiler.is_compiling():  # every step all B rows: a tensor, so that T and B
+        active: tuple[int, ...] | Tensor = torch.full((steps,), batch, dtype=torch.int64)  # stay symbolic
+        rows = steps * batch
+    else:
+        active = tuple(n for span, n in plan.segments for _ in range(span))
+        rows = sum(active)
     # packed row k of direction d reads padded row src[d, k] of the (T*B, ...) input; the output
     # of direction d goes to column block d of padded row src[d, k]
     src = torch.stack([plan.forward_rows, plan.reverse_rows][:dirs])  # (D, N)
@@ -252,7 +256,7 @@ def _engine(cell, input, hx, layers, lengths, options, dropout, training, masks,
 
 
 def packed_layer(cell: str, xs: Tensor, dir_params: list[dict[str, Tensor]], states: tuple[Tensor, ...],
-                 rmask: Tensor | None, zc: Tensor | None, zh: Tensor | None, active: tuple[int, ...],
+                 rmask: Tensor | None, zc: Tensor | None, zh: Tensor | None, active: tuple[int, ...] | Tensor,
                  options: CellOptions, training: bool, src: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
     """One layer, every direction, on packed rows (:class:`LSTMRecurrence` / :class:`GRURecurrence`).
 

@@ -203,8 +203,8 @@ torch.library.register_autograd("fastlayers::gru_layer", _gru_backward, setup_co
 
 def run_layer(cell: str, *args: Any, src: Tensor | None = None) -> tuple[Tensor, ...]:
     """One layer through the autograd Function (eager: pooled buffers) or, while torch.compile
-    traces, through the custom operator. ``args``: the Function's inputs, ``active`` a tuple and
-    ``consts`` a tuple; ``src``: the padded rows' index where the Function reads them itself (eager
+    traces, through the custom operator. ``args``: the Function's inputs, ``active`` a tuple (or,
+    traced, an int64 tensor: T and B stay symbolic) and ``consts`` a tuple; ``src``: the padded rows' index where the Function reads them itself (eager
     only: :func:`._cpu_recurrence.reads_rows`). Returns (y, h_n) or (y, h_n, c_n)."""
     if src is not None:
         return (LSTMRecurrence if cell == "LSTM" else GRURecurrence).apply(*args, src)
@@ -212,5 +212,6 @@ def run_layer(cell: str, *args: Any, src: Tensor | None = None) -> tuple[Tensor,
         return (LSTMRecurrence if cell == "LSTM" else GRURecurrence).apply(*args)
     *tensors, active, consts = args
     op = lstm_layer if cell == "LSTM" else gru_layer
-    out = op(*tensors, torch.tensor(active, dtype=torch.int64), list(consts))
+    active = active if isinstance(active, Tensor) else torch.tensor(active, dtype=torch.int64)
+    out = op(*tensors, active, list(consts))
     return tuple(out[:3] if cell == "LSTM" else out[:2])
