@@ -315,3 +315,21 @@ def test_float32_c_engine_keeps_its_relative_accuracy_near_zero(mode):
             got = m(x, lengths=lengths)[0]
         assert 1e-8 < want.abs().max() < 1e-4
         assert (got.double() - want).abs().max() / want.abs().max() < 1e-6, grad
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "operator"])
+def test_a_cell_row_clipped_whole_normalises_to_zero(grad):
+    """A cell row whose every unit clips to the same value is constant: its LayerNorm is exactly 0,
+    as torch's layer_norm gives it. The C engine's mean, sum / len, left a rounding residue
+    ((0.1 + 0.1 + 0.1) / 3 != 0.1), which each later LayerNorm multiplied by ~1 / sqrt(eps): outputs
+    0.7 away from the reference's in float64 after three layers (a fuzzing find)."""
+    torch.manual_seed(469401)
+    m = fastlayers.LSTM(10, 3, num_layers=3, bias=False, dtype=torch.float64, layer_norm=True, cell_clip=0.1).eval()
+    x = torch.randn(8, 11, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(469402))
+    with fastlayers.backend("reference"), torch.no_grad():
+        want, (h_want, _) = m(x, lengths=[8] * 11)
+    with fastlayers.backend("cpu"), torch.set_grad_enabled(grad):
+        got, (h_got, _) = m(x, lengths=[8] * 11)
+    assert torch.equal(h_want[0, 8], torch.zeros(3, dtype=torch.float64))  # (the saturated row)
+    assert torch.equal(h_got[0, 8], h_want[0, 8])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)

@@ -19,7 +19,7 @@
  *   fl_input_norm_backward_row_SUFFIX(dp, xp, xstat, gx_d, G, out): the step kernels' input
  *   LayerNorm, one row: out = d LN(xp; gx_d) / d xp applied to dp (dp scaled by the gain in place;
  *   out may be dp, or xp itself).
- *   Their row sums: fl_sum_SUFFIX(v, len), fl_sum_sq_SUFFIX(v, len, mean) (of (v - mean)^2),
+ *   Their row sums: fl_sum_SUFFIX(v, len, shift) (of v - shift), fl_sum_sq_SUFFIX(v, len, mean) (of (v - mean)^2),
  *   fl_sum_dot_SUFFIX(d, v, len, mean, rstd, &m1, &m2), on vectors of the variant's width in
  *   independent accumulators.
  */
@@ -87,14 +87,16 @@ static inline T fl_hsum_##SUFFIX(fl_rv_##SUFFIX a) {                            
     for (int i = 0; i < FL_RL_##SUFFIX; i++) s += a[i];                                              \
     return s;                                                                                        \
 }                                                                                                    \
-/* the sum of v[k] */                                                                                \
-static inline T fl_sum_##SUFFIX(const T* v, int64_t len) {                                           \
+/* the sum of v[k] - shift */                                                                        \
+static inline T fl_sum_##SUFFIX(const T* v, int64_t len, T shift) {                                  \
     typedef fl_rv_##SUFFIX V; const int64_t L = FL_RL_##SUFFIX;                                      \
     V a0 = {0}, a1 = {0};                                                                            \
     int64_t k = 0;                                                                                   \
-    for (; k + 2 * L <= len; k += 2 * L) { a0 += *(const V*)(v + k); a1 += *(const V*)(v + k + L); } \
+    for (; k + 2 * L <= len; k += 2 * L) {                                                           \
+        a0 += *(const V*)(v + k) - shift; a1 += *(const V*)(v + k + L) - shift;                      \
+    }                                                                                                \
     T s = fl_hsum_##SUFFIX(a0 + a1);                                                                 \
-    for (; k < len; k++) s += v[k];                                                                  \
+    for (; k < len; k++) s += v[k] - shift;                                                          \
     return s;                                                                                        \
 }                                                                                                    \
 /* the sum of (v[k] - mean)^2 */                                                                     \
@@ -124,8 +126,11 @@ static inline void fl_sum_dot_##SUFFIX(const T* d, const T* v, int64_t len, T me
     for (; k < len; k++) { s += d[k]; s2 += d[k] * ((v[k] - mean) * rstd); }                         \
     *m1 = s; *m2 = s2;                                                                               \
 }                                                                                                    \
+/* the mean as v[0] + mean(v - v[0]): exactly v[0] for a constant row (a cell row clipped whole), whose \
+ * LayerNorm is then exactly 0 as torch's is; sum / len would leave a rounding residue there, which  \
+ * the next LayerNorm (rstd 1 / sqrt(eps) on a near-constant row) multiplies by ~300 */              \
 static inline void fl_row_stats_##SUFFIX(const T* v, int64_t len, T eps, T* stat) {                  \
-    const T mean = fl_sum_##SUFFIX(v, len) / len;                                                    \
+    const T mean = v[0] + fl_sum_##SUFFIX(v, len, v[0]) / len;                                       \
     stat[0] = mean; stat[1] = 1 / SQRT(fl_sum_sq_##SUFFIX(v, len, mean) / len + eps);                \
 }                                                                                                    \
 static inline void fl_layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_out) {     \

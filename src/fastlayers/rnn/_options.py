@@ -63,7 +63,7 @@ class CellOptions:
     def make(cls, layer_norm=False, peephole=False, cell_clip=None, zoneout=None, recurrent_dropout=0.0,
              proj_clip=None) -> "CellOptions":
         if not isinstance(layer_norm, bool):
-            raise ValueError(f"layer_norm: expected True or False (haste-style LayerNorm-LSTM), got {layer_norm!r}")
+            raise ValueError(f"layer_norm: expected True or False (the haste-style LayerNorm cell), got {layer_norm!r}")
         if not isinstance(peephole, bool):
             raise TypeError(f"peephole: expected a bool, got {peephole!r}")
         cell_clip, proj_clip = _clip("cell_clip", cell_clip), _clip("proj_clip", proj_clip)
