@@ -153,7 +153,8 @@ def _loaded_already(have: dict[str, Path]) -> tuple[str | None, str] | None:
     for path in sorted(torch.ops.loaded_libraries):
         for variant, ours in have.items():
             try:
-                if os.path.samefile(path, ours) or Path(path).read_bytes() == ours.read_bytes():
+                if os.path.samefile(path, ours) or (os.path.getsize(path) == ours.stat().st_size
+                                                    and Path(path).read_bytes() == ours.read_bytes()):
                     return variant, str(path)  # (this build's file, or a copy of it)
             except OSError:
                 continue

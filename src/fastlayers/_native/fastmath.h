@@ -19,7 +19,8 @@
  *   fl_input_norm_backward_row_SUFFIX(dp, xp, xstat, gx_d, G, out): the step kernels' input
  *   LayerNorm, one row: out = d LN(xp; gx_d) / d xp applied to dp (dp scaled by the gain in place;
  *   out may be dp, or xp itself).
- *   Their row sums: fl_sum_SUFFIX(v, len, shift) (of v - shift), fl_sum_sq_SUFFIX(v, len, mean) (of (v - mean)^2),
+ *   Their row sums: fl_sum_SUFFIX(v, len), fl_sum_sq_SUFFIX(v, len, mean, &s1) (of (v - mean)^2, and
+ *   of v - mean into s1),
  *   fl_sum_dot_SUFFIX(d, v, len, mean, rstd, &m1, &m2), on vectors of the variant's width in
  *   independent accumulators.
  */
@@ -87,29 +88,28 @@ static inline T fl_hsum_##SUFFIX(fl_rv_##SUFFIX a) {                            
     for (int i = 0; i < FL_RL_##SUFFIX; i++) s += a[i];                                              \
     return s;                                                                                        \
 }                                                                                                    \
-/* the sum of v[k] - shift */                                                                        \
-static inline T fl_sum_##SUFFIX(const T* v, int64_t len, T shift) {                                  \
+/* the sum of v[k] */                                                                                \
+static inline T fl_sum_##SUFFIX(const T* v, int64_t len) {                                           \
     typedef fl_rv_##SUFFIX V; const int64_t L = FL_RL_##SUFFIX;                                      \
     V a0 = {0}, a1 = {0};                                                                            \
     int64_t k = 0;                                                                                   \
-    for (; k + 2 * L <= len; k += 2 * L) {                                                           \
-        a0 += *(const V*)(v + k) - shift; a1 += *(const V*)(v + k + L) - shift;                      \
-    }                                                                                                \
+    for (; k + 2 * L <= len; k += 2 * L) { a0 += *(const V*)(v + k); a1 += *(const V*)(v + k + L); } \
     T s = fl_hsum_##SUFFIX(a0 + a1);                                                                 \
-    for (; k < len; k++) s += v[k] - shift;                                                          \
+    for (; k < len; k++) s += v[k];                                                                  \
     return s;                                                                                        \
 }                                                                                                    \
-/* the sum of (v[k] - mean)^2 */                                                                     \
-static inline T fl_sum_sq_##SUFFIX(const T* v, int64_t len, T mean) {                                \
+/* the sums of d[k] = v[k] - mean and of d[k]^2 (*s1, returned) */                                  \
+static inline T fl_sum_sq_##SUFFIX(const T* v, int64_t len, T mean, T* s1) {                         \
     typedef fl_rv_##SUFFIX V; const int64_t L = FL_RL_##SUFFIX;                                      \
-    V q0 = {0}, q1 = {0};                                                                            \
+    V q0 = {0}, q1 = {0}, p0 = {0}, p1 = {0};                                                        \
     int64_t k = 0;                                                                                   \
     for (; k + 2 * L <= len; k += 2 * L) {                                                           \
         const V d0 = *(const V*)(v + k) - mean, d1 = *(const V*)(v + k + L) - mean;                  \
-        q0 += d0 * d0; q1 += d1 * d1;                                                                \
+        q0 += d0 * d0; q1 += d1 * d1; p0 += d0; p1 += d1;                                            \
     }                                                                                                \
-    T s = fl_hsum_##SUFFIX(q0 + q1);                                                                 \
-    for (; k < len; k++) { const T d = v[k] - mean; s += d * d; }                                    \
+    T s = fl_hsum_##SUFFIX(q0 + q1), t = fl_hsum_##SUFFIX(p0 + p1);                                  \
+    for (; k < len; k++) { const T d = v[k] - mean; s += d * d; t += d; }                            \
+    *s1 = t;                                                                                         \
     return s;                                                                                        \
 }                                                                                                    \
 /* m1 = the sum of d[k], m2 = the sum of d[k] * (v[k] - mean) * rstd (mean 0, rstd 1: v normalised) */\
@@ -126,12 +126,17 @@ static inline void fl_sum_dot_##SUFFIX(const T* d, const T* v, int64_t len, T me
     for (; k < len; k++) { s += d[k]; s2 += d[k] * ((v[k] - mean) * rstd); }                         \
     *m1 = s; *m2 = s2;                                                                               \
 }                                                                                                    \
-/* the mean as v[0] + mean(v - v[0]): exactly v[0] for a constant row (a cell row clipped whole), whose \
- * LayerNorm is then exactly 0 as torch's is; sum / len would leave a rounding residue there, which  \
- * the next LayerNorm (rstd 1 / sqrt(eps) on a near-constant row) multiplies by ~300 */              \
+/* The corrected two-pass mean and variance (Chan, Golub and LeVeque 1983): the first pass's mean m,  \
+ * then s1 = sum(v - m), s2 = sum((v - m)^2): mean m + s1 / len, variance (s2 - s1^2 / len) / len.   \
+ * The correction also makes a constant row's mean its value (v - m is exact there), so its        \
+ * LayerNorm is exactly 0 as torch's is (a cell row clipped whole: sum / len alone left a residue    \
+ * that the next LayerNorm, rstd 1 / sqrt(eps) on a near-constant row, multiplied by ~300). */       \
 static inline void fl_row_stats_##SUFFIX(const T* v, int64_t len, T eps, T* stat) {                  \
-    const T mean = v[0] + fl_sum_##SUFFIX(v, len, v[0]) / len;                                       \
-    stat[0] = mean; stat[1] = 1 / SQRT(fl_sum_sq_##SUFFIX(v, len, mean) / len + eps);                \
+    const T m = fl_sum_##SUFFIX(v, len) / len;                                                       \
+    T s1; const T s2 = fl_sum_sq_##SUFFIX(v, len, m, &s1);                                           \
+    T var = (s2 - s1 * s1 / len) / len;                                                              \
+    var = var > 0 ? var : 0;                                                                         \
+    stat[0] = m + s1 / len; stat[1] = 1 / SQRT(var + eps);                                           \
 }                                                                                                    \
 static inline void fl_layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_out) {     \
     T stat[2]; fl_row_stats_##SUFFIX(v, len, eps, stat);                                             \
