@@ -295,3 +295,9 @@ def test_doctor_version_and_report_here():
     assert f"fastlayers: {_doctor.version()}" in text
     variant = _native.choose()[0]
     assert f"Native library: would load {variant}" in text
+
+
+def test_python_dash_m_fastlayers_is_the_command():
+    proc = subprocess.run([sys.executable, "-m", "fastlayers", "--version"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(fastlayers.__file__).parents[1])})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith(importlib.metadata.version("fastlayers")), proc

@@ -280,10 +280,51 @@ def test_the_data_helpers_refuse_what_they_cannot_do():
     ({"epochs": 2.0}, r"epochs: expected an int >= 1, got 2\.0"),
     ({"keep": True}, r"keep: expected an int >= 1, got True"),
     ({"max_steps": 1.5}, r"max_steps: expected None or an int >= 1, got 1\.5"),
+    # a string is true: overwrite="false" removed the earlier run, bidirectional="no" built two directions
+    ({"overwrite": "false"}, r"overwrite: expected True or False, got 'false'"),
+    ({"bidirectional": "no"}, r"bidirectional: expected True or False, got 'no'"),
+    ({"resume": 1}, r"resume: expected True or False, got 1"),
+    ({"out": None}, r"out: expected a folder name \(str or path\), got None"),
+    ({"cell_clip": float("inf")}, r"cell_clip: expected None or a finite number > 0 \(None: no clip\), got inf"),
+    ({"cell": "gru", "zoneout": (0.1, 0.2)}, r"zoneout: expected one probability \(a GRU has one state\)"),
 ])
 def test_bad_settings(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         TrainConfig(**kwargs)
+
+
+def test_resume_refuses_run_files_that_nothing_ties_to_a_run(tmp_path):
+    """Run files with neither a readable config.json (an object) nor a checkpoint: --resume has
+    nothing to check them against, and the run would replace them (it did, with a log line)."""
+    from fastlayers.train import _outdir
+
+    settings = TrainConfig(out=tmp_path).run_defining_json()
+    (tmp_path / "model.pt").write_bytes(b"the user's model")
+    (tmp_path / "summary.json").write_text("{}")
+    for config in (None, "[]", "{not json"):
+        if config is not None:
+            (tmp_path / "config.json").write_text(config)
+        with pytest.raises(_outdir.OutputInUse, match=r"--resume: .* holds run files \((config\.json, )?summary\.json, "
+                                                      r"model\.pt\) but no readable config\.json and no checkpoint"):
+            _outdir.check(tmp_path, True, False, settings)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-00000001.pt").write_bytes(b"")  # the checkpoints' own check decides
+    assert _outdir.check(tmp_path, True, False, settings) == []
+    assert (tmp_path / "model.pt").read_bytes() == b"the user's model"
+
+
+def test_a_run_with_a_zoneout_pair_resumes(tmp_path):
+    """zoneout=(z_h, z_c) (an LSTM's form): config.json holds a list, the checkpoint held the tuple,
+    and neither compared equal to the other, so no such run could resume."""
+    from fastlayers.train import run
+
+    kw = dict(dataset="vowels", max_samples=16, batch_size=8, hidden_size=4, epochs=2, checkpoint_every=1,
+              out=tmp_path, zoneout=(0.1, 0.05))
+    run(TrainConfig(**kw, max_steps=2), log=lambda m: None)
+    said: list[str] = []
+    summary = run(TrainConfig(**kw, resume=True), log=said.append)
+    assert any(m.startswith("resumed from") for m in said), said
+    assert summary["config"]["zoneout"] == [0.1, 0.05] and summary["steps"] == 4
 
 
 def test_max_steps_ends_at_an_epoch_end_with_its_metrics_and_never_runs_past(uninterrupted, tmp_path):

@@ -34,7 +34,7 @@ class CheckpointError(RuntimeError):
 
 def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": list(map(_listify, random.getstate())),
+    state = {"torch": torch.get_rng_state(), "python": list(map(listify, random.getstate())),
              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -51,7 +51,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _listify(v: Any) -> Any:
+def listify(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 

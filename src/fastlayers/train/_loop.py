@@ -18,7 +18,7 @@ from .._core.files import write_atomic
 from .._core.system import cpu_name
 from ..data import batches, concat_batch, pad_batch
 from . import _distributed, _outdir
-from ._checkpoint import CheckpointError, load_latest, rng_state, save_checkpoint, set_rng_state
+from ._checkpoint import CheckpointError, listify, load_latest, rng_state, save_checkpoint, set_rng_state
 from ._config import TrainConfig
 from ._data import Splits, epoch_order, load_splits
 from ._model import SequenceClassifier
@@ -121,7 +121,7 @@ class _Run:
             return
         path, payload = found
         ours = self.cfg.run_defining_json()
-        theirs = {k: payload["config"].get(k) for k in ours}
+        theirs = {k: listify(payload["config"].get(k)) for k in ours}  # (as config.json reads back)
         differ = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
         if differ:
             raise CheckpointError(f"{path}: written by a run with other settings (checkpoint vs now: {differ}); "

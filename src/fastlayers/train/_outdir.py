@@ -37,7 +37,8 @@ def check(out: Path, resume: bool, overwrite: bool, settings: dict[str, Any]) ->
 
     Raises:
         OutputInUse: ``out`` holds a run's files and neither ``resume`` nor ``overwrite`` is set,
-            or ``resume`` is set and the run there was started with other settings; the message
+            or ``resume`` is set and the run there was started with other settings (or run files
+            are there with neither a readable config.json nor a checkpoint to tell); the message
             names the files (or settings) and the flags. Also a folder where a run file goes, or a
             file named ``checkpoints``.
     """
@@ -53,7 +54,14 @@ def check(out: Path, resume: bool, overwrite: bool, settings: dict[str, Any]) ->
         try:
             theirs = json.loads((out / "config.json").read_text())
         except (OSError, ValueError):
-            return []  # no readable config: the checkpoints' own check decides
+            theirs = None
+        if not isinstance(theirs, dict):
+            if any(p.parent.name == "checkpoints" for p in files):
+                return []  # no readable config: the checkpoints' own check decides
+            shown = ", ".join(str(p.relative_to(out)) for p in files[:4]) + (", ..." if len(files) > 4 else "")
+            raise OutputInUse(f"--resume: {out} holds run files ({shown}) but no readable config.json and no "
+                              f"checkpoint, so nothing says which run they belong to; pass --overwrite to replace "
+                              f"them, or choose another --out")
         differ = {k: (theirs.get(k), v) for k, v in settings.items() if theirs.get(k) != v}
         if differ:
             raise OutputInUse(f"--resume: the run in {out} has other settings (there vs now: {differ}); resume "
