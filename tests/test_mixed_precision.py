@@ -309,6 +309,36 @@ def test_a_low_precision_rnn_call_never_writes_the_module(lengths, monkeypatch):
     assert out.dtype == BF16 and seen and all(seen) and own_weights()
 
 
+@pytest.mark.parametrize("lengths", [None, [5, 2, 4]], ids=["padded", "lengths"])
+@pytest.mark.parametrize("low_params", [False, True], ids=["autocast", "bf16 parameters"])
+def test_a_low_precision_rnn_call_reads_a_parametrized_weight_once_rounded(lengths, low_params):
+    """torch.nn.utils.parametrize computes the weight at each read, so torch's forward saw it as
+    changed and put the raw weights back in place of the call's rounded ones: bf16 parameters
+    crashed (float32 input vs a bf16 weight), and autocast ran the weight unrounded (4e-3 off the
+    same module with the weight stored). Equal to that module, and the original's gradient twice
+    the stored weight's."""
+    from torch.nn.utils import parametrize
+
+    class Twice(nn.Module):
+        def forward(self, w):
+            return w * 2.0
+
+    torch.manual_seed(0)
+    stored = fastlayers.RNN(8, 16)
+    param = copy.deepcopy(stored)
+    with torch.no_grad():
+        stored.weight_hh_l0.mul_(2.0)
+    if low_params:
+        stored, param = stored.to(BF16), param.to(BF16)
+    parametrize.register_parametrization(param, "weight_hh_l0", Twice())
+    x = _x(5, 3, 8).to(BF16 if low_params else torch.float32)
+    with torch.autocast("cpu", BF16, enabled=not low_params):
+        want, got = stored(x, lengths=lengths)[0], param(x, lengths=lengths)[0]
+    assert got.dtype == BF16 and torch.equal(got, want)
+    want.float().sum().backward(), got.float().sum().backward()
+    assert torch.equal(param.parametrizations.weight_hh_l0.original.grad, 2 * stored.weight_hh_l0.grad)
+
+
 class _NaiveLoop(nn.Module):
     """The LayerNorm / peephole / clip cell written the plain way, one step at a time, every op in
     the parameters' dtype (bf16 state included): the plain-torch formulation of the options."""

@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+import fastlayers
+
 from module_cases import CASE_IDS, CASES, Case, flat, run
 
 each_case = pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -96,6 +98,30 @@ def test_meta_then_to_empty_and_reset_parameters(case):
     # construction is exactly one reset_parameters() after the same seed
     _assert_same_parameters(meta, _build(case, 5))
     _assert_same_outputs(meta, _build(case, 5), case)
+
+
+@pytest.mark.parametrize("how", ["prune", "parametrize"])
+@pytest.mark.parametrize("name", ["LSTM", "GRU", "LSTMCell", "GRUCell"])
+def test_reset_parameters_sets_layer_norm_gains_that_are_pruned_or_parametrized(name, how):
+    """reset_parameters() gives LayerNorm gains 1 in the tensor the module stores (``<name>_orig``,
+    ``parametrizations.<name>.original``): the layers filled the computed tensor, so the next call
+    used torch's uniform draw (the cells did so under parametrize)."""
+    from torch.nn.utils import parametrize, prune
+
+    module = getattr(fastlayers, name)(4, 6, layer_norm=True)
+    gains = [n for n, _ in module.named_parameters() if n.startswith("ln_") and "weight" in n]
+    for gain in gains:
+        if how == "prune":
+            prune.identity(module, gain)
+        else:
+            parametrize.register_parametrization(module, gain, nn.Identity())
+    with torch.no_grad():
+        for p in module.parameters():
+            p.uniform_(-1, 1)
+    module.reset_parameters()
+    module(torch.randn(2, 3, 4) if name in ("LSTM", "GRU") else torch.randn(3, 4))  # (prune recomputes here)
+    for gain in gains:
+        assert torch.equal(getattr(module, gain), torch.ones_like(getattr(module, gain))), gain
 
 
 @each_case

@@ -50,6 +50,20 @@ def test_module_options_beyond_the_state_dict_survive_the_round_trip():
     assert loaded.options == lstm.options and loaded.checkpoint_every == 5 and loaded.proj_size == 2
 
 
+def test_a_step_view_loads_with_its_layer_and_keeps_sharing_it():
+    """``LSTM.cell()`` / ``GRU.cell()`` views kept in a model (a decoder's step): the view class
+    was missing from the allowlist, so the whole model failed to load with weights_only=True."""
+    for layer in (fastlayers.LSTM(4, 5, layer_norm=True), fastlayers.GRU(4, 5)):
+        model = nn.ModuleDict({"layer": layer, "step": layer.cell(0, 0)})
+        with torch.serialization.safe_globals([nn.ModuleDict]):  # the user's container: theirs to allow
+            loaded = _round_trip(model)
+        assert loaded["step"]._rnn[0] is loaded["layer"]
+        x = torch.randn(2, 4)
+        want, got = model["step"](x), loaded["step"](x)
+        for a, b in zip(*(((w,) if isinstance(w, torch.Tensor) else w) for w in (want, got)), strict=True):
+            assert torch.equal(a, b)
+
+
 class _LanguageModel(nn.Module):  # as PyTorch's word_language_model example's RNNModel, with fastlayers' LSTM
     def __init__(self):
         super().__init__()

@@ -14,13 +14,14 @@ __version__ = "0.1.0"
 def _allow_whole_module_loads() -> None:
     """A whole pickled fastlayers module (``torch.save(model, f)``) loads with ``torch.load(f)``, whose
     ``weights_only=True`` default (torch >= 2.6) unpickles allowlisted globals only: the public
-    module classes and the cell options they hold, which rebuild from tensors and plain values."""
+    module classes (and the step views that ``LSTM.cell()`` returns) and the cell options they hold, which rebuild from tensors and plain values."""
     import torch
 
+    from .rnn._modules import CellView
     from .rnn._options import CellOptions
 
     torch.serialization.add_safe_globals([LSTM, GRU, RNN, LSTMCell, GRUCell, RNNCell, AttentionPooling,
-                                          LocallyConnected1d, LocallyConnected2d, CellOptions])
+                                          LocallyConnected1d, LocallyConnected2d, CellOptions, CellView])
 
 
 _allow_whole_module_loads()

@@ -249,6 +249,11 @@ def test_errors():
         locally_connected2d(x, w.float(), b, s, p, d)
     with pytest.raises(TypeError, match=r"input: expected a floating-point tensor"):
         locally_connected2d(x.long(), w, b, s, p, d)
+    for module, shape in ((LocallyConnected2d(2, 3, (5, 4), 2, dtype=torch.complex64), (3, 2, 5, 4)),
+                          (LocallyConnected1d(2, 3, 7, 3, dtype=torch.complex64), (3, 2, 7))):
+        for z in (torch.randn(shape, dtype=torch.complex64), torch.randn(shape[1:], dtype=torch.complex64)):
+            with pytest.raises(TypeError, match=r"input: expected a floating-point tensor, got dtype torch.complex64"):
+                module(z)  # (a batched call took the module's fast path, which ran it)
     with pytest.raises(ValueError, match=r"weight: expected a 6-D tensor"):
         locally_connected2d(x, w[0], b, s, p, d)
     with pytest.raises(ValueError, match=r"input: expected a 3-D \(B, C_in, L\)"):

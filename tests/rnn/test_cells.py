@@ -180,13 +180,13 @@ def _states(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-@pytest.mark.parametrize("how", ["prune", "weight_norm hooks", "spectral_norm hooks"])
+@pytest.mark.parametrize("how", ["prune", "weight_norm hooks", "spectral_norm hooks", "buffers"])
 @pytest.mark.parametrize("name,kwargs", PRUNE_KINDS)
 def test_cells_read_pruned_and_hook_normalised_parameters(name, kwargs, how):
     """torch.nn.utils.prune and the hook-based weight_norm / spectral_norm turn a Parameter into
     ``<name>_orig`` (or ``_g`` / ``_v``) and set the tensor they compute as a plain attribute before
     each call. The cells read registered Parameters only: KeyError for a weight, a pruned bias
-    silently dropped (outputs 0.1-0.5 off). The call equals a cell holding the computed tensors,
+    silently dropped (outputs 0.1-0.5 off); so were weights frozen as buffers. The call equals a cell holding the computed tensors,
     with and without autograd, and its input gradient that cell's."""
     from torch.nn.utils import prune
 
@@ -198,8 +198,12 @@ def test_cells_read_pruned_and_hook_normalised_parameters(name, kwargs, how):
     elif how == "weight_norm hooks":
         with pytest.warns(FutureWarning):  # (torch deprecates it for the parametrization)
             nn.utils.weight_norm(cell, "weight_hh")
-    else:
+    elif how == "spectral_norm hooks":
         nn.utils.spectral_norm(cell, "weight_hh")
+    else:  # frozen: a Parameter replaced by a buffer (torch.nn's cells read it; ours dropped a bias)
+        for param, p in list(cell.named_parameters()):
+            delattr(cell, param)
+            cell.register_buffer(param, p.detach().clone())
     twin = getattr(fastlayers, name)(4, 5, **kwargs).double().eval()
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     for grad in (True, False):

@@ -135,13 +135,17 @@ class _Cell(NotScriptable):
         """The step's parameters by name, as the module holds them now: a registered Parameter; a
         tensor that torch.nn.utils.prune or the hook-based weight_norm / spectral_norm set as a
         plain attribute in their forward pre-hook (the Parameter is then ``<name>_orig`` / ``_g``,
-        ``_v``); or a torch.nn.utils.parametrize one, computed at each access."""
+        ``_v``); a buffer (a weight frozen as ``register_buffer``, as torch.nn's cells read it); or
+        a torch.nn.utils.parametrize one, computed at each access."""
         params = self._parameters  # type: ignore[attr-defined]  (nn.Module's own dicts: no per-call walk)
+        buffers = self._buffers  # type: ignore[attr-defined]
         plain = self.__dict__
         parametrized = self._modules.get("parametrizations")  # type: ignore[attr-defined]
         found = {}
         for name in _PARAMETER_NAMES:
             p = params.get(name)
+            if p is None:
+                p = buffers.get(name)
             if p is None:
                 p = plain.get(name)
                 if p is None and parametrized is not None and name in parametrized:
@@ -201,10 +205,7 @@ class _Cell(NotScriptable):
         if getattr(self, "options", None) is None:
             return  # torch's __init__: the option parameters are not registered yet
         super().reset_parameters()  # type: ignore[misc]
-        with torch.no_grad():  # the registered Parameters (a pruned one's is <name>_orig)
-            for name, p in self._parameters.items():  # type: ignore[attr-defined]
-                if p is not None and name.startswith("ln_"):
-                    p.fill_(0.0 if name.startswith("ln_cell_bias") else 1.0)
+        init_layer_norm(self)
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()  # type: ignore[misc]
@@ -212,6 +213,18 @@ class _Cell(NotScriptable):
         if self.mode == "GRU" and "zoneout" in opts:
             opts["zoneout"] = self.options.zoneout[0]
         return extra + "".join(f", {k}={v!r}" for k, v in opts.items())
+
+
+def init_layer_norm(module: nn.Module) -> None:
+    """LayerNorm gains 1 and cell LayerNorm biases 0, in the tensors the module stores: the
+    Parameter itself, a pruned one's ``<name>_orig``, a parametrized one's
+    ``parametrizations.<name>.original`` (torch's ``reset_parameters`` draws those too)."""
+    with torch.no_grad():
+        for path, p in module.named_parameters():
+            parts = path.split(".")
+            name = parts[1] if parts[0] == "parametrizations" and len(parts) == 3 else parts[-1].removesuffix("_orig")
+            if name.startswith("ln_"):
+                p.fill_(0.0 if name.startswith("ln_cell_bias") else 1.0)
 
 
 _OPTIONS_DOC = """; float32 under ``torch.autocast`` runs the low-precision rule of

@@ -23,7 +23,7 @@ from .._core.checks import as_lengths
 from .._core.jit import ENGINE, VARLEN, NotScriptable, refuse_trace
 from .._native import ops_lib
 from .._core.backend import batched_or_forward_mode, select, transformed
-from ._cells import cell_step
+from ._cells import cell_step, init_layer_norm
 from ._docs import COMMON_DOC, GRU_OPTIONS_DOC, OPTIONS_DOC
 from ._lengths import varlen_rows
 from ._ops_export import operator_layers
@@ -343,10 +343,7 @@ class _CellOptionsMixin:
         if getattr(self, "options", None) is None:
             return  # torch's RNNBase.__init__: the option parameters are not registered yet
         super().reset_parameters()  # type: ignore[misc]  (uniform over every parameter, peepholes included)
-        with torch.no_grad():
-            for name in self._option_parameter_names():
-                if name.startswith("ln_"):
-                    getattr(self, name).fill_(0.0 if name.startswith("ln_cell_bias") else 1.0)
+        init_layer_norm(self)
 
     def _options_plain(self) -> bool:
         return self.options.plain and self.checkpoint_every is None
@@ -617,7 +614,8 @@ class RNN(_LengthsMixin, nn.RNN):
         # torch's RNN kernels read _flat_weights: a view of this module for this call holds the rounded
         # ones (the module itself is never written: calls from other threads see their own weights)
         view = object.__new__(type(self))
-        view.__dict__.update(self.__dict__, _flat_weights=[rounded(w) for w in self._flat_weights])
+        view.__dict__.update(self.__dict__, _flat_weights=[rounded(w) for w in self._flat_weights],
+                             _update_flat_weights=lambda: None)  # (a parametrized weight reads as changed)
         with torch.autocast("cpu", enabled=False):
             out, h = _LengthsMixin.forward(view, rounded(input), rounded(hx), lengths=lengths)
         return out.to(low), h.to(low)
