@@ -339,6 +339,32 @@ def test_a_low_precision_rnn_call_reads_a_parametrized_weight_once_rounded(lengt
     assert torch.equal(param.parametrizations.weight_hh_l0.original.grad, 2 * stored.weight_hh_l0.grad)
 
 
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("low_params", [False, True], ids=["autocast", "bf16 parameters"])
+def test_a_packed_sequence_in_low_precision_runs_as_the_lengths_call(mode, low_params):
+    """A PackedSequence through a plain layer in low precision on CPU: it went to torch's packed
+    kernel (float32 results under autocast, a bf16 cell state with bf16 parameters: twice the
+    error, and torch's LSTM fails under bf16 autocast on CPUs without oneDNN's bf16 LSTM) where
+    the padded call with lengths follows the rule; the same values and gradients now."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    m = getattr(fastlayers, mode)(8, 16, bidirectional=True)
+    m = m.to(BF16) if low_params else m
+    lengths = [5, 2, 4]
+    x = _x(5, 3, 8).to(BF16 if low_params else torch.float32).requires_grad_()
+    with torch.autocast("cpu", BF16, enabled=not low_params):
+        packed, h_packed = m(pack_padded_sequence(x, torch.tensor(lengths), enforce_sorted=False))
+        want, h_want = m(x, lengths=lengths)
+    got = pad_packed_sequence(packed, total_length=5)[0]
+    assert got.dtype == BF16 and torch.equal(got, want)
+    for a, b in zip(_results(h_packed), _results(h_want), strict=True):
+        assert torch.equal(a, b)
+    (g_packed,) = torch.autograd.grad(got.float().sum(), x)
+    (g_want,) = torch.autograd.grad(want.float().sum(), x)
+    assert torch.equal(g_packed, g_want)
+
+
 class _NaiveLoop(nn.Module):
     """The LayerNorm / peephole / clip cell written the plain way, one step at a time, every op in
     the parameters' dtype (bf16 state included): the plain-torch formulation of the options."""

@@ -124,6 +124,29 @@ def test_reset_parameters_sets_layer_norm_gains_that_are_pruned_or_parametrized(
         assert torch.equal(getattr(module, gain), torch.ones_like(getattr(module, gain))), gain
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("name", ["LSTM", "GRU"])
+def test_a_parametrized_weight_is_computed_once_a_call(name, grad):
+    """Each read of a parametrized weight runs its parametrization (spectral_norm: one power
+    iteration in training), so a call reads it once, with or without autograd (the C++ operator
+    path read it twice: a hasattr, then the value)."""
+    from torch.nn.utils import parametrize
+
+    class Counted(nn.Module):
+        calls = 0
+
+        def forward(self, w):
+            Counted.calls += 1
+            return w
+
+    module = getattr(fastlayers, name)(4, 6, num_layers=2, layer_norm=True)
+    parametrize.register_parametrization(module, "weight_hh_l0", Counted())
+    Counted.calls = 0  # (registering computes it once)
+    with torch.set_grad_enabled(grad):
+        module(torch.randn(5, 3, 4), lengths=[5, 2, 4])
+    assert Counted.calls == 1
+
+
 @each_case
 def test_repr(case):
     text = repr(_build(case))

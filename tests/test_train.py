@@ -168,6 +168,29 @@ def test_atomic_save_keeps_the_newest_of_its_own(tmp_path):
     assert all((p.stat().st_mode & 0o777) == 0o666 & ~umask for p in tmp_path.iterdir())  # as any file the user makes
 
 
+def test_a_checkpoint_that_cannot_be_written_is_a_checkpoint_error_and_deletes_nothing(tmp_path, monkeypatch):
+    """A full disk mid-write (torch's writer raises RuntimeError "unexpected pos"): a raw torch
+    traceback before; now a CheckpointError (the command's one line) naming the file and the
+    checkpoints kept, with the earlier ones and the run's list as they were."""
+    from fastlayers.train import _checkpoint
+
+    ours: list[str] = []
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, {"x": torch.tensor([step])}, keep=2, ours=ours)
+
+    def full_disk(obj, f):
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(_checkpoint.torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"step-00000003\.pt: could not be written \(RuntimeError: .*unexpected "
+                                              r"pos.*; the earlier checkpoints are kept \(step-00000001\.pt, "
+                                              r"step-00000002\.pt\)"):
+        save_checkpoint(tmp_path, 3, {"x": torch.tensor([3])}, keep=2, ours=ours)
+    assert ours == ["step-00000001.pt", "step-00000002.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001.pt", "step-00000002.pt"]
+
+
 def _quick_cli(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "fastlayers.cli", "train", "--dataset", "vowels", "--max-samples", "32",
             "--batch-size", "8", "--hidden-size", "6", "--checkpoint-every", "3", "--keep", "2", "--out", str(out), *extra]

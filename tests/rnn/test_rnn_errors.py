@@ -1,8 +1,11 @@
 """Bad input gets a clear error: torch.nn's message first (see test_torch_errors.py), then ours naming the
 argument, with expected vs got."""
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import fastlayers
 from module_cases import flat
@@ -179,3 +182,27 @@ def test_a_parameter_of_another_shape_is_named(backend, mode, options):
         with fastlayers.backend(backend), pytest.raises(RuntimeError, match=rf"{name}: expected shape .*got "
                                                                             rf"\({', '.join(map(str, params[name].shape))},?\)"):
             functional_call(m, params, (x,), {"lengths": [6, 5, 2]})
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("make", [lambda: fastlayers.LSTM(4, 5, num_layers=2, bidirectional=True, layer_norm=True,
+                                                          peephole=True, proj_size=3),
+                                  lambda: fastlayers.GRU(4, 5, num_layers=2, layer_norm=True),
+                                  lambda: fastlayers.LSTMCell(4, 5, layer_norm=True, peephole=True),
+                                  lambda: fastlayers.GRUCell(4, 5, layer_norm=True)],
+                         ids=["LSTM", "GRU", "LSTMCell", "GRUCell"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_parameter_of_another_dtype_is_named(backend, make, dtype):
+    """One parameter of another dtype than the rest (torch.nn's layers and cells refuse it in their
+    kernels): the option engines converted it silently and gave it a gradient in its own dtype."""
+    m = make()
+    cell = isinstance(m, nn.RNNCellBase)
+    x = torch.randn(3, 4) if cell else torch.randn(6, 3, 4)
+    for name, p in m.named_parameters():
+        if name in ("weight_ih", "weight_ih_l0"):
+            continue  # (the dtype the others are held to)
+        changed = copy.deepcopy(m)
+        setattr(changed, name, nn.Parameter(p.detach().to(dtype)))
+        with fastlayers.backend(backend), pytest.raises(RuntimeError, match=rf"^{name}: expected dtype torch.float32 "
+                                                                           rf"\(that of weight_ih(_l0)?: .*got {dtype}"):
+            changed(x) if cell else changed(x, lengths=[6, 5, 2])

@@ -27,7 +27,7 @@ from . import _gpu_cell
 from ._reference import gru_cell_step, lstm_cell_step
 from ._masks import keep_mask
 from ._options import CellOptions
-from ._validate import check_cell, check_mask
+from ._validate import check_cell, check_mask, check_parameter_dtypes
 
 
 def step(mode: str, x: Tensor, states: tuple[Tensor, ...], params: dict[str, Tensor], options: CellOptions, *,
@@ -278,6 +278,8 @@ def cell_step(name: str, mode: str, input: Any, hx: Any, params: dict[str, Tenso
         autocast_off = _precision.autocast_off_for(input.device.type, weight_dtype)
     x, states, batched = check_cell(name, mode, input, hx, input_size=input_size, weight_dtype=weight_dtype,
                                     sizes=sizes, bias=bias)
+    if not options.plain:  # (torch's kernels refuse the plain cells' mixed parameters)
+        check_parameter_dtypes(params, weight_dtype, "weight_ih")
     if recurrent_mask is not None:
         recurrent_mask = check_mask("recurrent_mask", recurrent_mask, batched, x.size(0), sizes[0], x)
     if mode == "RNN" and nonlinearity not in ("tanh", "relu"):  # torch.nn.RNNCell checks it per call

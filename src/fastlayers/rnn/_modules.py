@@ -33,7 +33,7 @@ from ._options import CellOptions
 from ._reference import reference_varlen_rnn
 from ._remat import check_every, checkpointed
 from ._routing import ENGINES
-from ._validate import check_layer, check_parameters_device
+from ._validate import check_layer, check_parameter_dtypes, check_parameters_device
 from ._varlen import varlen_rnn
 
 class _LengthsMixin(NotScriptable):
@@ -97,6 +97,12 @@ class _LengthsMixin(NotScriptable):
         device = data.device.type
         return device if _precision.autocast_off_for(device, self._flat_weights[0].dtype) else None
 
+    def _engine_precision(self, input: Tensor) -> bool:
+        # torch's CPU LSTM kernel under bf16 autocast needs oneDNN's bf16 LSTM (AVX512-BF16 CPUs; it
+        # fails elsewhere) and with bf16 parameters keeps the cell state in bf16: the engine (or its
+        # per-step reference; RNN: torch's float32 kernels on rounded operands) keeps it in float32 on every CPU
+        return input.device.type == "cpu" and _precision.is_low(input)
+
     def _options_plain(self) -> bool:
         return True
 
@@ -156,9 +162,9 @@ class _LengthsMixin(NotScriptable):
         if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError("lengths: expected None for PackedSequence input (it carries its own lengths)")
-            if not self._options_plain():
-                return self._forward_packed(input, hx)
-            return super().forward(*given)  # type: ignore[misc]  (torch's own, autocast and all)
+            if not self._options_plain() or self._engine_precision(input.data):  # (a low-precision call on
+                return self._forward_packed(input, hx)  # CPU: the engine's rule, as the other forms run it)
+            return super().forward(*given)  # type: ignore[misc]  (torch's own)
         exporting = torch.compiler.is_exporting()  # every layer one operator (._ops_export): T and B stay dynamic
         # an input that _check_args passes as it is: the backend is decided first (once), and the plain
         # call goes straight to torch's forward
@@ -370,12 +376,6 @@ class _CellOptionsMixin:
         return (self.checkpoint_every is not None and twice.graph_recorded() and not torch.compiler.is_compiling()
                 and not transformed())
 
-    def _engine_precision(self, input: Tensor) -> bool:
-        # torch's CPU LSTM kernel under bf16 autocast needs oneDNN's bf16 LSTM (AVX512-BF16 CPUs; it
-        # fails elsewhere) and with bf16 parameters keeps the cell state in bf16: the engine (or its
-        # per-step reference) keeps it in float32 on every CPU
-        return input.device.type == "cpu" and _precision.is_low(input)
-
     def _plain_on_engine(self, input: Tensor) -> bool:
         # Measured on an H100 (torch 2.11, fp32 TF32 off, 2 directions, fwd+bwd; BENCHMARKS.md,
         # bench_gpu_engine.py --sweep, 2026-11-24): with its time loops in CUDA graphs the engine took
@@ -419,7 +419,9 @@ class _CellOptionsMixin:
     def _check_parameter_shapes(self, layers: list[list[dict[str, Tensor]]]) -> None:
         """RuntimeError naming the parameter whose shape is not the module's (a tensor given by
         torch.func.functional_call, or a parameter's .data replaced): the engines' kernels read the
-        shapes the module says, so another one would be read past its end."""
+        shapes the module says, so another one would be read past its end; or whose dtype is not
+        weight_ih_l0's (torch.nn's layers refuse one; the engines converted it silently)."""
+        dtype = layers[0][0]["weight_ih"].dtype
         g, h = (4 if self.mode == "LSTM" else 3) * self.hidden_size, self.hidden_size
         p = getattr(self, "proj_size", 0) or h
         shapes = {"weight_hh": (g, p), "bias_ih": (g,), "bias_hh": (g,), "ln_ih_weight": (g,), "ln_hh_weight": (g,),
@@ -427,6 +429,7 @@ class _CellOptionsMixin:
         for layer, directions in enumerate(layers):
             shapes["weight_ih"] = (g, self.input_size if layer == 0 else len(directions) * p)  # type: ignore[attr-defined]
             for sfx, params in zip(("", "_reverse"), directions):
+                check_parameter_dtypes(params, dtype, "weight_ih_l0", f"_l{layer}{sfx}")
                 for key, t in params.items():
                     if t.shape != shapes[key]:
                         raise RuntimeError(f"{key}_l{layer}{sfx}: expected shape {shapes[key]}, got {tuple(t.shape)} "

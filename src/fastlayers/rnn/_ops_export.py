@@ -95,8 +95,8 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
     keys = {"LSTM": _LSTM_KEYS, "GRU": _GRU_KEYS, "RNN": _RNN_KEYS}[mode]
     for li in range(module.num_layers):
         sfx = ("", "_reverse")[:dirs]
-        p = {k: torch.stack([getattr(module, f"{k}_l{li}{s}") for s in sfx]) if hasattr(module, f"{k}_l0") else None
-             for k in keys}
+        found = {k: [getattr(module, f"{k}_l{li}{s}", None) for s in sfx] for k in keys}  # (one read each: a
+        p = {k: torch.stack(ts) if ts[0] is not None else None for k, ts in found.items()}  # parametrization runs)
         for k in _PRODUCT_WEIGHTS:
             if k in p:
                 p[k] = rounded(p[k])

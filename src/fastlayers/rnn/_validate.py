@@ -157,6 +157,16 @@ def check_parameters_device(input: Tensor, weight: Tensor | None) -> None:
                           f"{input.device} (that of input), got {weight.device}")
 
 
+def check_parameter_dtypes(params: dict[str, Tensor], dtype: torch.dtype, first: str, suffix: str = "") -> None:
+    """DtypeError (a TypeError and a RuntimeError, what torch.nn's layers and cells raise from
+    their kernels) naming a parameter of another dtype than ``first``'s, ``dtype``: the option
+    engines would convert it silently."""
+    for key, t in params.items():
+        if t.dtype != dtype:
+            raise DtypeError(f"{key}{suffix}: expected dtype {dtype} (that of {first}: the parameters share one "
+                             f"dtype), got {t.dtype}; convert the module: module.to({dtype})")
+
+
 # ---- cells (torch.nn.LSTMCell / GRUCell / RNNCell .forward, then the checks of their ATen kernels)
 
 def check_cell(cls: str, mode: str, input: object, hx: object, *, input_size: int, weight_dtype: torch.dtype,

@@ -29,7 +29,8 @@ FORMAT = "fastlayers-train-checkpoint/1"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be used (truncated, corrupt, or from a different run)."""
+    """A checkpoint file that cannot be used (truncated, corrupt, or from a different run), or
+    cannot be written."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -63,13 +64,25 @@ def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: i
     """Add the file name of ``step``'s checkpoint to ``ours`` (the names this run wrote, oldest
     first: the list the payload carries, so the checkpoint itself lists it), write ``payload``
     atomically as that checkpoint, then delete all but the newest ``keep`` of ``ours``: never a
-    file the run did not write."""
+    file the run did not write.
+
+    Raises:
+        CheckpointError: the file could not be written (a full disk, an I/O error); nothing is
+            deleted then, and ``ours`` is as it was.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, step)
+    before = list(ours)
     if final.name in ours:
         ours.remove(final.name)
     ours.append(final.name)
-    write_atomic(final, lambda f: torch.save({"format": FORMAT, **payload}, f))
+    try:
+        write_atomic(final, lambda f: torch.save({"format": FORMAT, **payload}, f))
+    except (OSError, RuntimeError) as e:  # a full disk: torch's writer raises RuntimeError ("unexpected pos")
+        ours[:] = before
+        kept = ", ".join(n for n in ours if (directory / n).is_file()) or "none"
+        raise CheckpointError(f"{final}: could not be written ({type(e).__name__}: {str(e).splitlines()[0][:200]}; a "
+                              f"full disk?); the earlier checkpoints are kept ({kept}): free space, then --resume") from e
     for name in ours[:-keep]:
         (directory / name).unlink(missing_ok=True)
     del ours[:-keep]
