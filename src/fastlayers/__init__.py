@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 def _allow_whole_module_loads() -> None:
     """A whole pickled fastlayers module (``torch.save(model, f)``) loads with ``torch.load(f)``, whose
     ``weights_only=True`` default (torch >= 2.6) unpickles allowlisted globals only: the public
-    module classes (and the step views that ``LSTM.cell()`` returns) and the cell options they hold, which rebuild from tensors and plain values."""
+    module classes (and the step views that ``LSTM.cell()`` returns) and the cell options they
+    hold, which rebuild from tensors and plain values."""
     import torch
 
     from .rnn._modules import CellView

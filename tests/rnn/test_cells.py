@@ -186,8 +186,9 @@ def test_cells_read_pruned_and_hook_normalised_parameters(name, kwargs, how):
     """torch.nn.utils.prune and the hook-based weight_norm / spectral_norm turn a Parameter into
     ``<name>_orig`` (or ``_g`` / ``_v``) and set the tensor they compute as a plain attribute before
     each call. The cells read registered Parameters only: KeyError for a weight, a pruned bias
-    silently dropped (outputs 0.1-0.5 off); so were weights frozen as buffers. The call equals a cell holding the computed tensors,
-    with and without autograd, and its input gradient that cell's."""
+    silently dropped (outputs 0.1-0.5 off); so were weights frozen as buffers. The call equals a
+    cell holding the computed tensors, with and without autograd, and its input gradient that
+    cell's."""
     from torch.nn.utils import prune
 
     torch.manual_seed(0)

@@ -274,8 +274,9 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
 
     def _common(self, input: object, rank: int) -> bool:
         """The common valid call, checked in a few operations: a batched input of the weight's dtype
-        (a floating one) and device, C_in channels and input_size, and the weight and bias of the construction's
-        shapes. False: anything else, for the full checks (which also raise the errors)."""
+        (a floating one) and device, C_in channels and input_size, and the weight and bias of the
+        construction's shapes. False: anything else, for the full checks (which also raise the
+        errors)."""
         w, b = self.weight, self.bias
         return (type(input) is Tensor and input.dim() == rank and input.dtype == w.dtype
                 and w.dtype.is_floating_point and input.device == w.device and input.shape[1:] == self._input_shape

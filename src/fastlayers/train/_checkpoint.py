@@ -81,8 +81,9 @@ def save_checkpoint(directory: Path, step: int, payload: dict[str, Any], keep: i
     except (OSError, RuntimeError) as e:  # a full disk: torch's writer raises RuntimeError ("unexpected pos")
         ours[:] = before
         kept = ", ".join(n for n in ours if (directory / n).is_file()) or "none"
-        raise CheckpointError(f"{final}: could not be written ({type(e).__name__}: {str(e).splitlines()[0][:200]}; a "
-                              f"full disk?); the earlier checkpoints are kept ({kept}): free space, then --resume") from e
+        raise CheckpointError(f"{final}: could not be written ({type(e).__name__}: {str(e).splitlines()[0][:200]}; "
+                              f"a full disk?); the earlier checkpoints are kept ({kept}): free space, then "
+                              f"--resume") from e
     for name in ours[:-keep]:
         (directory / name).unlink(missing_ok=True)
     del ours[:-keep]
