@@ -95,6 +95,8 @@ def _score_grad(weights: Tensor, values: Tensor, d_context: Tensor | None, d_wei
         g = g if d_weights is None else g.add_(d_weights)
     if g is None:
         return None
+    if pad is not None:  # (a padded step's dC . v_t, inf for a finite 1e38 there, would reach the sum as 0 * inf)
+        g = g.masked_fill(pad, 0.0)
     ds = weights * (g - (weights * g).sum(1, keepdim=True))
     return ds.masked_fill_(pad, 0.0) if pad is not None else ds
 
@@ -113,6 +115,8 @@ class AttentionCPU(torch.autograd.Function):
     def forward(ctx, query: Tensor, keys: Tensor, values: Tensor, pad: Tensor | None, lengths: Tensor | None,
                 scale: float) -> tuple[Tensor, Tensor]:
         context, weights = dot_pool(query, keys, values, pad, scale)
+        if not any(ctx.needs_input_grad[:2]):  # the weights depend on query and keys only (as the twin's)
+            ctx.mark_non_differentiable(weights)
         ctx.save_for_backward(query, keys, values, weights)
         ctx.pad, ctx.lengths, ctx.scale = pad, lengths, scale
         ctx.set_materialize_grads(False)
@@ -147,6 +151,8 @@ class AdditiveCPU(torch.autograd.Function):
     def forward(ctx, query: Tensor, keys: Tensor, values: Tensor, w_q: Tensor, w_k: Tensor, v: Tensor,
                 bias: Tensor | None, pad: Tensor | None, lengths: Tensor | None) -> tuple[Tensor, Tensor]:
         context, weights, hidden = additive_pool(query, keys, values, w_q, w_k, v, bias, pad)
+        if not any(ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:7]):  # (all but the values: as the twin's)
+            ctx.mark_non_differentiable(weights)
         ctx.save_for_backward(query, keys, values, w_q, w_k, v, bias, weights, hidden)
         ctx.pad, ctx.lengths = pad, lengths
         ctx.set_materialize_grads(False)

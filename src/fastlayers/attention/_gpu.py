@@ -30,7 +30,10 @@ class AttentionTriton(torch.autograd.Function):
         context, weights = kernels.forward(q, k, v, lengths, scaled, low)
         ctx.save_for_backward(q, k, v, weights, query, keys, values, lengths)  # the weights in float32 (float64)
         ctx.scaled, ctx.dtypes, ctx.low = scaled, (query.dtype, keys.dtype, values.dtype), low
-        return context, weights.to(low)
+        out = weights.to(low)
+        if not any(ctx.needs_input_grad[:2]):  # the weights depend on query and keys only (as the twin's)
+            ctx.mark_non_differentiable(out)
+        return context, out
 
     @staticmethod
     def backward(ctx, d_context, d_weights):

@@ -105,12 +105,14 @@ def attention_pool(
     Non-finite input: a NaN in ``query`` or in ``keys`` at a valid step makes that sequence's
     weights and context NaN, and so does an inf that makes a score +inf or NaN (one that makes it
     -inf gives that step weight 0, as torch.softmax). Padded steps (t >= len_b) get an exact 0
-    weight (their scores are masked) and finite keys there an exact 0 gradient, but the products
-    still read them: a NaN or inf key at a padded step reaches the gradients (the query's; the
-    key's own with the additive score), and such a value the context too, as in torch.bmm
-    (0 * NaN = NaN); the Triton kernels (dot and scaled dot) read no padded step in either pass,
-    so there such values reach nothing. Keep padded steps finite (an LSTM with ``lengths`` writes
-    zeros there).
+    weight (their scores are masked); finite keys and values there, however large (1e38 in
+    float32), get an exact 0 gradient and change no other result or gradient. The products still
+    read them: a NaN or inf value at a padded step reaches the context (0 * NaN = NaN, as in
+    torch.bmm); a NaN or inf key there, or with the additive score one whose projection W_k k
+    overflows, reaches the gradients (the query's; with the additive score also the score
+    parameters' and that key's own). The Triton kernels (dot and scaled dot) read no padded step
+    in either pass, so there such values reach nothing. Keep padded steps finite and of a
+    moderate size (an LSTM with ``lengths`` writes zeros there).
     Large scores (keys of size 1e4) stay finite: the softmax subtracts each row's maximum.
     """
     if twice.grad_mode_in_inference_mode():  # (nothing is recorded there: no autograd Function either)

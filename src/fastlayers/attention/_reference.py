@@ -37,6 +37,7 @@ def attention_pool_reference(
     if score != "additive" and query.dtype in _ONE_DTYPE and not precision.autocasting(query.device.type):
         return _dot_one_dtype(query, keys, values, lengths, score == "scaled_dot")
     mm = precision.Products.of(query)
+    pad = pad_mask(lengths, batch, steps, keys.device)
     if score == "additive":
         scores = _additive_scores(mm, query, keys, additive, lambda projected: projected.unsqueeze(1))  # (B, T)
     else:
@@ -44,7 +45,8 @@ def attention_pool_reference(
         scores = mm.matmul(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1)  # (B, T), as dot_pool
         if score == "scaled_dot":
             scores = scores * score_scale(keys.size(2))
-    weights = torch.softmax(_masked(scores, lengths, batch, steps), dim=1)
+    weights = _padded_zero(torch.softmax(scores if pad is None else scores.masked_fill(pad, float("-inf")), dim=1),
+                           pad)
     context = mm.matmul(weights.unsqueeze(1), values).squeeze(1)
     if mm.mixed:  # scores, softmax and the weights in float32; results in the low dtype
         return context.to(mm.low), weights.to(mm.low)
@@ -159,10 +161,11 @@ def padded_steps(lens: Tensor, steps: int) -> Tensor:
     return torch.arange(steps, device=lens.device) >= lens.unsqueeze(1)
 
 
-def _masked(scores: Tensor, lengths: Tensor | list[int] | None, batch: int, steps: int) -> Tensor:
-    """scores (B, T) with -inf at the steps t >= len_b (lengths validated)."""
-    pad = pad_mask(lengths, batch, steps, scores.device)
-    return scores if pad is None else scores.masked_fill(pad, float("-inf"))
+def _padded_zero(weights: Tensor, pad: Tensor | None) -> Tensor:
+    """The softmax's weights (B, T), 0 at the padded steps already, with a recorded backward that
+    gives those steps a gradient of exactly 0: the gradient a padded step's values send there
+    (dC . v_t, inf for a finite 1e38) would reach every step through softmax's row sum as 0 * inf."""
+    return weights.masked_fill(pad, 0.0) if pad is not None and weights.requires_grad else weights
 
 
 def dot_pool(query: Tensor, keys: Tensor, values: Tensor, pad: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
@@ -182,7 +185,7 @@ def softmax_pool(scores: Tensor, values: Tensor, pad: Tensor | None) -> tuple[Te
     values (B, T, Dv): the softmax over the steps that ``pad`` (B, T) bool or None leaves valid."""
     if pad is not None:
         scores = scores.masked_fill_(pad, float("-inf"))
-    weights = torch.softmax(scores, dim=1)
+    weights = _padded_zero(torch.softmax(scores, dim=1), pad)
     return torch.bmm(weights.unsqueeze(1), values).squeeze(1), weights
 
 
