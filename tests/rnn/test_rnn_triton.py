@@ -822,3 +822,22 @@ def test_float32_engine_keeps_its_relative_accuracy_near_zero(cell):
     got = engine(x.float(), tuple(h.float() for h in hx), f32, LENGTHS, opts)[0]
     assert 1e-7 < want.abs().max() < 1e-5
     assert (got.double() - want).abs().max() / want.abs().max() < 1e-6
+
+
+def test_a_cell_row_clipped_whole_normalises_to_zero_on_the_triton_engine():
+    """The C engine's constant-row case (test_rnn_options.py) on the Triton engine, whose LayerNorm
+    mean (sum / n) left the same residue: outputs 0.70 away from the reference's in float64 after
+    three layers. Its statistics are the C engine's corrected two-pass ones now."""
+    torch.manual_seed(469401)
+    m = fastlayers.LSTM(10, 3, num_layers=3, bias=False, dtype=torch.float64, layer_norm=True, cell_clip=0.1).eval()
+    x = torch.randn(8, 11, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(469402))
+    if torch.cuda.is_available():
+        m, x = m.cuda(), x.cuda()
+    with fastlayers.backend("reference"), torch.no_grad():
+        want, (h_want, _) = m(x, lengths=[8] * 11)
+    x.requires_grad_()
+    with fastlayers.backend("triton"), on_the_triton_engine():
+        got, (h_got, _) = m(x, lengths=[8] * 11)
+    assert torch.equal(h_want[0, 8], torch.zeros_like(h_want[0, 8]))  # (the saturated row)
+    assert torch.equal(h_got[0, 8].detach(), h_want[0, 8])
+    torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-9)

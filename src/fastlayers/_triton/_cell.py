@@ -138,12 +138,18 @@ def _blocks_sum(a0, a1, a2, a3, km, BLOCKS: tl.constexpr):
 
 @triton.jit
 def norm_stats(a0, a1, a2, a3, km, n, eps, BLOCKS: tl.constexpr):
-    """Mean and 1/sqrt(var + eps) of the ``n`` valid entries of up to four blocks (lanes km): one
-    reduction for the mean, one for the variance (of the centred values, as two-pass LayerNorm)."""
-    mean = tl.sum(_blocks_sum(a0, a1, a2, a3, km, BLOCKS), axis=0) / n
-    e0, e1, e2, e3 = a0 - mean, a1 - mean, a2 - mean, a3 - mean
-    var = tl.sum(_blocks_sum(e0 * e0, e1 * e1, e2 * e2, e3 * e3, km, BLOCKS), axis=0)
-    return mean, 1 / tl.sqrt(var / n + eps)
+    """Mean and 1/sqrt(var + eps) of the ``n`` valid entries of up to four blocks (lanes km), the
+    C engine's corrected two-pass statistics (fastmath.h, Chan, Golub and LeVeque 1983): the first
+    reduction's mean m, then s1 = sum(a - m) and s2 = sum((a - m)^2): mean m + s1 / n, variance
+    (s2 - s1^2 / n) / n. The correction makes a constant row's mean its value, so its LayerNorm is
+    exactly 0 as torch's is (sum / n alone left a residue that the next LayerNorm, rstd 1 /
+    sqrt(eps) on a near-constant row, multiplied by ~300: a cell row clipped whole)."""
+    m = tl.sum(_blocks_sum(a0, a1, a2, a3, km, BLOCKS), axis=0) / n
+    e0, e1, e2, e3 = a0 - m, a1 - m, a2 - m, a3 - m
+    s1 = tl.sum(_blocks_sum(e0, e1, e2, e3, km, BLOCKS), axis=0)
+    s2 = tl.sum(_blocks_sum(e0 * e0, e1 * e1, e2 * e2, e3 * e3, km, BLOCKS), axis=0)
+    var = tl.maximum((s2 - s1 * s1 / n) / n, 0.0)
+    return m + s1 / n, 1 / tl.sqrt(var + eps)
 
 
 @triton.jit
