@@ -104,6 +104,13 @@ def test_triton_unusable_here_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(_backend, "_triton_importable", lambda: True)
     with fastlayers.backend("triton"), pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
         select("lstm", X32)
+    for value in ("true", "ON", "yes"):  # (Triton's own reading of it: it interprets, so the backend runs)
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        with fastlayers.backend("triton"):
+            assert select("lstm", X32) == "triton", value
+    monkeypatch.setenv("TRITON_INTERPRET", "2")  # (not Triton's: it compiles for a GPU)
+    with fastlayers.backend("triton"), pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
+        select("lstm", X32)
     monkeypatch.setattr(_backend, "_triton_importable", lambda: False)
     with fastlayers.backend("triton"), pytest.raises(RuntimeError, match="triton package is not installed"):
         select("lstm", X32)

@@ -153,6 +153,59 @@ def test_a_variant_that_does_not_load_falls_to_the_next_one_down(tmp_path, refer
     _same(run["results"], reference)
 
 
+def test_an_unreadable_variant_falls_to_the_next_one_down(tmp_path, reference):
+    """The best variant's file a dangling link (a damaged install): reading its torch record raised
+    FileNotFoundError from every layer call; now one warning and the next variant down."""
+    runnable = _runnable()
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs one variant only ({runnable})")
+    mixed = tmp_path / "dangling"
+    mixed.mkdir()
+    for variant, path in _native.built().items():
+        shutil.copy(path, mixed / path.name)
+    best = mixed / _native.built()[runnable[-1]].name
+    best.unlink()
+    best.symlink_to(tmp_path / "nowhere.so")
+    run = _run(tmp_path, library_dir=mixed)
+    assert len(run["warnings"]) == 1, run["warnings"]
+    assert "does not load" in run["warnings"][0] and f"loaded the {runnable[-2]} variant" in run["warnings"][0]
+    assert run["variant"] == runnable[-2] and run["operators"] is True
+    _same(run["results"], reference)
+
+
+@pytest.mark.subprocess
+def test_operators_whose_python_half_fails_to_register_are_reported_as_unavailable():
+    """A family's registration (fake function, autograd) failing: load() warned that torch.export
+    uses the plain-PyTorch path, while unavailable_reason() said '' and export then failed inside
+    torch on an operator without a fake. Now the reason reaches the export's error."""
+    script = """
+import warnings, torch
+from fastlayers._native import ops_lib
+import fastlayers
+
+def broken():
+    raise RuntimeError("simulated: register_fake failed")
+
+ops_lib._REGISTER.insert(0, broken)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert ops_lib.load() is False
+assert any("torch.export of a recurrent layer" in str(w.message) for w in caught), [str(w.message) for w in caught]
+assert "simulated: register_fake failed" in ops_lib.unavailable_reason()
+try:
+    torch.export.export(fastlayers.LSTM(3, 4, layer_norm=True).eval(), (torch.randn(5, 2, 3),))
+except RuntimeError as e:
+    assert "simulated: register_fake failed" in str(e), e
+else:
+    raise AssertionError("exported")
+print("ok")
+"""
+    environ = {k: v for k, v in os.environ.items() if k not in UNSET}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**environ, "PYTHONPATH": str(Path(fastlayers.__file__).parents[1])})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 def test_library_built_against_another_torch_is_not_loaded(tmp_path, reference):
     """The libraries as built, their record of the torch they were built against changed to another
     release (2.99): not loaded (loading would register the operators with this torch, whose C++ ABI
@@ -301,3 +354,16 @@ def test_python_dash_m_fastlayers_is_the_command():
     proc = subprocess.run([sys.executable, "-m", "fastlayers", "--version"], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(Path(fastlayers.__file__).parents[1])})
     assert proc.returncode == 0 and proc.stdout.strip().endswith(importlib.metadata.version("fastlayers")), proc
+
+
+@pytest.mark.subprocess
+def test_doctor_reports_the_loaders_warnings():
+    """The library's and operators' probes recorded their warnings and dropped them: the report
+    said nothing of a bad setting, and warn_once then kept every later call silent too."""
+    environ = {k: v for k, v in os.environ.items() if k not in UNSET}
+    proc = subprocess.run([sys.executable, "-m", "fastlayers", "doctor"], capture_output=True, text=True, timeout=300,
+                          env={**environ, "FASTLAYERS_LARGE_PRODUCTS": "bogus",
+                               "PYTHONPATH": str(Path(fastlayers.__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings_section = proc.stdout.split("\nWarnings:\n", 1)
+    assert len(warnings_section) == 2 and "FASTLAYERS_LARGE_PRODUCTS='bogus'" in warnings_section[1], proc.stdout

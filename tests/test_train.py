@@ -144,6 +144,23 @@ def test_no_loadable_checkpoint_is_a_clear_error(tmp_path):
         load_checkpoint(tmp_path / "step-00000002.pt")
 
 
+def test_a_memory_error_while_loading_is_not_a_damaged_checkpoint(tmp_path, monkeypatch):
+    """A MemoryError reading the newest checkpoint (an intact file) was reported as "truncated or
+    corrupt", the previous one resumed, and the intact file later overwritten: it propagates."""
+    from fastlayers.train import _checkpoint
+
+    ours: list[str] = []
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, {"x": torch.tensor([step])}, keep=2, ours=ours)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(_checkpoint.torch, "load", no_memory)
+    with pytest.raises(MemoryError):
+        load_latest(tmp_path, warn=lambda m: pytest.fail(m))
+
+
 def test_resume_refuses_a_checkpoint_of_other_settings(uninterrupted, tmp_path):
     full = uninterrupted.out
     out = tmp_path / "run"
@@ -621,7 +638,7 @@ def test_a_damaged_data_wheel_is_a_one_line_error(tmp_path, monkeypatch):
 
 def test_a_damaged_installed_data_file_falls_back_to_the_wheel(tmp_path, monkeypatch):
     """An installed package whose data file does not parse (an interrupted install): the wheel's copy
-    is read instead, and with no good copy anywhere DataUnavailable's one line names the damaged
+    is read instead, with a warning naming the damaged one, and with no good copy anywhere DataUnavailable's one line names the damaged
     ones (it raised the parser's EOFError / BadZipFile with a traceback, naming no file)."""
     import importlib.machinery
     import zipfile
@@ -650,7 +667,9 @@ def test_a_damaged_installed_data_file_falls_back_to_the_wheel(tmp_path, monkeyp
     wheel = wheels / f"aeon-{_shipped.RELEASES['aeon']}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("aeon/datasets/member.txt", "the whole file, to the end")
-    assert _shipped.read_shipped("aeon", "datasets/member.txt", parse) == "the whole file, to the end"
+    with pytest.warns(UserWarning, match=r"member\.txt \(EOFError: ended early\): does not read as "
+                                         r"aeon/datasets/member\.txt; read it from .*\.whl instead"):  # (it was silent)
+        assert _shipped.read_shipped("aeon", "datasets/member.txt", parse) == "the whole file, to the end"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("aeon/datasets/member.txt", "cut")
     with pytest.raises(_shipped.DataUnavailable, match=r"aeon==1\.6\.0: .*member\.txt \(EOFError: ended early\), "
@@ -667,6 +686,14 @@ def test_the_offline_switch_reads_its_value(monkeypatch, value, offline):
 
     monkeypatch.setenv("FASTLAYERS_OFFLINE", value)
     assert _shipped.offline() is offline
+
+
+def test_a_bad_torchrun_variable_is_a_one_line_error(tmp_path):
+    proc = subprocess.run(_quick_cli(tmp_path / "run"), capture_output=True, text=True, timeout=300,
+                          env={**_env(), "WORLD_SIZE": "two"})
+    _one_line_error(proc, r"fastlayers train: environment variable WORLD_SIZE: expected an int >= 1 \(torchrun sets "
+                          r"it\), got 'two'")
+    assert not any((tmp_path / "run").iterdir())  # (the command's writability check made the folder only)
 
 
 def test_cuda_without_a_gpu_is_a_one_line_error(tmp_path, monkeypatch):

@@ -68,7 +68,9 @@ def _triton() -> str:
         import triton
     except ImportError:
         return "not installed"
-    interpret = " (TRITON_INTERPRET=1: the interpreter, for tests)" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+    from ._triton import interpreting
+
+    interpret = " (TRITON_INTERPRET: the interpreter, for tests)" if interpreting() else ""
     return f"{triton.__version__}{interpret}"
 
 
@@ -103,20 +105,18 @@ def _native_library(load: bool) -> str:
     if not load:
         variant, why = _native.choose()
         return f"would load {variant} ({why}); built: {built}" if variant else f"NOT available: {why}"
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        line = _native.describe()
-        if _native.library() is not None:
-            own = f"its own kernel (matmul.c) from {_native.own_products_from()} rows"
-            bf16_rows = _native.BF16_MIN_ROWS
-            own_bf16 = f"VDPBF16PS from {bf16_rows} rows"
-            line += (f"; the recurrent layers' large products on "
-                     f"{own if _native.own_products() else 'torch BLAS'}"
-                     f"; their bf16 time loops' step products on "
-                     f"{'VDPBF16PS (AVX512-BF16)' if _native.bf16_products() else 'float32 arithmetic'}"
-                     f"; their large bf16 products on "
-                     f"{own_bf16 if _native.bf16_large_products(bf16_rows) else 'torch'}")
-        return line
+    line = _native.describe()  # (its warnings: the report's "Warnings:" section, as the other probes')
+    if _native.library() is not None:
+        own = f"its own kernel (matmul.c) from {_native.own_products_from()} rows"
+        bf16_rows = _native.BF16_MIN_ROWS
+        own_bf16 = f"VDPBF16PS from {bf16_rows} rows"
+        line += (f"; the recurrent layers' large products on "
+                 f"{own if _native.own_products() else 'torch BLAS'}"
+                 f"; their bf16 time loops' step products on "
+                 f"{'VDPBF16PS (AVX512-BF16)' if _native.bf16_products() else 'float32 arithmetic'}"
+                 f"; their large bf16 products on "
+                 f"{own_bf16 if _native.bf16_large_products(bf16_rows) else 'torch'}")
+    return line
 
 
 def _operators(load: bool) -> str:
@@ -126,9 +126,7 @@ def _operators(load: bool) -> str:
 
     if not load:
         return "not loaded (report(load=False))"
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        loaded = ops_lib.load()
+    loaded = ops_lib.load()  # (its warnings: the report's "Warnings:" section)
     if loaded:
         limit = torch.ops.fastlayers.cache_info()[4] >> 20
         return ("registered (torch.ops.fastlayers: lstm_padded, gru_padded, rnn_padded, locally_connected2d); "

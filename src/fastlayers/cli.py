@@ -98,6 +98,7 @@ def _user_error(e: BaseException) -> str | None:
     kinds = [getattr(sys.modules.get(module), name, None) for module, name in (
         ("fastlayers.data._shipped", "DataUnavailable"), ("fastlayers.train._checkpoint", "CheckpointError"),
         ("fastlayers.train._outdir", "OutputInUse"), ("fastlayers.train._distributed", "DeviceUnavailable"),
+        ("fastlayers.train._distributed", "LaunchSettingError"),
         ("fastlayers._core.backend", "UnknownBackend"), ("fastlayers._core.backend", "BackendUnavailable"))]
     return str(e) if any(kind is not None and isinstance(e, kind) for kind in kinds) else None
 

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+import fastlayers
 from fastlayers.rnn import _gpu_graphs
 from fastlayers.rnn._gpu_graphs import TIME
 
@@ -81,11 +82,19 @@ def test_a_bad_mode_is_an_error_naming_the_variable(monkeypatch):
         _gpu_graphs.mode()
 
 
-@pytest.mark.parametrize("value", ["lots", "-1", "nan"])
+@pytest.mark.parametrize("value", ["lots", "-1", "nan", "inf"])
 def test_a_bad_memory_limit_is_an_error_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv(_gpu_graphs.MAX_MB, value)
-    with pytest.raises(ValueError, match=f"FASTLAYERS_CUDA_GRAPHS_MAX_MB must be a number of MiB >= 0, got '{value}'"):
+    want = f"FASTLAYERS_CUDA_GRAPHS_MAX_MB must be a finite number of MiB >= 0, got '{value}'"
+    with pytest.raises(ValueError, match=want):
         _gpu_graphs.limit_bytes(torch.device("cpu"))
+    # a plain layer's capture (the path its replays take on CUDA): the setting's error, as a layer with
+    # options gives it (it was reported as a failed capture, and the shape kept off graphs for good)
+    from fastlayers.rnn import _gpu
+
+    with _gpu_graphs.emulated(), pytest.raises(ValueError, match=want):
+        _gpu._prepare(fastlayers.LSTM(3, 4), torch.randn(8, 2, 3), 8, False, ("a bad limit",))
+    assert ("a bad limit",) not in _gpu._UNREADY
 
 
 def test_cpu_tensors_capture_only_when_emulated(monkeypatch):

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .. import _native
+from .._triton import interpreting
 
 BACKENDS = ("cpu", "triton", "reference")
 ENV = "FASTLAYERS_BACKEND"
@@ -206,7 +207,7 @@ def unavailable(name: str, op: str, x: Tensor) -> str | None:
     if not _triton_importable():
         return "the triton package is not installed, or does not import"
     if x.device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not interpreting():
             return "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing triton"
     elif x.device.type != "cuda":
         return f"Triton kernels run on CUDA tensors, got a tensor on {x.device}"

@@ -181,7 +181,10 @@ def _open() -> ctypes.CDLL | None:
         return None
     have = built()
     path = have[variant]
-    other = _other_torch(path)
+    try:
+        other = _other_torch(path)
+    except OSError:  # unreadable (a dangling link, no permission): the load below says so, then the next variant
+        other = None
     if other is not None:
         _STATE["error"] = other
         warn_once(f"fastlayers: the native library {other}; the layers use the slower pure-PyTorch path (install "
@@ -230,8 +233,25 @@ def _open() -> ctypes.CDLL | None:
         _STATE["variant"], _STATE["why"] = candidate, f"{variant} does not load; the next variant down"
         warn_once(f"fastlayers: the native library {'; '.join(failed)}; loaded the {candidate} variant instead "
                   f"(slower)", stacklevel=5)
-    path = have[candidate]
-    _STATE["path"] = path
+    try:
+        _declare(lib)
+    except AttributeError as e:  # a library of another build (a symbol missing): its C kernels cannot be called
+        _STATE["error"] = f"{have[candidate]} lacks a C kernel this fastlayers calls ({e})"
+        warn_once(f"fastlayers: the native library {_STATE['error']}; the layers use the slower pure-PyTorch path "
+                  f"(reinstall or rebuild fastlayers)", stacklevel=5)
+        return None
+    _STATE["path"] = have[candidate]
+    choice = os.environ.get(PRODUCTS_ENV, "").strip().lower()
+    if choice in ("native", "torch"):
+        lib.fl_matmul_prefer(int(choice == "native"))
+    elif choice:
+        warn_once(f"fastlayers: {PRODUCTS_ENV}={choice!r}: expected 'native' or 'torch'; the CPU's choice is used",
+                  stacklevel=5)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The signatures of the C entry points called through ctypes (AttributeError for a missing one)."""
     lib.fl_matmul_preferred.argtypes, lib.fl_matmul_preferred.restype = [ctypes.c_int64], ctypes.c_int
     lib.fl_matmul_prefer.argtypes, lib.fl_matmul_prefer.restype = [ctypes.c_int], None
     lib.fl_matmul_scratch_rows.argtypes, lib.fl_matmul_scratch_rows.restype = [], ctypes.c_int64
@@ -241,13 +261,6 @@ def _open() -> ctypes.CDLL | None:
     lib.fl_matmul_bf16.restype = None
     lib.fl_matmul_bf16.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 \
         + [ctypes.c_void_p] * 4 + [ctypes.c_int]
-    choice = os.environ.get(PRODUCTS_ENV, "").strip().lower()
-    if choice in ("native", "torch"):
-        lib.fl_matmul_prefer(int(choice == "native"))
-    elif choice:
-        warn_once(f"fastlayers: {PRODUCTS_ENV}={choice!r}: expected 'native' or 'torch'; the CPU's choice is used",
-                  stacklevel=5)
-    return lib
 
 
 def library() -> ctypes.CDLL | None:

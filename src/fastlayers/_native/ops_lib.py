@@ -60,9 +60,9 @@ def load() -> bool:
                     _STATE["loaded"] = True
                 except Exception as e:  # (a layer's call must not raise for it)
                     _STATE["loaded"], _STATE["error"] = False, f"registering its Python half failed: {e}"
-                    _native.warn_once(f"fastlayers: the C++ operators' {_STATE['error']}; torch.compile / torch.export "
-                                      f"use the plain-PyTorch path instead, eager calls their autograd path",
-                                      stacklevel=3)
+                    _native.warn_once(f"fastlayers: the C++ operators' {_STATE['error']}; eager calls and "
+                                      f"torch.compile take their autograd path, and torch.export of a recurrent "
+                                      f"layer (one operator per layer) raises with this reason", stacklevel=3)
     return bool(_STATE["loaded"])
 
 
@@ -75,7 +75,8 @@ def unavailable_reason() -> str:
         library_path()
     except RuntimeError as e:
         return str(e)
-    load()
+    if not load():  # (the library loaded, its operators' Python half did not register: no fake, no autograd)
+        return str(_STATE.get("error") or "the C++ operators did not register")
     return ""
 
 

@@ -11,6 +11,7 @@ package imports nothing of the layers or of the backend choice).
 from __future__ import annotations
 
 import importlib.util
+import os
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,4 +28,10 @@ def next_power_of_2(n: int) -> int:
 
 def available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for Triton's interpreter, read as Triton reads it (its
+    ``getenv_bool``: ``1``, ``true``, ``on`` or ``yes``, any case, nothing around it)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 

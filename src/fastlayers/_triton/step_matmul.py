@@ -28,13 +28,11 @@ call (``low`` given: the low dtype's values held in float32, on a CPU without th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from . import cdiv
+from . import cdiv, interpreting
 from ._launch import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 64
@@ -81,7 +79,7 @@ def _kernel(a, b, c, clock, j, lengths, starts, M, N, K, k_slice, s_ad, s_at, s_
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as Triton decided when _kernel was made
+_INTERPRETED = interpreting()  # as Triton decided when _kernel was made
 
 
 def slices(k: int) -> int:

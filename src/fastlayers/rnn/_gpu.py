@@ -147,7 +147,8 @@ def _prepare(module, x: Tensor, steps: int, grad: bool, sig: tuple) -> None:
     dirs = 2 if module.bidirectional else 1
     engine = lstm_engine_gpu if module.mode == "LSTM" else gru_engine_gpu
     failed = _gpu_graphs.stats["failed"]
-    try:
+    _gpu_graphs.limit_bytes(x.device)  # (a bad FASTLAYERS_CUDA_GRAPHS_MAX_MB: its ValueError, as a layer with options
+    try:                                # gives it, not a capture failure that keeps the shape off graphs for good)
         with _gpu_graphs.preparing(steps) as claimed, torch.set_grad_enabled(grad):
             dummy = x.new_zeros(1, batch, features, requires_grad=grad and x.requires_grad)
             states = tuple(x.new_zeros(module.num_layers * dirs, batch, size) for size in module._state_sizes())

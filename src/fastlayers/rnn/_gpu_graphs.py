@@ -152,15 +152,15 @@ pool.on_empty_cache(clear)  # (fastlayers.empty_cache releases the captures' buf
 def limit_bytes(device: torch.device) -> int:
     """The most bytes the captured entries of ``device`` keep (``FASTLAYERS_CUDA_GRAPHS_MAX_MB``,
     default a quarter of the device's memory; 1 GiB for CPU tensors under :func:`emulated`).
-    Raises ValueError naming the variable for a value that is not a number >= 0."""
+    Raises ValueError naming the variable for a value that is not a finite number >= 0."""
     value = os.environ.get(MAX_MB, "").strip()
     if value:
         try:
             mb = float(value)
         except ValueError:
             mb = -1.0
-        if not mb >= 0:
-            raise ValueError(f"{MAX_MB} must be a number of MiB >= 0, got {value!r}")
+        if not 0 <= mb < float("inf"):
+            raise ValueError(f"{MAX_MB} must be a finite number of MiB >= 0, got {value!r}")
         return int(mb * 2**20)
     if device.type != "cuda":
         return 2**30

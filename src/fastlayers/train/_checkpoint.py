@@ -107,6 +107,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint file") from None
+    except MemoryError:  # (not the file's fault: resuming from an older one would later overwrite it)
+        raise
     except Exception as e:  # truncated zip, bad pickle, ...
         raise CheckpointError(f"{path}: not a loadable checkpoint, truncated or corrupt ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]})") from e
