@@ -447,6 +447,26 @@ def test_attention_pooling_against_plain_softmax(score, mode):
            inputs, mode)
 
 
+@pytest.mark.parametrize("score", ["dot", "scaled_dot", "additive"])
+def test_attention_pooling_takes_an_autocast_layers_keys_for_a_float32_query(score):
+    """A learned float32 query pooling an autocast LSTM's bf16 output (the usual classifier): a
+    DtypeError (keys vs query) where torch's attention takes it; it runs as the float32 call under
+    autocast (bf16 results), the same as with the keys given in float32."""
+    torch.manual_seed(0)
+    lstm, pool = fastlayers.LSTM(8, 8, batch_first=True), fastlayers.AttentionPooling(8, score=score)
+    query = nn.Parameter(torch.randn(4, 8))
+    x, lengths = _x(4, 7, 8), torch.tensor([7, 3, 5, 1])
+    with torch.autocast("cpu", BF16):
+        out = lstm(x, lengths=lengths)[0]
+        assert out.dtype == BF16
+        context, weights = pool(query, out, lengths=lengths)
+        want, want_weights = pool(query, out.float(), lengths=lengths)
+    assert context.dtype == weights.dtype == BF16
+    assert torch.equal(context, want) and torch.equal(weights, want_weights)
+    context.float().sum().backward()
+    assert query.grad is not None and query.grad.dtype == torch.float32
+
+
 def _outputs(m, x, lengths):
     """The output and the final states of one call, as a list (LSTM: h, c; GRU: h)."""
     out, states = m(x, lengths=lengths)

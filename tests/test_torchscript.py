@@ -48,6 +48,32 @@ def test_trace_equals_eager_at_another_shape(name):
                                atol=0 if exact else 1e-6)
 
 
+class _Pooling(nn.Module):  # as a user's model: a projection of the keys, then attention pooling with lengths
+    def __init__(self, score):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.pool = fastlayers.AttentionPooling(6, score=score, attention_size=4 if score == "additive" else None)
+
+    def forward(self, q, k, lengths):
+        return self.pool(q, self.proj(k), lengths=lengths)[0]
+
+
+@pytest.mark.parametrize("score", ["dot", "scaled_dot", "additive"])
+def test_attention_pooling_with_lengths_traces_and_runs_again(score, tmp_path):
+    """torch.jit.trace's check (a second trace, without gradients) found another graph: the padded
+    weights' masking was recorded only with gradients. A saved trace's second call with gradients on
+    (libtorch's default) raised "a view of a leaf Variable ... in-place": the scores' in-place ops."""
+    torch.manual_seed(0)
+    model = _Pooling(score).eval()
+    q, k, lengths = torch.randn(4, 6), torch.randn(4, 7, 6), torch.tensor([7, 3, 5, 1])
+    traced = torch.jit.trace(model, (q, k, lengths))  # (the default check_trace)
+    torch.jit.save(traced, tmp_path / "pool.pt")
+    loaded = torch.jit.load(tmp_path / "pool.pt")
+    k2, lengths2 = torch.randn(3, 9, 6), torch.tensor([2, 9, 4])
+    for _ in range(3):
+        torch.testing.assert_close(loaded(q[:3], k2, lengths2), model(q[:3], k2, lengths2), rtol=1e-6, atol=1e-7)
+
+
 class _WithLengths(nn.Module):
     def __init__(self, layer):
         super().__init__()

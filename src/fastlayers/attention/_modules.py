@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .._core import jagged
 from .._core.backend import select
-from .._core import twice
+from .._core import precision, twice
 from .._core.checks import as_lengths, check_floating, check_rank, check_same_dtype_device, check_tensor, is_int
 from .._core.jit import TRITON, VARLEN, NotScriptable, refuse_trace
 from . import _cpu as cpu
@@ -101,6 +101,8 @@ def attention_pool(
     Low precision (bf16/fp16 inputs, or float32 under ``torch.autocast``): the score and context
     products take low-precision operands and sum in float32; tanh, masking and softmax run in
     float32; context and weights are returned in the low dtype (see :mod:`fastlayers._core.precision`).
+    Under autocast, bf16 / fp16 keys and values (an autocast layer's output) with a float32 query
+    (a learned one) run as that float32 call.
 
     Non-finite input: a NaN in ``query`` or in ``keys`` at a valid step makes that sequence's
     weights and context NaN, and so does an inf that makes a score +inf or NaN (one that makes it
@@ -119,6 +121,8 @@ def attention_pool(
         with torch.no_grad():
             return attention_pool(query, keys, values, lengths, score=score, additive=additive, cu_seqlens=cu_seqlens,
                                   max_seqlen=max_seqlen)
+    if isinstance(query, Tensor) and precision.autocasting(query.device.type):  # an autocast layer's bf16 keys
+        keys, values = (precision.autocast_operand(t, query.dtype) for t in (keys, values))  # for a float32 query
     if isinstance(keys, Tensor) and keys.is_nested:
         return _nested(query, keys, values, lengths, cu_seqlens, max_seqlen, score, additive)
     if cu_seqlens is not None:

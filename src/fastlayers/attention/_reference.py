@@ -165,7 +165,8 @@ def _padded_zero(weights: Tensor, pad: Tensor | None) -> Tensor:
     """The softmax's weights (B, T), 0 at the padded steps already, with a recorded backward that
     gives those steps a gradient of exactly 0: the gradient a padded step's values send there
     (dC . v_t, inf for a finite 1e38) would reach every step through softmax's row sum as 0 * inf."""
-    return weights.masked_fill(pad, 0.0) if pad is not None and weights.requires_grad else weights
+    recorded = weights.requires_grad or torch.jit.is_tracing()  # (a trace's graph is the same with and without grad)
+    return weights.masked_fill(pad, 0.0) if pad is not None and recorded else weights
 
 
 def dot_pool(query: Tensor, keys: Tensor, values: Tensor, pad: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
@@ -175,16 +176,17 @@ def dot_pool(query: Tensor, keys: Tensor, values: Tensor, pad: Tensor | None, sc
     batched row product (the keys read once, in place), where keys @ query (a (B, T, 1) result)
     took about 6x as long at the attention seed shape (AMD EPYC Zen 4, torch 2.13's CPU build)."""
     scores = torch.bmm(query.unsqueeze(1), keys.transpose(1, 2)).squeeze(1)  # (B, T), a fresh tensor
-    if scale != 1.0:
-        scores = scores.mul_(scale)
+    if scale != 1.0:  # (in place but in a torch.jit.trace: its graph, run again with grad, refused the in-place
+        scores = scores * scale if torch.jit.is_tracing() else scores.mul_(scale)  # op on the product's view)
     return softmax_pool(scores, values, pad)
 
 
 def softmax_pool(scores: Tensor, values: Tensor, pad: Tensor | None) -> tuple[Tensor, Tensor]:
     """(context (B, Dv), weights (B, T)) from scores (B, T) (a fresh tensor: masked in place) and
     values (B, T, Dv): the softmax over the steps that ``pad`` (B, T) bool or None leaves valid."""
-    if pad is not None:
-        scores = scores.masked_fill_(pad, float("-inf"))
+    if pad is not None:  # (in place, but in a torch.jit.trace: see dot_pool)
+        fill = scores.masked_fill if torch.jit.is_tracing() else scores.masked_fill_
+        scores = fill(pad, float("-inf"))
     weights = _padded_zero(torch.softmax(scores, dim=1), pad)
     return torch.bmm(weights.unsqueeze(1), values).squeeze(1), weights
 
