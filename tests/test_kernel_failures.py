@@ -134,9 +134,12 @@ def test_library_that_does_not_load_warns_once(tmp_path, reference):
     _same(run["results"], reference)
 
 
-def test_a_variant_that_does_not_load_falls_to_the_next_one_down(tmp_path, reference):
-    """The best variant's file damaged, the others as built: one warning naming the file, the next
-    variant down loaded (its C kernels and operators on), the reference's results."""
+@pytest.mark.parametrize("damage", ["not a library", "a dangling link"])
+def test_a_variant_that_does_not_load_falls_to_the_next_one_down(tmp_path, reference, damage):
+    """The best variant's file damaged (another file in its place, or a dangling link, whose torch
+    record's read raised FileNotFoundError from every layer call), the others as built: one warning
+    naming the file, the next variant down loaded (its C kernels and operators on), the reference's
+    results."""
     runnable = _runnable()
     if len(runnable) < 2:
         pytest.skip(f"this CPU runs one variant only ({runnable})")
@@ -144,32 +147,17 @@ def test_a_variant_that_does_not_load_falls_to_the_next_one_down(tmp_path, refer
     mixed.mkdir()
     for variant, path in _native.built().items():
         shutil.copy(path, mixed / path.name)
-    shutil.copy(shutil.which("true"), mixed / _native.built()[runnable[-1]].name)
+    best = mixed / _native.built()[runnable[-1]].name
+    best.unlink()
+    if damage == "not a library":
+        shutil.copy(shutil.which("true"), best)
+    else:
+        best.symlink_to(tmp_path / "nowhere.so")
     run = _run(tmp_path, library_dir=mixed)
     assert len(run["warnings"]) == 1, run["warnings"]
     assert "does not load" in run["warnings"][0] and f"loaded the {runnable[-2]} variant" in run["warnings"][0]
     assert run["variant"] == runnable[-2] and run["operators"] is True
     assert run["backends"] == {"lstm": "cpu", "gru": "cpu", "local2d": "cpu"}
-    _same(run["results"], reference)
-
-
-def test_an_unreadable_variant_falls_to_the_next_one_down(tmp_path, reference):
-    """The best variant's file a dangling link (a damaged install): reading its torch record raised
-    FileNotFoundError from every layer call; now one warning and the next variant down."""
-    runnable = _runnable()
-    if len(runnable) < 2:
-        pytest.skip(f"this CPU runs one variant only ({runnable})")
-    mixed = tmp_path / "dangling"
-    mixed.mkdir()
-    for variant, path in _native.built().items():
-        shutil.copy(path, mixed / path.name)
-    best = mixed / _native.built()[runnable[-1]].name
-    best.unlink()
-    best.symlink_to(tmp_path / "nowhere.so")
-    run = _run(tmp_path, library_dir=mixed)
-    assert len(run["warnings"]) == 1, run["warnings"]
-    assert "does not load" in run["warnings"][0] and f"loaded the {runnable[-2]} variant" in run["warnings"][0]
-    assert run["variant"] == runnable[-2] and run["operators"] is True
     _same(run["results"], reference)
 
 
