@@ -162,11 +162,12 @@ def padded_steps(lens: Tensor, steps: int) -> Tensor:
 
 
 def _padded_zero(weights: Tensor, pad: Tensor | None) -> Tensor:
-    """The softmax's weights (B, T), 0 at the padded steps already, with a recorded backward that
-    gives those steps a gradient of exactly 0: the gradient a padded step's values send there
-    (dC . v_t, inf for a finite 1e38) would reach every step through softmax's row sum as 0 * inf."""
+    """The softmax's weights (B, T), the same values (0 at the padded steps, or NaN on a row that
+    a NaN score makes NaN), with a recorded backward that gives the padded steps a gradient of
+    exactly 0: the gradient a padded step's values send there (dC . v_t, inf for a finite 1e38)
+    would reach every step through softmax's row sum as 0 * inf."""
     recorded = weights.requires_grad or torch.jit.is_tracing()  # (a trace's graph is the same with and without grad)
-    return weights.masked_fill(pad, 0.0) if pad is not None and recorded else weights
+    return torch.where(pad, weights.detach(), weights) if pad is not None and recorded else weights
 
 
 def dot_pool(query: Tensor, keys: Tensor, values: Tensor, pad: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
