@@ -204,8 +204,9 @@ torch.library.register_autograd("fastlayers::gru_layer", _gru_backward, setup_co
 def run_layer(cell: str, *args: Any, src: Tensor | None = None) -> tuple[Tensor, ...]:
     """One layer through the autograd Function (eager: pooled buffers) or, while torch.compile
     traces, through the custom operator. ``args``: the Function's inputs, ``active`` a tuple (or,
-    traced, an int64 tensor: T and B stay symbolic) and ``consts`` a tuple; ``src``: the padded rows' index where the Function reads them itself (eager
-    only: :func:`._cpu_recurrence.reads_rows`). Returns (y, h_n) or (y, h_n, c_n)."""
+    traced, an int64 tensor: T and B stay symbolic) and ``consts`` a tuple; ``src``: the padded
+    rows' index where the Function reads them itself (eager only:
+    :func:`._cpu_recurrence.reads_rows`). Returns (y, h_n) or (y, h_n, c_n)."""
     if src is not None:
         return (LSTMRecurrence if cell == "LSTM" else GRURecurrence).apply(*args, src)
     if not torch.compiler.is_compiling():

@@ -63,6 +63,16 @@ def rounding(x: Tensor) -> tuple[torch.dtype, Callable[[Any], Any]]:
     return low, ((lambda t: _precision.rounded(t, low)) if low != x.dtype else (lambda t: t))
 
 
+def layer_parameters(module: Any, layer: int, dirs: int, keys: tuple[str, ...],
+                     rounded: Callable[[Any], Any]) -> dict[str, Tensor | None]:
+    """Layer ``layer``'s parameters ``keys`` stacked over its ``dirs`` directions (D, ...) (None for
+    one the module lacks: no bias), the product weights through ``rounded`` (:func:`rounding`). Each
+    read once: a parametrized weight's parametrization runs once a call."""
+    found = {k: [getattr(module, f"{k}_l{layer}{s}", None) for s in ("", "_reverse")[:dirs]] for k in keys}
+    return {k: None if ts[0] is None else rounded(torch.stack(ts)) if k in _PRODUCT_WEIGHTS else torch.stack(ts)
+            for k, ts in found.items()}
+
+
 def operator_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None
                     ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """A layer call as one operator per layer: x batched (layout per batch_first), states batched
@@ -94,12 +104,7 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
     finals: list[list[Tensor]] = [[] for _ in states]
     keys = {"LSTM": _LSTM_KEYS, "GRU": _GRU_KEYS, "RNN": _RNN_KEYS}[mode]
     for li in range(module.num_layers):
-        sfx = ("", "_reverse")[:dirs]
-        found = {k: [getattr(module, f"{k}_l{li}{s}", None) for s in sfx] for k in keys}  # (one read each: a
-        p = {k: torch.stack(ts) if ts[0] is not None else None for k, ts in found.items()}  # parametrization runs)
-        for k in _PRODUCT_WEIGHTS:
-            if k in p:
-                p[k] = rounded(p[k])
+        p = layer_parameters(module, li, dirs, keys, rounded)
         k = slice(li * dirs, (li + 1) * dirs)
         if mode == "RNN":
             y, h = torch.ops.fastlayers.rnn_padded(xt, lengths, states[0][k], p["weight_ih"], p["weight_hh"],

@@ -38,8 +38,8 @@ from .._core import jagged, twice
 from .._core.backend import select
 from ._cpu import varlen_engine_draws
 from ._lengths import varlen_rows
-from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _PLAIN, _PRODUCT_WEIGHTS, _RNN_KEYS, _layer_args, _layer_eagerly,
-                          _rnn_eagerly, engine_masks, operator_masks, rounding, vjp)
+from ._ops_export import (_GRU_KEYS, _LSTM_KEYS, _PLAIN, _RNN_KEYS, _layer_args, _layer_eagerly, _rnn_eagerly,
+                          engine_masks, layer_parameters, operator_masks, rounding, vjp)
 from ._options import CellOptions
 from ._routing import engine
 
@@ -222,10 +222,7 @@ def varlen_operator_layers(module: Any, values: Tensor, states: tuple[Tensor, ..
     low, rounded = rounding(values)  # (under autocast, as the padded operators: ._ops_export)
     x, states = rounded(values), tuple(rounded(s) for s in states)
     for li in range(module.num_layers):
-        sfx = ("", "_reverse")[:dirs]
-        p = [torch.stack([getattr(module, f"{k}_l{li}{s}") for s in sfx]) if hasattr(module, f"{k}_l0") else None
-             for k in keys]
-        p = [rounded(t) if name in _PRODUCT_WEIGHTS else t for name, t in zip(keys, p)]
+        p = list(layer_parameters(module, li, dirs, keys, rounded).values())  # (in keys' order)
         k = slice(li * dirs, (li + 1) * dirs)
         if mode.startswith("RNN"):
             x, h = torch.ops.fastlayers.rnn_varlen(x, cu_seqlens, states[0][k], *p, mode == "RNN_RELU")

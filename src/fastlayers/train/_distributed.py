@@ -36,23 +36,22 @@ class LaunchSettingError(ValueError):
     """A torchrun environment variable (WORLD_SIZE, RANK, LOCAL_RANK) that is not what torchrun sets."""
 
 
-def _env_int(name: str, default: int) -> int:
-    """torchrun's ``name`` (an int >= 0; WORLD_SIZE >= 1), or ``default`` where it is not set."""
+def _env_int(name: str, default: int, least: int) -> int:
+    """torchrun's ``name``, an int >= ``least``, or ``default`` where it is not set."""
     value = os.environ.get(name, "").strip()
     try:
         number = int(value) if value else default
     except ValueError:
-        number = -1
-    if number < (1 if name == "WORLD_SIZE" else 0):
-        raise LaunchSettingError(f"environment variable {name}: expected an int >= {1 if name == 'WORLD_SIZE' else 0} "
-                         f"(torchrun sets it), got {value!r}")
+        number = least - 1
+    if number < least:
+        raise LaunchSettingError(f"environment variable {name}: expected an int >= {least} (torchrun sets it), got "
+                                 f"{value!r}")
     return number
 
 
 def start(device: str) -> Processes:
     """Join the process group when torchrun started several processes; pick this process's device."""
-    world, rank, local = (_env_int(name, default) for name, default in (("WORLD_SIZE", 1), ("RANK", 0),
-                                                                        ("LOCAL_RANK", 0)))
+    world, rank, local = _env_int("WORLD_SIZE", 1, 1), _env_int("RANK", 0, 0), _env_int("LOCAL_RANK", 0, 0)
     if device == "cuda":
         if not torch.cuda.is_available():
             raise DeviceUnavailable("device: 'cuda' requested, but torch.cuda.is_available() is False")

@@ -58,8 +58,7 @@ def check(out: Path, resume: bool, overwrite: bool, settings: dict[str, Any]) ->
         if not isinstance(theirs, dict):
             if any(p.parent.name == "checkpoints" for p in files):
                 return []  # no readable config: the checkpoints' own check decides
-            shown = ", ".join(str(p.relative_to(out)) for p in files[:4]) + (", ..." if len(files) > 4 else "")
-            raise OutputInUse(f"--resume: {out} holds run files ({shown}) but no readable config.json and no "
+            raise OutputInUse(f"--resume: {out} holds run files ({_shown(out, files)}) but no readable config.json and no "
                               f"checkpoint, so nothing says which run they belong to; pass --overwrite to replace "
                               f"them, or choose another --out")
         differ = {k: (theirs.get(k), v) for k, v in settings.items() if theirs.get(k) != v}
@@ -68,10 +67,14 @@ def check(out: Path, resume: bool, overwrite: bool, settings: dict[str, Any]) ->
                               f"with its settings, pass --overwrite to replace it, or choose another --out")
         return []
     if not overwrite:
-        shown = ", ".join(str(p.relative_to(out)) for p in files[:4]) + (", ..." if len(files) > 4 else "")
-        raise OutputInUse(f"--out {out} holds another run ({shown}): pass --resume to continue it, --overwrite to "
+        raise OutputInUse(f"--out {out} holds another run ({_shown(out, files)}): pass --resume to continue it, --overwrite to "
                           f"replace it (its files are removed first), or choose another --out")
     return files
+
+
+def _shown(out: Path, files: list[Path]) -> str:
+    """The first few of ``files`` (in ``out``) for a message."""
+    return ", ".join(str(p.relative_to(out)) for p in files[:4]) + (", ..." if len(files) > 4 else "")
 
 
 def unfinished_writes(out: Path) -> list[Path]:
