@@ -453,7 +453,9 @@ def test_compiled_lengths_errors_name_the_bound_as_eager_ones_do(allow_rnn):
         for m in (fastlayers.GRU(3, 4), fastlayers.LSTM(3, 4, layer_norm=True)):
             compiled = torch.compile(m, backend="eager")
             for f in (m, compiled):
-                with pytest.raises(RuntimeError, match=r"^lengths: every length must be >= 1, got (0|a smaller one)$"):
+                with pytest.raises(RuntimeError, match=r"^Length of all samples has to be greater than 0, but found an "
+                                                       r"element in 'lengths' that is <= 0; lengths: every length must be "
+                                                       r">= 1, got (0|a smaller one)$"):
                     f(x, lengths=torch.tensor([5, 0]))
                 with pytest.raises(RuntimeError, match=r"^lengths: every length must be <= T( = 5)? \(the padded time "
                                                        r"size\), got (6|a larger one)$"):

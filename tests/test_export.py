@@ -288,7 +288,9 @@ def test_exported_layer_refuses_t_0_and_names_no_symbol():
     with pytest.raises(RuntimeError, match=r"^lengths: every length must be <= T \(the padded time size\), got a "
                                            r"larger one$"):
         ep.module()(torch.randn(5, 2, 5), lengths=torch.tensor([9, 1]))
-    with pytest.raises(RuntimeError, match=r"^lengths: every length must be >= 1, got a smaller one$"):
+    with pytest.raises(RuntimeError, match=r"^Length of all samples has to be greater than 0, but found an element in "
+                                           r"'lengths' that is <= 0; lengths: every length must be >= 1, got a "
+                                           r"smaller one$"):
         ep.module()(torch.randn(5, 2, 5), lengths=torch.tensor([0, 1]))
 
 

@@ -316,3 +316,36 @@ def test_rnn_with_bf16_parameters_under_autocast_takes_a_float32_input():
         out, h = m(torch.randn(6, 3, 4))
         nn.RNN(4, 5, dtype=torch.bfloat16)(torch.randn(6, 3, 4))
     assert out.dtype == h.dtype == torch.bfloat16
+
+
+_BAD_LENGTHS = {"zero": [6, 0, 3], "negative": [6, -1, 3], "0-D tensor": torch.tensor(5), "int": 5,
+                "0-D int32 tensor": torch.tensor(5, dtype=torch.int32), "too many": [6, 2, 3, 4],
+                "2-D": torch.tensor([[6], [2], [3]]), "str element": ["a", 2, 3], "None element": [None, 2, 3]}
+_OWN_MESSAGE = ("zero", "negative", "0-D tensor", "int", "0-D int32 tensor")  # (torch's own check, not incidental)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("case", list(_BAD_LENGTHS))
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+def test_bad_lengths_raise_pack_padded_sequences_class(mode, case, batch_first):
+    """lengths= stands for pack_padded_sequence(enforce_sorted=False) then torch's layer: each bad
+    lengths raises an instance of the class torch raises there (measured here, side by side), with
+    torch's message first where it is torch's own check."""
+    lengths = _BAD_LENGTHS[case]
+    x = torch.randn(3, 6, 4) if batch_first else torch.randn(6, 3, 4)
+    theirs = getattr(nn, mode)(4, 5, batch_first=batch_first)
+    ours = getattr(fastlayers, mode)(4, 5, batch_first=batch_first)
+    with pytest.raises(Exception) as expected:
+        theirs(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=batch_first, enforce_sorted=False))
+    with pytest.raises(expected.type) as got:
+        ours(x, lengths=lengths)
+    if case in _OWN_MESSAGE:
+        assert str(got.value).startswith(str(expected.value) + "; lengths: "), (str(expected.value), str(got.value))
+
+
+def test_cell_state_on_another_device_names_both_devices():
+    cell = fastlayers.LSTMCell(4, 5)
+    with pytest.raises(RuntimeError, match=r"^Expected all tensors to be on the same device, but found at least two "
+                                           r"devices, cpu and meta!; hx\[0\] \(h\): expected device cpu \(that of "
+                                           r"input\), got meta$"):
+        cell(torch.randn(3, 4), (torch.zeros(3, 5, device="meta"), torch.zeros(3, 5)))

@@ -42,6 +42,23 @@ class LengthsError(ValueError, RuntimeError):
     lengths in the graph, which raises RuntimeError too)."""
 
 
+class LengthsShapeError(LengthsError, IndexError):
+    """Lengths of another rank or count than (B,) (torch's pack_padded_sequence: RuntimeError for a
+    0-D tensor or an int, IndexError or RuntimeError from its indexing for the others)."""
+
+
+class LengthsTypeError(TypeError, ValueError):
+    """Lengths that are not integers (torch: TypeError for None, ValueError for a str)."""
+
+
+class MetaLengthsError(ValueError, NotImplementedError):
+    """Lengths on the meta device, whose values cannot be read (torch: NotImplementedError)."""
+
+
+# (torch's pack_padded_sequence's message, which torch's tests match; ours follows it)
+_NOT_POSITIVE = "Length of all samples has to be greater than 0, but found an element in 'lengths' that is <= 0"
+
+
 class NotATensorError(TypeError, AttributeError):
     """A non-tensor where a tensor goes (torch.nn's RNNs call .dim() on it: AttributeError)."""
 
@@ -88,11 +105,14 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
     tuple, range) of ints (Python's or NumPy's, or one-element integer tensors), as torch's
     ``pack_padded_sequence`` does (which also takes floats and
     truncates them; here they are a TypeError). Every value must satisfy 1 <= length <= max_len.
+    The errors are instances of the class torch's ``pack_padded_sequence`` raises for the same
+    lengths and start with its message where it has one of its own (a 0-D tensor or an int, a
+    length < 1).
     """
     if isinstance(lengths, Tensor):
         t = lengths
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-            raise TypeError(f"{name}: expected an integer tensor, got dtype {t.dtype}")
+            raise LengthsTypeError(f"{name}: expected an integer tensor, got dtype {t.dtype}")
     elif isinstance(lengths, (list, tuple, range)):
         plain = True  # Python ints only (checked first: the ABC check costs ten times as much)
         for v in lengths:
@@ -103,35 +123,41 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
                 plain = False  # (list(a lengths tensor): one-element integer tensors, as pack_padded_sequence takes)
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise TypeError(f"{name}: expected a sequence of ints, got an element of type {type(v).__name__} ({v!r})")
+                raise LengthsTypeError(f"{name}: expected a sequence of ints, got an element of type "
+                                       f"{type(v).__name__} ({v!r})")
             plain = False
         t = torch.tensor(list(lengths) if plain else [int(v) for v in lengths], dtype=torch.int64)
     elif type(lengths).__module__ == "numpy" and hasattr(lengths, "dtype") and hasattr(lengths, "shape"):
         if getattr(lengths.dtype, "kind", None) not in ("i", "u"):  # (bool is kind "b", floats "f")
-            raise TypeError(f"{name}: expected an integer array, got dtype {lengths.dtype}")
+            raise LengthsTypeError(f"{name}: expected an integer array, got dtype {lengths.dtype}")
         t = torch.tensor(lengths.tolist(), dtype=torch.int64)  # (any strides, a reversed view too)
+    elif is_int(lengths):  # (torch makes it a 0-D tensor, refused below with its message)
+        t = torch.tensor(int(lengths), dtype=torch.int64)
     else:
-        raise TypeError(f"{name}: expected a 1-D integer tensor or a sequence of ints, got {type(lengths).__name__}")
+        raise LengthsTypeError(f"{name}: expected a 1-D integer tensor or a sequence of ints, got "
+                               f"{type(lengths).__name__}")
     if t.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D tensor of shape ({batch},), got shape {tuple(t.shape)}")
+        raise LengthsShapeError(f"'lengths' argument should be a 1D CPU int64 tensor, but got {t.dim()}D "
+                                f"{t.device} Long tensor; {name}: "
+                                f"expected a 1-D tensor of shape ({batch},), got shape {tuple(t.shape)}")
     if t.numel() != batch:
-        raise ValueError(f"{name}: expected {batch} lengths (one per sequence in the batch), got {t.numel()}")
+        raise LengthsShapeError(f"{name}: expected {batch} lengths (one per sequence in the batch), got {t.numel()}")
     if torch.compiler.is_compiling():  # the values are not known when tracing: checked in the graph
         t = t.to(torch.int64).contiguous()
         # (a constant message each: the values are not known, and T may be a symbol: formatting it
         # would specialise a dynamic size)
-        torch._assert_async((t >= 1).all(), f"{name}: every length must be >= 1, got a smaller one")
+        torch._assert_async((t >= 1).all(), f"{_NOT_POSITIVE}; {name}: every length must be >= 1, got a smaller one")
         torch._assert_async((t <= max_len).all(),
                             f"{name}: every length must be <= T (the padded time size), got a larger one")
         return t
     if t.device.type == "meta":  # (no values to read: shape inference of a call with lengths)
-        raise ValueError(f"{name}: expected a tensor with values (on the CPU or the input's device) or a sequence "
-                         f"of ints, got a meta tensor")
+        raise MetaLengthsError(f"{name}: expected a tensor with values (on the CPU or the input's device) or a "
+                               f"sequence of ints, got a meta tensor")
     t = t.to(device="cpu", dtype=torch.int64).contiguous()  # kernels read lengths[b] (a strided view: a copy)
     if batch:
         lo, hi = (int(v) for v in torch.aminmax(t))
         if lo < 1:
-            raise LengthsError(f"{name}: every length must be >= 1, got {lo}")
+            raise LengthsError(f"{_NOT_POSITIVE}; {name}: every length must be >= 1, got {lo}")
         if hi > max_len:
             raise LengthsError(f"{name}: every length must be <= T = {max_len} (the padded time size), got {hi}")
     return t

@@ -46,10 +46,13 @@ COMMON_DOC = """
     torch's hint; TypeError and RuntimeError for ``hx`` of another dtype than the input (message of
     torch's device-independent check, ``Input and hidden tensors are not the same dtype``);
     ValueError and RuntimeError for a feature size other than input_size or ``hx`` of the wrong
-    shape or rank; ValueError for a wrong input rank. Ours only: TypeError for float ``lengths``,
-    ValueError for lengths of the wrong size or ``lengths`` with PackedSequence input; ValueError and
-    RuntimeError (torch's ``pack_padded_sequence`` class) for lengths outside [1, T] (under
-    torch.compile / torch.export, checked in the graph: RuntimeError, the bound broken named); for
+    shape or rank; ValueError for a wrong input rank. ``lengths`` as torch's ``pack_padded_sequence``
+    refuses them (its class, its message first where it has one): ValueError and RuntimeError for
+    lengths outside [1, T] (under torch.compile / torch.export, checked in the graph: RuntimeError,
+    the bound broken named); ValueError, RuntimeError and IndexError for lengths of another shape
+    than (B,) (a 0-D tensor or an int: torch's ``'lengths' argument should be a 1D ...``);
+    TypeError and ValueError for non-integer elements. Ours only: TypeError for float ``lengths``
+    (torch truncates them), ValueError for ``lengths`` with PackedSequence input; for
     an unbatched input an LSTM ``hx`` of more than two states (torch.nn.LSTM reads
     hx[0] and hx[1] and ignores the rest), RuntimeError (a stacked (2, L*D, H_out) tensor it takes,
     as torch does). Under ``torch.autocast``, bfloat16 / float16 parameters take a float32 (or the

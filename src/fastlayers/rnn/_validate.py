@@ -226,7 +226,10 @@ def check_cell(cls: str, mode: str, input: object, hx: object, *, input_size: in
             want = f"{x.dtype} (that of input)" if x.dtype == weight_dtype else f"{weight_dtype} (the parameters')"
             raise DtypeError(f"{theirs}{name}: expected dtype {want}, got {state.dtype}")
         if state.device != x.device:
-            raise DeviceError(f"{name}: expected device {x.device} (that of input), got {state.device}")
+            # (torch's cells fail in the matrix product with the dispatcher's message)
+            raise DeviceError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                              f"{x.device} and {state.device}!; {name}: expected device {x.device} (that of input), "
+                              f"got {state.device}")
     return x, states, batched
 
 
