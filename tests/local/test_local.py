@@ -313,6 +313,92 @@ def test_errors_torch_convolutions_raise_too_carry_their_class_and_message(bad):
     assert torch_form(str(our_error.value)).startswith(torch_form(str(torch_error.value)) + "; ")
 
 
+def _double(x):
+    return x.double()
+
+
+TORCH_MIRRORED_ANY_CLASS = {  # as TORCH_MIRRORED, for torch's other classes (dtype, argument and size errors)
+    "float64 input, float32 bias": (lambda: LocallyConnected2d(2, 3, 5, 3)(torch.randn(1, 2, 5, 5).double()),
+                                    lambda: torch.nn.Conv2d(2, 3, 3)(torch.randn(1, 2, 5, 5).double())),
+    "float64 input, no bias": (lambda: LocallyConnected2d(2, 3, 5, 3, bias=False)(torch.randn(1, 2, 5, 5).double()),
+                               lambda: torch.nn.Conv2d(2, 3, 3, bias=False)(torch.randn(1, 2, 5, 5).double())),
+    "integer input": (lambda: LocallyConnected2d(2, 3, 5, 3)(torch.ones(1, 2, 5, 5, dtype=torch.long)),
+                      lambda: torch.nn.Conv2d(2, 3, 3)(torch.ones(1, 2, 5, 5, dtype=torch.long))),
+    "integer input, no bias": (lambda: LocallyConnected2d(2, 3, 5, 3, bias=False)(torch.ones(2, 5, 5, dtype=torch.long)),
+                               lambda: torch.nn.Conv2d(2, 3, 3, bias=False)(torch.ones(2, 5, 5, dtype=torch.long))),
+    "half input": (lambda: LocallyConnected2d(2, 3, 5, 3)(torch.randn(1, 2, 5, 5).half()),
+                   lambda: torch.nn.Conv2d(2, 3, 3)(torch.randn(1, 2, 5, 5).half())),
+    "float64 module, float32 input": (lambda: LocallyConnected2d(2, 3, 5, 3).double()(torch.randn(1, 2, 5, 5)),
+                                      lambda: torch.nn.Conv2d(2, 3, 3).double()(torch.randn(1, 2, 5, 5))),
+    "1-D float64 input": (lambda: LocallyConnected1d(2, 3, 7, 3)(torch.randn(1, 2, 7).double()),
+                          lambda: torch.nn.Conv1d(2, 3, 3)(torch.randn(1, 2, 7).double())),
+    "1-D functional channels before the weight's dtype": (
+        lambda: locally_connected1d(torch.randn(4, 3, 8).double(), torch.randn(3, 2, 3, 6)),
+        lambda: torch.nn.functional.conv1d(torch.randn(4, 3, 8).double(), torch.randn(3, 2, 3))),
+    "bias dtype before the rank": (lambda: LocallyConnected2d(2, 3, 5, 3)(torch.randn(1, 2, 5, 5, 1).double()),
+                                   lambda: torch.nn.Conv2d(2, 3, 3)(torch.randn(1, 2, 5, 5, 1).double())),
+    "bias dtype before the kernel size": (lambda: LocallyConnected1d(2, 3, 5, 3)(torch.randn(1, 2, 2).double()),
+                                          lambda: torch.nn.Conv1d(2, 3, 3)(torch.randn(1, 2, 2).double())),
+    "the kernel size before the weight's dtype": (
+        lambda: LocallyConnected2d(2, 3, 5, 3, bias=False)(torch.randn(1, 2, 2, 2).double()),
+        lambda: torch.nn.Conv2d(2, 3, 3, bias=False)(torch.randn(1, 2, 2, 2).double())),
+    "channels before spatial size": (lambda: LocallyConnected2d(4, 2, (8, 6), 3)(torch.randn(1, 3, 9, 9)),
+                                     lambda: torch.nn.Conv2d(4, 2, 3)(torch.randn(1, 3, 9, 9))),
+    "dtype before spatial size": (lambda: LocallyConnected2d(4, 2, (8, 6), 3, bias=False)(torch.randn(1, 4, 9, 9).double()),
+                                  lambda: torch.nn.Conv2d(4, 2, 3, bias=False)(torch.randn(1, 4, 9, 9).double())),
+    "input smaller than the kernel": (lambda: LocallyConnected2d(1, 1, 5, 3)(torch.randn(1, 1, 2, 2)),
+                                      lambda: torch.nn.Conv2d(1, 1, 3)(torch.randn(1, 1, 2, 2))),
+    "1-D input smaller than the kernel": (lambda: LocallyConnected1d(1, 1, 5, 3)(torch.randn(1, 1, 2)),
+                                          lambda: torch.nn.Conv1d(1, 1, 3)(torch.randn(1, 1, 2))),
+    "stride of 3 values": (lambda: LocallyConnected2d(1, 1, 5, stride=(1, 1, 1)),
+                           lambda: torch.nn.Conv2d(1, 1, 1, stride=(1, 1, 1))(torch.randn(1, 1, 5, 5))),
+    "functional padding of 3 values": (
+        lambda: locally_connected2d(torch.randn(1, 1, 5, 5), torch.randn(1, 1, 1, 1, 5, 5), padding=[0, 0, 0]),
+        lambda: torch.nn.functional.conv2d(torch.randn(1, 1, 5, 5), torch.randn(1, 1, 1, 1), padding=[0, 0, 0])),
+    "1-D stride of 2 values": (lambda: LocallyConnected1d(1, 1, 5, stride=(1, 1)),
+                               lambda: torch.nn.Conv1d(1, 1, 1, stride=(1, 1))(torch.randn(1, 1, 5))),
+    "negative in_channels": (lambda: LocallyConnected2d(-1, 3, 5, 3), lambda: torch.nn.Conv2d(-1, 3, 3)),
+    "negative out_channels": (lambda: LocallyConnected1d(2, -2, 5, 3), lambda: torch.nn.Conv1d(2, -2, 3)),
+}
+
+
+@pytest.mark.parametrize("bad", list(TORCH_MIRRORED_ANY_CLASS))
+def test_errors_of_torchs_other_classes_carry_its_class_and_message(bad):
+    """A wrong dtype (torch's "Input type (double) and bias type (float) should be the same" was not
+    said), a stride of the wrong length, negative channels, and the checks' order (the module's
+    spatial size was checked before the dtype and the channels)."""
+    ours, theirs = TORCH_MIRRORED_ANY_CLASS[bad]
+    with pytest.raises(Exception) as torch_error:
+        theirs()
+    with pytest.raises(torch_error.type) as our_error:
+        ours()
+
+    def torch_form(message: str) -> str:
+        return re.sub(r"weight of size \[[^\]]*\]", "weight of size [...]", message).replace("locally_connected", "conv")
+
+    assert torch_form(str(our_error.value)).startswith(torch_form(str(torch_error.value)) + "; ")
+
+
+def test_one_value_tuples_expand_as_conv2ds_and_float_channels_are_a_type_error():
+    """F.conv2d and nn.Conv2d take stride=(2,) (one value for both dims); ours raised TypeError."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(2, 3, 3, stride=(2,), padding=(1,), dilation=(1,), dtype=torch.float64)
+    layer = LocallyConnected2d(2, 3, 7, 3, stride=(2,), padding=(1,), dilation=(1,), dtype=torch.float64)
+    assert layer.stride == (2, 2) and layer.padding == (1, 1) and layer.dilation == (1, 1)
+    x = torch.randn(2, 2, 7, 7, dtype=torch.float64)
+    oh, ow = layer.output_size
+    assert (oh, ow) == tuple(conv(x).shape[2:])
+    with torch.no_grad():
+        layer.weight.copy_(conv.weight[..., None, None].expand(-1, -1, -1, -1, oh, ow))
+        layer.bias.copy_(conv.bias[:, None, None].expand(-1, oh, ow))
+    torch.testing.assert_close(layer(x), conv(x))
+    torch.testing.assert_close(locally_connected2d(x, layer.weight, layer.bias, [2], [1], [1]), conv(x))
+    for channels in ((2.0, 3), (2, 3.0)):
+        with pytest.raises(TypeError, match=r"_channels: expected an int >= 0, got 3?\.0|_channels: expected an int "
+                                            r">= 0, got 2\.0"):
+            LocallyConnected2d(*channels, 5, 3)
+
+
 def test_1d_module_follows_its_parameters_between_no_grad_calls():
     """The module's 2-D views of its parameters (kept between calls without autograd) follow in-place
     updates, a replaced parameter and a replaced ``.data``; gradients still reach the parameters."""

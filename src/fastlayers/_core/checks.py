@@ -47,8 +47,10 @@ class LengthsShapeError(LengthsError, IndexError):
     0-D tensor or an int, IndexError or RuntimeError from its indexing for the others)."""
 
 
-class LengthsTypeError(TypeError, ValueError):
-    """Lengths that are not integers (torch: TypeError for None, ValueError for a str)."""
+class ArgumentError(TypeError, ValueError, RuntimeError):
+    """An argument of the wrong type or length where torch raises any of these: lengths that are not
+    integers (torch: TypeError for None, ValueError for a str), a convolution's stride / padding /
+    dilation of another length than its spatial dims (F.conv2d: RuntimeError)."""
 
 
 class MetaLengthsError(ValueError, NotImplementedError):
@@ -61,6 +63,25 @@ _NOT_POSITIVE = "Length of all samples has to be greater than 0, but found an el
 
 class NotATensorError(TypeError, AttributeError):
     """A non-tensor where a tensor goes (torch.nn's RNNs call .dim() on it: AttributeError)."""
+
+
+_SCALAR = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+           torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+           torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}
+_CPP = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
+        torch.int64: "long int", torch.int32: "int", torch.int16: "short int", torch.int8: "signed char",
+        torch.uint8: "unsigned char", torch.bool: "bool", torch.complex64: "c10::complex<float>",
+        torch.complex128: "c10::complex<double>"}
+
+
+def scalar_name(dtype: torch.dtype) -> str:
+    """A dtype as ATen's messages print its ScalarType (torch.float32 -> Float)."""
+    return _SCALAR.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def cpp_name(dtype: torch.dtype) -> str:
+    """A dtype as ATen's messages print its C++ type (torch.float32 -> float, float16 -> c10::Half)."""
+    return _CPP.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def is_int(value: object) -> bool:
@@ -112,7 +133,7 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
     if isinstance(lengths, Tensor):
         t = lengths
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-            raise LengthsTypeError(f"{name}: expected an integer tensor, got dtype {t.dtype}")
+            raise ArgumentError(f"{name}: expected an integer tensor, got dtype {t.dtype}")
     elif isinstance(lengths, (list, tuple, range)):
         plain = True  # Python ints only (checked first: the ABC check costs ten times as much)
         for v in lengths:
@@ -123,18 +144,18 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
                 plain = False  # (list(a lengths tensor): one-element integer tensors, as pack_padded_sequence takes)
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise LengthsTypeError(f"{name}: expected a sequence of ints, got an element of type "
+                raise ArgumentError(f"{name}: expected a sequence of ints, got an element of type "
                                        f"{type(v).__name__} ({v!r})")
             plain = False
         t = torch.tensor(list(lengths) if plain else [int(v) for v in lengths], dtype=torch.int64)
     elif type(lengths).__module__ == "numpy" and hasattr(lengths, "dtype") and hasattr(lengths, "shape"):
         if getattr(lengths.dtype, "kind", None) not in ("i", "u"):  # (bool is kind "b", floats "f")
-            raise LengthsTypeError(f"{name}: expected an integer array, got dtype {lengths.dtype}")
+            raise ArgumentError(f"{name}: expected an integer array, got dtype {lengths.dtype}")
         t = torch.tensor(lengths.tolist(), dtype=torch.int64)  # (any strides, a reversed view too)
     elif is_int(lengths):  # (torch makes it a 0-D tensor, refused below with its message)
         t = torch.tensor(int(lengths), dtype=torch.int64)
     else:
-        raise LengthsTypeError(f"{name}: expected a 1-D integer tensor or a sequence of ints, got "
+        raise ArgumentError(f"{name}: expected a 1-D integer tensor or a sequence of ints, got "
                                f"{type(lengths).__name__}")
     if t.dim() != 1:
         raise LengthsShapeError(f"'lengths' argument should be a 1D CPU int64 tensor, but got {t.dim()}D "

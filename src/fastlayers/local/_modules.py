@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from .._core import precision, twice
-from .._core.checks import ShapeError, check_floating, check_same_dtype_device, check_tensor, is_int
+from .._core.checks import (ArgumentError, DtypeError, InputDtypeError, ShapeError, check_same_dtype_device, check_tensor,
+                             cpp_name, is_int, scalar_name)
 from .._core.jit import NotScriptable
 from ._reference import Pair
 from ._routing import run
@@ -40,10 +41,16 @@ def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2,
         values = (value,) * dims
     elif isinstance(value, (tuple, list)):
         values = tuple(value)
+        if len(values) == 1 and name in _CONV_ARGUMENTS:  # (F.conv2d expands a one-element stride=(2,))
+            values = values * dims
     else:  # (a float, a tensor, ...: named here, not "'float' object is not iterable")
         raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
-    if len(values) != dims or not all(is_int(v) for v in values):
+    if not all(is_int(v) for v in values):
         raise TypeError(f"{name}: expected an int or a tuple of {dims} ints, got {value!r}")
+    if len(values) != dims:
+        theirs = (f"expected {name} to be a single integer value or a list of {dims} values to match the convolution "
+                  f"dimensions, but got {name}={list(values)}; " if name in _CONV_ARGUMENTS else "")
+        raise ArgumentError(f"{theirs}{name}: expected an int or a tuple of {dims} ints, got {value!r}")
     values = tuple(int(v) for v in values)
     if any(v < minimum for v in values):
         if refusal is not None:  # (the caller's message, built only here)
@@ -54,6 +61,9 @@ def _pair(name: str, value: int | tuple[int, ...], minimum: int, dims: int = 2,
             torch_says = _TORCH_REFUSES[name](values) + "; " if name in _TORCH_REFUSES else ""
         raise ShapeError(f"{torch_says}{name}: expected every value >= {minimum}, got {value!r}")
     return values
+
+
+_CONV_ARGUMENTS = ("stride", "padding", "dilation")  # (F.conv2d's per-dimension arguments)
 
 
 def _values(value: object, dims: int) -> tuple:
@@ -101,6 +111,36 @@ def _check_channels(input: Tensor, batched: tuple[int, ...], weight: Tensor) -> 
                          f"channels (weight.shape[1]), got {got} (input shape {tuple(input.shape)})")
 
 
+def _check_bias_dtype(input: Tensor, bias: Tensor | None) -> None:
+    """F.conv1d / F.conv2d's first check and message (theirs, then ours): the bias's dtype against
+    the input's."""
+    if bias is not None and bias.dtype != input.dtype:
+        theirs = f"Input type ({cpp_name(input.dtype)}) and bias type ({cpp_name(bias.dtype)}) should be the same; "
+        if not input.is_floating_point():
+            raise InputDtypeError(f"{theirs}input: expected a floating-point tensor, got dtype {input.dtype}")
+        raise DtypeError(f"{theirs}bias: expected dtype {input.dtype} (that of input), got {bias.dtype}")
+
+
+def _check_dtypes(input: Tensor, weight: Tensor) -> None:
+    """F.conv1d / F.conv2d's weight dtype check and message, after their shape checks (theirs,
+    then ours); a non-floating input is refused here too."""
+    theirs = (f"expected scalar type {scalar_name(input.dtype)} but found {scalar_name(weight.dtype)}; "
+              if weight.dtype != input.dtype else "")
+    if not input.is_floating_point():
+        raise InputDtypeError(f"{theirs}input: expected a floating-point tensor, got dtype {input.dtype}")
+    if weight.dtype != input.dtype:
+        raise DtypeError(f"{theirs}weight: expected dtype {input.dtype} (that of input), got {weight.dtype}")
+
+
+def _check_input_size(input: Tensor, input_size: tuple[int, ...] | None) -> None:
+    """A module's input_size against the input's last dims (after F.conv2d's own checks, whose
+    errors come first)."""
+    spatial = tuple(input.shape[input.dim() - len(input_size):]) if input_size is not None else None
+    if spatial is not None and spatial != input_size:
+        raise ShapeError(f"input: expected spatial size {input_size} (input_size), got {spatial} "
+                         f"(input shape {tuple(input.shape)})")
+
+
 def _sizes(values) -> str:
     return "(" + " x ".join(str(v) for v in values) + ")"
 
@@ -142,22 +182,35 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
         (B, C_out, OH, OW) (unbatched: (C_out, OH, OW)).
 
     Raises:
-        TypeError: non-tensor or integer input, dtype mismatch, malformed stride/padding/dilation.
+        TypeError: non-tensor or integer input, dtype mismatch, malformed stride/padding/dilation
+            (a stride / padding / dilation of one value is both dims', as F.conv2d takes it).
         ValueError: wrong ranks, channel count, an (OH, OW) in weight that the geometry does not
             produce from the input, a kernel larger than the padded input, stride/dilation < 1,
-            padding < 0, a bias of the wrong shape. These are RuntimeError too (what F.conv2d
-            raises), and where F.conv2d refuses the same input (the input's rank, its channel count,
-            the kernel against the padded input, stride, padding, dilation) the message starts
-            with F.conv2d's (naming locally_connected2d where it says conv2d, and our weight's
-            size), ours after it.
+            padding < 0, a bias of the wrong shape. These and the dtype errors are RuntimeError
+            too (what F.conv2d raises), checked in F.conv2d's order (the bias's dtype, the ranks,
+            the geometry, the weight's dtype), and where F.conv2d refuses the same input (the
+            bias's or the weight's dtype, the input's rank, its channel count, the kernel against
+            the padded input, stride, padding, dilation and their number of values) the message
+            starts with F.conv2d's (naming locally_connected2d where it says conv2d, and our
+            weight's size), ours after it.
 
     A NaN or inf in the input reaches exactly the outputs whose receptive field holds it (as
     F.conv2d); the kernels assume nothing about finiteness.
     """
+    return _locally_connected2d(input, weight, bias, stride, padding, dilation)
+
+
+def _locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None, stride: int | Pair,
+                         padding: int | Pair | str, dilation: int | Pair,
+                         input_size: tuple[int, ...] | None = None) -> Tensor:
+    """:func:`locally_connected2d`; ``input_size``: a module's (H, W), checked after F.conv2d's
+    checks (the geometry's included: an input smaller than the kernel gets its message)."""
     check_tensor("input", input)
     check_tensor("weight", weight)
+    if bias is not None:
+        check_tensor("bias", bias)
     input = precision.autocast_operand(input, weight.dtype)  # (an autocast layer's bf16 output: as F.conv2d takes it)
-    check_floating("input", input)
+    _check_bias_dtype(input, bias)  # (F.conv2d's order: the bias's dtype, the ranks, the geometry, the weight's dtype)
     if input.dim() not in (3, 4):
         raise ShapeError("Expected 3D (unbatched) or 4D (batched) input to locally_connected2d, but got input of "
                          f"size: {list(input.shape)}; input: expected a 4-D (B, C_in, H, W) or 3-D (C_in, H, W) "
@@ -165,7 +218,6 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     if weight.dim() != 6:
         raise ShapeError(f"weight: expected a 6-D tensor (C_out, C_in, KH, KW, OH, OW), got {weight.dim()}-D "
                          f"with shape {tuple(weight.shape)}")
-    check_same_dtype_device("weight", weight, "input", input)
     batch = input.size(0) if input.dim() == 4 else 1
     stride2 = _pair("stride", stride, 1)
     dilation2 = _pair("dilation", dilation, 1, refusal=lambda: _dilation_refusal(_values(dilation, 2), batch))
@@ -175,6 +227,9 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     _check_channels(input, tuple(x.shape), weight)
     x = _pad_after(x, extra)
     expected = output_size(tuple(x.shape[2:]), tuple(weight.shape[2:4]), stride2, padding2, dilation2)
+    _check_dtypes(input, weight)
+    check_same_dtype_device("weight", weight, "input", input)
+    _check_input_size(input, input_size)
     if tuple(weight.shape[4:]) != expected:
         raise ShapeError(
             f"input: spatial size {tuple(x.shape[2:])} gives output size {expected} with kernel_size "
@@ -182,7 +237,6 @@ def locally_connected2d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
             f"output size {tuple(weight.shape[4:])} (weight.shape[4:])"
         )
     if bias is not None:
-        check_tensor("bias", bias)
         check_same_dtype_device("bias", bias, "input", input)
         want = (weight.size(0), *expected)
         if tuple(bias.shape) != want:
@@ -205,9 +259,18 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     Returns:
         (B, C_out, OL) (unbatched: (C_out, OL)). Raises as :func:`locally_connected2d`.
     """
+    return _locally_connected1d(input, weight, bias, stride, padding, dilation)
+
+
+def _locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding: int | str,
+                         dilation: int, input_size: tuple[int] | None = None) -> Tensor:
+    """:func:`locally_connected1d`; ``input_size``: a module's (L,), as :func:`_locally_connected2d`'s."""
     check_tensor("input", input)
     check_tensor("weight", weight)
+    if bias is not None:
+        check_tensor("bias", bias)
     input = precision.autocast_operand(input, weight.dtype)
+    _check_bias_dtype(input, bias)  # (F.conv1d's order, as the 2-D form's)
     if input.dim() not in (2, 3):
         raise ShapeError("Expected 2D (unbatched) or 3D (batched) input to locally_connected1d, but got input of "
                          f"size: {list(input.shape)}; input: expected a 3-D (B, C_in, L) or 2-D (C_in, L) tensor, "
@@ -221,14 +284,16 @@ def locally_connected1d(input: Tensor, weight: Tensor, bias: Tensor | None = Non
     (p,), extra = _padding(padding, (weight.size(2),), (s,), (d,), 1)
     # (checked here, before the 2-D call, for F.conv1d's message with the 1-D shapes)
     _check_channels(input, tuple(input.shape) if input.dim() == 3 else (1, *input.shape), weight)
-    input = _pad_after(input, extra)
+    given, input = input, _pad_after(input, extra)
     (length,) = output_size((input.size(-1),), (weight.size(2),), (s,), (p,), (d,))
+    _check_dtypes(input, weight)
+    check_same_dtype_device("weight", weight, "input", input)
+    _check_input_size(given, input_size)
     if weight.size(3) != length:
         raise ShapeError(f"input: length {input.size(-1)} gives output length {length} with kernel_size "
                          f"{weight.size(2)}, stride {s}, padding {p}, dilation {d}, but weight is for output length "
                          f"{weight.size(3)} (weight.shape[3])")
     if bias is not None:
-        check_tensor("bias", bias)
         if tuple(bias.shape) != (weight.size(0), weight.size(3)):
             raise ShapeError(f"bias: expected shape ({weight.size(0)}, {weight.size(3)}) (C_out, OL), "
                              f"got {tuple(bias.shape)}")
@@ -241,13 +306,19 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
     def __init__(self, dims, in_channels, out_channels, input_size, kernel_size, stride, padding, dilation, bias,
                  device, dtype):
         super().__init__()
-        for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
-            if not is_int(value) or value < 0:  # (zero channels and NumPy integers: as nn.Conv2d takes them)
-                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        channels = (("out_channels", out_channels), ("in_channels", in_channels))  # (the weight's order)
+        for name, value in channels:
+            if not is_int(value):  # (zero channels and NumPy integers: as nn.Conv2d takes them)
+                raise ArgumentError(f"{name}: expected an int >= 0, got {value!r}")
         in_channels, out_channels = int(in_channels), int(out_channels)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.input_size = _pair("input_size", input_size, 1, dims)
         self.kernel_size = _pair("kernel_size", kernel_size, 1, dims)
+        for name, value in channels:
+            if value < 0:  # (nn.Conv2d's weight allocation refuses it)
+                raise ShapeError(f"Trying to create tensor with negative dimension {int(value)}: "
+                                 f"{[out_channels, in_channels, *self.kernel_size]}; {name}: expected an int >= 0, "
+                                 f"got {value!r}")
         self.stride = _pair("stride", stride, 1, dims)
         self.dilation = _pair("dilation", dilation, 1, dims)
         # padding: as given when a string (nn.Conv2d keeps "same" / "valid"), else the tuple; the
@@ -283,20 +354,18 @@ class _LocallyConnectedNd(NotScriptable, nn.Module):
                 and w.shape == self._weight_shape
                 and (b is None or (b.shape == self._bias_shape and b.dtype == w.dtype and b.device == w.device)))
 
-    def _check_spatial(self, input: Tensor) -> None:
-        """input_size against the input's last dims (a tensor of another rank: the functional's rank
-        error says so)."""
-        check_tensor("input", input)
-        dims = len(self.input_size)
-        spatial = tuple(input.shape[-dims:])
-        if input.dim() in (dims + 1, dims + 2) and spatial != self.input_size:
-            raise ShapeError(f"input: expected spatial size {self.input_size} (input_size), got {spatial} "
-                             f"(input shape {tuple(input.shape)})")
-
     def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, input_size={self.input_size}, "
-                f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
-                f"dilation={self.dilation}, output_size={self.output_size}, bias={self.bias is not None}")
+        """nn.Conv2d's (padding, dilation and bias shown where not the default), with input_size
+        and output_size."""
+        dims = len(self.kernel_size)
+        text = (f"{self.in_channels}, {self.out_channels}, input_size={self.input_size}, "
+                f"kernel_size={self.kernel_size}, stride={self.stride}")
+        if self.padding != (0,) * dims:
+            text += f", padding={self.padding}"
+        if self.dilation != (1,) * dims:
+            text += f", dilation={self.dilation}"
+        text += f", output_size={self.output_size}"
+        return text + (", bias=False" if self.bias is None else "")
 
 
 class LocallyConnected2d(_LocallyConnectedNd):
@@ -337,8 +406,8 @@ class LocallyConnected2d(_LocallyConnectedNd):
         if self._common(input, 4):  # the module's own weight: its geometry was checked at construction
             return run(_pad_after(input, self._extra), self.weight, self.bias, self.stride, self._padding,
                        self.dilation)
-        self._check_spatial(input)
-        return locally_connected2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation)
+        return _locally_connected2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                                    self.input_size)
 
 
 class LocallyConnected1d(_LocallyConnectedNd):
@@ -394,6 +463,6 @@ class LocallyConnected1d(_LocallyConnectedNd):
             y = run(_pad_after(input, self._extra).unsqueeze(-2), weight, bias, (1, self.stride[0]),
                     (0, self._padding[0]), (1, self.dilation[0]))
             return y.squeeze(-2)
-        self._check_spatial(input)
         padding = self.padding if isinstance(self.padding, str) else self.padding[0]
-        return locally_connected1d(input, self.weight, self.bias, self.stride[0], padding, self.dilation[0])
+        return _locally_connected1d(input, self.weight, self.bias, self.stride[0], padding, self.dilation[0],
+                                    self.input_size)

@@ -23,17 +23,9 @@ import torch
 from torch import Tensor
 
 from .._core.checks import (DeviceError, DtypeError, InputDtypeError, NotATensorError, RankError, ShapeError,
-                             StateTypeError)
+                             StateTypeError, cpp_name, scalar_name)
 
-_SCALAR = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
-           torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
-           torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}
 _LAYER_SHAPES = "(T, B, F) or (B, T, F) if batch_first, or unbatched (T, F)"
-
-
-def _scalar(dtype: torch.dtype) -> str:
-    """A dtype as ATen's messages print it (torch.float32 -> Float)."""
-    return _SCALAR.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def _rank(name: str, value: object) -> int:
@@ -138,8 +130,8 @@ def _single_state(hx: object, batched: bool) -> tuple[Tensor]:
 
 def _same_dtype_device(name: str, state: Tensor, input: Tensor) -> None:
     if state.dtype != input.dtype:
-        raise DtypeError(f"Input and hidden tensors are not the same dtype, found input tensor with {_scalar(input.dtype)} "
-                         f"and hidden tensor with {_scalar(state.dtype)}; {name}: expected dtype {input.dtype} (that "
+        raise DtypeError(f"Input and hidden tensors are not the same dtype, found input tensor with {scalar_name(input.dtype)} "
+                         f"and hidden tensor with {scalar_name(state.dtype)}; {name}: expected dtype {input.dtype} (that "
                          f"of input), got {state.dtype}")
     if state.device != input.device:
         raise DeviceError(f"Input and hidden tensors are not at the same device, found input tensor at {input.device} "
@@ -233,19 +225,12 @@ def check_cell(cls: str, mode: str, input: object, hx: object, *, input_size: in
     return x, states, batched
 
 
-_CPP = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
-        torch.int64: "long int", torch.int32: "int", torch.int16: "short int", torch.int8: "signed char",
-        torch.uint8: "unsigned char", torch.bool: "bool", torch.complex64: "c10::complex<float>",
-        torch.complex128: "c10::complex<double>"}
-
-
 def _product_dtype_message(dtype: torch.dtype, weight_dtype: torch.dtype, bias: bool) -> str:
     """The message of the matrix product a torch cell runs on an operand of another dtype than its
     weights: addmm's with a bias, mm's (C++ type names) without."""
     if bias:
-        return f"mat1 and mat2 must have the same dtype, but got {_scalar(dtype)} and {_scalar(weight_dtype)}"
-    cpp = lambda d: _CPP.get(d, str(d).removeprefix("torch."))  # noqa: E731
-    return f"expected m1 and m2 to have the same dtype, but got: {cpp(dtype)} != {cpp(weight_dtype)}"
+        return f"mat1 and mat2 must have the same dtype, but got {scalar_name(dtype)} and {scalar_name(weight_dtype)}"
+    return f"expected m1 and m2 to have the same dtype, but got: {cpp_name(dtype)} != {cpp_name(weight_dtype)}"
 
 
 def _cell_fast_path(mode: str, input: object, hx: object, input_size: int, weight_dtype: torch.dtype,
