@@ -254,3 +254,84 @@ def test_cells_large_input_stays_finite(case):
     outs = flat(module(x * 1e4, *state))
     assert all(o.isfinite().all() for o in outs)
     _assert_same_nonfinite(outs, _reference(module, (x * 1e4, *state), {}), atol=1e-3)
+
+
+@pytest.mark.parametrize("value", [3e38, -INF])
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_saturated_gates_are_exactly_torchs_in_float32(mode, value):
+    """The C engine's float32 exp was clamped to [-87, 88]: its sigmoid never reached 0 (5.9e-39),
+    so a huge input's gradient came back ~1 where torch.nn's is ~0.01-0.1 (0 * 3e38 made finite),
+    and -inf gave +-inf gradients where torch's are NaN (0 * inf). lengths= takes the engine; the
+    anchor is torch.nn on the packed batch, with the same weights."""
+    torch.manual_seed(0)
+    ours = getattr(fastlayers, mode)(5, 4)
+    theirs = getattr(nn, mode)(5, 4)
+    theirs.load_state_dict(ours.state_dict())
+    lengths = torch.tensor([4, 3, 2])
+    x = torch.randn(4, 3, 5)
+    x[1, 0, 2] = value
+    grads = []
+    for run in ("ours", "theirs"):
+        xx = x.clone().requires_grad_()
+        if run == "ours":
+            with fastlayers.backend("cpu"):
+                out, _ = ours(xx, lengths=lengths)
+            weight = ours.weight_ih_l0
+        else:
+            packed, _ = theirs(nn.utils.rnn.pack_padded_sequence(xx, lengths, enforce_sorted=False))
+            out = nn.utils.rnn.pad_packed_sequence(packed, total_length=4)[0]
+            weight = theirs.weight_ih_l0
+        grads.append([out, *torch.autograd.grad(out.sum(), (weight, xx))])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        keep = b.isfinite()
+        torch.testing.assert_close(a[keep], b[keep], rtol=1e-4, atol=1e-5)
+
+
+def test_a_peephole_on_a_huge_cell_saturates_to_the_references_zero():
+    """sigmoid(-huge) * 3e38 was ~0.44 on the C engine (its sigmoid floor 5.9e-39 times the cell);
+    the float32 engine now gives the float64 reference's 0."""
+    torch.manual_seed(0)
+    lstm = fastlayers.LSTM(5, 4, peephole=True).eval()
+    x, h0, c0 = torch.randn(4, 3, 5), torch.randn(1, 3, 4), torch.randn(1, 3, 4)
+    c0[0, 0, 1] = 3e38
+    with fastlayers.backend("cpu"):
+        out = lstm(x, (h0, c0), lengths=[4, 3, 2])[0]
+    ref = _reference(lstm, (x, (h0, c0)), {"lengths": [4, 3, 2]})[0]
+    _assert_same_nonfinite([out], [ref])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_no_zoneout_passes_an_infinite_state_through_as_the_c_engine(backend):
+    """Without zoneout the reference and Triton engines still blended 0 * old + 1 * new, and an
+    infinite carried state made that NaN where torch.nn and the C engine give finite outputs."""
+    torch.manual_seed(0)
+    lstm = fastlayers.LSTM(3, 4, cell_clip=1e30).double().eval()  # (an option: the engines; never clips)
+    theirs = nn.LSTM(3, 4).double()
+    theirs.load_state_dict(lstm.state_dict())
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    h0 = torch.zeros(1, 2, 4, dtype=torch.float64)
+    h0[0, 0, 1] = INF
+    c0 = torch.zeros(1, 2, 4, dtype=torch.float64)
+    with fastlayers.backend(backend):
+        ours = flat(lstm(x, (h0, c0)))
+    _assert_same_nonfinite(ours, flat(theirs(x, (h0, c0))), atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_an_overflowing_layer_norm_variance_is_nan_as_torchs(backend):
+    """At 1e30 a float32 row's sum of squares overflows: F.layer_norm's statistics are NaN, so the
+    reference's outputs are NaN; the engines turned the NaN variance into 0 (rstd 1 / sqrt(eps))
+    and returned finite, wrong numbers."""
+    torch.manual_seed(0)
+    lstm = fastlayers.LSTM(3, 4, layer_norm=True).eval()
+    x = torch.randn(3, 2, 3)
+    x[1, 0] = 1e30
+    with fastlayers.backend("reference"):
+        ref = flat(lstm(x, lengths=[3, 2]))
+    assert ref[0][1, 0].isnan().all()  # (the premise: torch's statistics overflow)
+    with fastlayers.backend(backend):
+        ours = flat(lstm(x, lengths=[3, 2]))
+    for o, r in zip(ours, ref, strict=True):
+        assert torch.equal(o.isnan(), r.isnan())
+        torch.testing.assert_close(o[~r.isnan()], r[~r.isnan()], rtol=1e-4, atol=1e-5)

@@ -1,9 +1,12 @@
 /* Shared helpers of the recurrent step kernels (lstm.c, gru.c).
  *
- * fl_exp_f32: a vectorisable float exp (Cody-Waite reduction + degree-6 polynomial, rel. error
- * ~2e-7); inputs are clamped to [-87, 88] (so +-inf give finite limits, as expf's 0 and its
- * largest values do through the sigmoid and tanh), and NaN stays NaN. fl_tanh_f32 from it (a
- * series near 0, where the exp form loses its relative accuracy).
+ * fl_exp_f32: a vectorisable float exp for the sigmoid and tanh (Cody-Waite reduction + degree-6
+ * polynomial, rel. error ~2e-7 on [-87, 88]), saturated outside: 0 below -87 (e^x < 1.7e-38,
+ * subnormal) and for -inf, inf above 88 and for +inf (e^88 = 1.7e38), NaN stays NaN. So the
+ * sigmoid and tanh reach exactly 0 and +-1 as torch's do (and 0 * inf is NaN, as torch's): a
+ * clamp of the input to [-87, 88] left the sigmoid a floor of 5.9e-39, which a huge operand turned
+ * into a number. fl_tanh_f32 from it (a series near 0, where the exp form loses its relative
+ * accuracy).
  * FL_DEFINE_LAYER_NORM(T, SUFFIX, SQRT): per-row LayerNorm without affine (Ba et al. 2016),
  *   fl_layer_norm_SUFFIX(v, len, eps, hat, &rstd): hat = (v - mean) * rstd,
  *   fl_layer_norm_backward_SUFFIX(dhat, hat, rstd, len, dv): dv = rstd * (dhat - mean(dhat)
@@ -33,8 +36,6 @@
 #include "bf16.h" /* fl_round_bf16_SUFFIX */
 
 static inline float fl_exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
     const float t = x * 1.44269504088896341f;
     const float nf = rintf(t); /* NaN stays NaN (vroundps); a cast would need -ffinite-math-only to vectorise */
     const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
@@ -45,13 +46,16 @@ static inline float fl_exp_f32(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    /* 2^nf with no float-to-int cast: nf + 1.5 * 2^23 holds nf (|nf| <= 127) in its low mantissa
-     * bits, and unsigned arithmetic takes them to the exponent. Exact for every finite x; a NaN's
-     * bits give some scale, and p, NaN, keeps the result NaN (a cast of NaN, then a shift of the
-     * negative integer it gives on x86, are undefined behaviour in C: UBSan's shift-base) */
+    /* 2^nf with no float-to-int cast: nf + 1.5 * 2^23 holds nf (|nf| <= 127 on [-87, 88]) in its
+     * low mantissa bits, and unsigned arithmetic takes them to the exponent. Exact for every x in
+     * [-87, 88]; outside, the bits are some scale and the selects below give the result (as the
+     * clamps of the input did, at the same cost). A NaN's bits give some scale, and p, NaN, keeps
+     * the result NaN (a cast of NaN, then a shift of the negative integer it gives on x86, are
+     * undefined behaviour in C: UBSan's shift-base) */
     union { float f; uint32_t u; } m = { nf + 12582912.0f }, e;
     e.u = (m.u - 0x4B400000u + 127u) << 23;
-    return p * e.f;
+    const float y = x < -87.0f ? 0.0f : p * e.f;
+    return x > 88.0f ? INFINITY : y;
 }
 /* tanh: 2 / (1 + e^{-2x}) - 1, whose difference cancels near 0 (an error of about one ulp of 1, huge
  * against a small tanh); there (|x| < 0.25) the odd Taylor series to x^11, truncated below 2e-10
@@ -135,7 +139,7 @@ static inline void fl_row_stats_##SUFFIX(const T* v, int64_t len, T eps, T* stat
     const T m = fl_sum_##SUFFIX(v, len) / len;                                                       \
     T s1; const T s2 = fl_sum_sq_##SUFFIX(v, len, m, &s1);                                           \
     T var = (s2 - s1 * s1 / len) / len;                                                              \
-    var = var > 0 ? var : 0;                                                                         \
+    var = var < 0 ? 0 : var; /* (rounding below 0: 0; a NaN from an overflowed sum stays NaN) */     \
     stat[0] = m + s1 / len; stat[1] = 1 / SQRT(var + eps);                                           \
 }                                                                                                    \
 static inline void fl_layer_norm_##SUFFIX(const T* v, int64_t len, T eps, T* hat, T* rstd_out) {     \

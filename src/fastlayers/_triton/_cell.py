@@ -148,7 +148,8 @@ def norm_stats(a0, a1, a2, a3, km, n, eps, BLOCKS: tl.constexpr):
     e0, e1, e2, e3 = a0 - m, a1 - m, a2 - m, a3 - m
     s1 = tl.sum(_blocks_sum(e0, e1, e2, e3, km, BLOCKS), axis=0)
     s2 = tl.sum(_blocks_sum(e0 * e0, e1 * e1, e2 * e2, e3 * e3, km, BLOCKS), axis=0)
-    var = tl.maximum((s2 - s1 * s1 / n) / n, 0.0)
+    var = (s2 - s1 * s1 / n) / n
+    var = tl.where(var < 0, 0.0, var)  # (rounding below 0: 0; the NaN of an overflowed sum stays NaN: maximum drops it)
     return m + s1 / n, 1 / tl.sqrt(var + eps)
 
 
@@ -260,7 +261,10 @@ def finish_h(s, T, B, D, P, b, d, t, active, k, km, h1, h, rmask, zh, zh_const, 
     kh = zh_const
     if ZH_MASK:
         kh = tl.load(zh + mrow * P + k, mask=km, other=0.0).to(acc_t)
-    hn = tl.where(active, kh * h0 + (1 - kh) * h1, h0)
+    hn = kh * h0 + (1 - kh) * h1
+    if not ZH_MASK:  # (no zoneout: h1 itself, as the C engine skips the blend; 0 * inf would be NaN)
+        hn = tl.where(kh == 0, h1, hn)
+    hn = tl.where(active, hn, h0)
     tl.store(h + state * P + k, hn, mask=km)
     tl.store(y + (trow * D + d) * P + k, tl.where(active, hn, 0.0), mask=lanes(km, own))
     if RMASK:

@@ -90,7 +90,10 @@ def _forward_kernel(clock, j, TC, B, D, H, lengths, starts, xp, bias, gx, r, h, 
     kc = zc_const
     if ZC_MASK:
         kc = tl.load(zc + mrow * H + k, mask=km, other=0.0).to(acc_t)
-    tl.store(c + state * H + k, kc * c0 + (1 - kc) * cn, mask=tl.where(active, km, False))
+    cz = kc * c0 + (1 - kc) * cn
+    if not ZC_MASK:  # (no zoneout: cn itself, as finish_h's h)
+        cz = tl.where(kc == 0, cn, cz)
+    tl.store(c + state * H + k, cz, mask=tl.where(active, km, False))
     if PROJ:
         tl.store(y1 + step * H + k, h1, mask=sm)
     else:

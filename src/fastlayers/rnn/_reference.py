@@ -154,7 +154,8 @@ def _reference(step, input, hx, layers, lengths, options, dropout, training, mas
                         kept = keep_mask(old.shape, probs[i], old.dtype, old.device)
                     else:  # (eval: the expectation; training with probability 0: nothing to draw)
                         kept = probs[i]
-                    upd = kept * old + (1 - kept) * upd
+                    if not (isinstance(kept, float) and kept == 0):  # (no zoneout: upd itself, as the
+                        upd = kept * old + (1 - kept) * upd  # engines; 0 * an infinite old would be NaN)
                     if i == 0:
                         ys[t] = torch.where(alive, upd, torch.zeros_like(upd))
                     states[i] = torch.where(alive, upd, old)
