@@ -204,6 +204,26 @@ def test_training_mode_masks_are_refused(build, drawn):
         fastlayers.onnx.export(model, (x,))
 
 
+@pytest.mark.parametrize("build,x", [
+    (lambda: torch.nn.Sequential(fastlayers.LSTMCell(5, 6, zoneout=0.5)), torch.randn(4, 5)),
+    (lambda: fastlayers.LSTM(5, 6, recurrent_dropout=0.2), torch.randn(3, 4, 5)),
+])
+def test_an_exported_program_traced_in_training_mode_is_refused_too(build, x):
+    """An ExportedProgram has no modules to ask: a cell traced in training mode exported its mask
+    draws (RandomUniformLike: each ONNX Runtime run gave other outputs), and a layer's refusal came
+    as torch's ConversionError. A mask draw in the graph is now the same ValueError; an
+    ExportedProgram in eval mode, or with torch's own dropout between layers, still exports."""
+    with pytest.raises(ValueError, match=r"^model(\.0)?: the ExportedProgram's fastlayers\.(LSTMCell|LSTM) was traced in "
+                                         r"training mode and draws random masks .* call model\.eval\(\) before "
+                                         r"torch\.export\.export"):
+        fastlayers.onnx.export(torch.export.export(build().train(), (x,)))
+    model = build().eval()
+    program = fastlayers.onnx.export(torch.export.export(model, (x,)))
+    torch.testing.assert_close(torch.as_tensor(program(x)[0]), tree_leaves(model(x))[0], rtol=1e-5, atol=1e-5)
+    stacked = fastlayers.LSTM(5, 6, num_layers=2, dropout=0.3).train()  # (torch.nn.LSTM's dropout: as torch's)
+    fastlayers.onnx.export(torch.export.export(stacked, (torch.randn(3, 4, 5),)))
+
+
 def test_training_mode_masks_refused_by_the_translation():
     """torch.onnx.export with the table of a model traced in training mode: the translation refuses."""
     layer = fastlayers.LSTM(5, 6, recurrent_dropout=0.2).train()

@@ -77,10 +77,36 @@ def translations() -> dict[Callable, Callable]:
     return {getattr(torch.ops.fastlayers, name.split("::")[1]).default: fn for name, fn in named.items()}
 
 
+_DRAWS = ("rand", "rand_like", "bernoulli", "bernoulli_", "uniform", "uniform_")  # (the masks' ops)
+_DRAWING = tuple(f"fastlayers.rnn.{where}.{cls}" for where, cls in (
+    ("_modules", "LSTM"), ("_modules", "GRU"), ("_cells", "LSTMCell"), ("_cells", "GRUCell")))
+
+
+def _refuse_program_masks(program: Any) -> None:
+    """An ExportedProgram has no modules to ask for their mode: a mask draw in the graph (a random
+    op that a fastlayers recurrent layer or cell traced, by the nodes' module stack) is refused as
+    :func:`_refuse_training_masks` refuses the module (torch.nn.Dropout elsewhere stays, as for
+    torch.nn's layers)."""
+    for node in program.graph.nodes:
+        packet = getattr(node.target, "_overloadpacket", None)
+        if node.op != "call_function" or getattr(packet, "__name__", None) not in _DRAWS:
+            continue
+        for fqn, kind in (node.meta.get("nn_module_stack") or {}).values():
+            if str(kind) in _DRAWING:
+                where = f"model.{fqn}" if fqn else "model"
+                raise ValueError(
+                    f"{where}: the ExportedProgram's fastlayers.{str(kind).rsplit('.', 1)[1]} was traced in training "
+                    f"mode and draws random masks (zoneout or recurrent_dropout: {node.target}), which ONNX cannot "
+                    "reproduce; call model.eval() before torch.export.export (eval mode uses zoneout's expectation "
+                    "and no recurrent dropout)")
+
+
 def _refuse_training_masks(model: Any) -> None:
     from .rnn._cells import GRUCell, LSTMCell
     from .rnn._modules import GRU, LSTM
 
+    if isinstance(model, torch.export.ExportedProgram):
+        _refuse_program_masks(model)
     modules = model.named_modules() if isinstance(model, torch.nn.Module) else ()
     for name, module in modules:
         options = getattr(module, "options", None)
@@ -127,7 +153,8 @@ def export(model: Any, args: tuple = (), f: Any = None, *, kwargs: dict[str, Any
     Raises:
         ImportError: onnxscript is not installed.
         ValueError: ``dynamo`` given as anything but True; a recurrent layer or cell in training mode
-            with zoneout or recurrent_dropout (random masks: call ``model.eval()``).
+            with zoneout or recurrent_dropout (random masks: call ``model.eval()``; in an
+            ExportedProgram, a mask draw its graph holds, traced in such a layer or cell).
         torch.onnx.OnnxExporterError (a RuntimeError): torch's exporter failed; its message names the
             step, the node and the cause (e.g. fastlayers' C++ operator library cannot be built here,
             which torch.export of a recurrent layer needs, with the reason).
