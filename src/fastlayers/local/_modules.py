@@ -433,17 +433,21 @@ class LocallyConnected1d(_LocallyConnectedNd):
         or ``.data`` makes new ones), holding no reference to the parameters (a replaced one is
         freed, and ``torch.utils.swap_tensors`` conversions see no extra one); calls with autograd,
         traced or compiled ones, and those under torch.func transforms (whose tensors have no
-        memory to compare) make them each time."""
+        memory to compare) make them each time, and drop kept views of parameters since replaced
+        (whose memory they held through any number of training calls)."""
         w, b = self.weight, self.bias
+        traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
         key = None
-        if not (torch.compiler.is_compiling() or twice.graph_recorded() or torch.jit.is_tracing()):
+        if not traced:
             try:
                 key = (id(w), w.data_ptr(), w.stride(), id(b), b.data_ptr() if b is not None else 0)
             except RuntimeError:  # a torch.func transform's wrapper (vmap over the parameters): no memory
                 pass
-        if key is None:
-            return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
         cached = self.__dict__.get("_views_2d")
+        if key is None or twice.graph_recorded():
+            if cached is not None and cached[0] != key and not traced:  # (a replaced parameter's memory:
+                del self.__dict__["_views_2d"]  # not held by stale views through training calls)
+            return w.unsqueeze(2).unsqueeze(4), b.unsqueeze(1) if b is not None else None
         if cached is None or cached[0] != key:  # (an id is reused only once its tensor is freed: the kept
             cached = (key, w.detach().unsqueeze(2).unsqueeze(4),  # views keep the memory, so the address differs)
                       b.detach().unsqueeze(1) if b is not None else None)
