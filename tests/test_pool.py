@@ -304,6 +304,36 @@ def test_cache_limit_from_the_environment(value, limit, warns):
 
 
 @needs_cache
+@pytest.mark.subprocess
+def test_empty_cache_releases_what_no_grad_calls_and_their_threads_left():
+    """A process of no-grad calls (the C++ operators) filled the block cache that empty_cache() then
+    skipped, and each thread's operator work space kept its largest call's buffers until the thread
+    ended, out of empty_cache's reach (about 96 MiB per thread at this shape): a fresh process runs
+    no-grad calls on the main thread and four others, and empty_cache() leaves no idle block."""
+    import subprocess
+    import sys
+
+    code = ("import threading, torch, fastlayers\n"
+            "torch.manual_seed(0)\n"
+            "m = fastlayers.LSTM(64, 256, layer_norm=True, bidirectional=True)\n"
+            "x, lengths = torch.randn(300, 32, 64), torch.randint(150, 301, (32,))\n"
+            "def call():\n"
+            "    with torch.no_grad():\n"
+            "        m(x, lengths=lengths)\n"
+            "call()\n"
+            "threads = [threading.Thread(target=call) for _ in range(4)]\n"
+            "[t.start() for t in threads]; [t.join() for t in threads]\n"
+            "before = torch.ops.fastlayers.cache_info()\n"
+            "fastlayers.empty_cache()\n"
+            "after = torch.ops.fastlayers.cache_info()\n"
+            "print(before[0], after[0], after[1])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    idle_before, idle_after, used_after = map(int, done.stdout.split())
+    assert idle_before > 0 and idle_after == 0 and used_after == 0  # (the work spaces too: idle blocks)
+
+
+@needs_cache
 def test_cache_serves_threads_at_once():
     """Blocks taken and given back from several threads at once: every tensor keeps its own values
     and the cache's books balance (no block in use twice, none lost)."""

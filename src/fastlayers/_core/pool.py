@@ -96,7 +96,7 @@ def empty_cache() -> None:
     torch's caching allocator (``torch.cuda.empty_cache()`` then returns it to the device)."""
     with _lock:
         _free.clear()
-    if _cache.get("on"):
+    if _cache_on():  # (decided here too: a process of no-grad calls filled it through the C++ operators alone)
         torch.ops.fastlayers.cache_release()
     for release in _RELEASE:
         release()

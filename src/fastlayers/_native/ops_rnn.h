@@ -137,53 +137,49 @@ at::Tensor out_rows(const at::Tensor& region, const Plan& p, int64_t dirs, int64
   return p.identity() ? output_empty({dirs, p.rows, width}, opt) : region;
 }
 
-// A per-thread work space reused across calls, as the eager engine's buffer pool (fastlayers/_pool.py):
-// the packed buffers of a call are views of it, so a repeated call writes memory that is mapped
-// already (first-touch page faults cost about 0.2 ms per MB on the project's machine, tens of ms
-// per layer at the seed shape). It keeps the largest call's buffers until the thread ends.
-class Workspace {
- public:
+// A call's work space: its packed buffers are views of one block of the block cache (ops_cache.h;
+// below its 1 MiB floor, torch's allocator), which comes back there when the call ends. The next
+// call reuses it mapped already (first-touch page faults cost about 0.2 ms per MB on the project's
+// machine, tens of ms per layer at the seed shape), and fastlayers.empty_cache() frees it between
+// calls with the cache's other idle blocks. (A per-thread buffer kept each thread's largest call
+// until the thread ended, which empty_cache could not free: one per thread that ever ran a call.)
+struct Workspace {
   struct Region {
     std::vector<int64_t> shape;  // empty: absent (a null pointer, an undefined tensor)
     bool view;                   // also wanted as a tensor (an operand of an ATen op); else a pointer only
   };
+  struct Taken {
+    std::vector<at::Tensor> views;  // undefined where !view
+    std::vector<char*> pointers;    // the base pointers (null where absent)
+    at::Tensor held;                // the block: keep it for the call (the views do not own it)
+  };
 
-  // One buffer per region, all of `dtype`: (the tensors, undefined where !view; the base pointers).
-  std::pair<std::vector<at::Tensor>, std::vector<char*>> take(const std::vector<Region>& regions,
-                                                              at::ScalarType dtype) {
+  // One buffer per region, all of `dtype`, 64-byte aligned in one block.
+  static Taken take(const std::vector<Region>& regions, at::ScalarType dtype) {
     const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-    std::vector<int64_t> offsets, numels;
+    std::vector<int64_t> offsets;
     int64_t total = 0;
     for (const auto& r : regions) {
       int64_t numel = r.shape.empty() ? 0 : 1;
       for (int64_t d : r.shape) numel *= d;
       offsets.push_back(total);
-      numels.push_back(numel);
       total += (numel * item + 63) / 64 * 64;
     }
-    if (!bytes_.defined() || bytes_.numel() < total) bytes_ = at::empty({total + total / 4 + 64}, at::kByte);
-    char* base = static_cast<char*>(bytes_.data_ptr());
-    std::vector<at::Tensor> views;
-    std::vector<char*> pointers;
+    Taken out;
+    out.held = output_empty({total + 64}, at::TensorOptions().dtype(at::kByte));
+    char* base = static_cast<char*>(out.held.data_ptr());
+    base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
     for (size_t i = 0; i < regions.size(); i++) {
       const bool present = !regions[i].shape.empty();
-      pointers.push_back(present ? base + offsets[i] : nullptr);
-      // from_blob: a view of the work space without dispatcher calls (it outlives the call: thread-local)
-      views.push_back(present && regions[i].view
-                          ? at::from_blob(base + offsets[i], regions[i].shape, at::TensorOptions().dtype(dtype))
-                          : at::Tensor());
+      out.pointers.push_back(present ? base + offsets[i] : nullptr);
+      // from_blob: a view of the block without dispatcher calls (held for the call by `held`)
+      out.views.push_back(present && regions[i].view
+                              ? at::from_blob(base + offsets[i], regions[i].shape, at::TensorOptions().dtype(dtype))
+                              : at::Tensor());
     }
-    return {views, pointers};
+    return out;
   }
-
- private:
-  at::Tensor bytes_;
 };
-
-Workspace& workspace() {
-  thread_local Workspace ws;
-  return ws;
-}
 
 // The packed input rows (D, N, F): `out` (work space) filled by one gather, or x itself where the
 // packing is the identity (one direction, no padding).
@@ -295,7 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
     return Workspace::Region{use ? std::vector<int64_t>{dirs, srows, width} : std::vector<int64_t>{}, false};
   };
   const bool gathered = gathered_projection(p);
-  auto [ws, raw] = workspace().take(
+  auto [ws, raw, held] = Workspace::take(
       {rows3(x_in.size(2), !gathered, true), rows3(gsize, true, true), rows3(out, true, true),
        rows3(out, !p.identity(), true),
        {{dirs * first * gsize}, true}, rows3(hidden, proj, true), saved3(gsize, true),
@@ -439,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
     return Workspace::Region{use ? std::vector<int64_t>{dirs, batch, width} : std::vector<int64_t>{}, false};
   };
   const bool gathered = gathered_projection(p);
-  auto [ws, raw] = workspace().take(
+  auto [ws, raw, held] = Workspace::take(
       {rows3(x_in.size(2), !gathered, true), rows3(gsize, true, true), rows3(hidden, true, true),
        rows3(hidden, !p.identity(), true), {{dirs * first * gsize}, true}, saved3(gsize, true),
        saved3(hidden, true), saved3(hidden, true), saved3(2, gx.defined()),
