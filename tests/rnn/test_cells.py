@@ -4,6 +4,8 @@ same step; one step equals the engine's layer over one time step). Their errors:
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -248,3 +250,32 @@ def test_a_recurrent_mask_on_another_device_is_refused(make, grad):
     with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=r"^recurrent_mask: expected device cpu "
                                                                           r"\(that of input\), got meta$"):
         cell(torch.randn(3, 4), recurrent_mask=torch.ones(3, 5, device="meta"))
+
+
+@pytest.mark.parametrize("make, batch", [
+    (lambda: fastlayers.LSTMCell(8, 300, layer_norm=True, peephole=True, cell_clip=0.5), 1),
+    (lambda: fastlayers.LSTMCell(8, 750, layer_norm=True), 20),  # (2M values or more, at batch 16 or more)
+    (lambda: fastlayers.LSTM(8, 160, layer_norm=True, bidirectional=True), 3),
+    (lambda: fastlayers.GRUCell(8, 300, layer_norm=True, zoneout=0.2), 1),
+    (lambda: fastlayers.GRUCell(8, 850, layer_norm=True), 20),
+    (lambda: fastlayers.GRU(8, 160, layer_norm=True, bidirectional=True), 3),
+    (lambda: fastlayers.GRU(8, 20, zoneout=0.1, bidirectional=True), 20)])
+def test_one_step_of_a_large_weight_on_the_per_step_path(make, batch):
+    """One step of a weight over 64K values now takes the per-step path in the no-grad operator
+    where packing the weight for one step cost more than the step (a batch under 16, or a weight of
+    2M values or more: 4.6x torch.nn.LSTMCell's step at hidden 512, batch 1; the GRU had no per-step
+    path); it equals the float64 reference and the grad path."""
+    torch.manual_seed(0)
+    module = make().eval()
+    x = torch.randn(batch, 8) if isinstance(module, (fastlayers.LSTMCell, fastlayers.GRUCell)) else torch.randn(1, batch, 8)
+    with torch.no_grad(), fastlayers.backend("cpu"):
+        got = module(x)
+    with fastlayers.backend("cpu"):
+        grad_path = module(x.requires_grad_())
+    with torch.no_grad(), fastlayers.backend("reference"):
+        want = copy.deepcopy(module).double()(x.detach().double())
+    from torch.utils._pytree import tree_leaves
+
+    for a, b, c in zip(tree_leaves(got), tree_leaves(grad_path), tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.double(), c, rtol=1e-5, atol=1e-5)

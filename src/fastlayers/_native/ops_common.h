@@ -20,6 +20,10 @@ extern "C" {
                              const T*, T*, const T*, const T*, T*, T*, const T*, T*, T*, T*, T*, T*, T*,    \
                              T*, T*, const T*, const T*, const T*, const T*, T, T, const T*, const T*, T, T, \
                              int, int, int);
+#define FL_GRU_FWD(T, S)                                                                               \
+  void gru_step_forward_##S(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const T*, T*, const T*,  \
+                            const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, T*, T*,      \
+                            const T*, T, const T*, T, int);
 #define FL_GRU_LOOP(T, S)                                                                              \
   void gru_forward_loop_##S(int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, const T*, T*, T*,  \
                             const T*, T*, const T*, const T*, T*, const T*, const T*, T*, T*, T*, T*, T*, T*, \
@@ -41,6 +45,8 @@ FL_LSTM_FWD(float, f32)
 FL_LSTM_FWD(double, f64)
 FL_LSTM_LOOP(float, f32)
 FL_LSTM_LOOP(double, f64)
+FL_GRU_FWD(float, f32)
+FL_GRU_FWD(double, f64)
 FL_GRU_LOOP(float, f32)
 FL_GRU_LOOP(double, f64)
 FL_LC2D(float, f32)
@@ -58,6 +64,7 @@ template <typename T> struct Kernels;
 template <> struct Kernels<float> {
   static constexpr auto lstm = lstm_step_forward_f32;
   static constexpr auto lstm_loop = lstm_forward_loop_f32;
+  static constexpr auto gru = gru_step_forward_f32;
   static constexpr auto gru_loop = gru_forward_loop_f32;
   static constexpr auto lc2d = lc2d_forward_f32;
   static constexpr auto lc2d_dx = lc2d_backward_input_f32;
@@ -67,6 +74,7 @@ template <> struct Kernels<float> {
 template <> struct Kernels<double> {
   static constexpr auto lstm = lstm_step_forward_f64;
   static constexpr auto lstm_loop = lstm_forward_loop_f64;
+  static constexpr auto gru = gru_step_forward_f64;
   static constexpr auto gru_loop = gru_forward_loop_f64;
   static constexpr auto lc2d = lc2d_forward_f64;
   static constexpr auto lc2d_dx = lc2d_backward_input_f64;

@@ -137,6 +137,21 @@ at::Tensor out_rows(const at::Tensor& region, const Plan& p, int64_t dirs, int64
   return p.identity() ? output_empty({dirs, p.rows, width}, opt) : region;
 }
 
+// Whether one step (T = 1: a cell's call) of `dirs` weights W_hh (gsize x hidden) over `batch` rows
+// runs its recurrent product on W_hh's transposed view (ATen bmm) instead of packing the weight for
+// the time loop's kernel (lstm.c / gru.c), whose packing one step cannot amortise: a small weight
+// (at most 64K values), a batch under 16 (the LayerNorm LSTMCell of hidden 512 at batch 1 took 4.6x
+// torch.nn.LSTMCell's step with the packing, 1.1x without; GRUCell of hidden 1024 5.8x, 1.3x), or a
+// weight of 2M values or more (LSTMCell of hidden 1024 at batch 32: 1.08-1.87x with the packing,
+// 0.87-1.04x without, three runs each). Between those, at batch >= 16, the packed kernel was the
+// faster (hidden 512 at batch 32: LSTMCell 0.87-0.90x against 0.96-1.00x, GRUCell 0.78-0.86x
+// against 1.01-1.06x), and one step of both directions of the seed's layer keeps the loop, whose
+// threads take a direction each (benchmarks/rnn/bench_cell_steps.py, Zen 5, 2 threads).
+bool stepwise_step(int64_t batch, int64_t dirs, int64_t gsize, int64_t hidden) {
+  const int64_t values = gsize * hidden;
+  return batch < 16 || dirs * values <= 65536 || values >= (int64_t(1) << 21);
+}
+
 // A call's work space: its packed buffers are views of one block of the block cache (ops_cache.h;
 // below its 1 MiB floor, torch's allocator), which comes back there when the call ends. The next
 // call reuses it mapped already (first-touch page faults cost about 0.2 ms per MB on the project's
@@ -311,12 +326,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_impl(
   const auto ybuf = proj ? y1 : y;
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
   // the projection's per-step products (ATen bmm) on contiguous transposes: see _cpu_recurrence.py
-  // (issue 62); lstm.c's loop packs W_hh as it is. One step of a small weight (a cell's call: at most
-  // 64K values of W_hh) runs the per-step path too, its one product on W_hh's transposed view, where
-  // packing the weight costs more than the product (bench_overhead.py's LSTMCell rows, 1 thread);
-  // larger weights keep the loop (one step of the seed's layer was slower on 2 threads without it)
+  // (issue 62); lstm.c's loop packs W_hh as it is. One step (a cell's call) runs the per-step path
+  // too where packing the weight costs more than the product: stepwise_step() (the GRU's rule too)
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
-  const bool stepwise = proj || (last == 0 && dirs * gsize * w_hh.size(2) <= 65536);
+  const bool stepwise = proj || (last == 0 && stepwise_step(batch, dirs, gsize, w_hh.size(2)));
   const auto w_hh_t = proj ? w_hh.transpose(1, 2).contiguous() : w_hh.transpose(1, 2);
   const auto w_hr_t = proj ? w_hr.transpose(1, 2).contiguous() : at::Tensor();
   const int threads = at::get_num_threads();
@@ -449,7 +462,15 @@ std::tuple<at::Tensor, at::Tensor> gru_impl(const at::Tensor& x_in, const std::o
   const auto h_first = rmask.defined() ? h * rmask : h;  // the first step's recurrent input (first rows)
   const int threads = at::get_num_threads();
   const int64_t last = static_cast<int64_t>(p.active.size()) - 1;
-  if (last >= 0) {  // the whole time loop in one call, with its own step products (gru.c; W_hh as it is)
+  // one step as the LSTM's (lstm_impl): its product on W_hh's transposed view, no packed copy
+  if (last == 0 && stepwise_step(batch, dirs, gsize, hidden)) {
+    const int64_t n = p.active[0];
+    auto rt = r.narrow(0, 0, dirs * n * gsize).view({dirs, n, gsize});
+    at::bmm_out(rt, h_first.narrow(1, 0, n), w_hh.transpose(1, 2));
+    Kernels<T>::gru(dirs, batch, n, 0, hidden, rows, ptr<T>(xp), xstat, ptr<T>(gx), ptr<T>(b_ih), ptr<T>(rt),
+                    ptr<T>(h), ptr<T>(rmask), ptr<T>(b_hh), ptr<T>(y), gates, hbn, hist, nullptr, rhat, rrstd,
+                    ptr<T>(gh), static_cast<T>(kEps), ptr<T>(zh), static_cast<T>(zh_const), threads);
+  } else if (last >= 0) {  // the whole time loop in one call, with its own step products (gru.c; W_hh as it is)
     hd.narrow(1, 0, first).copy_(h_first);
     auto wp = packed_weight(hidden, gsize, dirs, h.options());  // packed W_hh^T
     Kernels<T>::gru_loop(dirs, batch, last + 1, p.active.data(), hidden, rows, ptr<T>(w_hh), ptr<T>(wp),
