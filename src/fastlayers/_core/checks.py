@@ -145,7 +145,7 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise ArgumentError(f"{name}: expected a sequence of ints, got an element of type "
-                                       f"{type(v).__name__} ({v!r})")
+                                    f"{type(v).__name__} ({v!r})")
             plain = False
         t = torch.tensor(list(lengths) if plain else [int(v) for v in lengths], dtype=torch.int64)
     elif type(lengths).__module__ == "numpy" and hasattr(lengths, "dtype") and hasattr(lengths, "shape"):
@@ -156,11 +156,11 @@ def as_lengths(lengths: object, batch: int, max_len: int, name: str = "lengths")
         t = torch.tensor(int(lengths), dtype=torch.int64)
     else:
         raise ArgumentError(f"{name}: expected a 1-D integer tensor or a sequence of ints, got "
-                               f"{type(lengths).__name__}")
+                            f"{type(lengths).__name__}")
     if t.dim() != 1:
         raise LengthsShapeError(f"'lengths' argument should be a 1D CPU int64 tensor, but got {t.dim()}D "
-                                f"{t.device} Long tensor; {name}: "
-                                f"expected a 1-D tensor of shape ({batch},), got shape {tuple(t.shape)}")
+                                f"{t.device} Long tensor; {name}: expected a 1-D tensor of shape ({batch},), got "
+                                f"shape {tuple(t.shape)}")
     if t.numel() != batch:
         raise LengthsShapeError(f"{name}: expected {batch} lengths (one per sequence in the batch), got {t.numel()}")
     if torch.compiler.is_compiling():  # the values are not known when tracing: checked in the graph

@@ -169,7 +169,7 @@ struct Workspace {
     at::Tensor held;                // the block: keep it for the call (the views do not own it)
   };
 
-  // One buffer per region, all of `dtype`, 64-byte aligned in one block.
+  // One buffer per region, all of `dtype`, 64-byte aligned in one block (both allocators align it).
   static Taken take(const std::vector<Region>& regions, at::ScalarType dtype) {
     const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
     std::vector<int64_t> offsets;
@@ -181,9 +181,8 @@ struct Workspace {
       total += (numel * item + 63) / 64 * 64;
     }
     Taken out;
-    out.held = output_empty({total + 64}, at::TensorOptions().dtype(at::kByte));
+    out.held = output_empty({total}, at::TensorOptions().dtype(at::kByte));
     char* base = static_cast<char*>(out.held.data_ptr());
-    base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
     for (size_t i = 0; i < regions.size(); i++) {
       const bool present = !regions[i].shape.empty();
       out.pointers.push_back(present ? base + offsets[i] : nullptr);

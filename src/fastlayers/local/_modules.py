@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from .._core import precision, twice
-from .._core.checks import (ArgumentError, DtypeError, InputDtypeError, ShapeError, check_same_dtype_device, check_tensor,
-                             cpp_name, is_int, scalar_name)
+from .._core.checks import (ArgumentError, DtypeError, InputDtypeError, ShapeError, check_same_dtype_device,
+                             check_tensor, cpp_name, is_int, scalar_name)
 from .._core.jit import NotScriptable
 from ._reference import Pair
 from ._routing import run
@@ -135,8 +135,10 @@ def _check_dtypes(input: Tensor, weight: Tensor) -> None:
 def _check_input_size(input: Tensor, input_size: tuple[int, ...] | None) -> None:
     """A module's input_size against the input's last dims (after F.conv2d's own checks, whose
     errors come first)."""
-    spatial = tuple(input.shape[input.dim() - len(input_size):]) if input_size is not None else None
-    if spatial is not None and spatial != input_size:
+    if input_size is None:
+        return
+    spatial = tuple(input.shape[input.dim() - len(input_size):])
+    if spatial != input_size:
         raise ShapeError(f"input: expected spatial size {input_size} (input_size), got {spatial} "
                          f"(input shape {tuple(input.shape)})")
 

@@ -130,9 +130,9 @@ def _single_state(hx: object, batched: bool) -> tuple[Tensor]:
 
 def _same_dtype_device(name: str, state: Tensor, input: Tensor) -> None:
     if state.dtype != input.dtype:
-        raise DtypeError(f"Input and hidden tensors are not the same dtype, found input tensor with {scalar_name(input.dtype)} "
-                         f"and hidden tensor with {scalar_name(state.dtype)}; {name}: expected dtype {input.dtype} (that "
-                         f"of input), got {state.dtype}")
+        raise DtypeError(f"Input and hidden tensors are not the same dtype, found input tensor with "
+                         f"{scalar_name(input.dtype)} and hidden tensor with {scalar_name(state.dtype)}; {name}: "
+                         f"expected dtype {input.dtype} (that of input), got {state.dtype}")
     if state.device != input.device:
         raise DeviceError(f"Input and hidden tensors are not at the same device, found input tensor at {input.device} "
                           f"and hidden tensor at {state.device}; {name}: expected device {input.device} (that of "

@@ -58,17 +58,17 @@ def check(out: Path, resume: bool, overwrite: bool, settings: dict[str, Any]) ->
         if not isinstance(theirs, dict):
             if any(p.parent.name == "checkpoints" for p in files):
                 return []  # no readable config: the checkpoints' own check decides
-            raise OutputInUse(f"--resume: {out} holds run files ({_shown(out, files)}) but no readable config.json and no "
-                              f"checkpoint, so nothing says which run they belong to; pass --overwrite to replace "
-                              f"them, or choose another --out")
+            raise OutputInUse(f"--resume: {out} holds run files ({_shown(out, files)}) but no readable config.json "
+                              f"and no checkpoint, so nothing says which run they belong to; pass --overwrite to "
+                              f"replace them, or choose another --out")
         differ = {k: (theirs.get(k), v) for k, v in settings.items() if theirs.get(k) != v}
         if differ:
             raise OutputInUse(f"--resume: the run in {out} has other settings (there vs now: {differ}); resume "
                               f"with its settings, pass --overwrite to replace it, or choose another --out")
         return []
     if not overwrite:
-        raise OutputInUse(f"--out {out} holds another run ({_shown(out, files)}): pass --resume to continue it, --overwrite to "
-                          f"replace it (its files are removed first), or choose another --out")
+        raise OutputInUse(f"--out {out} holds another run ({_shown(out, files)}): pass --resume to continue it, "
+                          f"--overwrite to replace it (its files are removed first), or choose another --out")
     return files
 
 
