@@ -2,10 +2,11 @@
 
 Prints min/median ms over 40 calls for 1 and 2 threads, next to a 64 MiB tensor copy. With
 ``--against REV`` it also builds ``_native/local.c`` as it was at git revision REV (same compiler
-flags) and times both builds interleaved in this process, forward then parameter gradient, for the
-1x1 seed shape and a 3x3 kernel (padding 1), so that a kernel change is measured side by side.
+flags) and times both builds interleaved in this process, forward then parameter and input gradients, for the
+1x1 seed shape and a 3x3 kernel (padding 1), or the ``--shapes`` given, so that a kernel change is
+measured side by side.
 
-    python benchmarks/local/bench_local_kernels.py [--against REV]
+    python benchmarks/local/bench_local_kernels.py [--against REV [--shapes "B,C,O,H,K;..."]]
 """
 
 from __future__ import annotations
@@ -68,42 +69,54 @@ def build_at(rev: str, workdir: Path) -> ctypes.CDLL:
     return typed(ctypes.CDLL(str(out)))
 
 
-def side_by_side(libs: dict[str, ctypes.CDLL], kernel: int, repeats: int = 15) -> None:
-    """Forward then parameter gradient with each build in turn (order alternating), median ms."""
+def side_by_side(libs: dict[str, ctypes.CDLL], shape: tuple[int, ...], repeats: int = 15) -> None:
+    """Forward, parameter gradient and input gradient with each build in turn (order alternating),
+    median ms; ``shape``: B, C, O, H (= W = OH = OW: stride 1, padding K // 2), K."""
+    batch, chans, out, size, kernel = shape
     torch.manual_seed(0)
     pad = kernel // 2
-    x = F.pad(torch.rand(32, 4, 256, 256), (pad,) * 4).contiguous()
-    w, b = torch.rand(2, 4, kernel, kernel, 256, 256), torch.rand(2, 256, 256)
-    dy = torch.rand(32, 2, 256, 256)
-    y, dw, db = torch.empty(32, 2, 256, 256), torch.empty_like(w), torch.empty_like(b)
-    geometry = (32, 4, x.size(2), x.size(3), 2, kernel, kernel, 256, 256, 1, 1, 1, 1)
-    table = torch.empty(4 * kernel * kernel, dtype=torch.int64)  # the kernels' work space (C*KH*KW offsets)
-    times = {name: ([], []) for name in libs}
+    x = F.pad(torch.rand(batch, chans, size, size), (pad,) * 4).contiguous()
+    w, b = torch.rand(out, chans, kernel, kernel, size, size), torch.rand(out, size, size)
+    dy = torch.rand(batch, out, size, size)
+    y, dw, db = torch.empty(batch, out, size, size), torch.empty_like(w), torch.empty_like(b)
+    dx = torch.empty_like(x)
+    geometry = (batch, chans, x.size(2), x.size(3), out, kernel, kernel, size, size, 1, 1, 1, 1)
+    table = torch.empty(chans * kernel * kernel, dtype=torch.int64)  # the kernels' work space (C*KH*KW offsets)
+    times = {name: ([], [], []) for name in libs}
     results = {}
+    threads = torch.get_num_threads()
     for rep in range(-1, repeats):
         order = list(libs.items()) if rep % 2 else list(libs.items())[::-1]
         for name, lib in order:
             start = time.perf_counter()
-            lib.lc2d_forward_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), *geometry,
-                                 torch.get_num_threads(), table.data_ptr())
+            lib.lc2d_forward_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), *geometry, threads,
+                                 table.data_ptr())
             mid = time.perf_counter()
             lib.lc2d_backward_params_f32(dy.data_ptr(), x.data_ptr(), dw.data_ptr(), db.data_ptr(), *geometry,
-                                         torch.get_num_threads(), table.data_ptr())
+                                         threads, table.data_ptr())
             end = time.perf_counter()
+            dx.zero_()
+            start_dx = time.perf_counter()
+            lib.lc2d_backward_input_f32(dy.data_ptr(), w.data_ptr(), dx.data_ptr(), *geometry, threads)
+            end_dx = time.perf_counter()
             if rep >= 0:
-                times[name][0].append(mid - start)
-                times[name][1].append(end - mid)
-            results[name] = (y.clone(), dw.clone(), db.clone())
+                for i, t in enumerate((mid - start, end - mid, end_dx - start_dx)):
+                    times[name][i].append(t)
+            results[name] = (y.clone(), dw.clone(), db.clone(), dx.clone())
     first = next(iter(results.values()))
-    for name, (fwd, bwd) in times.items():
+    for name, columns in times.items():
         diff = max((a - r).abs().max().item() for a, r in zip(results[name], first))
-        print(f"  {kernel}x{kernel} {name:>8}: forward {statistics.median(fwd) * 1e3:6.2f} ms, parameter gradient "
-              f"{statistics.median(bwd) * 1e3:6.2f} ms (max |difference| to the first build {diff:.1e})")
+        fwd, bwd, bwd_x = (statistics.median(c) * 1e3 for c in columns)
+        print(f"  {shape} {name:>8}: forward {fwd:7.3f} ms, parameter gradient {bwd:7.3f} ms, input gradient "
+              f"{bwd_x:7.3f} ms (max |difference| to the first build {diff:.1e})")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--against", metavar="REV", help="also time local.c as of this git revision, side by side")
+    p.add_argument("--shapes", default="32,4,2,256,1;32,4,2,256,3",
+                   help="the side-by-side shapes, ';'-separated B,C,O,H,K (H = W, stride 1, padding K // 2; "
+                        "default: the seed's 1x1 and a 3x3)")
     args = p.parse_args()
     lib = _lib()
     assert lib is not None, "the C kernels did not build (no compiler?)"
@@ -126,8 +139,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             old = build_at(args.against, Path(tmp))
             print(f"side by side, {torch.get_num_threads()} threads, median of 15: this tree vs {args.against}")
-            for kernel in (1, 3):
-                side_by_side({"this": lib, args.against[:8]: old}, kernel)
+            for shape in args.shapes.split(";"):
+                side_by_side({"this": lib, args.against[:8]: old}, tuple(int(v) for v in shape.split(",")))
 
 
 if __name__ == "__main__":

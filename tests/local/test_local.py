@@ -125,11 +125,16 @@ def test_many_filter_elements_on_a_small_thread_stack():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("c_out", [1, 2, 3, 5])
 @pytest.mark.parametrize("geometry", [(6, 40, (1, 1), (1, 1), (0, 0), (1, 1)),
-                                      (7, 37, (3, 3), (2, 1), (1, 1), (1, 2))])
+                                      (7, 37, (3, 3), (2, 1), (1, 1), (1, 2)),
+                                      (5, 13, (3, 3), (1, 1), (1, 1), (1, 1))])
 def test_vector_tiles_and_channel_pairs_match_reference(dtype, c_out, geometry):
-    """Rows wide enough for the C kernels' vector tiles plus a scalar tail (OW 40 and 35), output
-    channels in pairs and an odd one alone: values and all three gradients vs the float64 twin."""
+    """Rows wide enough for the C kernels' tiles of four vectors, then single vectors, then a scalar
+    tail (OW 40, 35 and 13: narrower than a tile), output channels in pairs and an odd one alone:
+    values and all three gradients vs the float64 twin, and the values without a bias."""
     x, w, b, s, p, d = _random(geometry, c_in=3, c_out=c_out, batch=5, dtype=dtype, seed=c_out)
+    torch.testing.assert_close(locally_connected2d(x, w, None, s, p, d).double(),
+                               locally_connected2d_reference(x.double(), w.double(), None, s, p, d),
+                               **(dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else {}))
     tensors = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
     wide = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
     y = locally_connected2d(*tensors, s, p, d)

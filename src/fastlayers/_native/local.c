@@ -15,8 +15,10 @@
  * j, output rows are computed in register tiles of four vectors (32 floats) for two output
  * channels at once, which share every x vector loaded: the forward sums the C*KH*KW (filter,
  * input) row pairs into the tiles and writes y once; the parameter gradient takes one input plane
- * at a time and sums BB sequences into the tiles before touching dW. Other strides and the
- * columns left of the last whole tile take scalar loops.
+ * at a time and sums BB sequences into the tiles before touching dW. The columns left of the last
+ * whole tile go one vector at a time (all of them where OW < 32: a 28 x 28 image at stride 1 would
+ * otherwise run every product scalar), the last few columns and other strides scalar; every column
+ * sums in the same order.
  *
  * Against one channel per tile and all C*KH*KW planes of BB sequences at once in the gradient,
  * on the seed-003 shape (benchmarks/local/bench_local_kernels.py --against REV, side by side): forward
@@ -137,7 +139,26 @@ void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* re
                             if (o1 != o0) STORE4(yb + o1 * OHW + j, c0, c1, c2, c3, VL_##SUFFIX);  \
                         }                                                                          \
                     }                                                                              \
-            for (; j < OW; j++) /* other strides, and the columns left of the last whole tile */  \
+            if (sw == 1) /* then one vector at a time (an output narrower than a tile: OW < 32) */ \
+                for (; j + VL_##SUFFIX <= OW; j += VL_##SUFFIX)                                    \
+                    for (int64_t o0 = 0; o0 < O; o0 += 2) {                                        \
+                        const int64_t o1 = o0 + 1 < O ? o0 + 1 : o0;                               \
+                        V_##SUFFIX a = {0}, c = {0}, xv, u;                                        \
+                        if (bias) {                                                                \
+                            memcpy(&a, bias + (o0 * OH + i) * OW + j, sizeof a);                   \
+                            memcpy(&c, bias + (o1 * OH + i) * OW + j, sizeof c);                   \
+                        }                                                                          \
+                        const T* w0 = w + (o0 * K * OH + i) * OW + j;                              \
+                        const T* w1 = w + (o1 * K * OH + i) * OW + j;                              \
+                        for (int64_t k = 0; k < K; k++) {                                          \
+                            memcpy(&xv, xb + xoff[k] + j, sizeof xv);                              \
+                            memcpy(&u, w0 + k * OHW, sizeof u); a += u * xv;                       \
+                            memcpy(&u, w1 + k * OHW, sizeof u); c += u * xv;                       \
+                        }                                                                          \
+                        memcpy(yb + o0 * OHW + j, &a, sizeof a);                                   \
+                        if (o1 != o0) memcpy(yb + o1 * OHW + j, &c, sizeof c);                     \
+                    }                                                                              \
+            for (; j < OW; j++) /* other strides, and the last columns */                          \
                 for (int64_t o = 0; o < O; o++) {                                                  \
                     T acc = bias ? bias[(o * OH + i) * OW + j] : 0;                                \
                     for (int64_t k = 0; k < K; k++)                                                \
@@ -150,30 +171,70 @@ void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* re
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
-/* dx[b,c,i*sh+p*dh,j*sw+q*dw] += sum_o dy[b,o,i,j] * w[o,c,p,q,i,j]; dx: [B, C, Hp, Wp], zeroed */ \
+/* dx[b,c,i*sh+p*dh,j*sw+q*dw] += sum_o dy[b,o,i,j] * w[o,c,p,q,i,j]; dx: [B, C, Hp, Wp], zeroed. \
+ * One task per input channel c and chunk of sequences (chunks: as few as give every thread about  \
+ * four tasks; 1x1 filters: one sequence), in blocks of output rows whose filter rows (for c) stay in L2 while each sequence   \
+ * of the chunk streams through the block: a filter row is read from memory once per chunk, not    \
+ * once per sequence. Each input-row segment takes its O terms in registers (tiles of four vectors, \
+ * then single vectors, then scalars), read and written once instead of once per output channel;   \
+ * every element adds its terms in the order (i, p, q, o), whatever the thread count. */           \
 void lc2d_backward_input_##SUFFIX(const T* restrict dy, const T* restrict w, T* restrict dx, int64_t B, int64_t C,           \
                                   int64_t Hp, int64_t Wp, int64_t O, int64_t KH, int64_t KW,       \
                                   int64_t OH, int64_t OW, int64_t sh, int64_t sw, int64_t dh,      \
                                   int64_t dw, int nthreads)                                        \
 {                                                                                                  \
+    const int64_t OHW = OH * OW, ws = C * KH * KW * OHW; /* the strides of o in dy and w */       \
+    /* a 1x1 filter row is no larger than the gradient row it meets: there one task per (b, c),     \
+     * b-major, so that consecutive tasks of a thread read the same dy[b] */                      \
+    const int per_sequence = KH * KW == 1;                                                         \
+    int64_t chunks = per_sequence ? B : C > 0 ? (4 * (int64_t)nthreads + C - 1) / C : 1;           \
+    if (chunks > B) chunks = B > 0 ? B : 1;                                                        \
+    /* blocks of output rows whose filter rows (for one c) stay in L2 while a chunk streams through */ \
+    const int64_t row_bytes = (int64_t)sizeof(T) * O * KH * KW * OW;                              \
+    int64_t rows = row_bytes > 0 ? (int64_t)(256 * 1024) / row_bytes : OH;                         \
+    if (rows < 1) rows = 1;                                                                        \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
-    for (int64_t task = 0; task < B * C; task++) {                                                 \
-        const int64_t b = task / C, c = task % C;                                                  \
-        for (int64_t i = 0; i < OH; i++)                                                           \
-            for (int64_t p = 0; p < KH; p++) {                                                     \
-                T* dxrow = dx + ((b * C + c) * Hp + i * sh + p * dh) * Wp;                         \
+    for (int64_t task = 0; task < C * chunks; task++) {                                            \
+        const int64_t c = per_sequence ? task % C : task / chunks;                                 \
+        const int64_t chunk = per_sequence ? task / C : task % chunks;                             \
+        const int64_t b0 = B * chunk / chunks, b1 = B * (chunk + 1) / chunks;                      \
+        for (int64_t i0 = 0; i0 < OH; i0 += rows)                                                  \
+        for (int64_t b = b0; b < b1; b++)                                                          \
+        for (int64_t i = i0; i < i0 + rows && i < OH; i++)                                         \
+            for (int64_t p = 0; p < KH; p++)                                                       \
                 for (int64_t q = 0; q < KW; q++) {                                                 \
-                    T* dxr = dxrow + q * dw;                                                       \
-                    for (int64_t o = 0; o < O; o++) {                                              \
-                        const T* dyr = dy + ((b * O + o) * OH + i) * OW;                           \
-                        const T* wr = w + ((((o * C + c) * KH + p) * KW + q) * OH + i) * OW;       \
-                        if (sw == 1)                                                               \
-                            for (int64_t j = 0; j < OW; j++) dxr[j] += dyr[j] * wr[j];             \
-                        else                                                                       \
-                            for (int64_t j = 0; j < OW; j++) dxr[j * sw] += dyr[j] * wr[j];        \
+                    T* dxr = dx + ((b * C + c) * Hp + i * sh + p * dh) * Wp + q * dw;              \
+                    const T* dyr = dy + (b * O * OH + i) * OW;           /* + o * OHW */          \
+                    const T* wr = w + (((c * KH + p) * KW + q) * OH + i) * OW; /* + o * ws */      \
+                    int64_t j = 0;                                                                 \
+                    if (sw == 1) {                                                                 \
+                        for (; j + 4 * VL_##SUFFIX <= OW; j += 4 * VL_##SUFFIX) {                  \
+                            V_##SUFFIX a0, a1, a2, a3, d0, d1, d2, d3, u0, u1, u2, u3;             \
+                            LOAD4(a0, a1, a2, a3, dxr + j, VL_##SUFFIX);                           \
+                            for (int64_t o = 0; o < O; o++) {                                      \
+                                LOAD4(d0, d1, d2, d3, dyr + o * OHW + j, VL_##SUFFIX);             \
+                                LOAD4(u0, u1, u2, u3, wr + o * ws + j, VL_##SUFFIX);               \
+                                a0 += d0 * u0; a1 += d1 * u1; a2 += d2 * u2; a3 += d3 * u3;         \
+                            }                                                                      \
+                            STORE4(dxr + j, a0, a1, a2, a3, VL_##SUFFIX);                          \
+                        }                                                                          \
+                        for (; j + VL_##SUFFIX <= OW; j += VL_##SUFFIX) {                          \
+                            V_##SUFFIX a, d, u;                                                    \
+                            memcpy(&a, dxr + j, sizeof a);                                         \
+                            for (int64_t o = 0; o < O; o++) {                                      \
+                                memcpy(&d, dyr + o * OHW + j, sizeof d);                           \
+                                memcpy(&u, wr + o * ws + j, sizeof u);                             \
+                                a += d * u;                                                        \
+                            }                                                                      \
+                            memcpy(dxr + j, &a, sizeof a);                                         \
+                        }                                                                          \
+                    }                                                                              \
+                    for (; j < OW; j++) {                                                          \
+                        T acc = dxr[j * sw];                                                       \
+                        for (int64_t o = 0; o < O; o++) acc += dyr[o * OHW + j] * wr[o * ws + j];  \
+                        dxr[j * sw] = acc;                                                         \
                     }                                                                              \
                 }                                                                                  \
-            }                                                                                      \
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
@@ -231,6 +292,18 @@ void lc2d_backward_params_##SUFFIX(const T* restrict dy, const T* restrict x, T*
                         }                                                                          \
                         STORE4(out0 + j, a0, a1, a2, a3, VL_##SUFFIX);                             \
                         if (o1 != o0) STORE4(out1 + j, c0, c1, c2, c3, VL_##SUFFIX);               \
+                    }                                                                              \
+                if (sw == 1) /* then one vector at a time */                                       \
+                    for (; j + VL_##SUFFIX <= OW; j += VL_##SUFFIX) {                              \
+                        V_##SUFFIX a = {0}, c = {0}, xv = (V_##SUFFIX){0} + 1, d; /* bias: x = 1 */ \
+                        if (b0) { memcpy(&a, out0 + j, sizeof a); memcpy(&c, out1 + j, sizeof c); } \
+                        for (int64_t b = 0; b < b1 - b0; b++) {                                    \
+                            if (k >= 0) memcpy(&xv, x0 + b * xs + j, sizeof xv);                   \
+                            memcpy(&d, dy0 + b * dys + j, sizeof d); a += d * xv;                  \
+                            memcpy(&d, dy1 + b * dys + j, sizeof d); c += d * xv;                  \
+                        }                                                                          \
+                        memcpy(out0 + j, &a, sizeof a);                                            \
+                        if (o1 != o0) memcpy(out1 + j, &c, sizeof c);                              \
                     }                                                                              \
                 for (; j < OW; j++) {                                                              \
                     T acc0 = b0 ? out0[j] : 0, acc1 = b0 ? out1[j] : 0;                            \
