@@ -8,6 +8,10 @@ if not torch.cuda.is_available():
     # Triton's interpreter runs the Triton kernels on CPU tensors; it must be on before any kernel
     # is decorated (fastlayers._triton imports them lazily, when a call first forces "triton")
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import triton_interpreter  # the language patched once per launch (its docstring), a third off each kernel
+
+    triton_interpreter.install()
 
 # make test runs the suite in one process per core (pytest-xdist): each takes its share of the cores
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

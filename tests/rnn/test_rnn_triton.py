@@ -841,3 +841,29 @@ def test_a_cell_row_clipped_whole_normalises_to_zero_on_the_triton_engine():
     assert torch.equal(h_want[0, 8], torch.zeros_like(h_want[0, 8]))  # (the saturated row)
     assert torch.equal(h_got[0, 8].detach(), h_want[0, 8])
     torch.testing.assert_close(got.detach(), want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.each_triton
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's patching (no GPU run)")
+def test_the_test_suites_interpreter_patching_changes_no_result(monkeypatch):
+    """tests/triton_interpreter.py (the language patched once per launch, not again in every helper
+    call) installed by conftest.py: a layer with every option, trained one step, gives the same
+    outputs and gradients bit for bit as under Triton's own patching, in this Triton."""
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._patch_lang, "once_per_launch", False)
+
+    def run():
+        torch.manual_seed(0)
+        m = fastlayers.LSTM(F, H, num_layers=2, bidirectional=True, proj_size=3, layer_norm=True, peephole=True,
+                            cell_clip=1.5, zoneout=0.1, recurrent_dropout=0.2).train()
+        x = torch.randn(T, B, F, requires_grad=True)
+        with fastlayers.backend("triton"), on_the_triton_engine():
+            out, (h, c) = m(x, lengths=LENGTHS)
+        loss = weighted_sum([out, h, c])
+        return [out, h, c, *torch.autograd.grad(loss, [x, *m.parameters()])]
+
+    patched_once = run()
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.original)
+    for a, b in zip(patched_once, run(), strict=True):
+        assert torch.equal(a, b)
