@@ -561,8 +561,15 @@ def test_export_operators_refuse_operands_of_other_shapes():
                b_ih=r(d, h), b_hh=r(d, h))
     cases = [(torch.ops.fastlayers.lstm_padded, lstm, [0.5, 0.0, 0.0, 0.0]),
              (torch.ops.fastlayers.gru_padded, gru, [0.0]), (torch.ops.fastlayers.rnn_padded, rnn, [True])]
+    too_short = (r"^Length of all samples has to be greater than 0, but found an element in 'lengths' that is <= 0; "
+                 r"lengths: every length must be >= 1, got 0")
     for op, args, rest in cases:
         op(*args.values(), *rest)  # (as given: runs)
+        # lengths: the Python half's messages (torch's first), also where no Python checks them (a C++ caller)
+        for lengths, message in [([5, 0, 4], too_short),
+                                 ([5, 6, 4], r"^lengths: every length must be <= T = 5 \(the padded time size\), got 6")]:
+            with pytest.raises(RuntimeError, match=message):
+                op(*dict(args, lengths=torch.tensor(lengths)).values(), *rest)
         for name, value in args.items():
             if name in ("x", "lengths", "w_ih", "h0", "c0") or value is None:  # (checked before: test_export.py)
                 continue

@@ -61,7 +61,10 @@ Plan make_plan(const std::optional<at::Tensor>& lengths, int64_t steps, int64_t 
     auto l = lengths->to(at::kCPU).to(at::kLong).contiguous();
     const int64_t* lp = l.data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; b++) {
-      TORCH_CHECK(lp[b] >= 1 && lp[b] <= steps, "lengths: every length must be in [1, T = ", steps, "], got ",
+      // (the messages of the Python half's checks, fastlayers/_core/checks.py: torch's own first)
+      TORCH_CHECK(lp[b] >= 1, "Length of all samples has to be greater than 0, but found an element in 'lengths' "
+                  "that is <= 0; lengths: every length must be >= 1, got ", lp[b]);
+      TORCH_CHECK(lp[b] <= steps, "lengths: every length must be <= T = ", steps, " (the padded time size), got ",
                   lp[b]);
       len[b] = lp[b];
     }
