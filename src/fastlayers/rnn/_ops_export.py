@@ -67,10 +67,12 @@ def layer_parameters(module: Any, layer: int, dirs: int, keys: tuple[str, ...],
                      rounded: Callable[[Any], Any]) -> dict[str, Tensor | None]:
     """Layer ``layer``'s parameters ``keys`` stacked over its ``dirs`` directions (D, ...) (None for
     one the module lacks: no bias), the product weights through ``rounded`` (:func:`rounding`). Each
-    read once: a parametrized weight's parametrization runs once a call."""
+    read once: a parametrized weight's parametrization runs once a call. One direction: a view (no
+    copy; the operators take any layout)."""
     found = {k: [getattr(module, f"{k}_l{layer}{s}", None) for s in ("", "_reverse")[:dirs]] for k in keys}
-    return {k: None if ts[0] is None else rounded(torch.stack(ts)) if k in _PRODUCT_WEIGHTS else torch.stack(ts)
-            for k, ts in found.items()}
+    stacked = {k: None if ts[0] is None else ts[0].unsqueeze(0) if dirs == 1 else torch.stack(ts)
+               for k, ts in found.items()}
+    return {k: rounded(t) if t is not None and k in _PRODUCT_WEIGHTS else t for k, t in stacked.items()}
 
 
 def operator_layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor | None
@@ -131,7 +133,7 @@ def _layers(module: Any, x: Tensor, states: tuple[Tensor, ...], lengths: Tensor 
         for acc, s in zip(finals, last):
             acc.append(s)
     out = xt.transpose(0, 1) if module.batch_first else xt
-    return out.to(low), tuple(torch.cat(f).to(low) for f in finals)
+    return out.to(low), tuple((f[0] if len(f) == 1 else torch.cat(f)).to(low) for f in finals)
 
 
 # ---- the Python side of the operators (run once the library loads: ops_lib.on_load at the end)
