@@ -171,13 +171,14 @@ void lc2d_forward_##SUFFIX(const T* restrict x, const T* restrict w, const T* re
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
-/* dx[b,c,i*sh+p*dh,j*sw+q*dw] += sum_o dy[b,o,i,j] * w[o,c,p,q,i,j]; dx: [B, C, Hp, Wp], zeroed. \
- * One task per input channel c and chunk of sequences (chunks: as few as give every thread about  \
- * four tasks; 1x1 filters: one sequence), in blocks of output rows whose filter rows (for c) stay in L2 while each sequence   \
- * of the chunk streams through the block: a filter row is read from memory once per chunk, not    \
- * once per sequence. Each input-row segment takes its O terms in registers (tiles of four vectors, \
- * then single vectors, then scalars), read and written once instead of once per output channel;   \
- * every element adds its terms in the order (i, p, q, o), whatever the thread count. */           \
+/* dx[b,c,i*sh+p*dh,j*sw+q*dw] += sum_o dy[b,o,i,j] * w[o,c,p,q,i,j]; dx: [B, C, Hp, Wp], zeroed.  \
+ * One task per input channel c and chunk of sequences (as few chunks as give every thread about   \
+ * four tasks; with 1x1 filters one sequence), in blocks of output rows whose filter rows (for c)  \
+ * stay in L2 while each sequence of the chunk streams through the block: a filter row comes from  \
+ * memory once per chunk, not once per sequence. Each input-row segment takes its O terms in       \
+ * registers (tiles of four vectors, then single vectors, then scalars), read and written once     \
+ * instead of once per output channel; every element adds its terms in the order (i, p, q, o),     \
+ * whatever the thread count. */                                                                   \
 void lc2d_backward_input_##SUFFIX(const T* restrict dy, const T* restrict w, T* restrict dx, int64_t B, int64_t C,           \
                                   int64_t Hp, int64_t Wp, int64_t O, int64_t KH, int64_t KW,       \
                                   int64_t OH, int64_t OW, int64_t sh, int64_t sw, int64_t dh,      \
